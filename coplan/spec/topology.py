@@ -1,0 +1,183 @@
+"""Topology: the GPU and the network tiers it sits in, innermost first.
+
+A tier groups ``size`` units of the tier below it (the first tier groups GPUs). Bandwidths are per
+GPU and per direction, so an NVLink 4 port sold as 900 GB/s bidirectional is 450e9 here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+
+from coplan.spec.base import COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
+class GpuSpec(Spec):
+    """One accelerator."""
+
+    name: str = Field(min_length=1)
+    """Marketing name, e.g. 'NVIDIA H200 SXM'; calibrations are matched against it."""
+
+    peak_flops_per_s: dict[Dtype, PositiveFloat]
+    """Datasheet dense (no sparsity) peak FLOP/s per dtype. MFU is quoted against ``bf16``."""
+
+    measured_flops_per_s: dict[Dtype, PositiveFloat] = Field(default_factory=dict)
+    """Large-GEMM FLOP/s measured on this GPU per dtype, when known; informs default efficiencies."""
+
+    hbm_bytes: PositiveFloat
+    """HBM capacity in bytes (datasheet)."""
+
+    hbm_bw_bytes_per_s: PositiveFloat
+    """HBM bandwidth in bytes/s (datasheet)."""
+
+    measured_hbm_bw_bytes_per_s: PositiveFloat | None = None
+    """Device-to-device copy bandwidth measured (read + write bytes over time), when known."""
+
+    num_sms: int = Field(default=132, gt=0)
+    """Streaming multiprocessors; collectives that run on SMs take some of them from compute."""
+
+    @field_validator("peak_flops_per_s")
+    @classmethod
+    def _needs_bf16(cls, v: dict[str, float]) -> dict[str, float]:
+        if "bf16" not in v:
+            raise ValueError("must give a 'bf16' peak: MFU is quoted against the dense bf16 peak")
+        return v
+
+
+class Tier(Spec):
+    """One level of the network: NVLink domain, rack/leaf switch, spine, core..."""
+
+    name: str = Field(min_length=1, pattern=r"^[a-z][a-z0-9_]*$")
+    """Short identifier used in plans and reports, e.g. 'nvlink', 'leaf', 'spine'."""
+
+    size: int = Field(gt=0)
+    """How many units of the tier below this one groups (GPUs for the first tier)."""
+
+    bw_bytes_per_s: PositiveFloat
+    """Bandwidth one GPU can drive across this tier, per direction, in bytes/s (before sharing)."""
+
+    latency_s: Annotated[float, Field(ge=0)]
+    """One-way latency of a message crossing this tier, in seconds (the alpha term)."""
+
+    oversubscription: Annotated[float, Field(ge=1)] = 1.0
+    """Ratio of downlink to uplink capacity of this tier's switches (1 = non-blocking; 7 = 1:7)."""
+
+    gpus_per_nic: int = Field(default=1, gt=0)
+    """GPUs sharing one NIC or uplink port to this tier; their traffic splits its bandwidth."""
+
+    collective_efficiency: dict[Collective, Fraction] = Field(default_factory=dict)
+    """Fraction of the alpha-beta bus bandwidth a collective reaches on this tier (missing = 1.0 × the
+    cost model's default)."""
+
+    in_switch_reduction: bool = False
+    """The switches reduce in-network (NVLink SHARP / InfiniBand SHARP): all-reduce moves ~half the bytes."""
+
+    sm_free_comm: bool = False
+    """Communication on this tier runs on copy engines or the NIC without taking SMs from compute."""
+
+    mtbf_hours: PositiveFloat | None = None
+    """Mean time between failures of one switch of this tier, in hours, when it is worth modelling."""
+
+    def efficiency(self, collective: Collective) -> float:
+        return self.collective_efficiency.get(collective, 1.0)
+
+
+class Reliability(Spec):
+    """Failure and checkpoint figures for the goodput model."""
+
+    gpu_mtbf_hours: PositiveFloat
+    """Mean time between failures of one GPU (with its host share), in hours."""
+
+    restart_s: Annotated[float, Field(ge=0)] = 600.0
+    """Time to detect a failure, restart the job and reload the checkpoint, in seconds."""
+
+    checkpoint_bw_bytes_per_s_per_node: PositiveFloat
+    """Bandwidth one node writes checkpoints to storage at, in bytes/s."""
+
+    checkpoint_aggregate_bw_bytes_per_s: PositiveFloat | None = None
+    """Ceiling of the storage system as a whole, in bytes/s; writes from all nodes share it."""
+
+
+class Topology(Spec):
+    """A cluster: one GPU type and the tiers of network it sits in."""
+
+    schema_version: int = SCHEMA_VERSION
+    """Version of the topology schema this file follows."""
+
+    name: str = Field(min_length=1)
+    """Preset or cluster name."""
+
+    description: str = ""
+    """One line on what this cluster is."""
+
+    gpu: GpuSpec
+    """The accelerator on every rank."""
+
+    gpus_per_node: int = Field(gt=0)
+    """GPUs in one host; must divide or be a multiple of the first tier's size."""
+
+    tiers: tuple[Tier, ...] = Field(min_length=1)
+    """Network tiers from the innermost (NVLink) out. Their sizes multiply to the GPU count."""
+
+    reliability: Reliability
+    """Failure rates and checkpoint bandwidth."""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION})")
+        return v
+
+    @model_validator(mode="after")
+    def _tiers_consistent(self) -> "Topology":
+        names = [t.name for t in self.tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tier names must be unique; repeated: {dupes}")
+        first = self.tiers[0].size
+        if first % self.gpus_per_node and self.gpus_per_node % first:
+            raise ValueError(
+                f"gpus_per_node={self.gpus_per_node} and tiers[0].size={first} must divide one another "
+                "(a node cannot be split across NVLink domains unevenly)"
+            )
+        for i, tier in enumerate(self.tiers):
+            below = self.gpus_below(i)
+            if tier.gpus_per_nic > below * tier.size:
+                raise ValueError(f"tiers[{i}].gpus_per_nic={tier.gpus_per_nic} exceeds the GPUs in one {tier.name} group")
+            if (below * tier.size) % tier.gpus_per_nic:
+                raise ValueError(
+                    f"tiers[{i}].gpus_per_nic={tier.gpus_per_nic} does not divide the {below * tier.size} GPUs "
+                    f"of one '{tier.name}' group"
+                )
+        return self
+
+    @property
+    def num_gpus(self) -> int:
+        return math.prod(t.size for t in self.tiers)
+
+    def gpus_below(self, tier_index: int) -> int:
+        """GPUs in one unit of the tier below ``tier_index`` (1 for the first tier)."""
+        return math.prod(t.size for t in self.tiers[:tier_index])
+
+    def gpus_within(self, tier_index: int) -> int:
+        """GPUs in one group of tier ``tier_index``."""
+        return math.prod(t.size for t in self.tiers[: tier_index + 1])
+
+    def tier_index(self, name: str) -> int:
+        for i, t in enumerate(self.tiers):
+            if t.name == name:
+                return i
+        raise KeyError(name)
+
+    @property
+    def dense_peak_flops_per_s(self) -> float:
+        return self.gpu.peak_flops_per_s["bf16"]
+
+
+__all__ = ["COLLECTIVES", "GpuSpec", "Reliability", "Tier", "Topology"]

@@ -1,0 +1,712 @@
+"""Workload: the model (sparse tables, jagged histories, dense blocks) and how it is trained.
+
+A workload is architecture + batch + numerics; it says nothing of GPUs. The same schema expresses a
+GEM-shaped recommender (tables, InterFormer over histories, Kunlun over non-sequence tokens, MoE,
+multi-task heads) and a dense decoder-only transformer (no tables, fixed-length sequences, softmax
+attention), because the cost model is general.
+
+Table sets are listed explicitly or produced by :class:`TableSetGenerator`, a seeded generator whose
+distributions are documented on its fields, so the same file always yields the same tables.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Annotated, Literal, Union
+
+import numpy as np
+from pydantic import Field, field_validator, model_validator
+
+from coplan.spec.base import SCHEMA_VERSION, Spec
+
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
+PosInt = Annotated[int, Field(gt=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+
+# ---------------------------------------------------------------------------------------------
+# Jagged length distributions
+# ---------------------------------------------------------------------------------------------
+
+
+class FixedLength(Spec):
+    """Every sequence has the same length (dense transformers, padded features)."""
+
+    kind: Literal["fixed"] = "fixed"
+    """Discriminator."""
+
+    length: PosInt
+    """The length of every sequence, in tokens."""
+
+    @property
+    def max_len(self) -> int:
+        return self.length
+
+
+class LognormalLength(Spec):
+    """Long-tailed lengths: ``L = clip(round(X), min_len, max_len)`` with ``X ~ LogNormal(mu, sigma)``.
+
+    ``mu = ln(mean) - sigma^2 / 2`` so that the *uncapped* distribution has the given arithmetic mean.
+    """
+
+    kind: Literal["lognormal"] = "lognormal"
+    """Discriminator."""
+
+    mean: PosFloat
+    """Arithmetic mean of the uncapped log-normal, in tokens."""
+
+    sigma: Annotated[float, Field(gt=0, le=4)]
+    """Shape (standard deviation of ln X); 1.0 gives a heavy tail."""
+
+    min_len: Annotated[int, Field(ge=0)] = 1
+    """Floor, in tokens; 0 allows empty histories."""
+
+    max_len: PosInt
+    """Cap, in tokens (the kernels' max-length bound)."""
+
+    @model_validator(mode="after")
+    def _order(self) -> "LognormalLength":
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len={self.min_len} exceeds max_len={self.max_len}")
+        return self
+
+    @property
+    def mu(self) -> float:
+        return math.log(self.mean) - self.sigma**2 / 2
+
+
+class UniformLength(Spec):
+    """Lengths uniform on the integers ``[min_len, max_len]``."""
+
+    kind: Literal["uniform"] = "uniform"
+    """Discriminator."""
+
+    min_len: Annotated[int, Field(ge=0)] = 1
+    """Smallest length, in tokens."""
+
+    max_len: PosInt
+    """Largest length, in tokens."""
+
+    @model_validator(mode="after")
+    def _order(self) -> "UniformLength":
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len={self.min_len} exceeds max_len={self.max_len}")
+        return self
+
+
+class EmpiricalLength(Spec):
+    """Lengths drawn uniformly from a list measured on real data."""
+
+    kind: Literal["empirical"] = "empirical"
+    """Discriminator."""
+
+    lengths: tuple[Annotated[int, Field(ge=0)], ...] = Field(min_length=1)
+    """Observed lengths, in tokens."""
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+
+LengthDistribution = Annotated[
+    Union[FixedLength, LognormalLength, UniformLength, EmpiricalLength], Field(discriminator="kind")
+]
+
+
+def sample_lengths(dist: "LengthDistribution", n: int, seed: int) -> np.ndarray:
+    """Draw ``n`` lengths (int64) from ``dist``, reproducibly for a seed."""
+    rng = np.random.default_rng(seed)
+    if isinstance(dist, FixedLength):
+        return np.full(n, dist.length, dtype=np.int64)
+    if isinstance(dist, LognormalLength):
+        x = rng.lognormal(dist.mu, dist.sigma, size=n)
+        return np.clip(np.rint(x), dist.min_len, dist.max_len).astype(np.int64)
+    if isinstance(dist, UniformLength):
+        return rng.integers(dist.min_len, dist.max_len + 1, size=n, dtype=np.int64)
+    return rng.choice(np.asarray(dist.lengths, dtype=np.int64), size=n, replace=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse features
+# ---------------------------------------------------------------------------------------------
+
+EmbeddingDtype = Literal["fp32", "fp16", "bf16", "int8"]
+
+
+class EmbeddingTable(Spec):
+    """One embedding table and the feature(s) that look it up."""
+
+    name: Name
+    """Unique table name."""
+
+    num_rows: PosInt
+    """Rows (hash size)."""
+
+    dim: Annotated[int, Field(gt=0, le=8192)]
+    """Embedding dimension."""
+
+    feature_kind: Literal["pooled", "sequence"] = "pooled"
+    """'pooled': a bag of ids per sample summed into one vector (EmbeddingBag); 'sequence': one id per
+    event of a jagged history, kept as a token sequence (TorchRec EmbeddingCollection)."""
+
+    pooling_factor: PosFloat = 1.0
+    """Mean ids looked up per sample and feature (pooled tables); 1 for sequence tables."""
+
+    num_features: PosInt = 1
+    """Features sharing this table; each adds ``pooling_factor`` lookups per sample."""
+
+    sequence: Name | None = None
+    """For sequence tables: the name of the sequence (history) whose events look this table up."""
+
+    zipf_alpha: Annotated[float, Field(ge=0, le=3)] = 1.05
+    """Access skew: ids are Zipf(alpha)-distributed over rows; 0 means uniform."""
+
+    dtype: EmbeddingDtype = "fp16"
+    """Storage dtype of the table's weights."""
+
+    @model_validator(mode="after")
+    def _sequence_link(self) -> "EmbeddingTable":
+        if self.feature_kind == "sequence" and self.sequence is None:
+            raise ValueError("a sequence table must name its sequence (field 'sequence')")
+        if self.feature_kind == "pooled" and self.sequence is not None:
+            raise ValueError("only sequence tables name a sequence; set feature_kind: sequence or drop 'sequence'")
+        return self
+
+    @property
+    def num_params(self) -> int:
+        return self.num_rows * self.dim
+
+    @property
+    def lookups_per_sample(self) -> float:
+        """Ids per sample for pooled tables (sequence tables scale with the history length)."""
+        return self.pooling_factor * self.num_features
+
+
+class TableSetGenerator(Spec):
+    """Seeded generator of a realistic, skewed table set.
+
+    Distributions (numpy ``default_rng(seed)``, drawn in this order, table by table):
+
+    - rows: log-uniform, ``10 ** U(log10 min_rows, log10 max_rows)``, rounded; many small tables and
+      a few huge ones, as in production recommenders;
+    - dim: one of ``dims`` with probabilities ``dim_weights``;
+    - pooling factor: ``clip(LogNormal(ln(pooling_mean) - pooling_sigma^2/2, pooling_sigma), 1, pooling_max)``;
+    - Zipf alpha: ``U(zipf_alpha_min, zipf_alpha_max)``;
+    - the first ``num_sequence_tables`` tables are sequence tables of ``sequence`` (pooling 1).
+    """
+
+    seed: int = 0
+    """Seed of the generator; the same seed gives the same tables."""
+
+    num_tables: PosInt
+    """How many tables to generate."""
+
+    name_prefix: Name = "t"
+    """Tables are named ``{prefix}{index:04d}``."""
+
+    min_rows: PosInt = 1000
+    """Lower bound of the log-uniform row count."""
+
+    max_rows: PosInt = 100_000_000
+    """Upper bound of the log-uniform row count."""
+
+    dims: tuple[Annotated[int, Field(gt=0, le=8192)], ...] = (64, 128, 256)
+    """Embedding dimensions to choose from."""
+
+    dim_weights: tuple[Annotated[float, Field(ge=0)], ...] = (0.3, 0.5, 0.2)
+    """Probabilities of ``dims`` (normalised)."""
+
+    pooling_mean: PosFloat = 8.0
+    """Arithmetic mean of the uncapped pooling-factor log-normal."""
+
+    pooling_sigma: Annotated[float, Field(ge=0, le=4)] = 1.0
+    """Shape of the pooling-factor log-normal."""
+
+    pooling_max: PosFloat = 200.0
+    """Cap on a table's pooling factor."""
+
+    zipf_alpha_min: Annotated[float, Field(ge=0, le=3)] = 0.8
+    """Lower bound of the per-table Zipf alpha."""
+
+    zipf_alpha_max: Annotated[float, Field(ge=0, le=3)] = 1.2
+    """Upper bound of the per-table Zipf alpha."""
+
+    num_sequence_tables: Annotated[int, Field(ge=0)] = 0
+    """How many of the tables (the first ones) are sequence tables."""
+
+    sequence: Name | None = None
+    """The sequence those tables belong to (required when num_sequence_tables > 0)."""
+
+    dtype: EmbeddingDtype = "fp16"
+    """Storage dtype of every generated table."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "TableSetGenerator":
+        if self.min_rows > self.max_rows:
+            raise ValueError(f"min_rows={self.min_rows} exceeds max_rows={self.max_rows}")
+        if len(self.dims) != len(self.dim_weights):
+            raise ValueError(f"dims has {len(self.dims)} entries but dim_weights has {len(self.dim_weights)}")
+        if not self.dims:
+            raise ValueError("dims must not be empty")
+        if sum(self.dim_weights) <= 0:
+            raise ValueError("dim_weights must not all be zero")
+        if self.zipf_alpha_min > self.zipf_alpha_max:
+            raise ValueError(f"zipf_alpha_min={self.zipf_alpha_min} exceeds zipf_alpha_max={self.zipf_alpha_max}")
+        if self.num_sequence_tables > self.num_tables:
+            raise ValueError(f"num_sequence_tables={self.num_sequence_tables} exceeds num_tables={self.num_tables}")
+        if self.num_sequence_tables and self.sequence is None:
+            raise ValueError("num_sequence_tables > 0 needs 'sequence' (the history those tables belong to)")
+        return self
+
+    def generate(self) -> tuple[EmbeddingTable, ...]:
+        rng = np.random.default_rng(self.seed)
+        w = np.asarray(self.dim_weights, dtype=float)
+        w = w / w.sum()
+        lo, hi = math.log10(self.min_rows), math.log10(self.max_rows)
+        mu = math.log(self.pooling_mean) - self.pooling_sigma**2 / 2
+        tables = []
+        for i in range(self.num_tables):
+            rows = int(round(10 ** rng.uniform(lo, hi)))
+            dim = int(self.dims[int(rng.choice(len(self.dims), p=w))])
+            pooling = float(np.clip(rng.lognormal(mu, self.pooling_sigma), 1.0, self.pooling_max))
+            alpha = float(rng.uniform(self.zipf_alpha_min, self.zipf_alpha_max))
+            is_seq = i < self.num_sequence_tables
+            tables.append(
+                EmbeddingTable(
+                    name=f"{self.name_prefix}{i:04d}",
+                    num_rows=max(rows, 1),
+                    dim=dim,
+                    feature_kind="sequence" if is_seq else "pooled",
+                    pooling_factor=1.0 if is_seq else round(pooling, 3),
+                    sequence=self.sequence if is_seq else None,
+                    zipf_alpha=round(alpha, 4),
+                    dtype=self.dtype,
+                )
+            )
+        return tuple(tables)
+
+
+class SequenceFeature(Spec):
+    """A jagged sequence per sample: a user's history of events, or a text sequence."""
+
+    name: Name
+    """Sequence name, referenced by sequence tables and blocks."""
+
+    length: LengthDistribution
+    """Distribution of the per-sample length, in events/tokens."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense architecture
+# ---------------------------------------------------------------------------------------------
+
+Activation = Literal["silu", "gelu_tanh", "relu", "relu2", "identity"]
+
+
+class Attention(Spec):
+    """Attention flavour: softmax, or GDPA (the softmax replaced by an elementwise activation)."""
+
+    kind: Literal["gdpa", "softmax"] = "gdpa"
+    """'gdpa' (generalized dot-product attention) or 'softmax'."""
+
+    activation: Activation = "silu"
+    """GDPA's elementwise activation on the scores (ignored for softmax)."""
+
+    causal: bool = True
+    """Causal (each position sees itself and earlier ones) or full."""
+
+    scale: Literal["inv_max_len", "inv_sqrt_head_dim"] | PosFloat = "inv_max_len"
+    """Score scale: 1/max_len (GDPA's usual), 1/sqrt(head_dim) (softmax's usual) or a number."""
+
+
+class DenseMLPBlock(Spec):
+    """Dense (float) features through an MLP into ``out_tokens`` tokens for the interaction blocks."""
+
+    type: Literal["dense_mlp"] = "dense_mlp"
+    """Discriminator."""
+
+    name: Name = "dense_mlp"
+    """Block name used in op names (``dense_mlp.0.gemm``)."""
+
+    num_dense_features: PosInt
+    """Float features per sample."""
+
+    hidden_dims: tuple[PosInt, ...] = Field(min_length=1)
+    """Widths of the MLP's hidden layers."""
+
+    out_tokens: PosInt = 1
+    """Tokens of the model dim this block feeds into interaction."""
+
+
+class InterFormerBlock(Spec):
+    """InterFormer-style sequence blocks: GDPA self-attention over each jagged history, summary tokens
+    pooled by cross attention, and interaction with the non-sequence tokens."""
+
+    type: Literal["interformer"] = "interformer"
+    """Discriminator."""
+
+    name: Name = "interformer"
+    """Block name used in op names."""
+
+    sequence: Name
+    """The sequence (history) this block runs over."""
+
+    num_layers: PosInt
+    """Stacked layers."""
+
+    model_dim: PosInt
+    """Token width."""
+
+    num_heads: PosInt
+    """Attention heads."""
+
+    head_dim: PosInt
+    """Width of one head."""
+
+    attention: Attention = Attention()
+    """Self-attention over the history."""
+
+    ffn_multiplier: PosFloat = 4.0
+    """FFN hidden width over model_dim."""
+
+    num_summary_tokens: Annotated[int, Field(ge=0)] = 4
+    """Summary tokens per sample that attend into the history (cross attention) each layer."""
+
+
+class KunlunBlock(Spec):
+    """Kunlun-style interaction over the non-sequence tokens (pooled embeddings, dense tokens, summaries)."""
+
+    type: Literal["kunlun"] = "kunlun"
+    """Discriminator."""
+
+    name: Name = "kunlun"
+    """Block name used in op names."""
+
+    num_layers: PosInt
+    """Stacked layers."""
+
+    num_tokens: PosInt
+    """Non-sequence tokens per sample that pooled embeddings are projected into."""
+
+    model_dim: PosInt
+    """Token width."""
+
+    num_heads: PosInt
+    """Attention heads."""
+
+    head_dim: PosInt
+    """Width of one head."""
+
+    attention: Attention = Attention(causal=False, scale="inv_sqrt_head_dim")
+    """Attention among the tokens (full, not causal)."""
+
+    ffn_multiplier: PosFloat = 4.0
+    """FFN hidden width over model_dim."""
+
+
+class MoEBlock(Spec):
+    """Mixture-of-experts FFN layers: a router sends each token to its top-k experts."""
+
+    type: Literal["moe"] = "moe"
+    """Discriminator."""
+
+    name: Name = "moe"
+    """Block name used in op names."""
+
+    num_layers: PosInt = 1
+    """Stacked MoE layers."""
+
+    model_dim: PosInt
+    """Token width."""
+
+    tokens_per_sample: PosInt
+    """Tokens per sample routed through the experts."""
+
+    num_experts: PosInt
+    """Routed experts."""
+
+    top_k: PosInt = 2
+    """Experts per token."""
+
+    expert_hidden_dim: PosInt
+    """Hidden width of one expert FFN."""
+
+    num_shared_experts: Annotated[int, Field(ge=0)] = 0
+    """Experts every token goes through (DeepSeek-style shared experts)."""
+
+    capacity_factor: Annotated[float, Field(ge=1, le=16)] = 1.25
+    """Per-expert buffer over the balanced load; tokens beyond it are dropped."""
+
+    @model_validator(mode="after")
+    def _k(self) -> "MoEBlock":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        return self
+
+
+class TransformerBlock(Spec):
+    """Dense decoder-only transformer layers over a fixed-length sequence (LLM-style)."""
+
+    type: Literal["transformer"] = "transformer"
+    """Discriminator."""
+
+    name: Name = "decoder"
+    """Block name used in op names."""
+
+    sequence: Name
+    """The sequence the layers run over."""
+
+    num_layers: PosInt
+    """Stacked layers."""
+
+    model_dim: PosInt
+    """Hidden width."""
+
+    num_heads: PosInt
+    """Query heads."""
+
+    num_kv_heads: PosInt
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+
+    head_dim: PosInt
+    """Width of one head."""
+
+    ffn_hidden_dim: PosInt
+    """FFN hidden width."""
+
+    ffn_kind: Literal["swiglu", "gelu"] = "swiglu"
+    """Gated SwiGLU (three matrices) or plain GELU MLP (two)."""
+
+    vocab_size: Annotated[int, Field(ge=0)] = 0
+    """Vocabulary: adds a dense token embedding and the output projection (0 = none)."""
+
+    attention: Attention = Attention(kind="softmax", causal=True, scale="inv_sqrt_head_dim")
+    """Self-attention flavour."""
+
+    @model_validator(mode="after")
+    def _gqa(self) -> "TransformerBlock":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        return self
+
+
+class TaskHeads(Spec):
+    """Multi-task heads (CTR, CVR...): an MLP tower per task over the final tokens, BCE loss each."""
+
+    type: Literal["heads"] = "heads"
+    """Discriminator."""
+
+    name: Name = "heads"
+    """Block name used in op names."""
+
+    tasks: tuple[Name, ...] = ("ctr", "cvr")
+    """One binary task per entry."""
+
+    input_dim: PosInt
+    """Width of the vector each tower reads (pooled final tokens)."""
+
+    hidden_dims: tuple[PosInt, ...] = (512, 256)
+    """Tower hidden widths."""
+
+
+Block = Annotated[
+    Union[DenseMLPBlock, InterFormerBlock, KunlunBlock, MoEBlock, TransformerBlock, TaskHeads],
+    Field(discriminator="type"),
+]
+
+# ---------------------------------------------------------------------------------------------
+# Training setup
+# ---------------------------------------------------------------------------------------------
+
+
+class Batch(Spec):
+    """Batch size: give exactly one of the global or the per-GPU (local) batch."""
+
+    global_batch_size: PosInt | None = None
+    """Samples per optimizer step over all GPUs (strong scaling)."""
+
+    local_batch_size: PosInt | None = None
+    """Samples per optimizer step per GPU (weak scaling)."""
+
+    micro_batches: PosInt = 1
+    """Gradient-accumulation micro-batches per step."""
+
+    @model_validator(mode="after")
+    def _one(self) -> "Batch":
+        if (self.global_batch_size is None) == (self.local_batch_size is None):
+            raise ValueError("give exactly one of global_batch_size and local_batch_size")
+        return self
+
+    def local(self, world_size: int) -> int:
+        if self.local_batch_size is not None:
+            return self.local_batch_size
+        assert self.global_batch_size is not None
+        return max(1, self.global_batch_size // world_size)
+
+    def global_(self, world_size: int) -> int:
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        assert self.local_batch_size is not None
+        return self.local_batch_size * world_size
+
+
+class Precision(Spec):
+    """Numerics."""
+
+    compute_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Dtype of dense GEMMs and activations."""
+
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the master (sharded) dense parameters."""
+
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of gradient reduce-scatter/all-reduce."""
+
+    fp8: Literal["off", "auto", "force"] = "off"
+    """FP8 dense GEMMs: off, chosen per layer by the planner where it pays, or forced everywhere allowed."""
+
+    fp8_min_dim: PosInt = 1024
+    """Numerics guard: linear layers with a dimension under this stay in bf16 unless forced."""
+
+
+class Optimizer(Spec):
+    """Optimizers of the dense and the sparse parameters."""
+
+    dense: Literal["adamw", "adam", "adagrad", "sgd"] = "adamw"
+    """Dense optimizer."""
+
+    dense_lr: PosFloat = 1e-3
+    """Dense learning rate."""
+
+    sparse: Literal["rowwise_adagrad", "adagrad", "adam", "sgd"] = "rowwise_adagrad"
+    """Fused embedding optimizer (TorchRec/FBGEMM)."""
+
+    sparse_lr: PosFloat = 0.01
+    """Sparse learning rate."""
+
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """Dense weight decay."""
+
+    @property
+    def dense_state_bytes_per_param(self) -> int:
+        return {"adamw": 8, "adam": 8, "adagrad": 4, "sgd": 0}[self.dense]
+
+    def sparse_state_bytes(self, num_rows: int, dim: int) -> int:
+        if self.sparse == "rowwise_adagrad":
+            return 4 * num_rows
+        if self.sparse == "adagrad":
+            return 4 * num_rows * dim
+        if self.sparse == "adam":
+            return 8 * num_rows * dim
+        return 0
+
+
+class Kernels(Spec):
+    """Kernel backends."""
+
+    attention: Literal["triton", "reference", "flex"] = "triton"
+    """Jagged attention backend: coplan's Triton kernels, the padded PyTorch reference, or FlexAttention."""
+
+    embedding: Literal["fused", "dense"] = "fused"
+    """Embedding lookups through FBGEMM's fused table-batched kernel or per-table modules."""
+
+
+class Workload(Spec):
+    """A model and how it is trained."""
+
+    schema_version: int = SCHEMA_VERSION
+    """Version of the workload schema this file follows."""
+
+    name: Name
+    """Preset or model name."""
+
+    description: str = ""
+    """One paragraph on what this model is and where its proportions come from."""
+
+    tables: tuple[EmbeddingTable, ...] = ()
+    """Tables listed explicitly."""
+
+    table_generator: TableSetGenerator | None = None
+    """Tables generated reproducibly (added after the explicit ones)."""
+
+    sequences: tuple[SequenceFeature, ...] = ()
+    """Jagged sequences per sample (user histories, text)."""
+
+    blocks: tuple[Block, ...] = Field(min_length=1)
+    """Dense architecture, in execution order."""
+
+    batch: Batch
+    """Batch size."""
+
+    precision: Precision = Precision()
+    """Numerics."""
+
+    optimizer: Optimizer = Optimizer()
+    """Optimizers."""
+
+    kernels: Kernels = Kernels()
+    """Kernel backends."""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION})")
+        return v
+
+    @model_validator(mode="after")
+    def _references(self) -> "Workload":
+        seq_names = [s.name for s in self.sequences]
+        dup = sorted({n for n in seq_names if seq_names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sequence names must be unique; repeated: {dup}")
+        known = set(seq_names)
+        for i, t in enumerate(self.tables):
+            if t.sequence is not None and t.sequence not in known:
+                raise ValueError(f"tables[{i}] ({t.name}) names sequence '{t.sequence}', which is not in 'sequences' {sorted(known)}")
+        gen = self.table_generator
+        if gen is not None and gen.sequence is not None and gen.sequence not in known:
+            raise ValueError(f"table_generator.sequence '{gen.sequence}' is not in 'sequences' {sorted(known)}")
+        names = [t.name for t in self.all_tables]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})[:5]
+            raise ValueError(f"table names must be unique; repeated: {dup}")
+        block_names = [b.name for b in self.blocks]
+        dup = sorted({n for n in block_names if block_names.count(n) > 1})
+        if dup:
+            raise ValueError(f"block names must be unique; repeated: {dup} (give each a distinct 'name')")
+        for i, b in enumerate(self.blocks):
+            seq = getattr(b, "sequence", None)
+            if seq is not None and seq not in known:
+                raise ValueError(f"blocks[{i}] ({b.name}) runs over sequence '{seq}', which is not in 'sequences' {sorted(known)}")
+        return self
+
+    @cached_property
+    def all_tables(self) -> tuple[EmbeddingTable, ...]:
+        """Explicit tables followed by the generated ones."""
+        generated = self.table_generator.generate() if self.table_generator is not None else ()
+        return tuple(self.tables) + generated
+
+    def sequence(self, name: str) -> SequenceFeature:
+        for s in self.sequences:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def block(self, name: str):
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    @property
+    def sparse_params(self) -> int:
+        return sum(t.num_params for t in self.all_tables)
+
+
+__all__ = [
+    "Attention", "Batch", "Block", "DenseMLPBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
+    "InterFormerBlock", "Kernels", "KunlunBlock", "LengthDistribution", "LognormalLength", "MoEBlock",
+    "Optimizer", "Precision", "SequenceFeature", "TableSetGenerator", "TaskHeads", "TransformerBlock",
+    "UniformLength", "Workload", "sample_lengths",
+]

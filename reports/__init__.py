@@ -1,0 +1,1 @@
+"""Reports: one function per Plotly figure and one self-contained HTML assembler."""

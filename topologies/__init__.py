@@ -1,0 +1,1 @@
+"""Topology presets (YAML), shipped as package data; list them with ``coplan validate --list``."""

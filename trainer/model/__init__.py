@@ -1,0 +1,1 @@
+"""The GEM-shaped model built from a Workload spec."""

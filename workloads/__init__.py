@@ -1,0 +1,1 @@
+"""Workload presets (YAML), shipped as package data."""
