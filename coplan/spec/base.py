@@ -32,4 +32,13 @@ class Spec(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
         str_strip_whitespace=True,
+        allow_inf_nan=False,
     )
+
+
+def field_error(path: str, message: str) -> ValueError:
+    """An error raised by a model validator that belongs to a field: the loader moves it there.
+
+    ``path`` is relative to the model being validated, e.g. ``tiers[1].gpus_per_nic``.
+    """
+    return ValueError(f"@{path}@ {message}")

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from coplan.spec.base import COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.spec.base import COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
@@ -139,21 +139,23 @@ class Topology(Spec):
         names = [t.name for t in self.tiers]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"tier names must be unique; repeated: {dupes}")
+            raise field_error("tiers", f"tier names must be unique; repeated: {dupes}")
         first = self.tiers[0].size
         if first % self.gpus_per_node and self.gpus_per_node % first:
-            raise ValueError(
+            raise field_error(
+                "gpus_per_node",
                 f"gpus_per_node={self.gpus_per_node} and tiers[0].size={first} must divide one another "
                 "(a node cannot be split across NVLink domains unevenly)"
             )
         for i, tier in enumerate(self.tiers):
             below = self.gpus_below(i)
             if tier.gpus_per_nic > below * tier.size:
-                raise ValueError(f"tiers[{i}].gpus_per_nic={tier.gpus_per_nic} exceeds the GPUs in one {tier.name} group")
+                raise field_error(f"tiers[{i}].gpus_per_nic", f"{tier.gpus_per_nic} exceeds the {below * tier.size} GPUs in one '{tier.name}' group")
             if (below * tier.size) % tier.gpus_per_nic:
-                raise ValueError(
-                    f"tiers[{i}].gpus_per_nic={tier.gpus_per_nic} does not divide the {below * tier.size} GPUs "
-                    f"of one '{tier.name}' group"
+                raise field_error(
+                    f"tiers[{i}].gpus_per_nic",
+                    f"{tier.gpus_per_nic} does not divide the {below * tier.size} GPUs of one '{tier.name}' group "
+                    "(tier sizes must be whole multiples of the GPUs sharing a NIC)",
                 )
         return self
 

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from coplan.spec.base import SCHEMA_VERSION, Spec
+from coplan.spec.base import SCHEMA_VERSION, Spec, field_error
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
 PosInt = Annotated[int, Field(gt=0)]
@@ -67,7 +67,7 @@ class LognormalLength(Spec):
     @model_validator(mode="after")
     def _order(self) -> "LognormalLength":
         if self.min_len > self.max_len:
-            raise ValueError(f"min_len={self.min_len} exceeds max_len={self.max_len}")
+            raise field_error("min_len", f"{self.min_len} exceeds max_len={self.max_len}")
         return self
 
     @property
@@ -90,7 +90,7 @@ class UniformLength(Spec):
     @model_validator(mode="after")
     def _order(self) -> "UniformLength":
         if self.min_len > self.max_len:
-            raise ValueError(f"min_len={self.min_len} exceeds max_len={self.max_len}")
+            raise field_error("min_len", f"{self.min_len} exceeds max_len={self.max_len}")
         return self
 
 
@@ -167,9 +167,9 @@ class EmbeddingTable(Spec):
     @model_validator(mode="after")
     def _sequence_link(self) -> "EmbeddingTable":
         if self.feature_kind == "sequence" and self.sequence is None:
-            raise ValueError("a sequence table must name its sequence (field 'sequence')")
+            raise field_error("sequence", "a sequence table must name its sequence")
         if self.feature_kind == "pooled" and self.sequence is not None:
-            raise ValueError("only sequence tables name a sequence; set feature_kind: sequence or drop 'sequence'")
+            raise field_error("sequence", "only sequence tables name a sequence; set feature_kind: sequence or drop 'sequence'")
         return self
 
     @property
@@ -243,19 +243,19 @@ class TableSetGenerator(Spec):
     @model_validator(mode="after")
     def _check(self) -> "TableSetGenerator":
         if self.min_rows > self.max_rows:
-            raise ValueError(f"min_rows={self.min_rows} exceeds max_rows={self.max_rows}")
+            raise field_error("min_rows", f"{self.min_rows} exceeds max_rows={self.max_rows}")
         if len(self.dims) != len(self.dim_weights):
-            raise ValueError(f"dims has {len(self.dims)} entries but dim_weights has {len(self.dim_weights)}")
+            raise field_error("dim_weights", f"has {len(self.dim_weights)} entries but dims has {len(self.dims)}")
         if not self.dims:
-            raise ValueError("dims must not be empty")
+            raise field_error("dims", "must not be empty")
         if sum(self.dim_weights) <= 0:
-            raise ValueError("dim_weights must not all be zero")
+            raise field_error("dim_weights", "must not all be zero")
         if self.zipf_alpha_min > self.zipf_alpha_max:
-            raise ValueError(f"zipf_alpha_min={self.zipf_alpha_min} exceeds zipf_alpha_max={self.zipf_alpha_max}")
+            raise field_error("zipf_alpha_min", f"{self.zipf_alpha_min} exceeds zipf_alpha_max={self.zipf_alpha_max}")
         if self.num_sequence_tables > self.num_tables:
-            raise ValueError(f"num_sequence_tables={self.num_sequence_tables} exceeds num_tables={self.num_tables}")
+            raise field_error("num_sequence_tables", f"{self.num_sequence_tables} exceeds num_tables={self.num_tables}")
         if self.num_sequence_tables and self.sequence is None:
-            raise ValueError("num_sequence_tables > 0 needs 'sequence' (the history those tables belong to)")
+            raise field_error("sequence", "num_sequence_tables > 0 needs the name of the history those tables belong to")
         return self
 
     def generate(self) -> tuple[EmbeddingTable, ...]:
@@ -440,7 +440,7 @@ class MoEBlock(Spec):
     @model_validator(mode="after")
     def _k(self) -> "MoEBlock":
         if self.top_k > self.num_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+            raise field_error("top_k", f"{self.top_k} exceeds num_experts={self.num_experts}")
         return self
 
 
@@ -486,7 +486,7 @@ class TransformerBlock(Spec):
     @model_validator(mode="after")
     def _gqa(self) -> "TransformerBlock":
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+            raise field_error("num_kv_heads", f"{self.num_kv_heads} must divide num_heads={self.num_heads}")
         return self
 
 
@@ -509,8 +509,27 @@ class TaskHeads(Spec):
     """Tower hidden widths."""
 
 
+class DotInteractionBlock(Spec):
+    """DLRM-style interaction: pairwise dot products of all pooled-embedding and dense tokens, then a top MLP."""
+
+    type: Literal["dot_interaction"] = "dot_interaction"
+    """Discriminator."""
+
+    name: Name = "interaction"
+    """Block name used in op names."""
+
+    num_tokens: PosInt
+    """Vectors that interact per sample (pooled features + the dense MLP output)."""
+
+    dim: PosInt
+    """Width of each vector (the common embedding dimension)."""
+
+    top_hidden_dims: tuple[PosInt, ...] = (1024, 512, 256)
+    """Top MLP widths over the flattened upper triangle of the dot products."""
+
+
 Block = Annotated[
-    Union[DenseMLPBlock, InterFormerBlock, KunlunBlock, MoEBlock, TransformerBlock, TaskHeads],
+    Union[DenseMLPBlock, InterFormerBlock, KunlunBlock, MoEBlock, TransformerBlock, DotInteractionBlock, TaskHeads],
     Field(discriminator="type"),
 ]
 
@@ -534,7 +553,7 @@ class Batch(Spec):
     @model_validator(mode="after")
     def _one(self) -> "Batch":
         if (self.global_batch_size is None) == (self.local_batch_size is None):
-            raise ValueError("give exactly one of global_batch_size and local_batch_size")
+            raise field_error("global_batch_size", "give exactly one of global_batch_size and local_batch_size")
         return self
 
     def local(self, world_size: int) -> int:
@@ -659,26 +678,26 @@ class Workload(Spec):
         seq_names = [s.name for s in self.sequences]
         dup = sorted({n for n in seq_names if seq_names.count(n) > 1})
         if dup:
-            raise ValueError(f"sequence names must be unique; repeated: {dup}")
+            raise field_error("sequences", f"sequence names must be unique; repeated: {dup}")
         known = set(seq_names)
         for i, t in enumerate(self.tables):
             if t.sequence is not None and t.sequence not in known:
-                raise ValueError(f"tables[{i}] ({t.name}) names sequence '{t.sequence}', which is not in 'sequences' {sorted(known)}")
+                raise field_error(f"tables[{i}].sequence", f"'{t.sequence}' is not one of the sequences {sorted(known)}")
         gen = self.table_generator
         if gen is not None and gen.sequence is not None and gen.sequence not in known:
-            raise ValueError(f"table_generator.sequence '{gen.sequence}' is not in 'sequences' {sorted(known)}")
+            raise field_error("table_generator.sequence", f"'{gen.sequence}' is not one of the sequences {sorted(known)}")
         names = [t.name for t in self.all_tables]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})[:5]
-            raise ValueError(f"table names must be unique; repeated: {dup}")
+            raise field_error("tables", f"table names must be unique; repeated: {dup}")
         block_names = [b.name for b in self.blocks]
         dup = sorted({n for n in block_names if block_names.count(n) > 1})
         if dup:
-            raise ValueError(f"block names must be unique; repeated: {dup} (give each a distinct 'name')")
+            raise field_error("blocks", f"block names must be unique; repeated: {dup} (give each a distinct 'name')")
         for i, b in enumerate(self.blocks):
             seq = getattr(b, "sequence", None)
             if seq is not None and seq not in known:
-                raise ValueError(f"blocks[{i}] ({b.name}) runs over sequence '{seq}', which is not in 'sequences' {sorted(known)}")
+                raise field_error(f"blocks[{i}].sequence", f"'{seq}' is not one of the sequences {sorted(known)}")
         return self
 
     @cached_property
@@ -705,7 +724,7 @@ class Workload(Spec):
 
 
 __all__ = [
-    "Attention", "Batch", "Block", "DenseMLPBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
+    "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
     "InterFormerBlock", "Kernels", "KunlunBlock", "LengthDistribution", "LognormalLength", "MoEBlock",
     "Optimizer", "Precision", "SequenceFeature", "TableSetGenerator", "TaskHeads", "TransformerBlock",
     "UniformLength", "Workload", "sample_lengths",

@@ -1,0 +1,42 @@
+"""Specs (pydantic v2, frozen, no unknown keys, units in field names): Topology, Workload, Plan,
+Calibration and RunResult, and their loaders. Knows nothing of the other parts."""
+
+from coplan.spec.base import COLLECTIVES, OP_CLASSES, SCHEMA_VERSION, Spec
+from coplan.spec.calibration import Calibration, FitError, OpClassCalibration
+from coplan.spec.hashing import spec_sha256
+from coplan.spec.loader import (
+    SPEC_KINDS,
+    dump_spec,
+    list_presets,
+    load_any,
+    load_calibration,
+    load_plan,
+    load_run_result,
+    load_spec,
+    load_topology,
+    load_workload,
+    parse_spec,
+)
+from coplan.spec.plan import (
+    BalancingPlan,
+    CommPrediction,
+    LayerPlan,
+    MeshAxis,
+    MeshPlan,
+    OpPrediction,
+    Plan,
+    Prediction,
+    SolverReport,
+    TableShard,
+)
+from coplan.spec.run import RunResult, StepTimeStats
+from coplan.spec.topology import GpuSpec, Reliability, Tier, Topology
+from coplan.spec.workload import Workload
+
+__all__ = [
+    "COLLECTIVES", "OP_CLASSES", "SCHEMA_VERSION", "SPEC_KINDS", "BalancingPlan", "Calibration", "CommPrediction",
+    "FitError", "GpuSpec", "LayerPlan", "MeshAxis", "MeshPlan", "OpClassCalibration", "OpPrediction", "Plan",
+    "Prediction", "Reliability", "RunResult", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
+    "Topology", "Workload", "dump_spec", "list_presets", "load_any", "load_calibration", "load_plan",
+    "load_run_result", "load_spec", "load_topology", "load_workload", "parse_spec", "spec_sha256",
+]

@@ -1,0 +1,79 @@
+"""Calibration: efficiencies fitted to measured traces, with the device they came from and the fit error."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from coplan.spec.base import SCHEMA_VERSION, Collective, Dtype, Spec
+
+Fraction = Annotated[float, Field(gt=0, le=1)]
+ComputeOpClass = Literal["gemm", "attention", "embedding", "elementwise"]
+
+
+class OpClassCalibration(Spec):
+    """Fitted figures of one op class."""
+
+    compute_efficiency: dict[Dtype, Fraction] = Field(default_factory=dict)
+    """Achieved fraction of the datasheet peak FLOP/s, per dtype (missing dtypes keep the default)."""
+
+    memory_efficiency: Fraction | None = None
+    """Achieved fraction of the datasheet HBM bandwidth for bandwidth-bound ops of this class."""
+
+    launch_overhead_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Fixed time per kernel launch of this class, in seconds."""
+
+
+class FitError(Spec):
+    """How well the fitted model reproduces the measurements it was fitted on (and held-out ones)."""
+
+    median_abs_rel_error: Annotated[float, Field(ge=0)]
+    """Median |predicted − measured| / measured over the samples."""
+
+    max_abs_rel_error: Annotated[float, Field(ge=0)]
+    """Largest |predicted − measured| / measured over the samples."""
+
+    per_op_class: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    """Relative error of the summed time of each op class."""
+
+    num_samples: Annotated[int, Field(ge=0)] = 0
+    """Measured quantities the fit used."""
+
+
+class Calibration(Spec):
+    """Efficiencies that replace the cost model's defaults."""
+
+    schema_version: int = SCHEMA_VERSION
+    """Version of the calibration schema."""
+
+    device: str = Field(min_length=1)
+    """GPU name the traces came from; must match the topology's ``gpu.name`` unless forced."""
+
+    created_utc: str = ""
+    """ISO-8601 time the fit was made."""
+
+    versions: dict[str, str] = Field(default_factory=dict)
+    """Software versions of the measured runs (torch, triton, cuda, coplan...)."""
+
+    source_runs: tuple[str, ...] = ()
+    """Run directories the fit read."""
+
+    op_classes: dict[ComputeOpClass, OpClassCalibration] = Field(default_factory=dict)
+    """Fitted figures per compute op class."""
+
+    collective_efficiency: dict[str, dict[Collective, Fraction]] = Field(default_factory=dict)
+    """Fitted bus-bandwidth efficiency per tier name and collective."""
+
+    fit_error: FitError | None = None
+    """Fit quality."""
+
+    notes: str = ""
+    """What was fitted and what was left at defaults."""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION})")
+        return v

@@ -1,0 +1,367 @@
+"""Plan: the parallel plan, self-describing (it embeds the topology and workload it was made for).
+
+The trainer needs nothing but this file. It carries the choices (mesh and its tier mapping,
+FSDP/HSDP degrees, expert parallelism, per-table embedding sharding, per-layer recompute and
+precision, balancing policy, kernel backends), the cost model's prediction, the solver's report,
+the inputs' hashes and the coplan version.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from coplan.spec.base import SCHEMA_VERSION, Collective, OpClass, Spec, field_error
+from coplan.spec.calibration import Calibration
+from coplan.spec.hashing import spec_sha256
+from coplan.spec.topology import Topology
+from coplan.spec.workload import Kernels, Precision, Workload
+
+NonNeg = Annotated[float, Field(ge=0)]
+PosInt = Annotated[int, Field(gt=0)]
+
+MeshAxisName = Literal["dp_replicate", "dp_shard", "ep", "sparse_replicate", "sparse_shard"]
+ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+class MeshAxis(Spec):
+    """One DeviceMesh axis and the topology tiers its groups span."""
+
+    name: MeshAxisName
+    """Axis name ('axis' is a DeviceMesh axis; 'dim' a tensor dimension)."""
+
+    size: PosInt
+    """Ranks along the axis."""
+
+    tiers: tuple[str, ...] = Field(min_length=1)
+    """Tier names one group of this axis crosses, innermost first (['nvlink'] = stays in the NVLink domain)."""
+
+
+class MeshPlan(Spec):
+    """Degrees of each kind of parallelism. Ranks are laid out innermost-axis-fastest."""
+
+    dense_shard: PosInt
+    """FSDP shard degree of dense parameters (the inner mesh axis)."""
+
+    dense_replicate: PosInt = 1
+    """HSDP replicate degree; dense_shard × dense_replicate = world size."""
+
+    expert_parallel: PosInt = 1
+    """Expert-parallel degree: experts are split over this many ranks (an inner group of dense_shard ranks)."""
+
+    sparse_shard: PosInt
+    """Ranks one copy of the embedding tables is sharded over (TorchRec 2-D sparse parallelism's group)."""
+
+    sparse_replicate: PosInt = 1
+    """Copies of the sharded tables; sparse_shard × sparse_replicate = world size."""
+
+    axes: tuple[MeshAxis, ...] = ()
+    """The axes with their tier mapping (filled by the planner; informative for the trainer)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dense_shard * self.dense_replicate
+
+    @model_validator(mode="after")
+    def _products(self) -> "MeshPlan":
+        w = self.dense_shard * self.dense_replicate
+        if self.sparse_shard * self.sparse_replicate != w:
+            raise field_error(
+                "sparse_shard",
+                f"sparse_shard × sparse_replicate = {self.sparse_shard * self.sparse_replicate} but "
+                f"dense_shard × dense_replicate = {w}; both must equal the world size"
+            )
+        if w % self.expert_parallel:
+            raise field_error("expert_parallel", f"{self.expert_parallel} must divide the world size {w}")
+        return self
+
+
+class TableShard(Spec):
+    """How one embedding table is sharded within its sparse shard group."""
+
+    table: str = Field(min_length=1)
+    """Table name (from the workload)."""
+
+    sharding_type: ShardingType
+    """TorchRec sharding type."""
+
+    ranks: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    """Ranks within the sparse shard group holding the shards, in shard order (empty for data_parallel:
+    every rank holds a copy). table_row_wise uses ranks of one node."""
+
+    compute_kernel: Literal["fused", "dense"] = "fused"
+    """FBGEMM fused TBE or a plain module."""
+
+    @model_validator(mode="after")
+    def _ranks(self) -> "TableShard":
+        if self.sharding_type == "data_parallel":
+            if self.ranks:
+                raise field_error("ranks", "data_parallel tables are on every rank: leave 'ranks' empty")
+        elif not self.ranks:
+            raise field_error("ranks", f"{self.sharding_type} needs at least one rank")
+        elif self.sharding_type == "table_wise" and len(self.ranks) != 1:
+            raise field_error("ranks", f"table_wise puts the table on exactly one rank; got {len(self.ranks)}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise field_error("ranks", f"has repeats: {list(self.ranks)}")
+        return self
+
+
+class LayerPlan(Spec):
+    """Per-layer choices."""
+
+    name: str = Field(min_length=1)
+    """Layer name '<block>.<layer index>' as in op names (e.g. 'interformer.3')."""
+
+    recompute: bool = False
+    """Activation checkpointing: keep only the layer input, recompute the rest in backward."""
+
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """GEMM precision of this layer's linear layers."""
+
+
+class BalancingPlan(Spec):
+    """How each global batch of jagged samples is split across ranks."""
+
+    policy: Literal["none", "greedy", "karmarkar_karp"] = "greedy"
+    """'none' splits in order; 'greedy' is longest-processing-time first; 'karmarkar_karp' the
+    multi-way largest differencing method."""
+
+    expected_imbalance: Annotated[float, Field(ge=1)] = 1.0
+    """Expected max/mean per-rank cost of the jagged work under this policy (priced by the cost model)."""
+
+
+class OpPrediction(Spec):
+    """Predicted time of one op on the critical (slowest) rank."""
+
+    name: str
+    """'<block>.<layer index>.<op>', e.g. 'interformer.3.gdpa_fwd'."""
+
+    op_class: OpClass
+    """Op class."""
+
+    phase: Literal["fwd", "bwd", "recompute", "optimizer"]
+    """Where in the step the op runs."""
+
+    time_s: NonNeg
+    """Predicted time, seconds."""
+
+    flops: NonNeg = 0.0
+    """FLOPs on that rank."""
+
+    bytes: NonNeg = 0.0
+    """HBM bytes moved on that rank."""
+
+
+class CommPrediction(Spec):
+    """Predicted time of one collective."""
+
+    name: str
+    """e.g. 'fsdp.all_gather', 'sparse.all_to_all_fwd', 'moe.0.all_to_all_dispatch'."""
+
+    collective: Collective
+    """Collective kind."""
+
+    group_size: PosInt
+    """Ranks in the process group."""
+
+    tiers: tuple[str, ...] = ()
+    """Tiers the group crosses."""
+
+    bytes: NonNeg
+    """Payload per rank, bytes."""
+
+    time_s: NonNeg
+    """Time of the collective alone, seconds."""
+
+    exposed_s: NonNeg
+    """Part not hidden behind compute, seconds."""
+
+    phase: Literal["fwd", "bwd", "optimizer"] = "fwd"
+    """Where in the step it runs."""
+
+
+class Prediction(Spec):
+    """The cost model's prediction for a plan."""
+
+    step_time_s: NonNeg
+    """Predicted step time (max over ranks)."""
+
+    compute_s: NonNeg
+    """Compute time on the critical rank (recompute included)."""
+
+    exposed_comm_s: NonNeg
+    """Communication not hidden by compute on the critical rank."""
+
+    imbalance_s: NonNeg = 0.0
+    """Extra time of the slowest rank over the mean rank from jagged load imbalance."""
+
+    model_flops_per_step: NonNeg
+    """Model FLOPs of one step over all ranks (no recompute, real lengths)."""
+
+    local_mfu: NonNeg
+    """MFU of the critical rank's compute alone: model FLOPs / (compute time × GPUs × peak)."""
+
+    scaling_ratio: NonNeg
+    """local MFU → MFU lost to communication and imbalance: compute time / step time."""
+
+    e2e_mfu: NonNeg
+    """Model FLOPs / (step time × GPUs × dense bf16 peak) = local MFU × scaling ratio."""
+
+    goodput: NonNeg = 1.0
+    """Fraction of wall time making progress after checkpoints and failures."""
+
+    goodput_mfu: NonNeg = 0.0
+    """E2E MFU × goodput."""
+
+    checkpoint_interval_s: NonNeg = 0.0
+    """Young/Daly optimal checkpoint interval."""
+
+    checkpoint_write_s: NonNeg = 0.0
+    """Time to write one checkpoint."""
+
+    ops: tuple[OpPrediction, ...] = ()
+    """Per-op compute times on the critical rank."""
+
+    comms: tuple[CommPrediction, ...] = ()
+    """Per-collective times."""
+
+    memory_bytes: dict[str, NonNeg] = Field(default_factory=dict)
+    """Memory of the fullest rank by kind (parameters, gradients, optimizer, activations, embeddings...)."""
+
+    peak_memory_bytes: NonNeg = 0.0
+    """Sum of memory_bytes."""
+
+    hbm_capacity_bytes: NonNeg = 0.0
+    """HBM of one GPU."""
+
+    rank_time_s: tuple[NonNeg, ...] = ()
+    """Per-rank step time (all ranks, or a sample of extremes for large worlds: see rank_ids)."""
+
+    rank_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    """The ranks rank_time_s refers to."""
+
+
+class SolverReport(Spec):
+    """What CP-SAT said."""
+
+    status: Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "MODEL_INVALID", "UNKNOWN", "HEURISTIC"]
+    """CP-SAT status of the chosen candidate ('HEURISTIC' when no solver ran)."""
+
+    objective_us: NonNeg = 0.0
+    """Objective value, integer microseconds of predicted step time."""
+
+    best_bound_us: NonNeg = 0.0
+    """Best proven lower bound, microseconds."""
+
+    gap: NonNeg = 0.0
+    """(objective − bound) / objective."""
+
+    wall_s: NonNeg = 0.0
+    """Solver wall time over all candidates, seconds."""
+
+    num_workers: PosInt = 1
+    """CP-SAT search workers."""
+
+    seed: int = 0
+    """Random seed (plans are deterministic for a seed)."""
+
+    candidates_total: Annotated[int, Field(ge=0)] = 0
+    """Mesh candidates enumerated."""
+
+    candidates_solved: Annotated[int, Field(ge=0)] = 0
+    """Candidates left after pruning and solved."""
+
+
+class Plan(Spec):
+    """A parallel plan for one workload on one topology at one world size."""
+
+    schema_version: int = SCHEMA_VERSION
+    """Version of the plan schema."""
+
+    coplan_version: str = ""
+    """coplan version that wrote the plan."""
+
+    created_utc: str = ""
+    """ISO-8601 time of planning."""
+
+    topology: Topology
+    """The topology planned for (embedded: a plan is self-describing)."""
+
+    workload: Workload
+    """The workload planned (embedded)."""
+
+    calibration: Calibration | None = None
+    """Calibration used by the cost model, if any."""
+
+    topology_sha256: str = ""
+    """Hash of ``topology``; a mismatch means the file was edited by hand."""
+
+    workload_sha256: str = ""
+    """Hash of ``workload``."""
+
+    world_size: PosInt
+    """GPUs (ranks) of the run."""
+
+    mesh: MeshPlan
+    """Parallelism degrees and tier mapping."""
+
+    tables: tuple[TableShard, ...] = ()
+    """Sharding of every embedding table."""
+
+    layers: tuple[LayerPlan, ...] = ()
+    """Per-layer recompute and precision."""
+
+    balancing: BalancingPlan = BalancingPlan()
+    """Jagged-batch balancing."""
+
+    kernels: Kernels = Kernels()
+    """Kernel backends."""
+
+    precision: Precision = Precision()
+    """Numerics (from the workload, possibly refined by the planner)."""
+
+    predicted: Prediction | None = None
+    """The cost model's prediction."""
+
+    solver: SolverReport | None = None
+    """The solver's report."""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION}); re-plan")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        if self.world_size > self.topology.num_gpus:
+            raise field_error("world_size", f"{self.world_size} exceeds the {self.topology.num_gpus} GPUs of topology '{self.topology.name}'")
+        if self.mesh.world_size != self.world_size:
+            raise field_error("mesh", f"covers {self.mesh.world_size} ranks but world_size is {self.world_size}")
+        if self.topology_sha256 and self.topology_sha256 != spec_sha256(self.topology):
+            raise field_error("topology_sha256", "does not match the embedded topology (edited by hand?); re-plan")
+        if self.workload_sha256 and self.workload_sha256 != spec_sha256(self.workload):
+            raise field_error("workload_sha256", "does not match the embedded workload (edited by hand?); re-plan")
+        tables = {t.name for t in self.workload.all_tables}
+        seen: set[str] = set()
+        for i, ts in enumerate(self.tables):
+            if ts.table not in tables:
+                raise field_error(f"tables[{i}].table", f"'{ts.table}' is not a table of workload '{self.workload.name}'")
+            if ts.table in seen:
+                raise field_error(f"tables[{i}].table", f"'{ts.table}' is sharded twice")
+            seen.add(ts.table)
+            bad = [r for r in ts.ranks if r >= self.mesh.sparse_shard]
+            if bad:
+                raise field_error(f"tables[{i}].ranks", f"{bad} are outside the sparse shard group of {self.mesh.sparse_shard} ranks")
+        if self.tables and len(seen) != len(tables):
+            missing = sorted(tables - seen)[:5]
+            raise field_error("tables", f"{len(tables) - len(seen)} tables have no sharding, e.g. {missing}")
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, math.ceil(self.world_size / self.topology.gpus_per_node))
