@@ -40,11 +40,40 @@ def preset_path(kind: type[BaseModel], name: str) -> Path:
     return Path(str(resources.files(PRESET_PACKAGES[kind]).joinpath(f"{name}.yaml")))
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e12`` and ``4.8e12`` as floats, as YAML 1.2 and JSON do (PyYAML's
+    YAML 1.1 resolver wants a dot and a signed exponent and would read them as strings)."""
+
+
+class _Yaml12Dumper(yaml.SafeDumper):
+    """Dumper that quotes strings the loader above would read as floats (e.g. a name '1e5')."""
+
+
+_FLOAT_RE = re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+for _cls in (_Yaml12Loader, _Yaml12Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+
+
+def yaml_dump(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Yaml12Dumper, sort_keys=False, allow_unicode=True)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _parse_text(text: str, source: str) -> Any:
     try:
         if source.endswith(".json"):
             return json.loads(text)
-        return yaml.safe_load(text)
+        return yaml_load(text)
     except json.JSONDecodeError as e:
         raise SpecError(source, [("", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")]) from None
     except yaml.YAMLError as e:
@@ -254,7 +283,7 @@ def dump_spec(model: BaseModel, path: str | Path) -> Path:
     if path.suffix == ".json":
         path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     else:
-        path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+        path.write_text(yaml_dump(data), encoding="utf-8")
     return path
 
 

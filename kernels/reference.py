@@ -1,0 +1,127 @@
+"""PyTorch references for jagged softmax attention and GDPA: pad to dense, compute in fp32, unpad.
+
+These define what the Triton kernels must compute, and serve CPU callers. They hold a
+``[batch, heads, max_q_len, max_k_len]`` score tensor, so they are for tests and small inputs only.
+Masking rules (shared with the kernels): a query sees only keys of its own sample; with
+``causal``, query ``i`` of a sample with ``Lq`` queries and ``Lk`` keys sees key ``j`` iff
+``j <= i + (Lk - Lq)`` (bottom-right aligned, so self-attention is the usual lower triangle and the
+last query of a cross-attention sees every key). A query that sees no key gets a zero output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import Activation
+
+
+def activation_fn(activation: Activation, x: torch.Tensor) -> torch.Tensor:
+    """The GDPA activation applied elementwise, in PyTorch."""
+    if activation is Activation.IDENTITY:
+        return x
+    if activation is Activation.RELU:
+        return F.relu(x)
+    if activation is Activation.RELU_SQUARED:
+        return F.relu(x).square()
+    if activation is Activation.SILU:
+        return F.silu(x)
+    if activation is Activation.GELU_TANH:
+        return F.gelu(x, approximate="tanh")
+    raise AssertionError(f"unhandled activation {activation}")  # an Activation member was added without a rule
+
+
+def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` [total, H, D] as [B, H, max_len, D] (zeros past each length) and the valid mask [B, max_len]."""
+    offsets = offsets.long()
+    lengths = offsets[1:] - offsets[:-1]
+    pos = torch.arange(max_len, device=values.device)
+    valid = pos[None, :] < lengths[:, None]
+    # Row `total` of the extended tensor is a zero row that every padding position gathers from,
+    # which keeps the padding differentiable without an in-place scatter.
+    sentinel = values.shape[0]
+    index = torch.where(valid, offsets[:-1, None] + pos[None, :], sentinel)
+    extended = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
+    return extended[index].transpose(1, 2), valid
+
+
+def _unpad(padded: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] back to [total, H, D], keeping the rows that ``valid`` [B, L] marks."""
+    return padded.transpose(1, 2)[valid]
+
+
+def _mask(q_offsets, k_offsets, max_q: int, max_k: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_len = (q_offsets[1:] - q_offsets[:-1]).long()
+    k_len = (k_offsets[1:] - k_offsets[:-1]).long()
+    i = torch.arange(max_q, device=device)
+    j = torch.arange(max_k, device=device)
+    valid_q = i[None, :] < q_len[:, None]
+    valid_k = j[None, :] < k_len[:, None]
+    mask = valid_q[:, :, None] & valid_k[:, None, :]
+    if causal:
+        shift = (k_len - q_len)[:, None, None]
+        mask = mask & (j[None, None, :] <= i[None, :, None] + shift)
+    return mask[:, None], valid_q, valid_k  # mask broadcast over heads: [B, 1, Lq, Lk]
+
+
+def _empty_output(q, k, v) -> torch.Tensor:
+    # Zero output that still depends on every input, so autograd returns zero gradients, not None.
+    return q * 0 + (k.sum() + v.sum()).to(q.dtype) * 0
+
+
+def _dense_inputs(q, k, v, q_offsets, k_offsets):
+    q_len = q_offsets[1:] - q_offsets[:-1]
+    k_len = k_offsets[1:] - k_offsets[:-1]
+    # One host read for both maxima; a reference is allowed to sync.
+    max_q, max_k = (int(x) for x in torch.stack([q_len.max(), k_len.max()]).tolist()) if q_len.numel() else (0, 0)
+    qp, valid_q = _pad(q.float(), q_offsets, max_q)
+    kp, _ = _pad(k.float(), k_offsets, max_k)
+    vp, _ = _pad(v.float(), k_offsets, max_k)
+    return qp, kp, vp, valid_q, max_q, max_k
+
+
+def jagged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention over jagged samples, dense in fp32; returns [total_q, H, D] in ``q``'s dtype."""
+    if q.shape[0] == 0 or q_offsets.numel() <= 1:
+        return _empty_output(q, k, v)
+    qp, kp, vp, valid_q, max_q, max_k = _dense_inputs(q, k, v, q_offsets, k_offsets)
+    mask, _, _ = _mask(q_offsets, k_offsets, max_q, max_k, causal, q.device)
+    scores = torch.einsum("bhqd,bhkd->bhqk", qp, kp) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    # Rows that see no key would be softmax over nothing (NaN); give them finite scores, then zero.
+    seen = mask.any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+    out = torch.einsum("bhqk,bhkd->bhqd", probs, vp)
+    return _unpad(out, valid_q).to(q.dtype)
+
+
+def gdpa_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor,
+    *,
+    activation: Activation,
+    causal: bool,
+    scale: float,
+    out_scale: float,
+) -> torch.Tensor:
+    """``out_scale * sum_j act(scale * q.k_j) v_j`` over the keys each query sees, dense in fp32."""
+    if q.shape[0] == 0 or q_offsets.numel() <= 1:
+        return _empty_output(q, k, v)
+    qp, kp, vp, valid_q, max_q, max_k = _dense_inputs(q, k, v, q_offsets, k_offsets)
+    mask, _, _ = _mask(q_offsets, k_offsets, max_q, max_k, causal, q.device)
+    scores = torch.einsum("bhqd,bhkd->bhqk", qp, kp) * scale
+    weights = activation_fn(activation, scores) * mask
+    out = torch.einsum("bhqk,bhkd->bhqd", weights, vp) * out_scale
+    return _unpad(out, valid_q).to(q.dtype)

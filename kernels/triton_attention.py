@@ -1,0 +1,589 @@
+"""Triton kernels for jagged softmax attention and GDPA, forward and backward, and their launchers.
+
+FlashAttention-2 style: a program owns one block of rows of one (sample, head) and streams the
+other side's blocks of that sample through on-chip tiles, so nothing of size Lq x Lk reaches
+memory. Softmax keeps an online max and sum and saves a base-2 log-sum-exp per row; GDPA needs no
+normalisation. The backward is deterministic, without atomics: one kernel computes dQ (and the
+softmax row term delta = rowsum(dO * O)), a second computes dK and dV per key block; both recompute
+the scores, which costs two extra matrix products over a single fused kernel with atomic dQ.
+
+Programs are ordered so that the heaviest start first: samples by decreasing length, and within
+a sample the query blocks that see the most keys (causal: the last ones) before the others; the
+dK/dV kernel numbers key blocks from the end of the sample for the same reason. Autotuning is
+keyed on powers of two of batch size and maximum lengths, so it runs once per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import Activation, next_power_of_2, prev_power_of_2
+
+SOFTMAX = 0
+ACTIVATION = 1
+
+LOG2E = math.log2(math.e)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------
+# Elementwise pieces
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    if FAST:
+        # One special-function-unit op instead of exp + reciprocal: SiLU and GELU would otherwise
+        # take two per score, as many cycles as the two matrix products spend on it at d=128.
+        # Its ~5e-4 relative error is under bf16/fp16 rounding of the probabilities fed to tl.dot.
+        y = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        y = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return y
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr, FAST: tl.constexpr):
+    """act(x) for the codes of `Activation.code`."""
+    if ACT == 0:
+        y = x
+    elif ACT == 1:
+        y = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    elif ACT == 3:
+        # silu(x) = x * sigmoid(x) = h + h * tanh(h), h = x / 2
+        h = 0.5 * x
+        y = h + h * _tanh(h, FAST)
+    else:
+        # gelu_tanh(x) = h * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), h = x / 2
+        h = 0.5 * x
+        u = x * (0.7978845608028654 + 0.035677408136300125 * x * x)
+        y = h + h * _tanh(u, FAST)
+    return y
+
+
+@triton.jit
+def _activation_and_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
+    """(act(x), act'(x)), sharing the one tanh both need."""
+    if ACT == 0:
+        y = x
+        dy = tl.full(x.shape, 1.0, tl.float32)
+    elif ACT == 1:
+        y = tl.maximum(x, 0.0)
+        dy = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 2:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+        dy = 2.0 * r
+    elif ACT == 3:
+        h = 0.5 * x
+        t = _tanh(h, FAST)
+        y = h + h * t
+        # sigmoid = (1 + t) / 2 and sigmoid * (1 - sigmoid) = (1 - t^2) / 4
+        dy = 0.5 + 0.5 * t + 0.5 * h * (1.0 - t * t)
+    else:
+        h = 0.5 * x
+        x2 = x * x
+        t = _tanh(x * (0.7978845608028654 + 0.035677408136300125 * x2), FAST)
+        y = h + h * t
+        du = 0.7978845608028654 + 0.10703222440890037 * x2
+        dy = 0.5 + 0.5 * t + h * (1.0 - t * t) * du
+    return y, dy
+
+
+# --------------------------------------------------------------------------------------------
+# Program -> (sample, head, block)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _locate(order, q_offsets, k_offsets, num_heads, max_len, BLOCK: tl.constexpr):
+    """Block rank (0 = heaviest), sample start offsets and lengths of this program.
+
+    The grid is one-dimensional (no 65,535 cap on batch x heads): blocks of a (sample, head) are
+    consecutive, heaviest first, and (sample, head) pairs follow `order`, longest sample first.
+    """
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(max_len, BLOCK)
+    rank = n_blocks - 1 - pid % n_blocks
+    pair = pid // n_blocks
+    b = tl.load(order + pair // num_heads)
+    h = pair % num_heads
+    q_start = tl.load(q_offsets + b).to(tl.int64)
+    q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    k_start = tl.load(k_offsets + b).to(tl.int64)
+    k_len = (tl.load(k_offsets + b + 1) - k_start).to(tl.int32)
+    return rank, h, q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _key_range(m0, q_len, k_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For query rows [m0, m0 + BLOCK_M): keys [0, full_end) every row sees, and the end of all seen.
+
+    Bottom-right causal alignment: query i sees key j iff j <= i + (k_len - q_len).
+    """
+    if CAUSAL:
+        diag = k_len - q_len
+        hi = tl.minimum(k_len, m0 + BLOCK_M + diag)
+        full_end = tl.minimum(k_len, m0 + diag + 1)
+    else:
+        hi = k_len
+        full_end = k_len
+    hi = tl.maximum(hi, 0)
+    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+    return full_end, hi
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    FAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    arange_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        offs_n = start + arange_n
+        k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:
+            in_sample = offs_n < k_len
+            k = tl.load(k_ptrs, mask=in_sample[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_sample[:, None], other=0.0)
+            mask = in_sample[None, :]
+            if CAUSAL:
+                mask = mask & (offs_n[None, :] <= offs_m[:, None] + diag)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MODE == 0:
+            if MASKED:
+                s = tl.where(mask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if MASKED:
+                # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_ref = m_new
+            p = tl.math.exp2(s - m_ref[:, None])
+            alpha = tl.math.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        else:
+            p = _activation(s, ACT, FAST)
+            if MASKED:
+                p = tl.where(mask, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, q_offsets, k_offsets, order,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
+    num_heads, max_q_len, qk_scale, out_scale,
+    BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rank, h, q_start, q_len, k_start, k_len = _locate(order, q_offsets, k_offsets, num_heads, max_q_len, BLOCK_M)
+    m0 = rank * BLOCK_M
+    if m0 >= q_len:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = K + k_start * stride_kt + h * stride_kh
+    v_base = V + k_start * stride_vt + h * stride_vh
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    diag = k_len - q_len
+    full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, BLOCK_N)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, BLOCK_N)
+    if MODE == 0:
+        empty = l_i == 0.0
+        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+        # +inf for a row that saw no key: the backward's exp2(s - lse) is then 0, not inf.
+        lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_i))
+        tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
+    else:
+        acc = acc * out_scale
+    o_ptrs = O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dQ (and delta)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    FAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    arange_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        offs_n = start + arange_n
+        k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:
+            in_sample = offs_n < k_len
+            k = tl.load(k_ptrs, mask=in_sample[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_sample[:, None], other=0.0)
+            mask = in_sample[None, :]
+            if CAUSAL:
+                mask = mask & (offs_n[None, :] <= offs_m[:, None] + diag)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        dp = tl.dot(do, tl.trans(v))
+        if MODE == 0:
+            p = tl.math.exp2(s - lse[:, None])
+            if MASKED:
+                p = tl.where(mask, p, 0.0)
+            ds = p * (dp - delta[:, None])
+        else:
+            _, da = _activation_and_grad(s, ACT, FAST)
+            ds = dp * da
+            if MASKED:
+                ds = tl.where(mask, ds, 0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, O, DO, DQ, LSE, DELTA, q_offsets, k_offsets, order,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lse_h,
+    num_heads, max_q_len, qk_scale, ds_scale,
+    BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rank, h, q_start, q_len, k_start, k_len = _locate(order, q_offsets, k_offsets, num_heads, max_q_len, BLOCK_M)
+    m0 = rank * BLOCK_M
+    if m0 >= q_len:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    rows = q_start + offs_m
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if MODE == 0:
+        o = tl.load(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        # The dK/dV kernel, launched next, reads delta for every query block it visits.
+        tl.store(DELTA + h * stride_lse_h + rows, delta, mask=row_ok)
+        lse = tl.load(LSE + h * stride_lse_h + rows, mask=row_ok, other=float("inf"))
+    else:
+        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+        lse = delta
+    k_base = K + k_start * stride_kt + h * stride_kh
+    v_base = V + k_start * stride_vt + h * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    diag = k_len - q_len
+    full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
+                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
+                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, BLOCK_N)
+    dq = dq * ds_scale
+    tl.store(DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dK, dV
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+    t_lo, t_hi, q_len, diag, qk_scale,
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    FAST: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    arange_m = tl.arange(0, BLOCK_M)
+    for t in range(t_lo, t_hi):
+        # Query blocks are numbered from the end of the sample: block t holds rows
+        # [q_len - (t + 1) * BLOCK_M, q_len - t * BLOCK_M), so the diagonal of a self-attention
+        # falls on block edges and only the block at the sample's start can be partial.
+        offs_m = q_len - (t + 1) * BLOCK_M + arange_m
+        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        if MASKED:
+            row_ok = offs_m >= 0
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            maskT = row_ok[None, :]
+            if CAUSAL:
+                maskT = maskT & (offs_n[:, None] <= offs_m[None, :] + diag)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+        sT = tl.dot(k, tl.trans(q)) * qk_scale
+        dpT = tl.dot(v, tl.trans(do))
+        if MODE == 0:
+            if MASKED:
+                lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+                delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+            else:
+                lse = tl.load(lse_base + offs_m)
+                delta = tl.load(delta_base + offs_m)
+            pT = tl.math.exp2(sT - lse[None, :])
+            if MASKED:
+                pT = tl.where(maskT, pT, 0.0)
+            dsT = pT * (dpT - delta[None, :])
+        else:
+            pT, daT = _activation_and_grad(sT, ACT, FAST)
+            if MASKED:
+                pT = tl.where(maskT, pT, 0.0)
+                daT = tl.where(maskT, daT, 0.0)
+            dsT = dpT * daT
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, q_offsets, k_offsets, order,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
+    num_heads, max_k_len, qk_scale, dk_scale, dv_scale,
+    BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rank, h, q_start, q_len, k_start, k_len = _locate(order, q_offsets, k_offsets, num_heads, max_k_len, BLOCK_N)
+    # Key blocks are numbered from the end of the sample (rank 0 = last keys); under a causal
+    # mask the first keys are seen by the most queries, so the heaviest blocks launch first.
+    n_end = k_len - rank * BLOCK_N
+    if n_end <= 0:
+        return
+    offs_n = n_end - BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n >= 0
+    rows = k_start + offs_n
+    k = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+
+    # In positions counted from the end (i' = q_len-1-i, j' = k_len-1-j) the bottom-right causal
+    # rule j <= i + diag reads i' <= j': this block holds j' in [rank*BN, (rank+1)*BN).
+    n_q_blocks = tl.cdiv(q_len, BLOCK_M)
+    if CAUSAL:
+        t_hi = tl.minimum(n_q_blocks, ((rank + 1) * BLOCK_N - 1) // BLOCK_M + 1)
+        t_full = tl.minimum((rank * BLOCK_N + 1) // BLOCK_M, q_len // BLOCK_M)
+    else:
+        t_hi = n_q_blocks
+        t_full = q_len // BLOCK_M
+    t_full = tl.minimum(t_full, t_hi)
+    diag = k_len - q_len
+    q_base = Q + q_start * stride_qt + h * stride_qh
+    do_base = DO + q_start * stride_dot + h * stride_doh
+    lse_base = LSE + h * stride_lse_h + q_start
+    delta_base = DELTA + h * stride_lse_h + q_start
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, BLOCK_M)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, BLOCK_M)
+    dk = dk * dk_scale
+    dv = dv * dv_scale
+    tl.store(DK + rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning
+# --------------------------------------------------------------------------------------------
+
+_AUTOTUNE_KEY = ["BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET", "MODE", "ACT", "CAUSAL", "HEAD_DIM"]
+
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune(configs, named_args, **kwargs):
+    # Large head dims leave no shared memory for wide tiles and deep pipelines.
+    d = named_args.get("HEAD_DIM", kwargs.get("HEAD_DIM"))
+    kept = [c for c in configs if d < 256 or (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64 and c.num_stages <= 2)]
+    return kept or configs[-1:]
+
+
+# (BLOCK_M, BLOCK_N, warps, stages); BLOCK_M is always the query block.
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 2)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)])
+_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)])
+
+_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_fwd_kernel)
+_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dq_kernel)
+_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dkdv_kernel)
+
+# Under the interpreter nothing is timed: one small shape, chosen so that tests with lengths of a
+# few dozen tokens cross several blocks and both block-size orders. Tests may swap these.
+INTERPRETER_BLOCKS = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 32)}
+
+
+def _launch(kind: str, tuned, plain, grid_len: int, batch_heads: int, args: list, consts: dict) -> None:
+    if interpreting():
+        bm, bn = INTERPRETER_BLOCKS[kind]
+        n_blocks = triton.cdiv(grid_len, bm if kind != "dkdv" else bn)
+        plain[(n_blocks * batch_heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+        return
+    if kind == "dkdv":
+        grid = lambda meta: (triton.cdiv(grid_len, meta["BLOCK_N"]) * batch_heads,)  # noqa: E731
+    else:
+        grid = lambda meta: (triton.cdiv(grid_len, meta["BLOCK_M"]) * batch_heads,)  # noqa: E731
+    tuned[grid](*args, **consts)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (called by the custom ops in ops.py; inputs are already checked there)
+# --------------------------------------------------------------------------------------------
+
+
+def _head_dim_padded(d: int) -> int:
+    return max(16, next_power_of_2(d))
+
+
+def _prepare(x: torch.Tensor, d_pad: int) -> torch.Tensor:
+    # The kernels need unit stride along head_dim and a power-of-two head_dim >= 16 (tl.dot and
+    # tl.arange); zero columns leave every score unchanged, so padding is exact.
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.shape[-1] != d_pad:
+        x = torch.nn.functional.pad(x, (0, d_pad - x.shape[-1]))
+    return x
+
+
+def _batch_order(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> torch.Tensor:
+    # Longest samples first, so the last wave of programs holds the short ones (work ~ Lq * Lk).
+    q_len = (q_offsets[1:] - q_offsets[:-1]).to(torch.float32)
+    k_len = (k_offsets[1:] - k_offsets[:-1]).to(torch.float32)
+    return torch.argsort(q_len * k_len, descending=True).to(torch.int32)
+
+
+def _keys(batch: int, max_q_len: int, max_k_len: int) -> list[int]:
+    return [prev_power_of_2(batch), next_power_of_2(max_q_len), next_power_of_2(max_k_len)]
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+    *, max_q_len: int, max_k_len: int, causal: bool, scale: float,
+    activation: Activation | None, out_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output [total_q, H, D] and, for softmax (``activation is None``), the base-2 log-sum-exp [H, total_q]."""
+    total_q, heads, d = q.shape
+    batch = q_offsets.numel() - 1
+    softmax = activation is None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, total_q) if softmax else (0, 0), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0 or max_q_len == 0:
+        return out, lse
+    d_pad = _head_dim_padded(d)
+    qp, kp, vp = (_prepare(x, d_pad) for x in (q, k, v))
+    op = out if d_pad == d else torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=q.device)
+    order = _batch_order(q_offsets, k_offsets)
+    args = [
+        qp, kp, vp, op, lse, q_offsets, k_offsets, order,
+        qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), op.stride(0), op.stride(1),
+        total_q, heads, max_q_len, scale * LOG2E if softmax else scale, out_scale,
+        *_keys(batch, max_q_len, max_k_len),
+    ]
+    consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
+                  HEAD_DIM=d_pad, FAST=not interpreting())
+    _launch("fwd", _fwd_tuned, _fwd_kernel, max_q_len, batch * heads, args, consts)
+    if op is not out:
+        out.copy_(op[..., :d])
+    return out, lse
+
+
+def attention_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None, lse: torch.Tensor | None,
+    q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+    *, max_q_len: int, max_k_len: int, causal: bool, scale: float,
+    activation: Activation | None, out_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV. Softmax needs the forward's output ``o`` and ``lse``; GDPA needs neither."""
+    total_q, heads, d = q.shape
+    total_k = k.shape[0]
+    batch = q_offsets.numel() - 1
+    softmax = activation is None
+    if total_q == 0 or total_k == 0 or batch == 0 or max_q_len == 0 or max_k_len == 0:
+        # No query sees any key: every gradient is zero.
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros(k.shape, dtype=k.dtype, device=k.device),
+                torch.zeros(v.shape, dtype=v.dtype, device=v.device))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    d_pad = _head_dim_padded(d)
+    qp, kp, vp, dop = (_prepare(x, d_pad) for x in (q, k, v, do))
+    padded = d_pad != d
+    dqp = torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=q.device) if padded else dq
+    dk = torch.empty((total_k, heads, d_pad), dtype=k.dtype, device=k.device)
+    dv = torch.empty((total_k, heads, d_pad), dtype=v.dtype, device=v.device)
+    if softmax:
+        op = _prepare(o, d_pad)
+        delta = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+        lse_t = lse
+    else:
+        op = qp  # unread when MODE is ACTIVATION
+        delta = lse_t = torch.empty((0, 0), dtype=torch.float32, device=q.device)
+    order = _batch_order(q_offsets, k_offsets)
+    keys = _keys(batch, max_q_len, max_k_len)
+    consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
+                  HEAD_DIM=d_pad, FAST=not interpreting())
+    qk_scale = scale * LOG2E if softmax else scale
+    ds_scale = scale if softmax else scale * out_scale
+    dq_args = [
+        qp, kp, vp, op, dop, dqp, lse_t, delta, q_offsets, k_offsets, order,
+        qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), op.stride(0), op.stride(1),
+        dop.stride(0), dop.stride(1), dqp.stride(0), dqp.stride(1), total_q,
+        heads, max_q_len, qk_scale, ds_scale, *keys,
+    ]
+    _launch("dq", _dq_tuned, _bwd_dq_kernel, max_q_len, batch * heads, dq_args, consts)
+    dkdv_args = [
+        qp, kp, vp, dop, dk, dv, lse_t, delta, q_offsets, k_offsets, order,
+        qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+        dop.stride(0), dop.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), total_q,
+        heads, max_k_len, qk_scale, ds_scale, 1.0 if softmax else out_scale, *keys,
+    ]
+    _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, max_k_len, batch * heads, dkdv_args, consts)
+    if padded:
+        dq.copy_(dqp[..., :d])
+        dk, dv = dk[..., :d].contiguous(), dv[..., :d].contiguous()
+    return dq, dk, dv

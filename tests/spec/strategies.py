@@ -1,0 +1,129 @@
+"""Hypothesis strategies for valid topology and workload documents (plain dicts, as read from YAML)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+COLLS = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
+names = st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True)
+pos_float = st.floats(min_value=1e-3, max_value=1e16, allow_nan=False, allow_infinity=False)
+frac = st.floats(min_value=0.01, max_value=1.0, allow_nan=False)
+
+
+@st.composite
+def topology_docs(draw) -> dict:
+    n_tiers = draw(st.integers(1, 4))
+    tier_names = draw(st.lists(names, min_size=n_tiers, max_size=n_tiers, unique=True))
+    sizes = [draw(st.sampled_from([1, 2, 4, 8, 16, 72])) for _ in range(n_tiers)]
+    tiers = []
+    below = 1
+    for name, size in zip(tier_names, sizes):
+        group = below * size
+        divisors = [d for d in (1, 2, 4, 8) if group % d == 0]
+        tier = {
+            "name": name,
+            "size": size,
+            "bw_bytes_per_s": draw(pos_float),
+            "latency_s": draw(st.floats(min_value=0, max_value=1e-3)),
+            "oversubscription": draw(st.floats(min_value=1, max_value=16)),
+            "gpus_per_nic": draw(st.sampled_from(divisors)),
+            "collective_efficiency": draw(st.dictionaries(st.sampled_from(COLLS), frac, max_size=5)),
+            "in_switch_reduction": draw(st.booleans()),
+            "sm_free_comm": draw(st.booleans()),
+        }
+        if draw(st.booleans()):
+            tier["mtbf_hours"] = draw(pos_float)
+        tiers.append(tier)
+        below = group
+    first = sizes[0]
+    gpn = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16, 72, 144) if first % d == 0 or d % first == 0]))
+    peaks = {"bf16": draw(pos_float)}
+    peaks.update(draw(st.dictionaries(st.sampled_from(["fp32", "tf32", "fp16", "fp8"]), pos_float, max_size=4)))
+    return {
+        "name": draw(names),
+        "description": draw(st.text(max_size=20)).strip(),
+        "gpu": {
+            "name": draw(names),
+            "peak_flops_per_s": peaks,
+            "hbm_bytes": draw(pos_float),
+            "hbm_bw_bytes_per_s": draw(pos_float),
+            "num_sms": draw(st.integers(1, 256)),
+        },
+        "gpus_per_node": gpn,
+        "tiers": tiers,
+        "reliability": {
+            "gpu_mtbf_hours": draw(pos_float),
+            "restart_s": draw(st.floats(min_value=0, max_value=1e5)),
+            "checkpoint_bw_bytes_per_s_per_node": draw(pos_float),
+        },
+    }
+
+
+def _length(draw) -> dict:
+    kind = draw(st.sampled_from(["fixed", "lognormal", "uniform", "empirical"]))
+    if kind == "fixed":
+        return {"kind": "fixed", "length": draw(st.integers(1, 8192))}
+    if kind == "lognormal":
+        lo = draw(st.integers(0, 16))
+        return {
+            "kind": "lognormal",
+            "mean": draw(st.floats(min_value=1, max_value=5000)),
+            "sigma": draw(st.floats(min_value=0.05, max_value=2)),
+            "min_len": lo,
+            "max_len": draw(st.integers(max(lo, 1), 8192)),
+        }
+    if kind == "uniform":
+        lo = draw(st.integers(0, 100))
+        return {"kind": "uniform", "min_len": lo, "max_len": draw(st.integers(max(lo, 1), 8192))}
+    return {"kind": "empirical", "lengths": draw(st.lists(st.integers(0, 4096), min_size=1, max_size=8))}
+
+
+@st.composite
+def workload_docs(draw) -> dict:
+    seq_names = draw(st.lists(names, min_size=0, max_size=2, unique=True))
+    sequences = [{"name": n, "length": _length(draw)} for n in seq_names]
+    tables = []
+    for i in range(draw(st.integers(0, 4))):
+        t = {
+            "name": f"tab{i}",
+            "num_rows": draw(st.integers(1, 10**9)),
+            "dim": draw(st.sampled_from([4, 8, 16, 64, 128])),
+            "pooling_factor": draw(st.floats(min_value=0.1, max_value=100)),
+            "zipf_alpha": draw(st.floats(min_value=0, max_value=2)),
+            "dtype": draw(st.sampled_from(["fp32", "fp16", "bf16", "int8"])),
+        }
+        if seq_names and draw(st.booleans()):
+            t["feature_kind"] = "sequence"
+            t["sequence"] = draw(st.sampled_from(seq_names))
+        tables.append(t)
+    blocks: list[dict] = [
+        {"type": "dense_mlp", "num_dense_features": draw(st.integers(1, 64)), "hidden_dims": [draw(st.integers(1, 512))]}
+    ]
+    d = draw(st.sampled_from([8, 16, 64]))
+    if seq_names:
+        blocks.append(
+            {
+                "type": "interformer",
+                "sequence": draw(st.sampled_from(seq_names)),
+                "num_layers": draw(st.integers(1, 4)),
+                "model_dim": d,
+                "num_heads": 2,
+                "head_dim": d // 2,
+                "attention": {
+                    "kind": draw(st.sampled_from(["gdpa", "softmax"])),
+                    "activation": draw(st.sampled_from(["silu", "gelu_tanh", "relu", "relu2", "identity"])),
+                    "causal": draw(st.booleans()),
+                },
+            }
+        )
+    if draw(st.booleans()):
+        e = draw(st.integers(1, 16))
+        blocks.append(
+            {"type": "moe", "model_dim": d, "tokens_per_sample": 4, "num_experts": e, "top_k": draw(st.integers(1, e)), "expert_hidden_dim": 32}
+        )
+    blocks.append({"type": "heads", "input_dim": d, "hidden_dims": [16]})
+    batch = {"global_batch_size": draw(st.integers(1, 10**6))} if draw(st.booleans()) else {"local_batch_size": draw(st.integers(1, 4096))}
+    doc = {"name": draw(names), "sequences": sequences, "tables": tables, "blocks": blocks, "batch": batch}
+    if draw(st.booleans()):
+        doc["table_generator"] = {"seed": draw(st.integers(0, 2**31)), "num_tables": draw(st.integers(1, 20))}
+    return doc

@@ -1,0 +1,70 @@
+"""The CLI: help for every verb, validate on every preset, typed errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coplan.cli import VERBS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coplan.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_help_lists_every_verb():
+    out = _run("--help")
+    assert out.returncode == 0
+    for verb in ("plan", "report", "train", "calibrate", "simulate", "validate", "schema"):
+        assert verb in out.stdout
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_every_verb_has_help(verb, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([verb, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_validate_all_presets_by_path():
+    files = sorted(str(p) for p in (ROOT / "topologies").glob("*.yaml")) + sorted(str(p) for p in (ROOT / "workloads").glob("*.yaml"))
+    assert len(files) >= 10
+    out = _run("validate", *files)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(files)} valid, 0 invalid" in out.stdout
+
+
+def test_validate_reports_bad_files_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngpu: {name: g}\ntiers: []\n")
+    out = _run("validate", str(bad))
+    assert out.returncode == 1
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "gpu.peak_flops_per_s: required field is missing" in out.stdout
+    js = _run("validate", "--json", str(bad), "gem-tiny")
+    rows = json.loads(js.stdout)
+    assert [r["ok"] for r in rows] == [False, True]
+
+
+def test_schema_prints_json_schema(tmp_path):
+    out = _run("schema", "topology")
+    assert out.returncode == 0
+    schema = json.loads(out.stdout)
+    assert schema["title"] == "Topology"
+    assert schema["properties"]["tiers"]["description"]
+    out = _run("schema", "-o", str(tmp_path))
+    assert out.returncode == 0
+    assert {p.name for p in tmp_path.iterdir()} >= {"topology.schema.json", "workload.schema.json", "plan.schema.json"}
+
+
+def test_unknown_verb_is_a_usage_error():
+    out = _run("frobnicate")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
