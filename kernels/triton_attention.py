@@ -50,7 +50,8 @@ def _tanh(x, FAST: tl.constexpr):
             "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
-        y = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        # tanh saturates to +-1 in fp32 beyond |x| = 9; clamping keeps exp finite.
+        y = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.maximum(x, -15.0), 15.0)) + 1.0)
     return y
 
 
@@ -229,9 +230,10 @@ def _fwd_kernel(
                                k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, BLOCK_N)
     if MODE == 0:
         empty = l_i == 0.0
-        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+        l_safe = tl.where(empty, 1.0, l_i)
+        acc = acc / l_safe[:, None]
         # +inf for a row that saw no key: the backward's exp2(s - lse) is then 0, not inf.
-        lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_i))
+        lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
         tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
     else:
         acc = acc * out_scale
@@ -455,16 +457,30 @@ _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={
 _dq_tuned = triton.autotune(_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dq_kernel)
 _dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dkdv_kernel)
 
-# Under the interpreter nothing is timed: one small shape, chosen so that tests with lengths of a
-# few dozen tokens cross several blocks and both block-size orders. Tests may swap these.
-INTERPRETER_BLOCKS = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 32)}
+# Without autotuning each kernel runs one fixed config: under the interpreter (nothing to time;
+# small blocks so that tests of a few dozen tokens cross several blocks, with both block-size
+# orders), or when COPLAN_KERNELS_AUTOTUNE=0 (GPU tests, which would otherwise tune every
+# specialisation they touch). Tests may swap these. (BLOCK_M, BLOCK_N, warps, stages).
+INTERPRETER_CONFIGS = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 32, 4, 1)}
+UNTUNED_CONFIGS = {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 128, 8, 3)}
+
+
+def _fixed_configs() -> dict | None:
+    if interpreting():
+        return INTERPRETER_CONFIGS
+    if os.environ.get("COPLAN_KERNELS_AUTOTUNE", "1") == "0":
+        return UNTUNED_CONFIGS
+    return None
 
 
 def _launch(kind: str, tuned, plain, grid_len: int, batch_heads: int, args: list, consts: dict) -> None:
-    if interpreting():
-        bm, bn = INTERPRETER_BLOCKS[kind]
-        n_blocks = triton.cdiv(grid_len, bm if kind != "dkdv" else bn)
-        plain[(n_blocks * batch_heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+    fixed = _fixed_configs()
+    if fixed is not None:
+        bm, bn, warps, stages = fixed[kind]
+        if consts["HEAD_DIM"] >= 256 and not interpreting():
+            bm, bn, stages = min(bm, 64), min(bn, 64), min(stages, 2)
+        n_blocks = triton.cdiv(grid_len, bn if kind == "dkdv" else bm)
+        plain[(n_blocks * batch_heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         return
     if kind == "dkdv":
         grid = lambda meta: (triton.cdiv(grid_len, meta["BLOCK_N"]) * batch_heads,)  # noqa: E731

@@ -1,0 +1,113 @@
+"""The Triton attention kernels as PyTorch custom ops, with fake implementations and autograd.
+
+Registering them (`torch.library.custom_op` + `register_fake` + `register_autograd`) lets
+`torch.compile` trace through a call without running or reading the kernels, and keeps the
+backward in one place. The ops take checked inputs: the dispatcher in `api.py` does the checking.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .common import parse_activation
+from .triton_attention import attention_backward, attention_forward
+
+# ---- softmax -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("coplan::jagged_softmax_attention", mutates_args=())
+def jagged_softmax_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Tensor,
+    max_q_len: int, max_k_len: int, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Output [total_q, H, D] and the base-2 log-sum-exp [H, total_q] that the backward reuses."""
+    return attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
+                             causal=causal, scale=scale, activation=None)
+
+
+@jagged_softmax_attention.register_fake
+def _(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("coplan::jagged_softmax_attention_backward", mutates_args=())
+def jagged_softmax_attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_offsets: Tensor, k_offsets: Tensor,
+    max_q_len: int, max_k_len: int, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(grad_out, q, k, v, out, lse, q_offsets, k_offsets, max_q_len=max_q_len,
+                              max_k_len=max_k_len, causal=causal, scale=scale, activation=None)
+
+
+@jagged_softmax_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _softmax_setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale = inputs
+    out, lse = output
+    # Everything the backward needs is O(total tokens): no [Lq, Lk] tensor is ever saved.
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
+    ctx.params = (max_q_len, max_k_len, causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _softmax_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, q_offsets, k_offsets = ctx.saved_tensors
+    dq, dk, dv = jagged_softmax_attention_backward(grad_out, q, k, v, out, lse, q_offsets, k_offsets, *ctx.params)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+jagged_softmax_attention.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
+
+
+# ---- GDPA ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("coplan::jagged_gdpa", mutates_args=())
+def jagged_gdpa(
+    q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Tensor,
+    max_q_len: int, max_k_len: int, causal: bool, scale: float, out_scale: float, activation: str,
+) -> Tensor:
+    """``out_scale * sum_j act(scale * q.k_j) v_j``, [total_q, H, D]."""
+    out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
+                               causal=causal, scale=scale, activation=parse_activation(activation), out_scale=out_scale)
+    return out
+
+
+@jagged_gdpa.register_fake
+def _(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale, activation):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("coplan::jagged_gdpa_backward", mutates_args=())
+def jagged_gdpa_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Tensor,
+    max_q_len: int, max_k_len: int, causal: bool, scale: float, out_scale: float, activation: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(grad_out, q, k, v, None, None, q_offsets, k_offsets, max_q_len=max_q_len,
+                              max_k_len=max_k_len, causal=causal, scale=scale,
+                              activation=parse_activation(activation), out_scale=out_scale)
+
+
+@jagged_gdpa_backward.register_fake
+def _(grad_out, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale, activation):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _gdpa_setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, k_offsets, *params = inputs
+    # No normalisation means no row statistics: the backward needs only the inputs.
+    ctx.save_for_backward(q, k, v, q_offsets, k_offsets)
+    ctx.params = tuple(params)
+
+
+def _gdpa_backward(ctx, grad_out):
+    q, k, v, q_offsets, k_offsets = ctx.saved_tensors
+    dq, dk, dv = jagged_gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, *ctx.params)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+jagged_gdpa.register_autograd(_gdpa_backward, setup_context=_gdpa_setup_context)
