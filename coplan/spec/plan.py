@@ -182,6 +182,10 @@ class CommPrediction(Spec):
     phase: Literal["fwd", "bwd", "optimizer"] = "fwd"
     """Where in the step it runs."""
 
+    calls: PosInt = 1
+    """Calls of this collective per step (micro-batches, forward and backward gathers); ``time_s``
+    and ``exposed_s`` are summed over them, ``bytes`` is the size of one call."""
+
 
 class Prediction(Spec):
     """The cost model's prediction for a plan."""
@@ -242,6 +246,25 @@ class Prediction(Spec):
 
     rank_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
     """The ranks rank_time_s refers to."""
+
+    imbalance: Annotated[float, Field(ge=1)] = 1.0
+    """Expected max/mean per-rank jagged work under the plan's balancing policy."""
+
+    breakdown_s: dict[str, NonNeg] = Field(default_factory=dict)
+    """Critical rank's step split by phase and kind (fwd/bwd compute, recompute, optimizer, fwd/bwd
+    communication and the exposed part of each), seconds; compute + exposed = step_time_s."""
+
+    layer_time_s: dict[str, NonNeg] = Field(default_factory=dict)
+    """Compute + exposed communication per layer ('<block>.<index>', 'sparse', 'optimizer'), seconds."""
+
+    memory_headroom_bytes: float = 0.0
+    """hbm_capacity_bytes − peak_memory_bytes (negative when the plan does not fit)."""
+
+    rank_memory_bytes: tuple[NonNeg, ...] = ()
+    """Memory of the ranks in rank_ids."""
+
+    notes: tuple[str, ...] = ()
+    """What the cost model approximated for this plan."""
 
 
 class SolverReport(Spec):
