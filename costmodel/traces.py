@@ -1,0 +1,243 @@
+"""Read Kineto (torch.profiler) traces and attribute measured time to the cost model's ops.
+
+Attribution, per trace (one rank):
+
+1. *Work units* are what took device time: GPU kernels (``cat: kernel``), linked to the CPU call that
+   launched them through their ``correlation`` id; on a CPU-only trace, the top-level ``cpu_op``
+   events (an op not nested in another op of its thread) stand in for kernels.
+2. A unit launched inside a ``record_function`` range named like a cost-model op
+   (``<block>.<layer>.<op>``, ``sparse.tbe``...) belongs to that op's forward. If that range itself
+   runs inside an autograd backward node, it is activation-checkpoint *recompute*.
+3. A unit launched inside an autograd backward node (``evaluate_function: XBackward0``) belongs to
+   the backward of the op whose forward created that node: backward nodes carry the forward op's
+   ``Sequence number``, and forward ops are found inside their op range.
+4. Kernel-name rules give each unit an op class (GEMM, attention, embedding TBE, elementwise, NCCL
+   collective with its kind); NCCL kernels are always communication, whatever range they sit in.
+
+What cannot be attributed is reported as ``unattributed_s``, never dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from coplan.errors import CoplanError
+
+OP_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.\d+)?\.[a-z][a-z0-9_]*$")
+"""``<block>.<layer index>.<op>`` or ``<group>.<op>`` (``sparse.tbe``, ``fsdp.all_gather``)."""
+
+_BWD_NODE = re.compile(r"^autograd::engine::evaluate_function: (\w+)")
+
+# (pattern, class): first match wins. Collective kinds are reported as "collective:<kind>".
+KERNEL_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p, re.I), c)
+    for p, c in (
+        (r"nccl.*(AllGather|all_gather)", "collective:all_gather"),
+        (r"nccl.*(ReduceScatter|reduce_scatter)", "collective:reduce_scatter"),
+        (r"nccl.*(AllReduce|all_reduce)", "collective:all_reduce"),
+        (r"nccl.*(SendRecv|Send|Recv|AllToAll|all_to_all)", "collective:all_to_all"),
+        (r"nccl", "collective:other"),
+        (r"(gdpa|jagged_attn|_attn_fwd|_attn_bwd|flash|fmha|attention|sdpa|flex_attention)", "attention"),
+        (r"(split_embedding|embedding_bag|tbe|batched_embedding|bounds_check_indices|linearize_cache|embedding)", "embedding"),
+        (r"(gemm|cutlass|xmma|nvjet|sm90_|sm80_|cublas|matmul|_mm_|addmm|\bmm\b|bmm|linear|scaled_mm)", "gemm"),
+    )
+)
+
+
+def classify_kernel(name: str) -> str:
+    """Op class of a kernel (or CPU op) name; ``elementwise`` when no rule matches."""
+    for pattern, cls in KERNEL_RULES:
+        if pattern.search(name):
+            return cls
+    return "elementwise"
+
+
+class TraceError(CoplanError):
+    """A trace file is missing, unreadable or not a Kineto trace."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredOp:
+    """Measured time of one op in one phase, summed over the trace's profiled steps."""
+
+    name: str
+    phase: str  # "fwd" | "bwd" | "recompute"
+    time_s: float
+    launches: int
+    by_class: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceAttribution:
+    """What one rank's trace says, attributed to the cost model's op names."""
+
+    path: str
+    on_device: bool
+    """GPU kernels were recorded (False: a CPU-only trace, top-level ops stand in for kernels)."""
+    steps: int
+    """Profiled steps (``ProfilerStep#N`` ranges; 1 when none were marked)."""
+    ops: tuple[MeasuredOp, ...]
+    by_class_s: dict[str, float]
+    """Total time per kernel class, attributed or not."""
+    total_s: float
+    """All work-unit time in the trace."""
+    unattributed_s: float
+    """Work-unit time no op range or backward node claimed."""
+
+    @property
+    def attributed_share(self) -> float:
+        return 1.0 - self.unattributed_s / self.total_s if self.total_s > 0 else 0.0
+
+    def per_step(self) -> dict[tuple[str, str], float]:
+        return {(o.name, o.phase): o.time_s / self.steps for o in self.ops}
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        data = json.loads(raw)
+    except FileNotFoundError:
+        raise TraceError(f"{p}: no such trace file") from None
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{p}: not a readable JSON trace ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise TraceError(f"{p}: not a Kineto trace (no 'traceEvents' list); write it with torch.profiler's export_chrome_trace")
+    return data
+
+
+class _Ranges:
+    """Properly nested intervals on one thread, queried for the innermost one containing a time.
+
+    Each range keeps a pointer to its enclosing range, so a query is a binary search plus a walk up
+    the nesting (O(log n + depth)), not a scan back over every earlier range.
+    """
+
+    def __init__(self, items: Iterable[tuple[float, float, Any]]):
+        self.items = sorted(items, key=lambda x: (x[0], -x[1]))
+        self.starts = [s for s, _, _ in self.items]
+        self.parent = [-1] * len(self.items)
+        stack: list[int] = []
+        for i, (s, e, _) in enumerate(self.items):
+            while stack and self.items[stack[-1]][1] < s:
+                stack.pop()
+            self.parent[i] = stack[-1] if stack else -1
+            stack.append(i)
+
+    def innermost(self, t: float) -> Any | None:
+        i = bisect.bisect_right(self.starts, t) - 1
+        while i >= 0:
+            s, e, payload = self.items[i]
+            if s <= t <= e:
+                return payload
+            i = self.parent[i]
+        return None
+
+
+def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
+    """Attribute a loaded trace's work to op names and phases (see module docstring)."""
+    events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
+    op_ranges: dict[Any, list] = defaultdict(list)
+    bwd_nodes: dict[Any, list] = defaultdict(list)
+    cpu_ops: dict[Any, list] = defaultdict(list)
+    fwd_seq_ops: list[tuple[Any, float, int]] = []
+    launches: dict[Any, tuple[Any, float]] = {}
+    kernels: list[dict] = []
+    steps = 0
+    for e in events:
+        cat, name = e.get("cat", ""), str(e.get("name", ""))
+        ts, dur, tid = float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), e.get("tid")
+        args = e.get("args") or {}
+        if cat == "user_annotation":
+            if name.startswith("ProfilerStep#"):
+                steps += 1
+            elif OP_NAME.match(name):
+                op_ranges[tid].append((ts, ts + dur, name))
+        elif cat == "cpu_op":
+            cpu_ops[tid].append((ts, ts + dur, e))
+            m = _BWD_NODE.match(name)
+            if m and "Sequence number" in args:
+                bwd_nodes[tid].append((ts, ts + dur, int(args["Sequence number"])))
+            elif "Sequence number" in args and not name.startswith("autograd::"):
+                fwd_seq_ops.append((tid, ts, int(args["Sequence number"])))
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
+            launches[args["correlation"]] = (tid, ts)
+        elif cat == "kernel":
+            kernels.append(e)
+    on_device = bool(kernels)
+    op_index = {tid: _Ranges(r) for tid, r in op_ranges.items()}
+    bwd_index = {tid: _Ranges(r) for tid, r in bwd_nodes.items()}
+
+    # forward sequence numbers -> the op range they ran in
+    seq_name: dict[int, str] = {}
+    for tid, ts, seq in fwd_seq_ops:
+        idx = op_index.get(tid)
+        name = idx.innermost(ts) if idx else None
+        if name is not None and seq not in seq_name:
+            seq_name[seq] = name
+
+    # work units: (tid, launch time, duration, kernel name)
+    units: list[tuple[Any, float, float, str]] = []
+    if on_device:
+        for k in kernels:
+            corr = (k.get("args") or {}).get("correlation")
+            tid, ts = launches.get(corr, (None, float(k.get("ts", 0.0))))
+            units.append((tid, ts, float(k.get("dur", 0.0)), str(k.get("name", ""))))
+    else:
+        for tid, ops in cpu_ops.items():
+            ops.sort(key=lambda x: (x[0], -x[1]))
+            end = -1.0
+            for s, e_, ev in ops:
+                if s >= end:  # not nested in the previous top-level op
+                    name = str(ev.get("name", ""))
+                    if not name.startswith("autograd::engine::evaluate_function") and not name.startswith("ProfilerStep"):
+                        units.append((tid, s, e_ - s, name))
+                        end = e_
+                    # an evaluate_function wrapper is not work itself: its children are the units
+
+    acc: dict[tuple[str, str], list] = {}
+    by_class: dict[str, float] = defaultdict(float)
+    total = unattributed = 0.0
+    for tid, ts, dur, kname in units:
+        cls = classify_kernel(kname)
+        by_class[cls] += dur
+        total += dur
+        owner: tuple[str, str] | None = None
+        name = op_index[tid].innermost(ts) if tid in op_index else None
+        bwd = bwd_index[tid].innermost(ts) if tid in bwd_index else None
+        if name is not None:
+            phase = "recompute" if bwd is not None else "fwd"
+            owner = (name, phase)
+        elif bwd is not None and bwd in seq_name:
+            owner = (seq_name[bwd], "bwd")
+        if owner is None:
+            unattributed += dur
+            continue
+        slot = acc.setdefault(owner, [0.0, 0, defaultdict(float)])
+        slot[0] += dur
+        slot[1] += 1
+        slot[2][cls] += dur
+    ops = tuple(
+        MeasuredOp(name=n, phase=p, time_s=v[0] * 1e-6, launches=v[1], by_class={k: t * 1e-6 for k, t in v[2].items()})
+        for (n, p), v in sorted(acc.items())
+    )
+    return TraceAttribution(
+        path=path,
+        on_device=on_device,
+        steps=max(steps, 1),
+        ops=ops,
+        by_class_s={k: v * 1e-6 for k, v in sorted(by_class.items())},
+        total_s=total * 1e-6,
+        unattributed_s=unattributed * 1e-6,
+    )
+
+
+def attribute_file(path: str | Path) -> TraceAttribution:
+    return attribute(load_trace(path), str(path))
