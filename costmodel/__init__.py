@@ -1,5 +1,54 @@
 """Cost model: compute, communication and memory of a workload under a plan, over a multi-tier topology.
 
 Imports only ``coplan.spec``. ``flops.py`` (the one FLOP formula) and ``jagged.py`` (length
-distributions, per-sequence cost, balancers) are also imported by the trainer.
+distributions, per-sequence cost, balancers) are also imported by the trainer; import those two
+modules directly (``from coplan.costmodel.flops import model_flops``) — this package's ``__init__``
+pulls in the rest of the cost model.
+
+How the planner uses it (build once per mesh candidate, price many times)::
+
+    from coplan.costmodel import build_context, price, table_option_costs, layer_costs, dense_fixed_costs
+
+    ctx = build_context(workload, topology, mesh, calibration)     # (a) everything plan-independent
+    tw = table_option_costs(ctx, "table_wise")                     # (b) all tables, one option, arrays
+    rw4 = table_option_cost(ctx, "t0007", "row_wise", 4)           #     one table, one option
+    layers = layer_costs(ctx, policy="greedy")                     # (c) per layer fwd/bwd/recompute/activations
+    fixed = dense_fixed_costs(ctx)                                 # (d) FSDP/HSDP/EP collectives, dense state bytes
+    cost = price(ctx, tables, layer_plans, balancing, kernels)     # (e) the full pricer -> StepCost
+    prediction = cost.to_prediction()                              #     -> coplan.spec.Prediction
+
+``tables`` is a sequence of :class:`~coplan.spec.TableShard` or, faster in a search loop, a
+:class:`TableAssignment` of flat arrays. ``collective_time``/``collective_model`` price one
+collective on a placed group; ``model_flops`` is re-exported from :mod:`.flops`.
 """
+
+from coplan.costmodel.comm import CollectiveModel, GroupPlacement, bus_factor, collective_model, collective_time, p2p_time, place_group
+from coplan.costmodel.context import (
+    Context,
+    DenseFixedCosts,
+    LayerCost,
+    Options,
+    TableOptionCost,
+    build_context,
+    dense_fixed_costs,
+    imbalance,
+    layer_costs,
+    table_option_cost,
+    table_option_costs,
+)
+from coplan.costmodel.efficiency import Efficiencies, resolve_efficiencies
+from coplan.costmodel.embedding import TableAssignment, TableOptionCosts
+from coplan.costmodel.flops import FlopCount, Op, attention_flops, model_flops, workload_ops
+from coplan.costmodel.goodput import goodput
+from coplan.costmodel.heuristic import HeuristicPlan, heuristic_plan_choices
+from coplan.costmodel.pricer import price
+from coplan.costmodel.results import CommCost, Goodput, Memory, OpCost, Perf, StepCost
+
+__all__ = [
+    "CollectiveModel", "CommCost", "Context", "DenseFixedCosts", "Efficiencies", "FlopCount", "Goodput", "GroupPlacement",
+    "HeuristicPlan", "LayerCost", "Memory", "Op", "OpCost", "Options", "Perf", "StepCost", "TableAssignment",
+    "TableOptionCost", "TableOptionCosts", "attention_flops", "build_context", "bus_factor", "collective_model",
+    "collective_time", "dense_fixed_costs", "goodput", "heuristic_plan_choices", "imbalance", "layer_costs",
+    "model_flops", "p2p_time", "place_group", "price", "resolve_efficiencies", "table_option_cost", "table_option_costs",
+    "workload_ops",
+]

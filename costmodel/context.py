@@ -1,0 +1,609 @@
+"""The pricing context: everything about one (workload, topology, mesh candidate, calibration)
+that does not depend on the rest of the plan, computed once so that pricing thousands of table
+placements, recompute sets and balancing policies stays cheap.
+
+It holds the placed process groups and their collective models, the per-op expected per-sample
+work on one rank, the per-layer sums, the tables as arrays, and caches of the jagged imbalance per
+balancing policy. The decomposed costs the planner's CP-SAT model needs are read from it:
+:func:`table_option_cost` / :func:`table_option_costs`, :func:`layer_costs`, :func:`dense_fixed_costs`.
+
+Conventions: times are per optimizer step (all micro-batches) on one rank unless a name says
+"per micro-batch"; "critical" means the rank with the expected largest jagged load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from coplan.costmodel import flops as F
+from coplan.costmodel.comm import CollectiveModel, GroupPlacement, PlacementError, collective_model, place_group
+from coplan.costmodel.efficiency import Efficiencies, resolve_efficiencies
+from coplan.costmodel.embedding import SHARDING_CODES, TableArrays, TableOptionCosts, option_costs, table_arrays
+from coplan.errors import CoplanError
+from coplan.spec.calibration import Calibration
+from coplan.spec.plan import LayerPlan, MeshPlan
+from coplan.spec.topology import Topology
+from coplan.spec.workload import (
+    DotInteractionBlock,
+    InterFormerBlock,
+    Kernels,
+    KunlunBlock,
+    LognormalLength,
+    MoEBlock,
+    Workload,
+)
+
+GiB = 1024.0**3
+MiB = 1024.0**2
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Knobs of the cost model that are not part of the specs (each default says where it comes from)."""
+
+    reshard_after_forward: bool = True
+    """FSDP2's default: free unsharded parameters after forward and gather them again in backward
+    (the last layer keeps them)."""
+
+    pipeline_input_dist: bool = True
+    """TorchRec's TrainPipelineSparseDist: the id all-to-all of the next batch runs under this one's compute."""
+
+    sparse_sync_interval_steps: int = 100
+    """With sparse replicas (2-D sparse parallelism), shard weights and optimizer state are
+    all-reduced across replicas every this many steps (TorchRec's DMPCollection sync is user-paced;
+    100 is an assumption), amortised per step."""
+
+    nccl_bytes_per_communicator: float = 256 * MiB
+    """NCCL buffers per communicator (channels × protocol buffers, both ring neighbours); assumption
+    of the order NCCL_BUFFSIZE (4 MiB) × 2 × 32 channels."""
+
+    cuda_context_bytes: float = 1.0 * GiB
+    """CUDA context, cuBLAS/cuDNN workspaces and loaded kernels (assumption; ~0.5-1.5 GiB observed)."""
+
+    allocator_headroom_fraction: float = 0.05
+    """Share of HBM reserved for the caching allocator's fragmentation (assumption; PyTorch's
+    reserved-minus-allocated is typically 3-10% in steady state)."""
+
+    balance_seed: int = 0
+    """Seed of the jagged-imbalance simulation."""
+
+    balance_trials: int = 4
+    """Batches drawn per imbalance estimate."""
+
+    sm_contention: float | None = None
+    """Override of the SM-contention slowdown (None: the efficiencies' value)."""
+
+
+@dataclass(slots=True)
+class Context:
+    """Precomputed state for one (workload, topology, mesh, calibration). Build with :func:`build_context`."""
+
+    workload: Workload
+    topology: Topology
+    mesh: MeshPlan
+    calibration: Calibration | None
+    eff: Efficiencies
+    options: Options
+    world: int
+    local_batch: int
+    micro_batches: int
+    mb_batch: float
+    """Samples per rank per micro-batch."""
+    global_batch: int
+
+    groups: dict[str, GroupPlacement]
+    models: dict[tuple[str, str], CollectiveModel]
+
+    ops: tuple[F.Op, ...]
+    dense_idx: np.ndarray
+    """Indices (into ops) of dense ops (not 'sparse')."""
+    layer_names: tuple[str, ...]
+    op_layer: np.ndarray
+    """Per dense op: index of its layer."""
+    layer_params: np.ndarray
+    layer_expert_params: np.ndarray
+    layer_input_bytes: np.ndarray
+    """Per layer: bytes per sample of its input (kept when the layer is recomputed)."""
+    layer_needs_embeddings: np.ndarray
+    layer_is_moe: np.ndarray
+    moe_blocks: dict[str, MoEBlock]
+
+    moments: dict[str | None, tuple[float, float]]
+    primary_sequence: str | None
+
+    tables: TableArrays
+    hbm_bw: float
+    emb_bw: float
+    """Achieved TBE bandwidth, bytes/s."""
+
+    cache: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ helpers
+    def model(self, group: str, kind: str) -> CollectiveModel:
+        key = (group, kind)
+        m = self.models.get(key)
+        if m is None:
+            m = collective_model(self.topology, self.groups[group], kind, self.eff)
+            self.models[key] = m
+        return m
+
+    @property
+    def compute_bytes(self) -> int:
+        return F.DTYPE_BYTES[self.workload.precision.compute_dtype]
+
+    @property
+    def expert_shard(self) -> int:
+        ds, ep = self.mesh.dense_shard, self.mesh.expert_parallel
+        return ds // ep if ds % ep == 0 else 1
+
+    @property
+    def sm_contention(self) -> float:
+        return self.eff.sm_contention if self.options.sm_contention is None else self.options.sm_contention
+
+
+def _primary_sequence(w: Workload) -> str | None:
+    """The sequence whose quadratic work dominates (the one balancing is about)."""
+    best, best_q = None, -1.0
+    from coplan.costmodel.jagged import length_moments
+
+    for s in w.sequences:
+        m = length_moments(s.length)
+        q = sum(op.flops.expect(m.mean, m.mean_sq) for op in F.workload_ops(w) if op.sequence == s.name)
+        if q > best_q:
+            best, best_q = s.name, q
+    return best
+
+
+def build_context(
+    workload: Workload,
+    topology: Topology,
+    mesh: MeshPlan,
+    calibration: Calibration | None = None,
+    *,
+    options: Options | None = None,
+    force_calibration: bool = False,
+) -> Context:
+    """Precompute the state of one (workload, topology, mesh candidate, calibration)."""
+    from coplan.costmodel.jagged import length_moments
+
+    options = options or Options()
+    world = mesh.world_size
+    if world > topology.num_gpus:
+        raise PlacementError(f"the mesh covers {world:,} ranks but topology '{topology.name}' has {topology.num_gpus:,} GPUs")
+    eff = resolve_efficiencies(topology, calibration, force=force_calibration)
+    ds, dr, ep = mesh.dense_shard, mesh.dense_replicate, mesh.expert_parallel
+    es = ds // ep if ds % ep == 0 else 1
+    er = max(1, world // (ep * es))
+    groups = {
+        "dense_shard": place_group(topology, ds, 1),
+        "dense_replicate": place_group(topology, dr, ds),
+        "expert": place_group(topology, ep, 1),
+        "expert_shard": place_group(topology, es, ep),
+        "expert_replicate": place_group(topology, er, ep * es),
+        "sparse_shard": place_group(topology, mesh.sparse_shard, 1),
+        "sparse_replicate": place_group(topology, mesh.sparse_replicate, mesh.sparse_shard),
+        "world": place_group(topology, world, 1),
+    }
+    B = workload.batch.local(world)
+    M = workload.batch.micro_batches
+    if B < M:
+        raise CoplanError(
+            f"workload '{workload.name}': local batch {B} per GPU at {world:,} GPUs is smaller than its {M} micro-batches; "
+            "raise the global batch or lower micro_batches"
+        )
+    ops = F.workload_ops(workload)
+    dense_idx = np.array([i for i, o in enumerate(ops) if o.layer != "sparse"], dtype=np.int64)
+    lnames = F.layer_names(workload)
+    lidx = {n: i for i, n in enumerate(lnames)}
+    op_layer = np.array([lidx[ops[i].layer] for i in dense_idx], dtype=np.int64)
+    nl = len(lnames)
+    params = np.zeros(nl)
+    eparams = np.zeros(nl)
+    inp = np.zeros(nl)
+    moments: dict[str | None, tuple[float, float]] = {None: (0.0, 0.0)}
+    for s in workload.sequences:
+        m = length_moments(s.length)
+        moments[s.name] = (m.mean, m.mean_sq)
+    seen: set[int] = set()
+    for k, i in enumerate(dense_idx):
+        o = ops[i]
+        li = op_layer[k]
+        params[li] += o.params
+        eparams[li] += o.expert_params
+        if li not in seen and not o.act_bytes.is_zero:
+            m1, m2 = moments[o.sequence]
+            inp[li] = o.act_bytes.expect(m1, m2)
+            seen.add(li)
+    needs = np.zeros(nl, dtype=bool)
+    is_moe = np.zeros(nl, dtype=bool)
+    moe_blocks: dict[str, MoEBlock] = {}
+    for b in workload.blocks:
+        if isinstance(b, (InterFormerBlock, KunlunBlock, DotInteractionBlock)) and f"{b.name}.0" in lidx:
+            needs[lidx[f"{b.name}.0"]] = True
+        if isinstance(b, MoEBlock):
+            for i in range(b.num_layers):
+                is_moe[lidx[f"{b.name}.{i}"]] = True
+                moe_blocks[f"{b.name}.{i}"] = b
+    if workload.all_tables and not needs.any() and nl:
+        needs[0] = True
+    gpu = topology.gpu
+    return Context(
+        workload=workload, topology=topology, mesh=mesh, calibration=calibration, eff=eff, options=options,
+        world=world, local_batch=B, micro_batches=M, mb_batch=B / M, global_batch=B * world,
+        groups=groups, models={}, ops=ops, dense_idx=dense_idx, layer_names=lnames, op_layer=op_layer,
+        layer_params=params, layer_expert_params=eparams, layer_input_bytes=inp, layer_needs_embeddings=needs,
+        layer_is_moe=is_moe, moe_blocks=moe_blocks, moments=moments, primary_sequence=_primary_sequence(workload),
+        tables=table_arrays(workload), hbm_bw=gpu.hbm_bw_bytes_per_s,
+        emb_bw=gpu.hbm_bw_bytes_per_s * eff.memory["embedding"],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense compute
+# ---------------------------------------------------------------------------------------------
+
+
+def _expected_max_length(dist, n: float) -> float:
+    """E[max of n lengths] ≈ the (n/(n+1)) quantile (padded reference kernels pad to it)."""
+    from coplan.costmodel.jagged import length_pmf
+
+    q = n / (n + 1.0)
+    if isinstance(dist, LognormalLength):
+        from scipy.special import ndtri
+
+        x = math.exp(dist.mu + dist.sigma * float(ndtri(q)))
+        return float(min(dist.max_len, max(dist.min_len, x)))
+    vals, probs = length_pmf(dist)
+    c = np.cumsum(probs)
+    return float(vals[min(len(vals) - 1, int(np.searchsorted(c, q)))])
+
+
+@dataclass(frozen=True, slots=True)
+class OpArrays:
+    """Per dense op, one micro-batch on a mean rank, for one (attention backend, per-layer precision)."""
+
+    fwd_flops: np.ndarray
+    bwd_flops: np.ndarray
+    """Hardware FLOPs of backward (model + recompute of scores)."""
+    model_bwd_flops: np.ndarray
+    fwd_var_s: np.ndarray
+    """Forward time of the per-sample part: max(compute, memory) roof before adding fixed bytes."""
+    fwd_flop_s: np.ndarray
+    fwd_mem_s: np.ndarray
+    fwd_fixed_mem_s: np.ndarray
+    bwd_flop_s: np.ndarray
+    bwd_mem_s: np.ndarray
+    bwd_fixed_mem_s: np.ndarray
+    fwd_launch_s: np.ndarray
+    bwd_launch_s: np.ndarray
+    fwd_bytes: np.ndarray
+    bwd_bytes: np.ndarray
+    act_bytes: np.ndarray
+    """Saved activations per micro-batch."""
+
+    def times(self, rho: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """(fwd, bwd) seconds per op per micro-batch when the per-sample work is scaled by ``rho``."""
+        f = np.maximum(rho * self.fwd_flop_s, rho * self.fwd_mem_s + self.fwd_fixed_mem_s) + self.fwd_launch_s
+        b = np.maximum(rho * self.bwd_flop_s, rho * self.bwd_mem_s + self.bwd_fixed_mem_s) + self.bwd_launch_s
+        return f, b
+
+
+def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozenset[str] = frozenset()) -> OpArrays:
+    """Per-op work of one micro-batch on a mean rank (cached per attention backend and fp8 layer set)."""
+    kernels = kernels or ctx.workload.kernels
+    key = ("ops", kernels.attention, fp8_layers)
+    hit = ctx.cache.get(key)
+    if hit is not None:
+        return hit
+    w = ctx.workload
+    gpu = ctx.topology.gpu
+    eff = ctx.eff
+    n = ctx.mb_batch
+    ops = [ctx.ops[i] for i in ctx.dense_idx]
+    k = len(ops)
+    out = {name: np.zeros(k) for name in OpArrays.__slots__}
+    ep = ctx.mesh.expert_parallel
+    pad_len: dict[str, float] = {}
+    for i, o in enumerate(ops):
+        m1, m2 = ctx.moments[o.sequence]
+        flops_eff = 1.0
+        if o.op_class == "attention" and o.sequence is not None:
+            if kernels.attention == "reference":
+                if o.sequence not in pad_len:
+                    pad_len[o.sequence] = _expected_max_length(w.sequence(o.sequence).length, n)
+                L = pad_len[o.sequence]
+                m1, m2 = L, L * L
+            elif kernels.attention == "flex":
+                # block-sparse masks compute whole 128-token tiles: L rounds up by ~64 on average
+                m2 = m2 + 128.0 * m1 + 64.0**2
+                m1 = m1 + 64.0
+                flops_eff = 0.8
+        dt = o.dtype
+        if o.op_class == "gemm" and o.layer in fp8_layers and (o.min_dim >= w.precision.fp8_min_dim or w.precision.fp8 == "force"):
+            dt = "fp8"
+        peak = gpu.peak_flops_per_s.get(dt) or gpu.peak_flops_per_s["bf16"]
+        ce = eff.compute_eff(o.op_class, dt) * flops_eff
+        bw = gpu.hbm_bw_bytes_per_s * eff.memory.get(o.op_class, 0.85)
+        launch = eff.launch_s.get(o.op_class, 3e-6)
+        load = 1.0
+        fixed_f, fixed_b = o.fixed_fwd_bytes, o.fixed_bwd_bytes
+        if o.expert_params:
+            b = ctx.moe_blocks.get(o.layer)
+            if ep > 1 and b is not None:
+                # the busiest EP rank gets up to capacity_factor × the balanced routed load
+                load = b.capacity_factor
+            fixed_f, fixed_b = fixed_f / ep, fixed_b / ep
+        ff = n * load * o.fwd_flops.expect(m1, m2)
+        bf = n * load * (o.bwd_flops.expect(m1, m2) + o.bwd_extra_flops.expect(m1, m2))
+        fb = n * load * o.fwd_bytes.expect(m1, m2)
+        bb = n * load * o.bwd_bytes.expect(m1, m2)
+        out["fwd_flops"][i] = ff
+        out["bwd_flops"][i] = bf
+        out["model_bwd_flops"][i] = n * o.bwd_flops.expect(m1, m2)
+        out["fwd_flop_s"][i] = ff / (peak * ce)
+        out["fwd_mem_s"][i] = fb / bw
+        out["fwd_fixed_mem_s"][i] = fixed_f / bw
+        out["bwd_flop_s"][i] = bf / (peak * ce)
+        out["bwd_mem_s"][i] = bb / bw
+        out["bwd_fixed_mem_s"][i] = fixed_b / bw
+        out["fwd_launch_s"][i] = o.fwd_launches * launch
+        out["bwd_launch_s"][i] = o.bwd_launches * launch
+        out["fwd_bytes"][i] = fb + fixed_f
+        out["bwd_bytes"][i] = bb + fixed_b
+        out["act_bytes"][i] = n * o.act_bytes.expect(m1, m2)
+    out["fwd_var_s"] = np.maximum(out["fwd_flop_s"], out["fwd_mem_s"])
+    arr = OpArrays(**out)
+    ctx.cache[key] = arr
+    return arr
+
+
+def seq_cost(ctx: Context, kernels: Kernels | None = None):
+    """Per-sample seconds (forward + backward) as ``SeqCost(const, lin, quad)`` in the primary
+    sequence's length, each op priced in the roof (compute or memory) it is in at batch level."""
+    from coplan.costmodel.jagged import SeqCost
+
+    key = ("seqcost", (kernels or ctx.workload.kernels).attention)
+    hit = ctx.cache.get(key)
+    if hit is not None:
+        return hit
+    arr = op_arrays(ctx, kernels)
+    gpu = ctx.topology.gpu
+    c = l = q = 0.0
+    prim = ctx.primary_sequence
+    for i, oi in enumerate(ctx.dense_idx):
+        o = ctx.ops[oi]
+        for flops_c, bytes_c, comp_s, mem_s in (
+            (o.fwd_flops, o.fwd_bytes, arr.fwd_flop_s[i], arr.fwd_mem_s[i]),
+            (o.bwd_flops + o.bwd_extra_flops, o.bwd_bytes, arr.bwd_flop_s[i], arr.bwd_mem_s[i]),
+        ):
+            m1, m2 = ctx.moments[o.sequence]
+            if comp_s >= mem_s:
+                scale = comp_s / max(flops_c.expect(m1, m2), 1e-300)
+                co = flops_c
+            else:
+                scale = mem_s / max(bytes_c.expect(m1, m2), 1e-300)
+                co = bytes_c
+            scale /= ctx.mb_batch
+            if o.sequence is not None and o.sequence == prim:
+                c, l, q = c + co.const * scale, l + co.lin * scale, q + co.quad * scale
+            else:
+                c += co.expect(m1, m2) * scale
+    out = SeqCost(c, l, q)
+    ctx.cache[key] = out
+    return out
+
+
+def imbalance(ctx: Context, policy: str, kernels: Kernels | None = None) -> float:
+    """Expected max/mean per-rank jagged work under ``policy`` (1 when no sequence varies in length)."""
+    from coplan.costmodel.jagged import expected_imbalance
+
+    key = ("imb", policy, (kernels or ctx.workload.kernels).attention)
+    hit = ctx.cache.get(key)
+    if hit is not None:
+        return hit
+    prim = ctx.primary_sequence
+    if prim is None:
+        rho = 1.0
+    else:
+        rho = expected_imbalance(
+            ctx.workload.sequence(prim).length, seq_cost(ctx, kernels), ctx.local_batch, ctx.world, policy,
+            seed=ctx.options.balance_seed, trials=ctx.options.balance_trials, num_micro_batches=ctx.micro_batches,
+        )
+    ctx.cache[key] = rho
+    return rho
+
+
+# ---------------------------------------------------------------------------------------------
+# Decomposed costs for the planner
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One dense layer on the critical rank, per step (all micro-batches)."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    """Backward compute (without recompute)."""
+    recompute_s: float
+    """Extra time when the layer is recomputed (its forward again)."""
+    activation_bytes: float
+    """Saved activations of one micro-batch when not recomputed."""
+    recomputed_activation_bytes: float
+    """Kept when recomputed: the layer input of one micro-batch."""
+    params: float
+    expert_params: float
+    fp8_fwd_s: float
+    """Forward time with the layer's eligible GEMMs in fp8."""
+    fp8_bwd_s: float
+
+
+def layer_costs(ctx: Context, *, policy: str = "greedy", kernels: Kernels | None = None) -> tuple[LayerCost, ...]:
+    """Per-layer compute and activation figures (critical rank, jagged imbalance of ``policy`` applied)."""
+    rho = imbalance(ctx, policy, kernels)
+    arr = op_arrays(ctx, kernels)
+    f, b = arr.times(rho)
+    all_fp8 = frozenset(ctx.layer_names)
+    arr8 = op_arrays(ctx, kernels, all_fp8)
+    f8, b8 = arr8.times(rho)
+    nl = len(ctx.layer_names)
+    M = ctx.micro_batches
+    fl = np.bincount(ctx.op_layer, weights=f, minlength=nl) * M
+    bl = np.bincount(ctx.op_layer, weights=b, minlength=nl) * M
+    fl8 = np.bincount(ctx.op_layer, weights=f8, minlength=nl) * M
+    bl8 = np.bincount(ctx.op_layer, weights=b8, minlength=nl) * M
+    act = np.bincount(ctx.op_layer, weights=arr.act_bytes, minlength=nl) * rho
+    inp = ctx.layer_input_bytes * ctx.mb_batch * rho
+    return tuple(
+        LayerCost(n, float(fl[i]), float(bl[i]), float(fl[i]), float(act[i]), float(min(inp[i], act[i])),
+                  float(ctx.layer_params[i]), float(ctx.layer_expert_params[i]), float(fl8[i]), float(bl8[i]))
+        for i, n in enumerate(ctx.layer_names)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DenseFixedCosts:
+    """Dense costs that do not depend on tables or recompute: FSDP/HSDP and expert collectives per
+    layer (per step, whole duration, before overlap), and per-rank parameter state."""
+
+    layers: tuple[str, ...]
+    all_gather_fwd_s: np.ndarray
+    all_gather_bwd_s: np.ndarray
+    reduce_scatter_s: np.ndarray
+    replicate_all_reduce_s: np.ndarray
+    ep_all_to_all_s: np.ndarray
+    """Dispatch + combine, forward and backward (per MoE layer; recompute adds its forward pair)."""
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    fsdp_buffer_bytes: float
+    optimizer_step_s: float
+
+    @property
+    def comm_total_s(self) -> float:
+        return float(self.all_gather_fwd_s.sum() + self.all_gather_bwd_s.sum() + self.reduce_scatter_s.sum()
+                     + self.replicate_all_reduce_s.sum() + self.ep_all_to_all_s.sum())
+
+
+def dense_fixed_costs(ctx: Context) -> DenseFixedCosts:
+    hit = ctx.cache.get("dense_fixed")
+    if hit is not None:
+        return hit
+    w = ctx.workload
+    cb = ctx.compute_bytes
+    pb = F.DTYPE_BYTES[w.precision.param_dtype]
+    rb = F.DTYPE_BYTES[w.precision.reduce_dtype]
+    ds, dr, ep = ctx.mesh.dense_shard, ctx.mesh.dense_replicate, ctx.mesh.expert_parallel
+    es = ctx.expert_shard
+    M = ctx.micro_batches
+    P = ctx.layer_params
+    E = ctx.layer_expert_params
+    nl = len(P)
+    ag = ctx.model("dense_shard", "all_gather")
+    rs = ctx.model("dense_shard", "reduce_scatter")
+    ar = ctx.model("dense_replicate", "all_reduce")
+    eag = ctx.model("expert_shard", "all_gather")
+    ers = ctx.model("expert_shard", "reduce_scatter")
+    ear = ctx.model("expert_replicate", "all_reduce")
+    a2a = ctx.model("expert", "all_to_all")
+    ag_f = (ag.time(P * cb) + eag.time(E / ep * cb)) * M
+    re = np.ones(nl)
+    if nl:
+        re[-1] = 0.0  # the last layer keeps its parameters for backward
+    ag_b = ag_f * re if ctx.options.reshard_after_forward else np.zeros(nl)
+    rs_s = (rs.time(P * rb) + ers.time(E / ep * rb)) * M
+    if ds > 1:
+        rep = ar.time(P / ds * rb) + ear.time(E / ep / es * rb)
+    else:
+        rep = ar.time(P * rb) + ear.time(E / ep / es * rb)
+    rep = rep * M
+    ep_s = np.zeros(nl)
+    for i, name in enumerate(ctx.layer_names):
+        b = ctx.moe_blocks.get(name)
+        if b is not None and ep > 1:
+            S = ctx.mb_batch * b.tokens_per_sample * b.top_k * b.model_dim * cb * b.capacity_factor
+            ep_s[i] = 4 * a2a.time(S) * M
+    n_local = P.sum() / ds + E.sum() / (ep * es)
+    params_b = n_local * pb
+    grads_b = n_local * pb  # FSDP2 keeps sharded gradients in the parameter dtype
+    opt_b = n_local * w.optimizer.dense_state_bytes_per_param
+    if ds > 1 or ep > 1:
+        mx = float((P + E / ep).max()) if nl else 0.0
+        fsdp_buf = 2.0 * mx * cb + mx * rb
+    else:
+        fsdp_buf = float((P + E).sum()) * cb  # compute-dtype copies of all weights kept for backward
+    # optimizer: read/write params and state, read grads (fused multi-tensor kernels)
+    st = w.optimizer.dense_state_bytes_per_param
+    opt_bytes = n_local * (2 * pb + rb + 2 * st)
+    bw = ctx.topology.gpu.hbm_bw_bytes_per_s * ctx.eff.memory.get("elementwise", 0.85)
+    opt_s = opt_bytes / bw + 20 * ctx.eff.launch_s.get("elementwise", 2e-6) if n_local else 0.0
+    out = DenseFixedCosts(ctx.layer_names, ag_f, ag_b, rs_s, rep, ep_s, params_b, grads_b, opt_b, fsdp_buf, opt_s)
+    ctx.cache["dense_fixed"] = out
+    return out
+
+
+def table_option_costs(ctx: Context, sharding_type: str, num_shards=1, *, kernel: str | None = None) -> TableOptionCosts:
+    """All tables under one option, vectorised (see :mod:`coplan.costmodel.embedding`)."""
+    kernel = kernel or ctx.workload.kernels.embedding
+    if sharding_type not in SHARDING_CODES:
+        raise CoplanError(f"unknown sharding type '{sharding_type}'; expected one of {sorted(SHARDING_CODES)}")
+    key = ("topt", sharding_type, kernel, np.asarray(num_shards).tobytes() if np.ndim(num_shards) else num_shards)
+    hit = ctx.cache.get(key)
+    if hit is not None:
+        return hit
+    out = option_costs(ctx.tables, sharding_type, num_shards, ctx.mesh.sparse_shard, ctx.local_batch, ctx.micro_batches,
+                       ctx.compute_bytes, ctx.emb_bw, kernel=kernel)
+    if len(ctx.cache) < 4096:
+        ctx.cache[key] = out
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TableOptionCost:
+    """One table under one sharding option: per shard and per step (all micro-batches)."""
+
+    table: str
+    sharding_type: str
+    num_shards: int
+    fwd_s: float
+    """Forward lookup time of one shard on its rank."""
+    bwd_s: float
+    """Backward + fused optimizer time of one shard."""
+    memory_bytes: float
+    """Weights + optimizer state of one shard."""
+    weight_bytes: float
+    optimizer_bytes: float
+    a2a_send_bytes: float
+    """Output all-to-all bytes the shard's rank sends forward (the same come back backward)."""
+    a2a_recv_bytes_per_rank: float
+    """Output all-to-all bytes every rank of the sparse group receives for this table."""
+    ids_bytes_per_rank: float
+    """Id bytes every rank sends forward."""
+    ids_recv_bytes: float
+    """Id bytes the shard's rank receives."""
+    allreduce_bytes: float
+    """data_parallel: gradient all-reduce bytes per rank (world group)."""
+
+
+def table_option_cost(ctx: Context, table: str, sharding_type: str, num_shards: int = 1, *, kernel: str | None = None) -> TableOptionCost:
+    """The cost of one table under one option (see :func:`table_option_costs` for all tables at once)."""
+    i = ctx.tables.index.get(table)
+    if i is None:
+        raise CoplanError(f"'{table}' is not a table of workload '{ctx.workload.name}'")
+    c = table_option_costs(ctx, sharding_type, num_shards, kernel=kernel)
+    return TableOptionCost(
+        table, sharding_type, int(c.num_shards[i]), float(c.fwd_s[i]), float(c.bwd_s[i]), float(c.memory_bytes[i]),
+        float(c.weight_bytes[i]), float(c.optimizer_bytes[i]), float(c.send_bytes[i]), float(c.recv_bytes[i]),
+        float(c.ids_send_bytes[i]), float(c.ids_recv_bytes[i]), float(c.allreduce_bytes[i]),
+    )
+
+
+__all__ = [
+    "Context", "DenseFixedCosts", "LayerCost", "OpArrays", "Options", "TableOptionCost", "build_context",
+    "dense_fixed_costs", "imbalance", "layer_costs", "op_arrays", "seq_cost", "table_option_cost", "table_option_costs",
+]

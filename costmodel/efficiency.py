@@ -1,0 +1,170 @@
+"""Efficiencies: the fraction of datasheet peak each kind of op reaches, resolved once per
+(topology, calibration) into plain floats the pricers read.
+
+Order of precedence, per figure: a :class:`~coplan.spec.Calibration` fitted on this device, then
+what the topology file says it measured (``measured_flops_per_s``, ``measured_hbm_bw_bytes_per_s``,
+``collective_efficiency``), then the defaults below. Every default names its source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coplan.errors import MismatchError
+from coplan.spec.calibration import Calibration
+from coplan.spec.topology import Topology
+
+# ---------------------------------------------------------------------------------------------
+# Defaults and their sources
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_GEMM_EFFICIENCY: dict[str, float] = {
+    "bf16": 806.0 / 989.0,   # coplan brief: 806 TFLOP/s measured bf16 matmul on one H200 (datasheet 989 dense)
+    "fp16": 806.0 / 989.0,   # same tensor-core path as bf16
+    "fp8": 1309.0 / 1979.0,  # coplan brief: 1,309 TFLOP/s torch._scaled_mm on the same H200 (datasheet 1,979)
+    "tf32": 0.75,            # assumption: tf32 GEMMs run ~ like bf16 ones relative to their (half) peak, a little lower
+    "fp32": 0.85,            # assumption: SIMT fp32 GEMM (cuBLAS sgemm) reaches ~85% of the fp32 CUDA-core peak
+}
+"""Large-GEMM fraction of the dense peak, used when neither a calibration nor the topology's
+``measured_flops_per_s`` gives one. Small GEMMs fall to the memory roof or the launch overhead."""
+
+DEFAULT_ATTENTION_EFFICIENCY: dict[str, float] = {
+    "bf16": 0.50, "fp16": 0.50, "fp8": 0.40, "tf32": 0.40, "fp32": 0.50,
+}
+"""Fused attention forward+backward. FlashAttention-3 (Shah et al. 2024, §4.1) reports 540-740
+TFLOP/s bf16 forward on H100 (55-75% of 989) and FlashAttention-2 (Dao 2023) 50-70% on A100 forward,
+backward lower; jagged variable-length kernels (GDPA, HSTU-style Triton) lose more to ragged tiles.
+0.5 sits at the low end of the dense kernels, pending calibration."""
+
+DEFAULT_MEMORY_EFFICIENCY: dict[str, float] = {
+    "gemm": 0.85, "attention": 0.85, "elementwise": 0.85,
+    "embedding": 3.2e12 / 4.8e12,
+}
+"""Fraction of datasheet HBM bandwidth for bandwidth-bound kernels when the topology gives no
+measured copy rate. Embedding: TorchRec's fused TBE reached 3.2 TB/s on an H200 in the coplan brief's
+measurement (datasheet 4.8 TB/s). Others: assumption, ~ the 4.24/4.8 = 0.88 device copy the brief
+measured, less a little for non-streaming access."""
+
+TBE_OVER_COPY = (3.2e12 / 4.8e12) / (4.24e12 / 4.8e12)
+"""TBE bandwidth relative to a plain device copy on the same H200 (3.2 vs 4.24 TB/s, coplan brief):
+applied to a topology's measured copy rate when no embedding calibration exists."""
+
+DEFAULT_LAUNCH_OVERHEAD_S: dict[str, float] = {
+    "gemm": 3e-6, "attention": 4e-6, "elementwise": 2e-6, "embedding": 5e-6,
+}
+"""GPU time per kernel beyond its roofline (launch latency, tail, prologue): a few microseconds per
+kernel on Hopper with the CPU running ahead (assumption; NVIDIA Nsight traces of eager PyTorch show
+2-5 µs gaps). The embedding figure includes the TBE's index bucketing."""
+
+DEFAULT_COLLECTIVE_EFFICIENCY = 1.0
+"""Topology tiers carry their own per-collective efficiency; a missing entry means 1.0 × this."""
+
+IN_SWITCH_ALLREDUCE_GAIN = 1.25
+"""Bus-bandwidth gain of all-reduce with in-switch reduction (NVLink SHARP/NVLS, IB SHARP). In theory
+each GPU sends and receives the buffer once instead of 2(n−1)/n times; measured gains are smaller:
+NVIDIA GTC25 session S72583 (reproduced in stas00/ml-engineering, network/README.md §SHARP) shows
+370 → 480 GB/s on 8×H100 NVLink 4 (+30%) and 680 → 850 GB/s on NVL72 (+25%). We take the lower."""
+
+COLLECTIVE_BASE_LATENCY_S = 8e-6
+"""Fixed cost of one NCCL collective (kernel launch, proxy hand-off), the order of NCCL's tuning
+model base latencies (NCCL ``src/graph/tuning.cc``) and of the ~8-10 µs small-message all-reduce
+times nccl-tests prints on one 8-GPU node."""
+
+P2P_PER_PEER_S = 0.25e-6
+"""Extra issue cost per peer of an all-to-all, which NCCL runs as one send/recv per peer (assumption;
+makes a 16k-peer all-to-all pay ~4 ms of message overhead, in line with the latency walls reported
+for flat all-to-all at that scale)."""
+
+SM_CONTENTION = 0.10
+"""Compute slows by this fraction while an SM-using collective runs beside it: NCCL takes 16-32 of
+132 SMs and HBM bandwidth. Measured overlap slowdowns of 5-20% on H100 GEMMs (e.g. the FLUX and
+Domino papers, 2024) bracket it; assumption until calibrated."""
+
+EXPERT_IMBALANCE_DEFAULT = True
+"""Price the busiest expert-parallel rank at the capacity factor's bound (see compute.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiencies:
+    """Resolved efficiencies for one (topology, calibration)."""
+
+    compute: dict[tuple[str, str], float]
+    """(op class, dtype) → fraction of the dtype's dense peak."""
+
+    memory: dict[str, float]
+    """op class → fraction of datasheet HBM bandwidth."""
+
+    launch_s: dict[str, float]
+    """op class → seconds per kernel launch."""
+
+    collective: dict[tuple[str, str], float]
+    """(tier name, collective) → fraction of the tier's per-GPU bandwidth reached."""
+
+    sm_contention: float = SM_CONTENTION
+    """Slowdown of compute that overlaps SM-using communication."""
+
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each figure came from (for reports)."""
+
+    def compute_eff(self, op_class: str, dtype: str) -> float:
+        return self.compute.get((op_class, dtype)) or self.compute.get((op_class, "bf16"), 0.5)
+
+
+def resolve_efficiencies(topology: Topology, calibration: Calibration | None = None, *, force: bool = False) -> Efficiencies:
+    """Efficiencies for ``topology`` with ``calibration`` applied over the defaults.
+
+    A calibration measured on a different GPU than the topology's is refused unless ``force``.
+    """
+    gpu = topology.gpu
+    if calibration is not None and not force and calibration.device.strip().lower() not in gpu.name.lower() and gpu.name.lower() not in calibration.device.lower():
+        raise MismatchError(
+            f"calibration was fitted on '{calibration.device}' but topology '{topology.name}' has '{gpu.name}'; "
+            "re-calibrate on this GPU or pass force=True to use it anyway"
+        )
+    sources: dict[str, str] = {}
+    compute: dict[tuple[str, str], float] = {}
+    dtypes = sorted(set(gpu.peak_flops_per_s) | set(DEFAULT_GEMM_EFFICIENCY))
+    for dt in dtypes:
+        peak = gpu.peak_flops_per_s.get(dt)
+        meas = gpu.measured_flops_per_s.get(dt)
+        if peak and meas:
+            compute[("gemm", dt)] = min(1.0, meas / peak)
+            sources[f"gemm.{dt}"] = f"topology '{topology.name}': measured {meas / 1e12:.0f} / peak {peak / 1e12:.0f} TFLOP/s"
+        else:
+            compute[("gemm", dt)] = DEFAULT_GEMM_EFFICIENCY.get(dt, 0.7)
+            sources[f"gemm.{dt}"] = "default (efficiency.DEFAULT_GEMM_EFFICIENCY)"
+        compute[("attention", dt)] = DEFAULT_ATTENTION_EFFICIENCY.get(dt, 0.4)
+        compute[("embedding", dt)] = compute[("gemm", dt)]
+        compute[("elementwise", dt)] = compute[("gemm", dt)]
+    memory = dict(DEFAULT_MEMORY_EFFICIENCY)
+    if gpu.measured_hbm_bw_bytes_per_s:
+        copy = min(1.0, gpu.measured_hbm_bw_bytes_per_s / gpu.hbm_bw_bytes_per_s)
+        for k in ("gemm", "attention", "elementwise"):
+            memory[k] = copy
+        memory["embedding"] = copy * TBE_OVER_COPY
+        sources["memory"] = f"topology '{topology.name}': measured copy {gpu.measured_hbm_bw_bytes_per_s / 1e12:.2f} TB/s"
+    launch = dict(DEFAULT_LAUNCH_OVERHEAD_S)
+    collective: dict[tuple[str, str], float] = {}
+    for t in topology.tiers:
+        for c in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"):
+            collective[(t.name, c)] = t.efficiency(c) * DEFAULT_COLLECTIVE_EFFICIENCY
+    if calibration is not None:
+        for cls, oc in calibration.op_classes.items():
+            for dt, e in oc.compute_efficiency.items():
+                compute[(cls, dt)] = e
+                sources[f"{cls}.{dt}"] = f"calibration ({calibration.device})"
+            if oc.memory_efficiency is not None:
+                memory[cls] = oc.memory_efficiency
+            if oc.launch_overhead_s is not None:
+                launch[cls] = oc.launch_overhead_s
+        for tier, d in calibration.collective_efficiency.items():
+            for c, e in d.items():
+                collective[(tier, c)] = e
+    return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources)
+
+
+__all__ = [
+    "COLLECTIVE_BASE_LATENCY_S", "DEFAULT_ATTENTION_EFFICIENCY", "DEFAULT_GEMM_EFFICIENCY", "DEFAULT_LAUNCH_OVERHEAD_S",
+    "DEFAULT_MEMORY_EFFICIENCY", "Efficiencies", "IN_SWITCH_ALLREDUCE_GAIN", "P2P_PER_PEER_S", "SM_CONTENTION",
+    "resolve_efficiencies",
+]

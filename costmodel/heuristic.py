@@ -1,0 +1,181 @@
+"""A simple, explainable plan for pricing before (or without) the CP-SAT planner.
+
+Used by ``coplan simulate`` to choose a reasonable plan per point of a sweep. The planner replaces
+it; keep it simple and monotone:
+
+- dense: HSDP with the shard group inside the innermost tier (the NVLink domain) when the dense
+  state (parameters, gradients, optimizer: 16 bytes/param with fp32 AdamW) fits in a quarter of HBM
+  there, else the smallest power-of-two multiple of it that fits;
+- experts: expert parallelism over the largest power of two dividing both the expert count and the
+  dense shard group;
+- tables: the smallest power-of-two sparse group whose share of all tables (weights + optimizer) fits
+  in 40% of HBM; each table table-wise, or row-wise over enough ranks when it alone would take more
+  than a quarter of one rank's share; shards placed by longest-processing-time first on
+  ``max(share of lookup time, share of memory)``;
+- recompute: none, or every layer when the activations do not fit;
+- balancing: greedy (LPT) whenever a sequence has variable length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from coplan.costmodel import flops as F
+from coplan.costmodel.comm import place_group
+from coplan.costmodel.embedding import SHARDING_CODES, TableAssignment, option_costs
+from coplan.errors import InfeasibleError
+from coplan.spec.calibration import Calibration
+from coplan.spec.plan import BalancingPlan, LayerPlan, MeshAxis, MeshPlan, TableShard
+from coplan.spec.topology import Topology
+from coplan.spec.workload import FixedLength, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class HeuristicPlan:
+    """The choices of :func:`heuristic_plan_choices`."""
+
+    mesh: MeshPlan
+    tables: TableAssignment | None
+    layers: tuple[LayerPlan, ...]
+    balancing: BalancingPlan
+    reasons: tuple[str, ...]
+
+    def table_shards(self, workload: Workload) -> tuple[TableShard, ...]:
+        """The assignment as spec ``TableShard`` values (for a plan file)."""
+        if self.tables is None:
+            return ()
+        names = [t.name for t in workload.all_tables]
+        ranks: dict[int, list[int]] = {}
+        for t, r in zip(self.tables.shard_table.tolist(), self.tables.shard_rank.tolist()):
+            ranks.setdefault(t, []).append(r)
+        inv = {v: k for k, v in SHARDING_CODES.items()}
+        out = []
+        for i, n in enumerate(names):
+            st = inv[int(self.tables.sharding[i])]
+            out.append(TableShard(table=n, sharding_type=st, ranks=() if st == "data_parallel" else tuple(ranks[i])))
+        return tuple(out)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def _divisors_pow2(world: int) -> list[int]:
+    return [d for d in (1 << k for k in range(world.bit_length())) if world % d == 0]
+
+
+def mesh_axes(topology: Topology, mesh: MeshPlan) -> tuple[MeshAxis, ...]:
+    """The mesh's axes with the tiers each spans (innermost first)."""
+    first = topology.tiers[0].name
+
+    def tiers(size: int, stride: int) -> tuple[str, ...]:
+        t = place_group(topology, size, stride).tiers
+        return t or (first,)
+
+    ax = [MeshAxis(name="dp_shard", size=mesh.dense_shard, tiers=tiers(mesh.dense_shard, 1)),
+          MeshAxis(name="dp_replicate", size=mesh.dense_replicate, tiers=tiers(mesh.dense_replicate, mesh.dense_shard))]
+    if mesh.expert_parallel > 1:
+        ax.append(MeshAxis(name="ep", size=mesh.expert_parallel, tiers=tiers(mesh.expert_parallel, 1)))
+    ax += [MeshAxis(name="sparse_shard", size=mesh.sparse_shard, tiers=tiers(mesh.sparse_shard, 1)),
+           MeshAxis(name="sparse_replicate", size=mesh.sparse_replicate, tiers=tiers(mesh.sparse_replicate, mesh.sparse_shard))]
+    return tuple(ax)
+
+
+def choose_mesh(workload: Workload, topology: Topology, world_size: int) -> tuple[MeshPlan, list[str]]:
+    reasons: list[str] = []
+    hbm = topology.gpu.hbm_bytes
+    P, E = F.dense_params(workload)
+    per_param = F.DTYPE_BYTES[workload.precision.param_dtype] * 2 + workload.optimizer.dense_state_bytes_per_param
+    divs = _divisors_pow2(world_size) if world_size & (world_size - 1) == 0 else [d for d in range(1, world_size + 1) if world_size % d == 0]
+    dom = min(world_size, topology.tiers[0].size)
+    inside = max([d for d in divs if d <= dom] or [1])  # the largest group that stays in the NVLink domain
+    ds = None
+    for d in divs:
+        if d < inside:
+            continue
+        if (P + E) * per_param / d <= 0.25 * hbm:
+            ds = d
+            break
+    if ds is None:
+        ds = world_size
+        reasons.append(f"dense state {(P + E) * per_param / 1e9:.0f} GB needs the whole world as the FSDP group")
+    else:
+        reasons.append(f"FSDP shard group of {ds} (dense state {(P + E) * per_param / ds / 1e9:.1f} GB/rank), replicated {world_size // ds}×")
+    ep = 1
+    experts = [b.num_experts for b in workload.blocks if getattr(b, "type", "") == "moe"]
+    if experts:
+        g = math.gcd(min(experts), ds)
+        ep = _pow2_floor(g) if g > 1 else 1
+        while ds % ep:
+            ep //= 2
+        reasons.append(f"expert parallel {ep}")
+    emb = sum(t.num_params * F.DTYPE_BYTES[t.dtype] for t in workload.all_tables)
+    emb += sum(t.num_rows * (4 if workload.optimizer.sparse == "rowwise_adagrad" else 0) for t in workload.all_tables)
+    ss = world_size
+    if workload.all_tables:
+        for d in divs:
+            if emb / d <= 0.4 * hbm:
+                ss = d
+                break
+        reasons.append(f"tables sharded over groups of {ss} ranks ({emb / ss / 1e9:.1f} GB/rank of {emb / 1e12:.2f} TB), {world_size // ss} replicas")
+    mesh = MeshPlan(dense_shard=ds, dense_replicate=world_size // ds, expert_parallel=ep, sparse_shard=ss,
+                    sparse_replicate=world_size // ss)
+    return mesh.model_copy(update={"axes": mesh_axes(topology, mesh)}), reasons
+
+
+def greedy_table_wise(ctx, *, memory_share: float = 0.4) -> TableAssignment:
+    """Table-wise (row-wise for tables too big for a quarter of a rank's share), placed by LPT."""
+    from coplan.costmodel.jagged import balance
+
+    ta = ctx.tables
+    G = ctx.mesh.sparse_shard
+    hbm = ctx.topology.gpu.hbm_bytes
+    tw = option_costs(ta, "table_wise", 1, G, ctx.local_batch, ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw)
+    mem = tw.memory_bytes
+    budget = memory_share * hbm
+    k = np.ones(ta.num, dtype=np.int64)
+    big = mem > 0.25 * budget
+    if big.any():
+        need = np.ceil(mem[big] / (0.25 * budget)).astype(np.int64)
+        k[big] = np.minimum(G, 1 << np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
+    code = np.where(k > 1, SHARDING_CODES["row_wise"], SHARDING_CODES["table_wise"]).astype(np.int64)
+    rw = option_costs(ta, "row_wise", k, G, ctx.local_batch, ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw)
+    cost = np.where(k > 1, rw.fwd_s + rw.bwd_s, tw.fwd_s + tw.bwd_s)
+    smem = np.where(k > 1, rw.memory_bytes, mem)
+    shard_table = np.repeat(np.arange(ta.num), k)
+    w_cost = cost[shard_table] / max(cost.sum() / G, 1e-300)
+    w_mem = smem[shard_table] / max((smem * k).sum() / G, 1e-300)
+    weight = np.maximum(w_cost, w_mem)
+    ranks = balance(weight, G, "greedy") if G > 1 else np.zeros(shard_table.size, dtype=np.int64)
+    return TableAssignment(code, k, shard_table.astype(np.int64), ranks.astype(np.int64), np.zeros(0, dtype=np.int64))
+
+
+def heuristic_plan_choices(
+    workload: Workload, topology: Topology, world_size: int, calibration: Calibration | None = None,
+) -> HeuristicPlan:
+    """A reasonable plan for ``workload`` on the first ``world_size`` GPUs of ``topology``."""
+    from coplan.costmodel.context import build_context
+    from coplan.costmodel.pricer import price
+
+    mesh, reasons = choose_mesh(workload, topology, world_size)
+    ctx = build_context(workload, topology, mesh, calibration)
+    tables = greedy_table_wise(ctx) if ctx.tables.num else None
+    varies = any(not isinstance(s.length, FixedLength) for s in workload.sequences)
+    balancing = BalancingPlan(policy="greedy" if varies else "none")
+    layers: tuple[LayerPlan, ...] = ()
+    cost = price(ctx, tables, layers, balancing, detail=False)
+    if not cost.fits:
+        layers = tuple(LayerPlan(name=n, recompute=True) for n in ctx.layer_names)
+        cost2 = price(ctx, tables, layers, balancing, detail=False)
+        reasons.append(
+            f"activations {cost.memory.activations / 1e9:.1f} GB do not fit: every layer recomputed "
+            f"(now {cost2.memory.activations / 1e9:.1f} GB)"
+        )
+    balancing = balancing.model_copy(update={"expected_imbalance": max(1.0, cost.imbalance)})
+    return HeuristicPlan(mesh, tables, layers, balancing, tuple(reasons))
+
+
+__all__ = ["HeuristicPlan", "choose_mesh", "greedy_table_wise", "heuristic_plan_choices", "mesh_axes"]

@@ -1,0 +1,439 @@
+"""The full pricer: one plan (mesh context + table placement + per-layer recompute/precision +
+balancing policy + kernels) → :class:`~coplan.costmodel.results.StepCost`.
+
+The step of the critical rank is assembled as a two-stream schedule (:mod:`.schedule`), per
+micro-batch:
+
+1. embedding forward lookups (the slowest sparse rank: the output all-to-all waits for it), then the
+   output all-to-all; only the layers that read embeddings wait for it (dense-feature MLPs do not);
+2. dense layers forward, each after its FSDP all-gather, prefetched one layer ahead (issued when the
+   previous layer starts); MoE layers dispatch and combine through expert-parallel all-to-alls, with
+   shared experts computed under the dispatch;
+3. dense layers backward in reverse (recompute first where checkpointed), all-gathers prefetched one
+   layer ahead again, reduce-scatter (and the HSDP all-reduce) issued as each layer finishes;
+4. the embedding-gradient all-to-all once the layers that read embeddings are done, then the fused
+   embedding backward + optimizer, which hides the tail of the dense reduce-scatters;
+
+then, once per step, the data-parallel tables' gradient all-reduce, the amortised replica sync and the
+dense optimizer. With TorchRec's pipelined input distribution the id all-to-all of the next batch is
+issued last and only its part the step's compute cannot hide is exposed.
+
+The critical rank runs the dense work of the expected most-loaded rank (``imbalance ×`` the mean,
+from :func:`coplan.costmodel.jagged.expected_imbalance` under the balancing policy) and waits for the
+slowest embedding shard at each all-to-all, because every collective synchronises the ranks in it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from coplan.costmodel import flops as F
+from coplan.costmodel.context import Context, dense_fixed_costs, imbalance, op_arrays, table_option_costs
+from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment
+from coplan.costmodel.goodput import goodput as goodput_of
+from coplan.costmodel.results import CommCost, Memory, OpCost, Perf, StepCost
+from coplan.costmodel.schedule import COMM, COMPUTE, Schedule
+from coplan.errors import CoplanError
+from coplan.spec.plan import BalancingPlan, LayerPlan, TableShard
+from coplan.spec.workload import Kernels
+
+_CODE_NAMES = {v: k for k, v in SHARDING_CODES.items()}
+
+
+def _assignment(ctx: Context, tables) -> TableAssignment:
+    if isinstance(tables, TableAssignment):
+        return tables
+    key = ("assign", id(tables))
+    hit = ctx.cache.get(key)
+    if hit is not None and hit[0] is tables:
+        return hit[1]
+    a = TableAssignment.from_shards(ctx.tables, tables)
+    G = ctx.mesh.sparse_shard
+    if a.shard_rank.size and int(a.shard_rank.max()) >= G:
+        bad = int(a.shard_table[int(np.argmax(a.shard_rank))])
+        raise CoplanError(f"table '{ctx.tables.names[bad]}' has a shard on rank {int(a.shard_rank.max())} outside the sparse group of {G} ranks")
+    twrw = np.flatnonzero(a.sharding == TWRW)
+    if twrw.size:
+        gpn = ctx.topology.gpus_per_node
+        node = a.shard_rank // gpn
+        for t in twrw:
+            nodes = np.unique(node[a.shard_table == t])
+            if nodes.size > 1:
+                raise CoplanError(f"table '{ctx.tables.names[t]}' is table_row_wise across nodes {nodes.tolist()}; its shards must share one node")
+    ctx.cache[key] = (tables, a)
+    return a
+
+
+def default_assignment(ctx: Context) -> TableAssignment:
+    """Every table table-wise, greedily on the least-loaded rank by lookup time (a placeholder
+    placement for pricing before the planner runs)."""
+    from coplan.costmodel.heuristic import greedy_table_wise
+
+    return greedy_table_wise(ctx)
+
+
+def embedding_loads(ctx: Context, a: TableAssignment) -> dict[str, np.ndarray | float]:
+    """Per sparse-group rank: lookup times, bytes sent/received and memory of an assignment (per step)."""
+    G = ctx.mesh.sparse_shard
+    ta = ctx.tables
+    nt = ta.num
+    fields = ("fwd_s", "bwd_s", "send_bytes", "recv_bytes", "ids_send_bytes", "ids_recv_bytes", "intra_node_bytes",
+              "allreduce_bytes", "weight_bytes", "optimizer_bytes", "io_bytes")
+    per_t = {f: np.zeros(nt) for f in fields}
+    for code in np.unique(a.sharding):
+        mask = a.sharding == code
+        c = table_option_costs(ctx, _CODE_NAMES[int(code)], a.num_shards)
+        for f in fields:
+            per_t[f][mask] = getattr(c, f)[mask]
+    st, sr = a.shard_table, a.shard_rank
+    out: dict[str, np.ndarray | float] = {}
+    for f in ("fwd_s", "bwd_s", "send_bytes", "ids_recv_bytes", "intra_node_bytes", "weight_bytes", "optimizer_bytes", "io_bytes"):
+        out[f] = np.bincount(sr, weights=per_t[f][st], minlength=G) if st.size else np.zeros(G)
+    dp = a.dp_tables
+    for f in ("fwd_s", "bwd_s", "weight_bytes", "optimizer_bytes", "io_bytes"):
+        out[f] = out[f] + float(per_t[f][dp].sum())
+    nondp = a.sharding != DP
+    out["recv_bytes"] = float(per_t["recv_bytes"][nondp].sum())
+    out["ids_send_bytes"] = float(per_t["ids_send_bytes"][nondp].sum())
+    out["allreduce_bytes"] = float(per_t["allreduce_bytes"][dp].sum())
+    holds = np.bincount(sr, minlength=G) if st.size else np.zeros(G)
+    out["shards"] = holds + dp.size
+    return out
+
+
+def _layer_map(ctx: Context, layers: Sequence[LayerPlan] | None) -> tuple[frozenset[str], frozenset[str]]:
+    if not layers:
+        return frozenset(), frozenset()
+    known = set(ctx.layer_names)
+    bad = [lp.name for lp in layers if lp.name not in known]
+    if bad:
+        raise CoplanError(f"layer plan names {bad[:5]} are not layers of workload '{ctx.workload.name}' (layers: {list(ctx.layer_names)[:8]}...)")
+    rec = frozenset(lp.name for lp in layers if lp.recompute)
+    fp8 = frozenset(lp.name for lp in layers if lp.precision == "fp8")
+    return rec, fp8
+
+
+def price(
+    ctx: Context,
+    tables: Sequence[TableShard] | TableAssignment | None = None,
+    layers: Sequence[LayerPlan] | None = None,
+    balancing: BalancingPlan | None = None,
+    kernels: Kernels | None = None,
+    *,
+    detail: bool = True,
+) -> StepCost:
+    """Price one plan. ``tables=None`` prices a greedy table-wise placement; ``detail=False`` skips the
+    per-op rows (the planner's inner loop)."""
+    w = ctx.workload
+    kernels = kernels or w.kernels
+    balancing = balancing or BalancingPlan()
+    recomputed, fp8_layers = _layer_map(ctx, layers)
+    notes: list[str] = []
+    if fp8_layers and w.precision.fp8 == "off":
+        notes.append("fp8 layers requested while the workload's precision.fp8 is 'off'; priced as asked")
+    if kernels.attention == "reference" and any(o.op_class == "attention" and o.sequence for o in ctx.ops):
+        notes.append("attention backend 'reference' pads each micro-batch to its expected longest sequence")
+    if kernels.attention == "flex":
+        notes.append("attention backend 'flex' priced with 128-token tile rounding and 0.8× the fused kernel's efficiency")
+    rho = imbalance(ctx, balancing.policy, kernels)
+    arr = op_arrays(ctx, kernels, fp8_layers)
+    f_op, b_op = arr.times(rho)
+    f_mean, b_mean = arr.times(1.0)
+    M = ctx.micro_batches
+    nl = len(ctx.layer_names)
+    L = ctx.op_layer
+    fl = np.bincount(L, weights=f_op, minlength=nl)
+    bl = np.bincount(L, weights=b_op, minlength=nl)
+    dense_mean = float((f_mean.sum() + b_mean.sum()) * M)
+
+    # MoE layers: split into router | shared experts | routed experts | the rest, forward and backward
+    moe_parts: dict[int, dict[str, tuple[float, float]]] = {}
+    if ctx.layer_is_moe.any():
+        for k, oi in enumerate(ctx.dense_idx):
+            li = int(L[k])
+            if not ctx.layer_is_moe[li]:
+                continue
+            suffix = ctx.ops[oi].name.rsplit(".", 1)[-1]
+            part = {"router": "router", "shared_experts": "shared", "experts": "experts"}.get(suffix, "post")
+            d = moe_parts.setdefault(li, {})
+            pf, pb = d.get(part, (0.0, 0.0))
+            d[part] = (pf + float(f_op[k]), pb + float(b_op[k]))
+
+    # ---------------------------------------------------------------- embeddings
+    a = _assignment(ctx, tables) if tables is not None else default_assignment(ctx) if ctx.tables.num else None
+    G = ctx.mesh.sparse_shard
+    sparse_model = ctx.model("sparse_shard", "all_to_all")
+    emb_launch = ctx.eff.launch_s.get("embedding", 5e-6)
+    if a is not None and ctx.tables.num:
+        loads = embedding_loads(ctx, a)
+        nk = np.where(loads["shards"] > 0, 1.0 if kernels.embedding == "fused" else loads["shards"], 0.0)
+        t0cap = ctx.topology.tiers[0].bw_bytes_per_s * ctx.eff.collective.get((ctx.topology.tiers[0].name, "all_to_all"), 1.0)
+        intra = loads["intra_node_bytes"] / t0cap
+        fwd_r = loads["fwd_s"] + intra + nk * emb_launch * M
+        bwd_r = loads["bwd_s"] + intra + 2 * nk * emb_launch * M
+        emb_fwd = float(fwd_r.max()) / M
+        emb_bwd = float(bwd_r.max()) / M
+        a2a_bytes = max(float(loads["send_bytes"].max()), loads["recv_bytes"] * rho) / M
+        ids_bytes = max(loads["ids_send_bytes"], float(loads["ids_recv_bytes"].max())) / M
+        emb_mem_r = loads["weight_bytes"] + loads["optimizer_bytes"] + loads["io_bytes"]
+        dp_ar = loads["allreduce_bytes"]
+        rsync = float((loads["weight_bytes"] + loads["optimizer_bytes"]).max()) if ctx.mesh.sparse_replicate > 1 else 0.0
+    else:
+        loads = None
+        fwd_r = bwd_r = np.zeros(1)
+        emb_fwd = emb_bwd = a2a_bytes = ids_bytes = dp_ar = rsync = 0.0
+        emb_mem_r = np.zeros(1)
+    a2a_t = sparse_model.time(a2a_bytes)
+    ids_t = sparse_model.time(ids_bytes)
+    emb_mean = float((fwd_r.mean() + bwd_r.mean())) if loads is not None else 0.0
+
+    # ---------------------------------------------------------------- dense collectives per call
+    cb = ctx.compute_bytes
+    rb = F.DTYPE_BYTES[w.precision.reduce_dtype]
+    ds, ep = ctx.mesh.dense_shard, ctx.mesh.expert_parallel
+    es = ctx.expert_shard
+    P, E = ctx.layer_params, ctx.layer_expert_params
+    ag_m, rs_m = ctx.model("dense_shard", "all_gather"), ctx.model("dense_shard", "reduce_scatter")
+    ar_m = ctx.model("dense_replicate", "all_reduce")
+    eag_m, ers_m = ctx.model("expert_shard", "all_gather"), ctx.model("expert_shard", "reduce_scatter")
+    ear_m = ctx.model("expert_replicate", "all_reduce")
+    a2a_ep = ctx.model("expert", "all_to_all")
+    ag_t = ag_m.time(P * cb) + eag_m.time(E / ep * cb)
+    rs_t = rs_m.time(P * rb) + ers_m.time(E / ep * rb)
+    rep_t = ar_m.time((P / ds if ds > 1 else P) * rb) + ear_m.time(E / ep / es * rb)
+    ep_bytes = np.zeros(nl)
+    for li in moe_parts:
+        b = ctx.moe_blocks[ctx.layer_names[li]]
+        ep_bytes[li] = ctx.mb_batch * b.tokens_per_sample * b.top_k * b.model_dim * cb * b.capacity_factor if ep > 1 else 0.0
+    ep_t = a2a_ep.time(ep_bytes)
+    sm_dense = not (ag_m.sm_free and rs_m.sm_free)
+    sm_rep = not ar_m.sm_free
+    reshard = ctx.options.reshard_after_forward
+
+    # ---------------------------------------------------------------- schedule
+    S = Schedule()
+    names = ctx.layer_names
+    needs = ctx.layer_needs_embeddings
+    first_need = int(np.flatnonzero(needs)[0]) if needs.any() else -1
+    last_rs: list[int] = []
+    sparse_sm = not sparse_model.sm_free
+    for m in range(M):
+        ids_task = None
+        if loads is not None and not ctx.options.pipeline_input_dist:
+            ids_task = S.add("sparse.ids_all_to_all", COMM, ids_t, phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
+        emb_f = S.add("sparse.tbe", COMPUTE, emb_fwd, (ids_task,), phase="fwd", layer="sparse") if loads is not None else None
+        out_a2a = S.add("sparse.all_to_all_fwd", COMM, a2a_t, (emb_f,), phase="fwd", layer="sparse", sm=sparse_sm,
+                        meta=("all_to_all", "sparse_shard", a2a_bytes)) if loads is not None else None
+        # forward
+        fwd_task: list[int] = [-1] * nl
+        ag_task: list[int | None] = [None] * nl
+        if nl:
+            ag_task[0] = S.add(f"{names[0]}.fsdp_all_gather", COMM, ag_t[0], (), phase="fwd", layer=names[0], sm=sm_dense,
+                               meta=("all_gather", "dense_shard", P[0] * cb)) if ag_t[0] > 0 else None
+        for i in range(nl):
+            if i + 1 < nl and ag_t[i + 1] > 0:
+                dep = fwd_task[i - 1] if i >= 1 else None
+                ag_task[i + 1] = S.add(f"{names[i + 1]}.fsdp_all_gather", COMM, ag_t[i + 1], (dep,), phase="fwd", layer=names[i + 1],
+                                       sm=sm_dense, meta=("all_gather", "dense_shard", P[i + 1] * cb))
+            deps = [ag_task[i]]
+            if needs[i]:
+                deps.append(out_a2a)
+            if i in moe_parts:
+                p = moe_parts[i]
+                r = S.add(f"{names[i]}.router", COMPUTE, p.get("router", (0, 0))[0], deps, phase="fwd", layer=names[i])
+                disp = S.add(f"{names[i]}.ep_dispatch", COMM, ep_t[i], (r,), phase="fwd", layer=names[i], sm=not a2a_ep.sm_free,
+                             meta=("all_to_all", "expert", ep_bytes[i]))
+                S.add(f"{names[i]}.shared", COMPUTE, p.get("shared", (0, 0))[0], (r,), phase="fwd", layer=names[i])
+                ex = S.add(f"{names[i]}.experts", COMPUTE, p.get("experts", (0, 0))[0], (disp,), phase="fwd", layer=names[i])
+                comb = S.add(f"{names[i]}.ep_combine", COMM, ep_t[i], (ex,), phase="fwd", layer=names[i], sm=not a2a_ep.sm_free,
+                             meta=("all_to_all", "expert", ep_bytes[i]))
+                fwd_task[i] = S.add(f"{names[i]}.post", COMPUTE, p.get("post", (0, 0))[0], (comb,), phase="fwd", layer=names[i])
+            else:
+                fwd_task[i] = S.add(f"{names[i]}.fwd", COMPUTE, fl[i], deps, phase="fwd", layer=names[i])
+        # backward: the last layer keeps its parameters; layer i-1 is gathered as layer i starts
+        bwd_task: list[int] = [-1] * nl
+        agb: list[int | None] = [None] * nl
+        grad_a2a = None
+        for i in range(nl - 1, -1, -1):
+            j = i - 1
+            if reshard and j >= 0 and ag_t[j] > 0:
+                dep = bwd_task[i + 1] if i + 1 < nl else fwd_task[nl - 1]
+                agb[j] = S.add(f"{names[j]}.fsdp_all_gather", COMM, ag_t[j], (dep,), phase="bwd", layer=names[j], sm=sm_dense,
+                               meta=("all_gather", "dense_shard", P[j] * cb))
+            deps = (agb[i],)
+            if names[i] in recomputed:
+                rc = S.add(f"{names[i]}.recompute", COMPUTE, fl[i], deps, phase="recompute", layer=names[i])
+                if i in moe_parts and ep_t[i] > 0:  # recomputing a MoE layer dispatches and combines again
+                    deps = (S.add(f"{names[i]}.ep_recompute", COMM, 2 * ep_t[i], (rc,), phase="bwd", layer=names[i],
+                                  sm=not a2a_ep.sm_free, meta=("all_to_all", "expert", ep_bytes[i])),)
+            if i in moe_parts:
+                p = moe_parts[i]
+                post = S.add(f"{names[i]}.post_bwd", COMPUTE, p.get("post", (0, 0))[1], deps, phase="bwd", layer=names[i])
+                cb_t = S.add(f"{names[i]}.ep_combine", COMM, ep_t[i], (post,), phase="bwd", layer=names[i], sm=not a2a_ep.sm_free,
+                             meta=("all_to_all", "expert", ep_bytes[i]))
+                exb = S.add(f"{names[i]}.experts_bwd", COMPUTE, p.get("experts", (0, 0))[1], (cb_t,), phase="bwd", layer=names[i])
+                dsp = S.add(f"{names[i]}.ep_dispatch", COMM, ep_t[i], (exb,), phase="bwd", layer=names[i], sm=not a2a_ep.sm_free,
+                            meta=("all_to_all", "expert", ep_bytes[i]))
+                S.add(f"{names[i]}.shared_bwd", COMPUTE, p.get("shared", (0, 0))[1], (post,), phase="bwd", layer=names[i])
+                bwd_task[i] = S.add(f"{names[i]}.router_bwd", COMPUTE, p.get("router", (0, 0))[1], (dsp,), phase="bwd", layer=names[i])
+            else:
+                bwd_task[i] = S.add(f"{names[i]}.bwd", COMPUTE, bl[i], deps, phase="bwd", layer=names[i])
+            if rs_t[i] > 0:
+                r = S.add(f"{names[i]}.fsdp_reduce_scatter", COMM, rs_t[i], (bwd_task[i],), phase="bwd", layer=names[i], sm=sm_dense,
+                          meta=("reduce_scatter", "dense_shard", P[i] * rb))
+                last_rs.append(r)
+            if rep_t[i] > 0:
+                r = S.add(f"{names[i]}.replicate_all_reduce", COMM, rep_t[i], (bwd_task[i],), phase="bwd", layer=names[i], sm=sm_rep,
+                          meta=("all_reduce", "dense_replicate", (P[i] / ds if ds > 1 else P[i]) * rb))
+                last_rs.append(r)
+            if i == first_need and loads is not None:
+                grad_a2a = S.add("sparse.all_to_all_bwd", COMM, a2a_t, (bwd_task[i],), phase="bwd", layer="sparse", sm=sparse_sm,
+                                 meta=("all_to_all", "sparse_shard", a2a_bytes))
+        if loads is not None:
+            if grad_a2a is None:
+                grad_a2a = S.add("sparse.all_to_all_bwd", COMM, a2a_t, (), phase="bwd", layer="sparse", sm=sparse_sm,
+                                 meta=("all_to_all", "sparse_shard", a2a_bytes))
+            S.add("sparse.tbe_bwd", COMPUTE, emb_bwd, (grad_a2a,), phase="bwd", layer="sparse")
+    # once per step
+    world_ar = ctx.model("world", "all_reduce")
+    if dp_ar > 0:
+        last_rs.append(S.add("sparse.dp_all_reduce", COMM, world_ar.time(dp_ar), (), phase="bwd", layer="sparse",
+                             sm=not world_ar.sm_free, meta=("all_reduce", "world", dp_ar)))
+    if rsync > 0:
+        rm = ctx.model("sparse_replicate", "all_reduce")
+        S.add("sparse.replica_sync", COMM, rm.time(rsync) / ctx.options.sparse_sync_interval_steps, (), phase="bwd", layer="sparse",
+              sm=not rm.sm_free, meta=("all_reduce", "sparse_replicate", rsync))
+    fixed = dense_fixed_costs(ctx)
+    if fixed.optimizer_step_s > 0:
+        S.add("optimizer.step", COMPUTE, fixed.optimizer_step_s, tuple(last_rs), phase="optimizer", layer="optimizer")
+    if loads is not None and ctx.options.pipeline_input_dist:
+        for _ in range(M):
+            S.add("sparse.ids_all_to_all", COMM, ids_t, (), phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
+    before = [t.duration for t in S.tasks]
+    S.run(ctx.sm_contention)
+
+    # ---------------------------------------------------------------- breakdowns
+    perf_by_layer: dict[str, list[float]] = {}
+    ph_compute = {"fwd": 0.0, "bwd": 0.0, "recompute": 0.0, "optimizer": 0.0}
+    ph_comm = {"fwd": 0.0, "bwd": 0.0}
+    ph_exp = {"fwd": 0.0, "bwd": 0.0}
+    layer_factor_num: dict[str, float] = {}
+    layer_factor_den: dict[str, float] = {}
+    comm_acc: dict[tuple[str, str], list] = {}
+    for i, t in enumerate(S.tasks):
+        acc = perf_by_layer.setdefault(t.layer, [0.0] * 8)
+        if t.stream == COMPUTE:
+            ph_compute[t.phase] += t.duration
+            slot = {"fwd": 0, "bwd": 1, "recompute": 2, "optimizer": 3}[t.phase]
+            acc[slot] += t.duration
+            layer_factor_num[t.layer] = layer_factor_num.get(t.layer, 0.0) + t.duration
+            layer_factor_den[t.layer] = layer_factor_den.get(t.layer, 0.0) + before[i]
+        else:
+            ph = "fwd" if t.phase == "fwd" else "bwd"
+            ph_comm[ph] += t.duration
+            ph_exp[ph] += S.exposed[i]
+            acc[4 if ph == "fwd" else 5] += t.duration
+            acc[6 if ph == "fwd" else 7] += S.exposed[i]
+            if detail and t.duration > 0:
+                kind, group, nbytes = t.meta
+                c = comm_acc.setdefault((t.name, ph), [kind, group, nbytes, 0.0, 0.0, 0])
+                c[3] += t.duration
+                c[4] += S.exposed[i]
+                c[5] += 1
+    perf = Perf(ph_compute["fwd"], ph_compute["bwd"], ph_compute["recompute"], ph_compute["optimizer"],
+                ph_comm["fwd"], ph_comm["bwd"], ph_exp["fwd"], ph_exp["bwd"])
+    step = S.makespan
+    layers_perf = {k: Perf(*v) for k, v in perf_by_layer.items()}
+
+    ops_out: list[OpCost] = []
+    comms_out: list[CommCost] = []
+    if detail:
+        for k, oi in enumerate(ctx.dense_idx):
+            o = ctx.ops[oi]
+            fac = layer_factor_num.get(o.layer, 1.0) / max(layer_factor_den.get(o.layer, 1.0), 1e-300)
+            ops_out.append(OpCost(o.name, o.op_class, "fwd", float(f_op[k]) * M * fac, float(arr.fwd_flops[k] * rho * M), float(arr.fwd_bytes[k] * M), o.layer))
+            ops_out.append(OpCost(o.name, o.op_class, "bwd", float(b_op[k]) * M * fac, float(arr.bwd_flops[k] * rho * M), float(arr.bwd_bytes[k] * M), o.layer))
+            if o.layer in recomputed:
+                ops_out.append(OpCost(o.name, o.op_class, "recompute", float(f_op[k]) * M * fac, float(arr.fwd_flops[k] * rho * M), float(arr.fwd_bytes[k] * M), o.layer))
+        if loads is not None:
+            ops_out.append(OpCost("sparse.tbe", "embedding", "fwd", emb_fwd * M, 0.0, 0.0, "sparse"))
+            ops_out.append(OpCost("sparse.tbe", "embedding", "bwd", emb_bwd * M, 0.0, 0.0, "sparse"))
+        if fixed.optimizer_step_s > 0:
+            ops_out.append(OpCost("optimizer.step", "elementwise", "optimizer", fixed.optimizer_step_s, 0.0, 0.0, "optimizer"))
+        for (name, ph), (kind, group, nbytes, t, e, calls) in comm_acc.items():
+            g = ctx.groups[group]
+            comms_out.append(CommCost(name, kind, g.size, g.tiers, float(nbytes), t, e, ph, calls))
+
+    # ---------------------------------------------------------------- memory
+    act = np.bincount(L, weights=arr.act_bytes, minlength=nl) * rho
+    inp = ctx.layer_input_bytes * ctx.mb_batch * rho
+    rec_mask = np.array([n in recomputed for n in names], dtype=bool) if nl else np.zeros(0, dtype=bool)
+    acts = float(np.where(rec_mask, np.minimum(inp, act), act).sum())
+    rpeak = float(act[rec_mask].max()) if rec_mask.any() else 0.0
+    n_comm = sum(1 for k, g in ctx.groups.items() if g.size > 1 and k != "world") + (1 if dp_ar > 0 else 0)
+    ep_stage = 2.0 * float(ep_bytes.max()) if nl else 0.0
+    hbm = ctx.topology.gpu.hbm_bytes
+    if loads is not None:
+        r_mem = int(np.argmax(emb_mem_r))
+        emb_w = float(loads["weight_bytes"][r_mem])
+        emb_o = float(loads["optimizer_bytes"][r_mem])
+        emb_io = float(loads["io_bytes"][r_mem]) + 2.0 * loads["recv_bytes"] * rho / M
+    else:
+        r_mem, emb_w, emb_o, emb_io = 0, 0.0, 0.0, 0.0
+    mem = Memory(
+        parameters=fixed.params_bytes, gradients=fixed.grads_bytes, optimizer=fixed.optimizer_bytes,
+        fsdp_buffers=fixed.fsdp_buffer_bytes, activations=acts, recompute_peak=rpeak,
+        embeddings=emb_w, embedding_optimizer=emb_o, embedding_io=emb_io,
+        comm_buffers=n_comm * ctx.options.nccl_bytes_per_communicator + ep_stage,
+        cuda_context=ctx.options.cuda_context_bytes, allocator_headroom=ctx.options.allocator_headroom_fraction * hbm,
+    )
+
+    # ---------------------------------------------------------------- ranks, flops, goodput
+    if loads is not None:
+        tot = fwd_r + bwd_r
+        r_hi, r_lo = int(np.argmax(tot)), int(np.argmin(tot))
+        ids = [r_hi] if r_hi == r_lo else [r_hi, r_lo]
+        if r_mem not in ids:
+            ids.append(r_mem)
+        base = perf.total - (emb_fwd + emb_bwd) * M
+        rank_time = tuple(float(base + fwd_r[r] + bwd_r[r]) for r in ids)
+        emb_tot = emb_mem_r
+        rank_mem = tuple(float(mem.total - (emb_tot[r_mem] - emb_tot[r])) for r in ids)
+    else:
+        ids, rank_time, rank_mem = [0], (perf.total,), (mem.total,)
+    mflops = _model_flops(ctx)
+    gp = goodput_of(ctx.topology, _state_bytes(ctx), ctx.world)
+    compute_mean = dense_mean + emb_mean
+    return StepCost(
+        step_time_s=step, perf=perf, compute_mean_s=compute_mean, imbalance=rho,
+        imbalance_s=max(0.0, (rho - 1.0) * float((f_mean.sum() + b_mean.sum()) * M)),
+        model_flops=mflops, world_size=ctx.world, peak_flops_per_s=ctx.topology.dense_peak_flops_per_s,
+        memory=mem, hbm_capacity_bytes=hbm, ops=tuple(ops_out), comms=tuple(comms_out), layers=layers_perf,
+        rank_ids=tuple(int(r) for r in ids), rank_time_s=rank_time, rank_memory_bytes=rank_mem, goodput=gp, notes=tuple(notes),
+    )
+
+
+def _model_flops(ctx: Context) -> float:
+    hit = ctx.cache.get("model_flops")
+    if hit is None:
+        hit = F.model_flops(ctx.workload, batch_size=ctx.global_batch).total
+        ctx.cache["model_flops"] = hit
+    return hit
+
+
+def _state_bytes(ctx: Context) -> float:
+    hit = ctx.cache.get("state_bytes")
+    if hit is None:
+        w = ctx.workload
+        pb = F.DTYPE_BYTES[w.precision.param_dtype]
+        dense = float(ctx.layer_params.sum() + ctx.layer_expert_params.sum()) * (pb + w.optimizer.dense_state_bytes_per_param)
+        ta = ctx.tables
+        emb = float((ta.rows * ta.dim * ta.wbytes + ta.rows * (ta.state_row_fixed + ta.state_per_elem * ta.dim)).sum())
+        hit = dense + emb
+        ctx.cache["state_bytes"] = hit
+    return hit
+
+
+__all__ = ["default_assignment", "embedding_loads", "price"]

@@ -1,0 +1,311 @@
+"""Results as values: frozen, additive cost and memory breakdowns that reports can split without new code.
+
+:class:`Perf` is a time breakdown (forward/backward × compute/communication/exposed, plus recompute
+and optimizer), :class:`Memory` a per-rank byte breakdown; both add with ``+`` and scale with ``*``.
+:class:`StepCost` is the full answer of :func:`coplan.costmodel.price`: the critical rank's step,
+per-op and per-collective parts, per-layer breakdowns, sampled ranks, MFU and goodput, with
+:meth:`StepCost.to_prediction` giving the spec's :class:`~coplan.spec.Prediction`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Mapping
+
+import numpy as np
+
+from coplan.spec.plan import CommPrediction, OpPrediction, Prediction
+
+
+@dataclass(frozen=True, slots=True)
+class Perf:
+    """Seconds on one rank, split by phase and kind. ``total`` is what the step pays: compute
+    (recompute and optimizer included) plus the communication that compute did not hide."""
+
+    fwd_compute_s: float = 0.0
+    """Forward compute (SM-contention slowdown included)."""
+
+    bwd_compute_s: float = 0.0
+    """Backward compute."""
+
+    recompute_s: float = 0.0
+    """Forward recomputed in backward (activation checkpointing)."""
+
+    optimizer_s: float = 0.0
+    """Dense optimizer step (the sparse one is fused into the embedding backward)."""
+
+    fwd_comm_s: float = 0.0
+    """Forward-phase collectives, whole duration."""
+
+    bwd_comm_s: float = 0.0
+    """Backward-phase collectives (and the step-end tail), whole duration."""
+
+    fwd_exposed_s: float = 0.0
+    """Part of forward collectives compute waited for."""
+
+    bwd_exposed_s: float = 0.0
+    """Part of backward collectives compute waited for."""
+
+    def __add__(self, other: "Perf") -> "Perf":
+        return Perf(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Perf)))
+
+    def __mul__(self, k: float) -> "Perf":
+        return Perf(*(getattr(self, f.name) * k for f in fields(Perf)))
+
+    __rmul__ = __mul__
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_compute_s + self.bwd_compute_s + self.recompute_s + self.optimizer_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.fwd_comm_s + self.bwd_comm_s
+
+    @property
+    def exposed_s(self) -> float:
+        return self.fwd_exposed_s + self.bwd_exposed_s
+
+    @property
+    def total(self) -> float:
+        return self.compute_s + self.exposed_s
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes on one rank by kind. ``total`` is the predicted peak; see memory.py for each term."""
+
+    parameters: float = 0.0
+    """Sharded dense parameters (master dtype)."""
+
+    gradients: float = 0.0
+    """Sharded dense gradients."""
+
+    optimizer: float = 0.0
+    """Sharded dense optimizer state."""
+
+    fsdp_buffers: float = 0.0
+    """Unsharded parameters of the current and prefetched layers, and one layer's unsharded gradients."""
+
+    activations: float = 0.0
+    """Saved activations of one micro-batch (layer inputs only where recomputed)."""
+
+    recompute_peak: float = 0.0
+    """Full activations of the largest recomputed layer, live while its backward runs."""
+
+    embeddings: float = 0.0
+    """Embedding shard weights on this rank."""
+
+    embedding_optimizer: float = 0.0
+    """Optimizer state of those shards (row-wise Adagrad: one fp32 per row)."""
+
+    embedding_io: float = 0.0
+    """Lookup outputs, their gradients, ids and all-to-all staging of one micro-batch."""
+
+    comm_buffers: float = 0.0
+    """NCCL communicator buffers and expert-parallel all-to-all staging."""
+
+    cuda_context: float = 0.0
+    """CUDA context, cuBLAS/cuDNN workspaces, kernels."""
+
+    allocator_headroom: float = 0.0
+    """Reserve for the caching allocator's fragmentation (a stated fraction of HBM)."""
+
+    def __add__(self, other: "Memory") -> "Memory":
+        return Memory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Memory)))
+
+    def __mul__(self, k: float) -> "Memory":
+        return Memory(*(getattr(self, f.name) * k for f in fields(Memory)))
+
+    __rmul__ = __mul__
+
+    @property
+    def total(self) -> float:
+        return float(sum(getattr(self, f.name) for f in fields(Memory)))
+
+    def fits_in(self, capacity_bytes: float) -> bool:
+        return self.total <= capacity_bytes
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True, slots=True)
+class OpCost:
+    """One op on the critical rank, one phase, summed over the step's micro-batches."""
+
+    name: str
+    op_class: str
+    phase: str
+    """fwd, bwd, recompute or optimizer."""
+    time_s: float
+    flops: float
+    bytes: float
+    layer: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CommCost:
+    """One collective (summed over the step's micro-batches)."""
+
+    name: str
+    collective: str
+    group_size: int
+    tiers: tuple[str, ...]
+    bytes: float
+    """nccl-tests size of one call, bytes."""
+    time_s: float
+    """Duration of all its calls in the step."""
+    exposed_s: float
+    """Part of that compute waited for."""
+    phase: str
+    calls: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput:
+    """Checkpointing and failures (Young/Daly)."""
+
+    checkpoint_bytes: float
+    """State written per checkpoint (dense params + optimizer, embeddings + their optimizer state)."""
+    checkpoint_write_s: float
+    """Seconds one checkpoint blocks training."""
+    failures_per_hour: float
+    """Expected job interruptions per hour (GPUs and switches)."""
+    mtbf_s: float
+    """Mean time between job interruptions, seconds."""
+    interval_s: float
+    """Optimal checkpoint interval (Daly's higher-order estimate)."""
+    restart_s: float
+    """Detect + restart + reload, seconds."""
+    fraction: float
+    """Useful fraction of wall time."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """The cost model's full answer for one plan."""
+
+    step_time_s: float
+    """Predicted step time: the critical (slowest) rank's schedule."""
+
+    perf: Perf
+    """Breakdown of the critical rank's step."""
+
+    compute_mean_s: float
+    """Dense + embedding compute of a mean rank (no jagged imbalance)."""
+
+    imbalance: float
+    """Expected max/mean per-rank jagged work under the balancing policy."""
+
+    imbalance_s: float
+    """Extra compute of the slowest rank over the mean rank from jagged imbalance."""
+
+    model_flops: float
+    """Model FLOPs of one step over all ranks (no recompute, no padding)."""
+
+    world_size: int
+    peak_flops_per_s: float
+    """Dense bf16 peak of one GPU."""
+
+    memory: Memory
+    """Fullest rank's memory."""
+
+    hbm_capacity_bytes: float
+
+    ops: tuple[OpCost, ...] = ()
+    comms: tuple[CommCost, ...] = ()
+    layers: Mapping[str, Perf] = field(default_factory=dict)
+    """Per layer ('<block>.<index>', plus 'sparse' and 'optimizer')."""
+
+    rank_ids: tuple[int, ...] = ()
+    rank_time_s: tuple[float, ...] = ()
+    """Busy time (compute + exposed comm) of sampled ranks: the extremes of the embedding load."""
+
+    rank_memory_bytes: tuple[float, ...] = ()
+    """Memory of the sampled ranks."""
+
+    goodput: Goodput | None = None
+    notes: tuple[str, ...] = ()
+    """What was approximated for this plan (e.g. an attention backend priced padded)."""
+
+    @property
+    def compute_s(self) -> float:
+        return self.perf.compute_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.perf.exposed_s
+
+    @property
+    def local_mfu(self) -> float:
+        d = self.perf.compute_s * self.world_size * self.peak_flops_per_s
+        return self.model_flops / d if d > 0 else 0.0
+
+    @property
+    def scaling_ratio(self) -> float:
+        return self.perf.compute_s / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def e2e_mfu(self) -> float:
+        d = self.step_time_s * self.world_size * self.peak_flops_per_s
+        return self.model_flops / d if d > 0 else 0.0
+
+    @property
+    def goodput_mfu(self) -> float:
+        return self.e2e_mfu * (self.goodput.fraction if self.goodput else 1.0)
+
+    @property
+    def memory_headroom_bytes(self) -> float:
+        return self.hbm_capacity_bytes - self.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.hbm_capacity_bytes
+
+    def to_prediction(self, *, detail: bool = True) -> Prediction:
+        """The spec's :class:`~coplan.spec.Prediction` (``detail=False`` leaves out per-op and per-collective rows)."""
+        gp = self.goodput
+        ops = tuple(
+            OpPrediction(name=o.name, op_class=o.op_class, phase=o.phase, time_s=o.time_s, flops=o.flops, bytes=o.bytes)
+            for o in self.ops
+        ) if detail else ()
+        comms = tuple(
+            CommPrediction(name=c.name, collective=c.collective, group_size=c.group_size, tiers=c.tiers, bytes=c.bytes,
+                           time_s=c.time_s, exposed_s=min(c.exposed_s, c.time_s), phase=c.phase if c.phase in ("fwd", "bwd", "optimizer") else "bwd",
+                           calls=c.calls)
+            for c in self.comms
+        ) if detail else ()
+        return Prediction(
+            step_time_s=self.step_time_s,
+            compute_s=self.perf.compute_s,
+            exposed_comm_s=self.perf.exposed_s,
+            imbalance_s=self.imbalance_s,
+            model_flops_per_step=self.model_flops,
+            local_mfu=self.local_mfu,
+            scaling_ratio=self.scaling_ratio,
+            e2e_mfu=self.e2e_mfu,
+            goodput=gp.fraction if gp else 1.0,
+            goodput_mfu=self.goodput_mfu,
+            checkpoint_interval_s=gp.interval_s if gp else 0.0,
+            checkpoint_write_s=gp.checkpoint_write_s if gp else 0.0,
+            ops=ops,
+            comms=comms,
+            memory_bytes=self.memory.as_dict(),
+            peak_memory_bytes=self.memory.total,
+            hbm_capacity_bytes=self.hbm_capacity_bytes,
+            rank_time_s=self.rank_time_s,
+            rank_ids=self.rank_ids,
+            imbalance=self.imbalance,
+            breakdown_s=self.perf.as_dict(),
+            layer_time_s={k: v.total for k, v in self.layers.items()},
+            memory_headroom_bytes=self.memory_headroom_bytes,
+            rank_memory_bytes=self.rank_memory_bytes,
+            notes=self.notes,
+        )
+
+
+__all__ = ["CommCost", "Goodput", "Memory", "OpCost", "Perf", "StepCost"]
