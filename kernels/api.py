@@ -165,6 +165,8 @@ def jagged_attention(
     backend = parse_backend(backend)
     checked = _check(q, k, v, q_offsets, k_offsets, max_len, validate)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise JaggedInputError(f"scale must be a positive finite number for softmax attention; got {scale}")
     backend = _resolve_backend(backend, q, "jagged_attention", (q, k, v))
     if backend is Backend.TRITON:
         out, _ = torch.ops.coplan.jagged_softmax_attention(
@@ -206,6 +208,8 @@ def gdpa(
     if out_scale is None:
         out_scale = 1.0 / max_len if max_len else 1.0
     out_scale = float(out_scale)
+    if not (math.isfinite(scale) and math.isfinite(out_scale)):
+        raise JaggedInputError(f"scale and out_scale must be finite; got scale={scale}, out_scale={out_scale}")
     backend = _resolve_backend(backend, q, "gdpa")
     if backend is Backend.TRITON:
         return torch.ops.coplan.jagged_gdpa(q, k, v, q_offsets, checked.k_offsets, checked.max_q_len,

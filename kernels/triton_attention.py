@@ -56,8 +56,9 @@ def _tanh(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _activation(x, ACT: tl.constexpr, FAST: tl.constexpr):
-    """act(x) for the codes of `Activation.code`."""
+def _activation(s, scale, ACT: tl.constexpr, FAST: tl.constexpr):
+    """act(x) with x = scale * s, for the codes of `Activation.code`; the scale folds into the first multiply."""
+    x = s * scale
     if ACT == 0:
         y = x
     elif ACT == 1:
@@ -67,7 +68,7 @@ def _activation(x, ACT: tl.constexpr, FAST: tl.constexpr):
         y = r * r
     elif ACT == 3:
         # silu(x) = x * sigmoid(x) = h + h * tanh(h), h = x / 2
-        h = 0.5 * x
+        h = s * (0.5 * scale)
         y = h + h * _tanh(h, FAST)
     else:
         # gelu_tanh(x) = h * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), h = x / 2
@@ -78,8 +79,9 @@ def _activation(x, ACT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _activation_and_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
-    """(act(x), act'(x)), sharing the one tanh both need."""
+def _activation_and_grad(s, scale, ACT: tl.constexpr, FAST: tl.constexpr):
+    """(act(x), act'(x)) with x = scale * s, sharing the one tanh both need."""
+    x = s * scale
     if ACT == 0:
         y = x
         dy = tl.full(x.shape, 1.0, tl.float32)
@@ -91,7 +93,7 @@ def _activation_and_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
         y = r * r
         dy = 2.0 * r
     elif ACT == 3:
-        h = 0.5 * x
+        h = s * (0.5 * scale)
         t = _tanh(h, FAST)
         y = h + h * t
         # sigmoid = (1 + t) / 2 and sigmoid * (1 - sigmoid) = (1 - t^2) / 4
@@ -176,30 +178,34 @@ def _fwd_tiles(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         if MODE == 0:
             if MASKED:
                 s = tl.where(mask, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # The running max is kept in scaled base-2 units; the scale (> 0) then folds into the
+            # exponent's fused multiply-add below instead of a separate multiply per score.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             if MASKED:
                 # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
                 m_ref = m_new
-            p = tl.math.exp2(s - m_ref[:, None])
+            p = tl.math.exp2(s * qk_scale - m_ref[:, None])
             alpha = tl.math.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _activation(s, ACT, FAST)
+            p = _activation(s, qk_scale, ACT, FAST)
             if MASKED:
                 p = tl.where(mask, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_i, l_i
 
 
-@triton.jit
+# Ints that change with every batch are not specialised on (== 1, divisible by 16), so that a new
+# batch reuses the compiled kernel.
+@triton.jit(do_not_specialize=["stride_lse_h", "max_q_len", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
 def _fwd_kernel(
     Q, K, V, O, LSE, q_offsets, k_offsets, order,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
@@ -268,15 +274,15 @@ def _dq_tiles(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))
         if MODE == 0:
-            p = tl.math.exp2(s - lse[:, None])
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
             if MASKED:
                 p = tl.where(mask, p, 0.0)
             ds = p * (dp - delta[:, None])
         else:
-            _, da = _activation_and_grad(s, ACT, FAST)
+            _, da = _activation_and_grad(s, qk_scale, ACT, FAST)
             ds = dp * da
             if MASKED:
                 ds = tl.where(mask, ds, 0.0)
@@ -284,7 +290,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_h", "max_q_len", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
 def _bwd_dq_kernel(
     Q, K, V, O, DO, DQ, LSE, DELTA, q_offsets, k_offsets, order,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -356,7 +362,7 @@ def _dkdv_tiles(
         else:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
-        sT = tl.dot(k, tl.trans(q)) * qk_scale
+        sT = tl.dot(k, tl.trans(q))
         dpT = tl.dot(v, tl.trans(do))
         if MODE == 0:
             if MASKED:
@@ -365,12 +371,12 @@ def _dkdv_tiles(
             else:
                 lse = tl.load(lse_base + offs_m)
                 delta = tl.load(delta_base + offs_m)
-            pT = tl.math.exp2(sT - lse[None, :])
+            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
             if MASKED:
                 pT = tl.where(maskT, pT, 0.0)
             dsT = pT * (dpT - delta[None, :])
         else:
-            pT, daT = _activation_and_grad(sT, ACT, FAST)
+            pT, daT = _activation_and_grad(sT, qk_scale, ACT, FAST)
             if MASKED:
                 pT = tl.where(maskT, pT, 0.0)
                 daT = tl.where(maskT, daT, 0.0)
@@ -380,7 +386,7 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_h", "max_k_len", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, q_offsets, k_offsets, order,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -436,49 +442,80 @@ def _bwd_dkdv_kernel(
 
 _AUTOTUNE_KEY = ["BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET", "MODE", "ACT", "CAUSAL", "HEAD_DIM"]
 
+# (BLOCK_M, BLOCK_N, warps, stages) per kernel and head-dim bucket; BLOCK_M is always the query
+# block. Chosen from the sm_90 compiler's register and shared-memory report: configs that spilled
+# (e.g. 4 warps on 128x64 tiles at d=128, or 64x128 dK/dV tiles at d=128 with 3 stages) are left
+# out, and a d=256 tile must fit in 227 KiB of shared memory.
+_CONFIG_TABLE = {
+    "fwd": {
+        64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)],
+        256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+    },
+    "dq": {
+        64: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+        256: [(64, 32, 4, 2), (64, 64, 8, 2)],
+    },
+    "dkdv": {
+        64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2)],
+        128: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
+        256: [(32, 64, 8, 2), (16, 64, 4, 2)],
+    },
+}
+_CONFIGS = {
+    kind: {d: [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in rows]
+           for d, rows in table.items()}
+    for kind, table in _CONFIG_TABLE.items()
+}
 
-def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+def _dim_bucket(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-def _prune(configs, named_args, **kwargs):
-    # Large head dims leave no shared memory for wide tiles and deep pipelines.
-    d = named_args.get("HEAD_DIM", kwargs.get("HEAD_DIM"))
-    kept = [c for c in configs if d < 256 or (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64 and c.num_stages <= 2)]
-    return kept or configs[-1:]
+def configs_for(kind: str, head_dim: int) -> list[triton.Config]:
+    """The autotuner's candidates for one kernel ("fwd", "dq", "dkdv") at this (padded) head dim."""
+    return _CONFIGS[kind][_dim_bucket(head_dim)]
 
 
-# (BLOCK_M, BLOCK_N, warps, stages); BLOCK_M is always the query block.
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 2)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)])
-_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)])
+def _tuned(kind: str, kernel):
+    def prune(configs, named_args, **kwargs):
+        d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+        return configs_for(kind, d)
 
-_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_fwd_kernel)
-_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dq_kernel)
-_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dkdv_kernel)
+    everything = [c for rows in _CONFIGS[kind].values() for c in rows]
+    return triton.autotune(everything, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+_fwd_tuned = _tuned("fwd", _fwd_kernel)
+_dq_tuned = _tuned("dq", _bwd_dq_kernel)
+_dkdv_tuned = _tuned("dkdv", _bwd_dkdv_kernel)
 
 # Without autotuning each kernel runs one fixed config: under the interpreter (nothing to time;
 # small blocks so that tests of a few dozen tokens cross several blocks, with both block-size
 # orders), or when COPLAN_KERNELS_AUTOTUNE=0 (GPU tests, which would otherwise tune every
-# specialisation they touch). Tests may swap these. (BLOCK_M, BLOCK_N, warps, stages).
+# specialisation they touch: there the first candidate, unless UNTUNED_CONFIGS names one).
+# Tests may swap these. (BLOCK_M, BLOCK_N, warps, stages).
 INTERPRETER_CONFIGS = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 32, 4, 1)}
-UNTUNED_CONFIGS = {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 128, 8, 3)}
+UNTUNED_CONFIGS: dict[str, tuple[int, int, int, int]] = {}
 
 
-def _fixed_configs() -> dict | None:
+def _fixed_config(kind: str, head_dim: int) -> tuple[int, int, int, int] | None:
     if interpreting():
-        return INTERPRETER_CONFIGS
+        return INTERPRETER_CONFIGS[kind]
     if os.environ.get("COPLAN_KERNELS_AUTOTUNE", "1") == "0":
-        return UNTUNED_CONFIGS
+        if kind in UNTUNED_CONFIGS:
+            return UNTUNED_CONFIGS[kind]
+        c = configs_for(kind, head_dim)[0]
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
     return None
 
 
 def _launch(kind: str, tuned, plain, grid_len: int, batch_heads: int, args: list, consts: dict) -> None:
-    fixed = _fixed_configs()
+    fixed = _fixed_config(kind, consts["HEAD_DIM"])
     if fixed is not None:
-        bm, bn, warps, stages = fixed[kind]
-        if consts["HEAD_DIM"] >= 256 and not interpreting():
-            bm, bn, stages = min(bm, 64), min(bn, 64), min(stages, 2)
+        bm, bn, warps, stages = fixed
         n_blocks = triton.cdiv(grid_len, bn if kind == "dkdv" else bm)
         plain[(n_blocks * batch_heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         return
