@@ -40,6 +40,22 @@ from coplan.spec.workload import (
 GiB = 1024.0**3
 MiB = 1024.0**2
 
+_SHARED: dict[tuple, tuple[object, object]] = {}
+"""Process-wide cache of context-independent results (table arrays, option costs), keyed by the
+identity of the workload they belong to (the entry keeps the workload alive, so ids cannot be reused)."""
+
+
+def _shared(workload: Workload, key: tuple, make):
+    k = (id(workload),) + key
+    hit = _SHARED.get(k)
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    if len(_SHARED) > 512:
+        _SHARED.clear()
+    v = make()
+    _SHARED[k] = (workload, v)
+    return v
+
 
 @dataclass(frozen=True, slots=True)
 class Options:
@@ -237,7 +253,7 @@ def build_context(
         groups=groups, models={}, ops=ops, dense_idx=dense_idx, layer_names=lnames, op_layer=op_layer,
         layer_params=params, layer_expert_params=eparams, layer_input_bytes=inp, layer_needs_embeddings=needs,
         layer_is_moe=is_moe, moe_blocks=moe_blocks, moments=moments, primary_sequence=_primary_sequence(workload),
-        tables=table_arrays(workload), hbm_bw=gpu.hbm_bw_bytes_per_s,
+        tables=_shared(workload, ("tables",), lambda: table_arrays(workload)), hbm_bw=gpu.hbm_bw_bytes_per_s,
         emb_bw=gpu.hbm_bw_bytes_per_s * eff.memory["embedding"],
     )
 
@@ -397,6 +413,19 @@ def seq_cost(ctx: Context, kernels: Kernels | None = None):
     return out
 
 
+def _normalised(sc, moments: tuple[float, float]):
+    """The per-sample cost scaled to mean 1 and rounded to 3 significant digits: the max/mean ratio is
+    scale-free, and rounding lets mesh candidates whose costs differ in the 4th digit share one
+    simulation (``expected_imbalance`` memoises on the coefficients)."""
+    from coplan.costmodel.jagged import SeqCost
+
+    mean = sc.const_s + sc.lin_s * moments[0] + sc.quad_s * moments[1]
+    if mean <= 0:
+        return sc
+    r = lambda x: float(f"{x / mean:.3g}")  # noqa: E731
+    return SeqCost(r(sc.const_s), r(sc.lin_s), r(sc.quad_s))
+
+
 def imbalance(ctx: Context, policy: str, kernels: Kernels | None = None) -> float:
     """Expected max/mean per-rank jagged work under ``policy`` (1 when no sequence varies in length)."""
     from coplan.costmodel.jagged import expected_imbalance
@@ -409,8 +438,9 @@ def imbalance(ctx: Context, policy: str, kernels: Kernels | None = None) -> floa
     if prim is None:
         rho = 1.0
     else:
+        dist = ctx.workload.sequence(prim).length
         rho = expected_imbalance(
-            ctx.workload.sequence(prim).length, seq_cost(ctx, kernels), ctx.local_batch, ctx.world, policy,
+            dist, _normalised(seq_cost(ctx, kernels), ctx.moments[prim]), ctx.local_batch, ctx.world, policy,
             seed=ctx.options.balance_seed, trials=ctx.options.balance_trials, num_micro_batches=ctx.micro_batches,
         )
     ctx.cache[key] = rho
@@ -556,8 +586,9 @@ def table_option_costs(ctx: Context, sharding_type: str, num_shards=1, *, kernel
     hit = ctx.cache.get(key)
     if hit is not None:
         return hit
-    out = option_costs(ctx.tables, sharding_type, num_shards, ctx.mesh.sparse_shard, ctx.local_batch, ctx.micro_batches,
-                       ctx.compute_bytes, ctx.emb_bw, kernel=kernel)
+    out = _shared(ctx.workload, key + (ctx.mesh.sparse_shard, ctx.local_batch, ctx.micro_batches, ctx.emb_bw),
+                  lambda: option_costs(ctx.tables, sharding_type, num_shards, ctx.mesh.sparse_shard, ctx.local_batch,
+                                       ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw, kernel=kernel))
     if len(ctx.cache) < 4096:
         ctx.cache[key] = out
     return out

@@ -54,23 +54,22 @@ def sparse_state_bytes_per_row(optimizer: str, dim) -> np.ndarray:
     return np.zeros_like(d)
 
 
-def expected_unique(n: np.ndarray, rows: np.ndarray, alpha: np.ndarray, quad_points: int = 48) -> np.ndarray:
+def expected_unique(n: np.ndarray, rows: np.ndarray, alpha: np.ndarray, quad_points: int = 32) -> np.ndarray:
     """E[distinct rows] among ``n`` Zipf(``alpha``) draws over ``rows`` rows (vectorised, Poissonised).
 
-    The sum over rows is split into ``quad_points`` log-spaced bins of ``[1, R+1)``; each bin holds
-    ``e_{k+1} − e_k`` rows at the bin's geometric centre. Relative error < 1% for the tables here.
+    The sum over rows is split into ``quad_points`` log-spaced bins ``[e_k, e_{k+1})`` of
+    ``[1, R+1)``; each holds ``e_{k+1} − e_k`` rows at the bin's geometric centre. Relative error
+    about 1% for the tables here (a test checks the limits).
     """
     n = np.asarray(n, dtype=float)
     R = np.asarray(rows, dtype=float)
     a = np.asarray(alpha, dtype=float)
-    k = np.arange(quad_points + 1, dtype=float) / quad_points
-    edges = np.power((R + 1.0)[:, None], k[None, :])  # (T, K+1)
-    w = np.diff(edges, axis=1)
-    x = np.sqrt(edges[:, :-1] * edges[:, 1:])
-    px = np.power(x, -a[:, None])
+    lr = np.log1p(R)[:, None] / quad_points
+    k = np.arange(quad_points, dtype=float)[None, :]
+    w = np.exp(lr * k) * np.expm1(lr)
+    px = np.exp(-a[:, None] * lr * (k + 0.5))
     H = (w * px).sum(axis=1)
-    lam = n[:, None] * px / H[:, None]
-    u = (w * -np.expm1(-lam)).sum(axis=1)
+    u = (w * -np.expm1(-(n / H)[:, None] * px)).sum(axis=1)
     return np.minimum(np.minimum(u, n), R)
 
 

@@ -18,6 +18,7 @@ it; keep it simple and monotone:
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -128,8 +129,6 @@ def choose_mesh(workload: Workload, topology: Topology, world_size: int) -> tupl
 
 def greedy_table_wise(ctx, *, memory_share: float = 0.4) -> TableAssignment:
     """Table-wise (row-wise for tables too big for a quarter of a rank's share), placed by LPT."""
-    from coplan.costmodel.jagged import balance
-
     ta = ctx.tables
     G = ctx.mesh.sparse_shard
     hbm = ctx.topology.gpu.hbm_bytes
@@ -145,11 +144,31 @@ def greedy_table_wise(ctx, *, memory_share: float = 0.4) -> TableAssignment:
     rw = option_costs(ta, "row_wise", k, G, ctx.local_batch, ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw)
     cost = np.where(k > 1, rw.fwd_s + rw.bwd_s, tw.fwd_s + tw.bwd_s)
     smem = np.where(k > 1, rw.memory_bytes, mem)
-    shard_table = np.repeat(np.arange(ta.num), k)
-    w_cost = cost[shard_table] / max(cost.sum() / G, 1e-300)
-    w_mem = smem[shard_table] / max((smem * k).sum() / G, 1e-300)
+    # multi-shard tables first, each on its k least-loaded distinct ranks; then LPT for the rest
+    w_cost = cost / max((cost * 1.0).sum() / G, 1e-300)
+    w_mem = smem * k / max((smem * k).sum() / G, 1e-300)
     weight = np.maximum(w_cost, w_mem)
-    ranks = balance(weight, G, "greedy") if G > 1 else np.zeros(shard_table.size, dtype=np.int64)
+    loads = np.zeros(G)
+    tables_out: list[np.ndarray] = []
+    ranks_out: list[np.ndarray] = []
+    for i in np.flatnonzero(k > 1)[np.argsort(-weight[k > 1], kind="stable")]:
+        r = np.argsort(loads, kind="stable")[: k[i]]
+        loads[r] += weight[i] / k[i]
+        tables_out.append(np.full(k[i], i))
+        ranks_out.append(r)
+    single = np.flatnonzero(k == 1)
+    heap = [(float(loads[r]), int(r)) for r in range(G)]
+    heapq.heapify(heap)
+    order = single[np.argsort(-weight[single], kind="stable")]
+    placed = np.empty(order.size, dtype=np.int64)
+    for j, i in enumerate(order.tolist()):
+        ld, r = heapq.heappop(heap)
+        placed[j] = r
+        heapq.heappush(heap, (ld + float(weight[i]), r))
+    tables_out.append(order)
+    ranks_out.append(placed)
+    shard_table = np.concatenate(tables_out).astype(np.int64)
+    ranks = np.concatenate(ranks_out).astype(np.int64)
     return TableAssignment(code, k, shard_table.astype(np.int64), ranks.astype(np.int64), np.zeros(0, dtype=np.int64))
 
 

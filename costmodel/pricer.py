@@ -357,11 +357,12 @@ def price(
             ops_out.append(OpCost(o.name, o.op_class, "bwd", float(b_op[k]) * M * fac, float(arr.bwd_flops[k] * rho * M), float(arr.bwd_bytes[k] * M), o.layer))
             if o.layer in recomputed:
                 ops_out.append(OpCost(o.name, o.op_class, "recompute", float(f_op[k]) * M * fac, float(arr.fwd_flops[k] * rho * M), float(arr.fwd_bytes[k] * M), o.layer))
+        fac = lambda layer: layer_factor_num.get(layer, 1.0) / max(layer_factor_den.get(layer, 1.0), 1e-300)  # noqa: E731
         if loads is not None:
-            ops_out.append(OpCost("sparse.tbe", "embedding", "fwd", emb_fwd * M, 0.0, 0.0, "sparse"))
-            ops_out.append(OpCost("sparse.tbe", "embedding", "bwd", emb_bwd * M, 0.0, 0.0, "sparse"))
+            ops_out.append(OpCost("sparse.tbe", "embedding", "fwd", emb_fwd * M * fac("sparse"), 0.0, 0.0, "sparse"))
+            ops_out.append(OpCost("sparse.tbe", "embedding", "bwd", emb_bwd * M * fac("sparse"), 0.0, 0.0, "sparse"))
         if fixed.optimizer_step_s > 0:
-            ops_out.append(OpCost("optimizer.step", "elementwise", "optimizer", fixed.optimizer_step_s, 0.0, 0.0, "optimizer"))
+            ops_out.append(OpCost("optimizer.step", "elementwise", "optimizer", fixed.optimizer_step_s * fac("optimizer"), 0.0, 0.0, "optimizer"))
         for (name, ph), (kind, group, nbytes, t, e, calls) in comm_acc.items():
             g = ctx.groups[group]
             comms_out.append(CommCost(name, kind, g.size, g.tiers, float(nbytes), t, e, ph, calls))
