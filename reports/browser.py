@@ -1,0 +1,288 @@
+"""Open a report in headless Chromium and read back what happened: JavaScript errors, figures
+rendered, and how long the page took. Used by the browser test and ``benchmarks/report_load.py``.
+
+Speaks the DevTools protocol over ``--remote-debugging-pipe`` (fd 3 in, fd 4 out, NUL-separated
+JSON), so nothing listens on a port and no browser-automation package is needed. Exceptions are
+collected twice: by the page's own ``window.onerror`` hook (see :mod:`coplan.reports.html`) and by
+the protocol's ``Runtime.exceptionThrown`` / console ``error`` events, so an error thrown before the
+hook or inside plotly.js is still seen. Every wait has a deadline; the browser is killed on exit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import queue
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+
+HEADLESS_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--disable-default-apps",
+    "--mute-audio",
+    "--hide-scrollbars",
+)
+
+
+def find_chromium() -> str | None:
+    """Path of a Chromium/Chrome binary (``$COPLAN_CHROMIUM`` first), or None."""
+    env = os.environ.get("COPLAN_CHROMIUM")
+    if env and Path(env).exists():
+        return env
+    for name in CHROMIUM_NAMES:
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+@dataclass(slots=True)
+class PageLoad:
+    """What a headless browser saw when it opened a report."""
+
+    url: str
+    """The file opened."""
+
+    width_px: int
+    """Viewport width."""
+
+    expected: int = 0
+    """Figures the page holds."""
+
+    rendered: int = 0
+    """Figures that drew an SVG."""
+
+    errors: list[str] = field(default_factory=list)
+    """JavaScript errors (page hook, uncaught exceptions, console errors), deduplicated."""
+
+    load_event_ms: float | None = None
+    """Navigation start → ``load`` event, from the page's Navigation Timing."""
+
+    figures_done_ms: float | None = None
+    """Navigation start → every figure drawn (``performance.now()`` when the loader finished)."""
+
+    render_ms: float | None = None
+    """Time inside ``Plotly.newPlot`` for all figures."""
+
+    wall_ms: float | None = None
+    """Harness wall clock: ``Page.navigate`` sent → figures drawn reported back."""
+
+    overflow_px: int = 0
+    """How far the page is wider than the viewport (0: nothing sticks out in a narrow window)."""
+
+    timed_out: bool = False
+    """The page did not finish within the deadline."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.timed_out and self.rendered == self.expected and self.expected > 0
+
+
+class _Pipe:
+    """A DevTools-protocol connection to a browser started with ``--remote-debugging-pipe``."""
+
+    def __init__(self, binary: str, extra_flags: tuple[str, ...] = ()) -> None:
+        self._profile = tempfile.mkdtemp(prefix="coplan-chromium-")
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        # Move the child's ends above 4 first so that the dup2 onto 3 and 4 below cannot clobber them.
+        hi_r = fcntl.fcntl(to_child_r, fcntl.F_DUPFD, 10)
+        hi_w = fcntl.fcntl(from_child_w, fcntl.F_DUPFD, 10)
+        os.close(to_child_r)
+        os.close(from_child_w)
+
+        def child_fds() -> None:
+            os.dup2(hi_r, 3)
+            os.dup2(hi_w, 4)
+
+        args = [binary, *HEADLESS_FLAGS, *extra_flags, f"--user-data-dir={self._profile}", "--remote-debugging-pipe", "about:blank"]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=child_fds, pass_fds=(3, 4), close_fds=True,
+        )
+        os.close(hi_r)
+        os.close(hi_w)
+        self._w = os.fdopen(to_child_w, "wb", buffering=0)
+        self._r = os.fdopen(from_child_r, "rb", buffering=0)
+        self._next_id = 0
+        self._responses: dict[int, dict] = {}
+        self._cond = threading.Condition()
+        self.events: "queue.Queue[dict]" = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True)
+        self._reader.start()
+
+    def _read_loop(self) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = self._r.read(1 << 16)
+            except (OSError, ValueError):
+                break
+            if not chunk:
+                break
+            buf += chunk
+            while b"\0" in buf:
+                raw, buf = buf.split(b"\0", 1)
+                try:
+                    msg = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+                if "id" in msg:
+                    with self._cond:
+                        self._responses[msg["id"]] = msg
+                        self._cond.notify_all()
+                else:
+                    self.events.put(msg)
+        with self._cond:
+            self._cond.notify_all()
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None, timeout_s: float = 30.0) -> dict:
+        self._next_id += 1
+        mid = self._next_id
+        msg: dict = {"id": mid, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        self._w.write(json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while mid not in self._responses:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise TimeoutError(f"no answer to {method} within {timeout_s:.0f} s")
+                self._cond.wait(min(left, 0.5))
+            resp = self._responses.pop(mid)
+        if "error" in resp:
+            raise RuntimeError(f"{method}: {resp['error']}")
+        return resp.get("result", {})
+
+    def close(self) -> None:
+        try:
+            self._w.close()
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        try:
+            self._r.close()
+        except OSError:
+            pass
+        shutil.rmtree(self._profile, ignore_errors=True)
+
+
+def _event_error(ev: dict) -> str | None:
+    m, p = ev.get("method"), ev.get("params", {})
+    if m == "Runtime.exceptionThrown":
+        d = p.get("exceptionDetails", {})
+        exc = d.get("exception", {})
+        return f"uncaught: {exc.get('description') or d.get('text')}"
+    if m == "Runtime.consoleAPICalled" and p.get("type") == "error":
+        return "console.error: " + " ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", []))
+    if m == "Log.entryAdded":
+        e = p.get("entry", {})
+        # Only page errors: a file:// page has no network, and 'favicon.ico' misses are not the report's fault.
+        if e.get("level") == "error" and e.get("source") in ("javascript",):
+            return f"log: {e.get('text')}"
+    return None
+
+
+def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900, timeout_s: float = 60.0, binary: str | None = None) -> PageLoad:
+    """Open ``path`` in a fresh headless browser at ``width_px`` and wait until every figure is drawn.
+
+    Raises FileNotFoundError when no browser is installed (callers decide whether that skips).
+    """
+    binary = binary or find_chromium()
+    if binary is None:
+        raise FileNotFoundError("no chromium/chrome binary on PATH (set COPLAN_CHROMIUM to one)")
+    url = Path(path).resolve().as_uri()
+    result = PageLoad(url=url, width_px=width_px)
+    pipe = _Pipe(binary, (f"--window-size={width_px},{height_px}",))
+    errors: list[str] = []
+    try:
+        targets = pipe.send("Target.getTargets", timeout_s=timeout_s)["targetInfos"]
+        page = next((t for t in targets if t.get("type") == "page"), None)
+        if page is None:
+            page = {"targetId": pipe.send("Target.createTarget", {"url": "about:blank"})["targetId"]}
+        session = pipe.send("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True})["sessionId"]
+        for domain in ("Page", "Runtime", "Log"):
+            pipe.send(f"{domain}.enable", session=session)
+        pipe.send("Emulation.setDeviceMetricsOverride",
+                  {"width": width_px, "height": height_px, "deviceScaleFactor": 1, "mobile": False}, session=session)
+        t0 = time.monotonic()
+        pipe.send("Page.navigate", {"url": url}, session=session)
+        deadline = t0 + timeout_s
+        done = False
+        while time.monotonic() < deadline:
+            while True:
+                try:
+                    ev = pipe.events.get_nowait()
+                except queue.Empty:
+                    break
+                if ev.get("sessionId") == session:
+                    err = _event_error(ev)
+                    if err:
+                        errors.append(err)
+            r = pipe.send("Runtime.evaluate", {"expression": "!!(window.__coplan && window.__coplan.done)", "returnByValue": True},
+                          session=session, timeout_s=max(1.0, deadline - time.monotonic()))
+            if r.get("result", {}).get("value") is True:
+                done = True
+                break
+            time.sleep(0.01)
+        result.wall_ms = (time.monotonic() - t0) * 1e3
+        result.timed_out = not done
+        probe = """JSON.stringify((function () {
+            var s = window.__coplan || {};
+            var nav = performance.getEntriesByType('navigation')[0];
+            return {expected: s.expected || 0, rendered: s.rendered || 0, errors: s.errors || [],
+                    render_ms: s.render_ms, done_at_ms: s.done_at_ms,
+                    load_ms: nav && nav.loadEventEnd > 0 ? nav.loadEventEnd : null,
+                    overflow: Math.max(0, document.documentElement.scrollWidth - window.innerWidth)};
+        })())"""
+        # the load event may trail the loader's last promise by a tick; give it a moment
+        for _ in range(50):
+            info = json.loads(pipe.send("Runtime.evaluate", {"expression": probe, "returnByValue": True}, session=session)["result"]["value"])
+            if info["load_ms"] is not None or not done:
+                break
+            time.sleep(0.02)
+        time.sleep(0.05)
+        while True:
+            try:
+                ev = pipe.events.get_nowait()
+            except queue.Empty:
+                break
+            if ev.get("sessionId") == session:
+                err = _event_error(ev)
+                if err:
+                    errors.append(err)
+        result.expected = int(info["expected"])
+        result.rendered = int(info["rendered"])
+        result.render_ms = info.get("render_ms")
+        result.figures_done_ms = info.get("done_at_ms")
+        result.load_event_ms = info.get("load_ms")
+        result.overflow_px = int(info["overflow"])
+        errors = [f"page: {e}" for e in info["errors"]] + errors
+    finally:
+        pipe.close()
+    seen: set[str] = set()
+    result.errors = [e for e in errors if not (e in seen or seen.add(e))]
+    return result

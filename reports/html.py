@@ -1,0 +1,188 @@
+"""The HTML assembler: one self-contained file, plotly.js embedded once, every figure as JSON.
+
+Nothing is loaded from the network: plotly.js is inlined from the installed ``plotly`` package
+(``plotly.offline.get_plotlyjs()``), fonts are the reader's system fonts, and figures carry their
+data as ``<script type="application/json">`` blocks that one small loader hands to
+``Plotly.newPlot`` with ``responsive: true``. The loader records what happened where a headless
+browser (the tests, ``benchmarks/report_load.py``) can read it: ``window.__coplan`` and the
+``data-rendered`` / ``data-expected`` / ``data-errors`` attributes of ``<body>``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+
+import plotly.graph_objects as go
+import plotly.offline
+
+from coplan.reports.palette import FONT
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One figure of the report, with the text that tells the reader how to read it."""
+
+    key: str
+    """Stable id (``waterfall``, ``ranks``...): the figure's element id and anchor."""
+
+    title: str
+    """Heading above the figure."""
+
+    figure: go.Figure | None
+    """The figure; None when it cannot be drawn (``note`` says why)."""
+
+    caption: str = ""
+    """One or two sentences: what is plotted, how it was computed, what to look for. Plain text."""
+
+    note: str = ""
+    """Shown instead of (or under) the figure: why it is missing or what it leaves out. Plain text."""
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A whole report: a title, a short summary and the sections."""
+
+    title: str
+    """Page title."""
+
+    summary: tuple[str, ...]
+    """Summary paragraphs (plain text; shown first)."""
+
+    sections: tuple[Section, ...]
+    """Figures in reading order."""
+
+    facts: tuple[tuple[str, str], ...] = ()
+    """Key figures shown as a small table under the summary: (label, value)."""
+
+    footer: str = ""
+    """Provenance: coplan version, inputs' hashes, generation time (plain text)."""
+
+    meta: dict[str, str] = field(default_factory=dict)
+    """Extra ``<meta name=... content=...>`` tags (machine-readable provenance)."""
+
+
+_CSS = """
+:root { color-scheme: light; }
+* { box-sizing: border-box; }
+body { font-family: %(font)s; margin: 0; color: #222; background: #fff; line-height: 1.45; }
+main { max-width: 1200px; margin: 0 auto; padding: 12px 16px 48px; }
+h1 { font-size: 1.45rem; margin: 8px 0 4px; }
+h2 { font-size: 1.1rem; margin: 28px 0 2px; border-top: 1px solid #e4e4e4; padding-top: 14px; }
+.summary p { margin: 6px 0; max-width: 72em; }
+.summary p:first-child { font-size: 1.02rem; }
+table.facts { border-collapse: collapse; margin: 10px 0; font-size: .92rem; }
+table.facts td { padding: 2px 14px 2px 0; vertical-align: top; }
+table.facts td:first-child { color: #555; white-space: nowrap; }
+nav { font-size: .9rem; margin: 10px 0; }
+nav a { color: #3556a0; text-decoration: none; margin-right: 12px; white-space: nowrap; display: inline-block; }
+.caption { color: #444; font-size: .92rem; margin: 2px 0 6px; max-width: 72em; }
+.note { color: #7a4b00; background: #fff7e6; border-left: 3px solid #e0a040; padding: 6px 10px; font-size: .9rem; margin: 6px 0; }
+.fig { width: 100%%; min-height: 200px; }
+footer { color: #777; font-size: .8rem; margin-top: 36px; border-top: 1px solid #eee; padding-top: 8px; word-break: break-all; }
+@media (max-width: 640px) { main { padding: 6px 6px 32px; } h1 { font-size: 1.2rem; } }
+""" % {"font": FONT}
+
+# Installed before plotly.js so that an error anywhere (plotly.js itself included) is recorded.
+_ERROR_HOOK = """
+window.__coplan = {errors: [], rendered: 0, expected: 0, done: false, render_ms: null, done_at_ms: null};
+function __coplanError(msg) {
+  window.__coplan.errors.push(String(msg));
+  if (document.body) { document.body.dataset.errors = String(window.__coplan.errors.length); }
+}
+window.addEventListener('error', function (e) { __coplanError(e.message || e); });
+window.addEventListener('unhandledrejection', function (e) { __coplanError('unhandled rejection: ' + (e.reason && e.reason.message || e.reason)); });
+"""
+
+_LOADER = """
+(function () {
+  var state = window.__coplan;
+  var blocks = document.querySelectorAll('script[type="application/json"][data-figure]');
+  state.expected = blocks.length;
+  document.body.dataset.expected = String(blocks.length);
+  document.body.dataset.errors = String(state.errors.length);
+  var t0 = performance.now();
+  var pending = [];
+  blocks.forEach(function (block) {
+    var div = document.getElementById(block.dataset.figure);
+    try {
+      var spec = JSON.parse(block.textContent);
+      var config = {responsive: true, displaylogo: false, scrollZoom: false,
+                    toImageButtonOptions: {format: 'svg', filename: block.dataset.figure}};
+      pending.push(Plotly.newPlot(div, spec.data, spec.layout, config).then(function () {
+        state.rendered += 1;
+        div.dataset.rendered = '1';
+      }, function (err) { __coplanError(block.dataset.figure + ': ' + err); }));
+    } catch (err) {
+      __coplanError(block.dataset.figure + ': ' + err);
+    }
+  });
+  Promise.all(pending).then(function () {
+    state.render_ms = performance.now() - t0;
+    state.done = true;
+    state.done_at_ms = performance.now();
+    var ok = 0;
+    document.querySelectorAll('.fig').forEach(function (d) {
+      if (d.dataset.rendered === '1' && d.querySelector('.main-svg')) { ok += 1; }
+    });
+    state.rendered = ok;
+    document.body.dataset.rendered = String(ok);
+    document.body.dataset.errors = String(state.errors.length);
+    document.body.dataset.renderMs = String(Math.round(state.render_ms));
+    document.body.dataset.done = '1';
+  });
+})();
+"""
+
+
+def _json_for_script(obj_json: str) -> str:
+    """JSON safe inside ``<script>``: no ``</script>`` or ``<!--`` can end the block early."""
+    return obj_json.replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def figure_json(fig: go.Figure) -> str:
+    """The figure as compact JSON (data and layout only; the config is the loader's)."""
+    d = json.loads(fig.to_json())
+    return json.dumps({"data": d.get("data", []), "layout": d.get("layout", {})}, separators=(",", ":"))
+
+
+def render(report: Report) -> str:
+    """The whole page as one string."""
+    esc = html.escape
+    parts: list[str] = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{esc(report.title)}</title>",
+    ]
+    for k, v in report.meta.items():
+        parts.append(f'<meta name="{esc(k)}" content="{esc(v)}">')
+    parts += [f"<style>{_CSS}</style>", f"<script>{_ERROR_HOOK}</script>", "</head><body><main>"]
+    parts.append(f"<h1>{esc(report.title)}</h1>")
+    parts.append('<div class="summary">' + "".join(f"<p>{esc(p)}</p>" for p in report.summary) + "</div>")
+    if report.facts:
+        rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in report.facts)
+        parts.append(f'<table class="facts">{rows}</table>')
+    parts.append("<nav>" + "".join(f'<a href="#{esc(s.key)}">{esc(s.title)}</a>' for s in report.sections) + "</nav>")
+    blocks: list[str] = []
+    for s in report.sections:
+        parts.append(f'<section id="{esc(s.key)}"><h2>{esc(s.title)}</h2>')
+        if s.caption:
+            parts.append(f'<p class="caption">{esc(s.caption)}</p>')
+        if s.note:
+            parts.append(f'<p class="note">{esc(s.note)}</p>')
+        if s.figure is not None:
+            fid = f"fig-{s.key}"
+            parts.append(f'<div class="fig" id="{esc(fid)}"></div>')
+            blocks.append(f'<script type="application/json" data-figure="{esc(fid)}">{_json_for_script(figure_json(s.figure))}</script>')
+        parts.append("</section>")
+    if report.footer:
+        parts.append(f"<footer>{esc(report.footer)}</footer>")
+    parts.append("</main>")
+    # plotly.js once, then the data, then the loader.
+    parts.append(f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>')
+    parts += blocks
+    parts.append(f"<script>{_LOADER}</script>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,229 @@
+"""What a report reads: the plan, the cost model's full breakdown of it, and optionally a run
+directory and a calibration. Every file goes through the spec loaders, so a bad file is a
+:class:`~coplan.errors.CoplanError` that names the file and field, never a traceback.
+
+The plan's own :class:`~coplan.spec.Prediction` is the source of truth for the headline numbers.
+Where a figure needs more detail than the Prediction keeps (per-rank parts, the two-stream
+schedule, memory kinds per rank), the plan is re-priced with :func:`coplan.costmodel.price`, which
+is deterministic: the report says so when the re-priced step time differs from the stored one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from coplan.errors import CoplanError
+from coplan.spec import Calibration, Plan, Prediction, RunResult, load_calibration, load_plan, load_run_result, spec_sha256
+
+
+class ReportInputError(CoplanError):
+    """A run directory or metrics file a report was pointed at is missing or malformed."""
+
+
+METRIC_KEYS = ("step", "step_time_s")
+"""Keys every metrics.jsonl line must have (the run-directory contract in DESIGN.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunData:
+    """One run directory: ``summary.json`` (RunResult), ``metrics.jsonl``, the plan it ran, its traces."""
+
+    path: Path
+    result: RunResult
+    metrics: tuple[dict[str, Any], ...]
+    """One dict per step, in step order."""
+    plan: Plan | None
+    """``runs/<id>/plan.json`` when present."""
+    trace_paths: tuple[Path, ...]
+    """``traces/rank<k>.json[.gz]``, rank order."""
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric, skipping steps that lack it or hold a non-number."""
+        xs, ys = [], []
+        for m in self.metrics:
+            v = m.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                xs.append(int(m["step"]))
+                ys.append(float(v))
+        return xs, ys
+
+
+def load_metrics(path: Path) -> tuple[dict[str, Any], ...]:
+    """Parse ``metrics.jsonl``; a bad line names the file and the line number."""
+    rows: list[dict[str, Any]] = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ReportInputError(f"{path}: no metrics file (the trainer writes one line per step here)") from None
+    except OSError as e:
+        raise ReportInputError(f"{path}: cannot be read: {e}") from None
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReportInputError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ReportInputError(f"{path}:{i}: expected a JSON object per line, got {type(row).__name__}")
+        missing = [k for k in METRIC_KEYS if k not in row]
+        if missing:
+            raise ReportInputError(f"{path}:{i}: missing {missing} (each line needs {list(METRIC_KEYS)})")
+        rows.append(row)
+    rows.sort(key=lambda r: r["step"])
+    return tuple(rows)
+
+
+def load_run(path: str | Path) -> RunData:
+    """Load a run directory written by ``coplan train``."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ReportInputError(f"{p}: not a run directory (expected runs/<id>/ with summary.json and metrics.jsonl)")
+    summary = p / "summary.json"
+    if not summary.exists():
+        raise ReportInputError(f"{p}: no summary.json; is the run finished? (coplan train writes it at the end)")
+    result = load_run_result(summary)
+    metrics = load_metrics(p / "metrics.jsonl")
+    plan = load_plan(p / "plan.json") if (p / "plan.json").exists() else None
+    tdir = p / "traces"
+
+    def rank_of(f: Path) -> int:
+        digits = "".join(ch for ch in f.name.split(".")[0] if ch.isdigit())
+        return int(digits) if digits else 0
+
+    traces = tuple(sorted((f for f in tdir.glob("rank*.json*")), key=rank_of)) if tdir.is_dir() else ()
+    return RunData(path=p, result=result, metrics=metrics, plan=plan, trace_paths=traces)
+
+
+@dataclass
+class ReportInputs:
+    """Everything the figures draw from, loaded and cross-checked once."""
+
+    plan: Plan
+    plan_path: str = ""
+    run: RunData | None = None
+    calibration: Calibration | None = None
+    calibration_path: str = ""
+    warnings: list[str] = field(default_factory=list)
+    """Things the reader must know (mismatched inputs, re-priced numbers that differ)."""
+
+    # ------------------------------------------------------------------ cost model
+    @cached_property
+    def priced(self) -> "PricedPlan | None":
+        """The plan re-priced by the installed cost model, with its two-stream schedule, or None when
+        the cost model cannot price it (the reason goes to ``warnings``)."""
+        try:
+            priced = price_plan(self.plan)
+        except CoplanError as e:
+            self.warnings.append(f"re-pricing the plan failed: {e}")
+            return None
+        stored = self.plan.predicted
+        cost = priced.cost
+        if stored is not None and stored.step_time_s > 0:
+            rel = abs(cost.step_time_s - stored.step_time_s) / stored.step_time_s
+            if rel > 1e-6:
+                self.warnings.append(
+                    f"re-pricing this plan with the installed cost model gives a step time of {cost.step_time_s:.6g} s, "
+                    f"{100 * rel:.2f}% off the {stored.step_time_s:.6g} s stored in the plan (cost model changed since planning?); "
+                    "the detail figures (per rank, timeline, memory) use the re-priced breakdown, the rest the stored prediction"
+                )
+        return priced
+
+    @property
+    def cost(self):
+        """The re-priced :class:`~coplan.costmodel.results.StepCost` (None when re-pricing failed)."""
+        return self.priced.cost if self.priced is not None else None
+
+    @property
+    def prediction(self) -> Prediction | None:
+        """The plan's stored prediction, else the re-priced one."""
+        if self.plan.predicted is not None:
+            return self.plan.predicted
+        c = self.cost
+        return c.to_prediction() if c is not None else None
+
+    @cached_property
+    def context(self):
+        """The cost model's pricing context for the plan's mesh (jagged cost per sample, tables)."""
+        if self.priced is not None:
+            return self.priced.context
+        from coplan.costmodel import build_context
+
+        return build_context(self.plan.workload, self.plan.topology, self.plan.mesh, self.plan.calibration, force_calibration=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PricedPlan:
+    """A plan priced by the cost model: its StepCost, the pricing context and the schedule it ran."""
+
+    cost: Any
+    """:class:`coplan.costmodel.results.StepCost`."""
+    context: Any
+    """:class:`coplan.costmodel.context.Context`."""
+    schedule: Any | None
+    """:class:`coplan.costmodel.schedule.Schedule` of the critical rank's step (None if unavailable)."""
+
+
+def price_plan(plan: Plan) -> PricedPlan:
+    """Price ``plan`` with the installed cost model and keep the two-stream schedule it built.
+
+    The StepCost does not carry the schedule, so the pricer's ``Schedule`` class is swapped for a
+    subclass that records the instance it ran, for the duration of this one call. Nothing is
+    recomputed here: the timeline draws exactly the tasks, starts and ends the pricer used.
+    """
+    from coplan.costmodel import build_context
+    from coplan.costmodel import pricer
+
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, plan.calibration, force_calibration=True)
+    schedule = getattr(pricer, "Schedule", None)
+    captured: list[Any] = []
+    if schedule is not None:
+        class _Recorded(schedule):  # type: ignore[misc, valid-type]
+            def run(self, *a, **k):
+                out = super().run(*a, **k)
+                captured.append(self)
+                return out
+
+        pricer.Schedule = _Recorded
+    try:
+        cost = pricer.price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=True)
+    finally:
+        if schedule is not None:
+            pricer.Schedule = schedule
+    sched = getattr(cost, "schedule", None) or (captured[-1] if captured else None)
+    return PricedPlan(cost=cost, context=ctx, schedule=sched)
+
+
+def load_inputs(plan_path: str | Path, run_dir: str | Path | None = None, calibration_path: str | Path | None = None) -> ReportInputs:
+    """Load and cross-check a plan, a run directory and a calibration."""
+    plan = load_plan(plan_path)
+    inputs = ReportInputs(plan=plan, plan_path=str(plan_path))
+    if run_dir is not None:
+        run = load_run(run_dir)
+        inputs.run = run
+        want = spec_sha256(plan)
+        if run.result.plan_sha256 and run.result.plan_sha256 != want:
+            inputs.warnings.append(
+                f"run {run.result.run_id} executed a different plan (sha256 {run.result.plan_sha256[:12]}…) than {plan_path} "
+                f"({want[:12]}…): measured and predicted figures compare different plans"
+            )
+        if run.result.world_size != plan.world_size:
+            inputs.warnings.append(
+                f"run {run.result.run_id} ran on {run.result.world_size} ranks, the plan is for {plan.world_size}"
+            )
+    if calibration_path is not None:
+        cal = load_calibration(calibration_path)
+        inputs.calibration = cal
+        inputs.calibration_path = str(calibration_path)
+        gpu = plan.topology.gpu.name
+        if cal.device.lower() not in gpu.lower() and gpu.lower() not in cal.device.lower():
+            inputs.warnings.append(f"calibration was fitted on '{cal.device}', the plan's topology has '{gpu}'")
+    return inputs
+
+
+__all__ = ["METRIC_KEYS", "PricedPlan", "ReportInputError", "ReportInputs", "RunData", "load_inputs", "load_metrics", "load_run", "price_plan"]

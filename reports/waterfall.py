@@ -1,0 +1,78 @@
+"""MFU waterfall: from 100% of peak down to the goodput MFU, one bar per loss (see
+:mod:`coplan.reports.ledger` for how each is computed). Bars are drawn as floating horizontal bars so
+each can carry its op class's or collective's colour; the biggest loss is marked."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from coplan.reports.layout import base_layout, fmt_s
+from coplan.reports.ledger import Ledger, Loss
+from coplan.reports.palette import collective_colour, loss_colour, op_class_colour
+
+MIN_POINTS = 0.005
+"""Losses smaller than this many MFU points are merged into one 'small items' bar (listed in its hover)."""
+
+
+def _colour(x: Loss) -> str:
+    if x.kind == "op_class":
+        return op_class_colour(x.colour_key)
+    if x.kind == "collective":
+        return collective_colour(x.colour_key)
+    return loss_colour(x.colour_key)
+
+
+def mfu_waterfall(ledger: Ledger, *, title: str = "MFU waterfall: where the peak FLOPs go") -> go.Figure:
+    """Horizontal waterfall, top to bottom: peak, each loss, the goodput MFU."""
+    big = [x for x in ledger.losses if abs(ledger.points(x.seconds)) >= MIN_POINTS or x.key == "other"]
+    small = [x for x in ledger.losses if x not in big]
+    bars: list[tuple[str, float, str, str, str]] = []  # label, points, colour, hover, key
+    for x in big:
+        bars.append((x.label, ledger.points(x.seconds), _colour(x), x.detail, x.key))
+    if small:
+        s = sum(x.seconds for x in small)
+        listing = "<br>".join(f"{x.label}: {ledger.points(x.seconds):.4f} pts" for x in small[:12])
+        at = next((i for i, b in enumerate(bars) if b[4] == "other"), len(bars))
+        bars.insert(at, (f"{len(small)} small items", ledger.points(s), "#CCCCCC", listing, "small"))
+    biggest = ledger.biggest()
+    fig = go.Figure()
+    labels = ["100% of peak"]
+    fig.add_trace(go.Bar(
+        y=[labels[0]], x=[100.0], base=[0.0], orientation="h", marker_color=loss_colour("peak"), name="peak",
+        showlegend=False, hovertemplate=(
+            f"dense peak {ledger.peak_flops_per_s / 1e12:,.0f} TFLOP/s × {ledger.world_size:,} GPUs × "
+            f"{fmt_s(ledger.wall_step_s)} of wall time per step<extra></extra>"),
+    ))
+    level = 100.0
+    for label, pts, colour, hover, key in bars:
+        start = level - pts
+        is_big = biggest is not None and key == biggest.key
+        shown = f"<b>{label} (biggest loss)</b>" if is_big else label
+        labels.append(shown)
+        secs = pts / 100.0 * ledger.wall_step_s
+        fig.add_trace(go.Bar(
+            y=[shown], x=[pts], base=[start], orientation="h", name=label, showlegend=False,
+            marker={"color": colour, "line": {"color": "#333" if key == "other" else colour, "width": 1}},
+            text=[f"−{pts:.2f}" if pts >= 0 else f"+{-pts:.2f}"], textposition="outside", cliponaxis=False,
+            hovertemplate=(f"<b>{label}</b><br>−{pts:.3f} MFU points<br>{fmt_s(secs)} per step "
+                           f"({100 * secs / ledger.step_time_s:.2f}% of the step)" if ledger.step_time_s > 0 else "")
+            + (f"<br>{hover}" if hover else "") + "<extra></extra>",
+        ))
+        level = start
+    final = ledger.final_points
+    labels.append("<b>goodput MFU</b>")
+    fig.add_trace(go.Bar(
+        y=["<b>goodput MFU</b>"], x=[final], base=[0.0], orientation="h", marker_color=loss_colour("model"), showlegend=False,
+        text=[f"{final:.2f}%"], textposition="outside", cliponaxis=False,
+        hovertemplate=(f"<b>goodput MFU {final:.3f}%</b><br>model FLOPs {ledger.model_flops:.4g} per step at peak take "
+                       f"{fmt_s(ledger.useful_s)}<br>E2E MFU (no checkpoints or failures) {100 * ledger.e2e_mfu:.3f}%<extra></extra>"),
+    ))
+    fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels, automargin=True, tickfont={"size": 11})
+    fig.update_xaxes(title_text="% of peak FLOPs (dense peak × GPUs × wall time)", range=[0, 108], ticksuffix="%")
+    fig.update_layout(bargap=0.25, margin={"l": 8})
+    sub = (f"{len(ledger.losses)} losses sum from 100% to goodput MFU {final:.2f}% "
+           f"(E2E MFU {100 * ledger.e2e_mfu:.2f}%, step {fmt_s(ledger.step_time_s)}, wall per step {fmt_s(ledger.wall_step_s)})")
+    return base_layout(fig, title, height=max(360, 80 + 26 * len(labels)), legend=False, subtitle=sub)
+
+
+__all__ = ["mfu_waterfall"]
