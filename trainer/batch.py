@@ -1,0 +1,79 @@
+"""A rank's batch as the model takes it: TorchRec KeyedJaggedTensors, history offsets, dense features, labels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchrec import KeyedJaggedTensor
+
+from coplan.trainer.data import HostBatch
+from coplan.trainer.features import FeatureLayout
+
+
+@dataclass
+class Batch:
+    """One rank's share of a global batch, on the training device."""
+
+    pooled: KeyedJaggedTensor | None
+    """Pooled features (keys in layout order), for the EmbeddingBagCollection."""
+
+    sequences: dict[str, KeyedJaggedTensor]
+    """``ec_d<dim>`` -> the sequence-table features of that collection."""
+
+    offsets: dict[str, torch.Tensor]
+    """Sequence -> ``[b + 1]`` int64 offsets of each sample's events."""
+
+    dense: torch.Tensor | None
+    """``[b, num_dense]`` float32."""
+
+    labels: torch.Tensor
+    """``[b, tasks]`` float32."""
+
+    size: int
+    """Samples on this rank."""
+
+    tokens: int
+    """Real (unpadded) history events on this rank, summed over sequences."""
+
+
+def _tensor(a: np.ndarray, pin: bool) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory() if pin else t
+
+
+def to_batch(hb: HostBatch, layout: FeatureLayout, device: torch.device) -> Batch:
+    """Host batch → device tensors (pinned and copied asynchronously on CUDA)."""
+    pin = device.type == "cuda"
+    nb = pin
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return _tensor(a, pin).to(device, non_blocking=nb)
+
+    pooled = None
+    if layout.pooled:
+        pooled = KeyedJaggedTensor(
+            keys=layout.pooled_names,
+            values=dev(hb.pooled_values),
+            lengths=dev(hb.pooled_lengths.astype(np.int32)),
+        )
+    seqs = {}
+    t2s = layout.table_to_sequence
+    for name, tables in layout.sequence_groups.items():
+        lengths = np.concatenate([hb.seq_lengths[t2s[t.name]] for t in tables]).astype(np.int32)
+        values = np.concatenate([hb.seq_values[t.name] for t in tables])
+        seqs[name] = KeyedJaggedTensor(keys=[t.name for t in tables], values=dev(values), lengths=dev(lengths))
+    offsets = {s: dev(np.concatenate([[0], np.cumsum(hb.seq_lengths[s])]).astype(np.int64)) for s in layout.sequences}
+    return Batch(
+        pooled=pooled,
+        sequences=seqs,
+        offsets=offsets,
+        dense=dev(hb.dense) if hb.dense is not None else None,
+        labels=dev(hb.labels),
+        size=hb.size,
+        tokens=int(sum(int(v.sum()) for v in hb.seq_lengths.values())),
+    )
+
+
+__all__ = ["Batch", "to_batch"]

@@ -1,0 +1,439 @@
+"""Jagged training data: a seeded generator that writes Parquet, a reader, and the per-rank split.
+
+Files hold one row per sample: ``dense`` (list<float32>), one ``list<int64>`` column per pooled
+feature (a bag of ids), one ``list<int64>`` column per sequence table (one id per event), ``len_<sequence>``
+(int32) and ``label_<task>`` (float32). The generator draws long-tailed history lengths from the
+workload's distributions, Zipf-skewed ids spread over the rows by an affine hash (as hashed ids
+are), and labels from a hidden teacher (per-id scores, recency-weighted history scores and a dense
+linear term), so a model that learns the ids sees its loss fall for real.
+
+Step ``s`` reads global batch ``s`` (rows ``s·G … s·G+G-1``, wrapping around the files), costs each
+sample with the FLOP formula, and splits the batch over ranks with the planner's balancer
+(:func:`coplan.costmodel.jagged.balance`), identically on every rank, then evens out the sample
+counts (see :func:`equalize_counts`). Each rank keeps its share, in global order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from coplan.costmodel.jagged import balance
+from coplan.errors import CoplanError, MismatchError
+from coplan.spec import Workload, spec_sha256
+from coplan.spec.workload import sample_lengths
+from coplan.trainer.features import FeatureLayout, feature_layout
+
+DATASET_META = "dataset.json"
+GENERATOR_VERSION = 1
+
+_HASH_MULT = 2_654_435_761  # a prime larger than any table: id = (rank · p + shift) mod rows is a bijection
+
+
+class DataError(CoplanError):
+    """A dataset is missing, malformed or does not match the workload."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator
+# ---------------------------------------------------------------------------------------------
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser: a fixed pseudo-random bijection of uint64."""
+    x = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def teacher_score(ids: np.ndarray, salt: int) -> np.ndarray:
+    """The hidden teacher's score of each id, uniform in [-1, 1), fixed per (id, salt)."""
+    with np.errstate(over="ignore"):
+        x = _mix64(ids.astype(np.uint64) + np.uint64((salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF))
+    return (x >> np.uint64(11)).astype(np.float64) * (2.0 / 2**53) - 1.0
+
+
+def zipf_ids(rng: np.random.Generator, n: int, num_rows: int, alpha: float, shift: int) -> np.ndarray:
+    """``n`` ids with P(rank r) ∝ (r+1)^-alpha (continuous inverse CDF), hashed over the rows."""
+    u = rng.random(n)
+    if alpha <= 1e-9:
+        r = np.floor(u * num_rows)
+    elif abs(alpha - 1.0) < 1e-9:
+        r = np.floor(np.exp(u * math.log(num_rows + 1.0))) - 1.0
+    else:
+        a = 1.0 - alpha
+        r = np.floor(np.power(((num_rows + 1.0) ** a - 1.0) * u + 1.0, 1.0 / a)) - 1.0
+    r = np.clip(r, 0, num_rows - 1).astype(np.int64)
+    return (r * _HASH_MULT + shift) % num_rows
+
+
+def _segment_mean(values: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    seg = np.repeat(np.arange(lengths.size), lengths)
+    w = np.ones_like(values) if weights is None else weights
+    num = np.bincount(seg, weights=values * w, minlength=lengths.size)
+    den = np.bincount(seg, weights=w, minlength=lengths.size)
+    return np.divide(num, den, out=np.zeros_like(num), where=den > 0)
+
+
+def _generate_chunk(workload: Workload, layout: FeatureLayout, n: int, seed: int, chunk: int) -> pa.Table:
+    rng = np.random.default_rng([seed, chunk])
+    cols: dict[str, pa.Array] = {}
+    n_tasks = len(layout.tasks)
+    logits = np.zeros((n, n_tasks))
+    # pooled features: bags of Zipf ids; the teacher scores a bag by its mean id score
+    pooled_terms = np.zeros((n, n_tasks))
+    for fi, f in enumerate(layout.pooled):
+        t = f.table
+        pf = t.pooling_factor
+        lengths = np.ones(n, dtype=np.int64) if pf <= 1.0 else 1 + rng.poisson(pf - 1.0, size=n)
+        ids = zipf_ids(rng, int(lengths.sum()), t.num_rows, t.zipf_alpha, shift=_table_shift(seed, t.name))
+        cols[f.name] = pa.ListArray.from_arrays(_offsets(lengths), pa.array(ids, type=pa.int64()))
+        for k in range(n_tasks):
+            pooled_terms[:, k] += _segment_mean(teacher_score(ids, 1_000 * k + fi), lengths)
+    logits += math.sqrt(3.0) * pooled_terms / math.sqrt(max(1, len(layout.pooled)))
+    # histories: recency-weighted mean of the events' id scores
+    for si, s in enumerate(layout.sequences):
+        lengths = sample_lengths(workload.sequence(s).length, n, seed=int(rng.integers(2**31)))
+        cols[f"len_{s}"] = pa.array(lengths.astype(np.int32), type=pa.int32())
+        offs = _offsets(lengths)
+        ends = np.cumsum(lengths)
+        seg = np.repeat(np.arange(n), lengths)
+        pos_from_end = (ends[seg] - 1) - np.arange(int(lengths.sum()))
+        w = np.exp(-pos_from_end / 8.0)
+        tables = layout.sequence_tables[s]
+        hist = np.zeros((n, n_tasks))
+        for ti, t in enumerate(tables):
+            ids = zipf_ids(rng, int(lengths.sum()), t.num_rows, t.zipf_alpha, shift=_table_shift(seed, t.name))
+            cols[t.name] = pa.ListArray.from_arrays(offs, pa.array(ids, type=pa.int64()))
+            for k in range(n_tasks):
+                hist[:, k] += _segment_mean(teacher_score(ids, 77_000 + 1_000 * k + 10 * si + ti), lengths, w)
+        logits += 1.5 * math.sqrt(3.0) * hist / math.sqrt(max(1, len(tables)))
+    if layout.num_dense:
+        x = rng.standard_normal((n, layout.num_dense)).astype(np.float32)
+        w_dense = np.random.default_rng([seed, 99]).standard_normal((layout.num_dense, n_tasks)) / math.sqrt(layout.num_dense)
+        logits += 0.8 * (x @ w_dense)
+        cols["dense"] = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1), type=pa.float32()), layout.num_dense)
+    bias = np.array([-1.0 - 0.5 * k for k in range(n_tasks)])
+    p = 1.0 / (1.0 + np.exp(-(logits + bias)))
+    labels = (rng.random((n, n_tasks)) < p).astype(np.float32)
+    for k, task in enumerate(layout.tasks):
+        cols[f"label_{task}"] = pa.array(labels[:, k], type=pa.float32())
+    return pa.table(cols)
+
+
+def _offsets(lengths: np.ndarray) -> pa.Array:
+    return pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32())
+
+
+def _table_shift(seed: int, table: str) -> int:
+    import zlib
+
+    return (zlib.crc32(table.encode()) * 31 + seed) % (1 << 31)
+
+
+def generate_dataset(
+    workload: Workload, out_dir: str | Path, num_samples: int, *, seed: int = 0, rows_per_file: int = 65_536,
+    row_group_size: int | None = None, progress: bool = False,
+) -> Path:
+    """Write ``num_samples`` samples of ``workload`` as Parquet files under ``out_dir``; returns ``out_dir``.
+
+    Deterministic for (workload, num_samples, seed, rows_per_file). Row groups default to the
+    global batch so that a step reads whole row groups.
+    """
+    layout = feature_layout(workload)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if row_group_size is None:
+        gb = workload.batch.global_batch_size or workload.batch.local_batch_size or 1024
+        row_group_size = max(1, min(gb, rows_per_file))
+    files = []
+    chunks = range(math.ceil(num_samples / rows_per_file))
+    it = chunks
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(chunks, desc="generate data", unit="file")
+    for c in it:
+        n = min(rows_per_file, num_samples - c * rows_per_file)
+        table = _generate_chunk(workload, layout, n, seed, c)
+        path = out / f"part-{c:05d}.parquet"
+        pq.write_table(table, path, row_group_size=row_group_size, compression="zstd")
+        files.append(path.name)
+    meta = {
+        "generator_version": GENERATOR_VERSION, "workload": workload.name, "workload_sha256": spec_sha256(workload),
+        "num_samples": num_samples, "seed": seed, "rows_per_file": rows_per_file, "files": files,
+        "features": layout.pooled_names, "sequences": list(layout.sequences), "tasks": list(layout.tasks),
+    }
+    (out / DATASET_META).write_text(json.dumps(meta, indent=1) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reader
+# ---------------------------------------------------------------------------------------------
+
+
+class ParquetSource:
+    """The samples of a dataset folder, addressed by a global row index (wrapping around)."""
+
+    def __init__(self, path: str | Path, layout: FeatureLayout) -> None:
+        self.path = Path(path)
+        files = sorted(self.path.glob("*.parquet"))
+        if not files:
+            raise DataError(f"{self.path}: no Parquet files; generate a dataset with --generate-data or point --data elsewhere")
+        self.layout = layout
+        self.files = [pq.ParquetFile(f) for f in files]
+        schema = self.files[0].schema_arrow
+        need = layout.pooled_names + [t.name for s in layout.sequences for t in layout.sequence_tables[s]]
+        need += [f"len_{s}" for s in layout.sequences] + [f"label_{t}" for t in layout.tasks]
+        if layout.num_dense:
+            need.append("dense")
+        missing = [c for c in need if c not in schema.names]
+        if missing:
+            raise DataError(f"{self.path}: columns {missing[:5]} are missing ({len(missing)} in all); the data was "
+                            "written for another workload")
+        self.columns = need
+        self._groups: list[tuple[int, int, int]] = []  # (file, row group, first global row)
+        start = 0
+        for fi, f in enumerate(self.files):
+            for g in range(f.num_row_groups):
+                self._groups.append((fi, g, start))
+                start += f.metadata.row_group(g).num_rows
+        self.num_rows = start
+        self._starts = np.array([g[2] for g in self._groups], dtype=np.int64)
+        self._cache: dict[int, pa.Table] = {}
+
+    def _group(self, i: int) -> pa.Table:
+        t = self._cache.get(i)
+        if t is None:
+            fi, g, _ = self._groups[i]
+            t = self.files[fi].read_row_group(g, columns=self.columns)
+            if len(self._cache) > 4:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[i] = t
+        return t
+
+    def rows(self, start: int, count: int) -> pa.Table:
+        """``count`` rows from global row ``start`` (mod the dataset size)."""
+        if count > self.num_rows:
+            raise DataError(f"{self.path}: a batch of {count} samples needs at least that many rows; the dataset has {self.num_rows}")
+        parts, pos, left = [], start % self.num_rows, count
+        while left:
+            gi = int(np.searchsorted(self._starts, pos, side="right") - 1)
+            t = self._group(gi)
+            off = pos - int(self._starts[gi])
+            take = min(left, t.num_rows - off)
+            parts.append(t.slice(off, take))
+            left -= take
+            pos = (pos + take) % self.num_rows
+        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rank split
+# ---------------------------------------------------------------------------------------------
+
+
+def equalize_counts(bins: np.ndarray, costs: np.ndarray, num_bins: int) -> np.ndarray:
+    """Move the cheapest items of over-full bins to the least-loaded under-full bins until every bin
+    holds ⌊n/k⌋ or ⌈n/k⌉ items (the first ``n mod k`` bins by load take the extra ones). Deterministic.
+
+    Why: TorchRec's pooled-embedding exchange needs the per-rank batch sizes to agree on gloo (its
+    uneven backward all-gather is NCCL-only), and the per-sample parts of the model (Kunlun, MoE,
+    heads, pooled lookups) then do equal work on every rank; only the jagged work stays balanced by cost.
+    """
+    bins = np.asarray(bins, dtype=np.int64).copy()
+    n = bins.size
+    lo, extra = divmod(n, num_bins)
+    loads = np.bincount(bins, weights=costs, minlength=num_bins).astype(float)
+    members = [sorted(np.flatnonzero(bins == b).tolist(), key=lambda i: (costs[i], i)) for b in range(num_bins)]
+    order = sorted(range(num_bins), key=lambda b: (loads[b], b))
+    target = np.full(num_bins, lo, dtype=np.int64)
+    # bins already holding more than lo keep an extra slot first (fewest moves)
+    by_size = sorted(range(num_bins), key=lambda b: (-len(members[b]), order.index(b)))
+    for b in by_size[:extra]:
+        target[b] += 1
+    while True:
+        over = [b for b in range(num_bins) if len(members[b]) > target[b]]
+        if not over:
+            break
+        src = max(over, key=lambda b: (len(members[b]) - target[b], -b))
+        under = [b for b in range(num_bins) if len(members[b]) < target[b]]
+        dst = min(under, key=lambda b: (loads[b], b))
+        i = members[src].pop(0)
+        members[dst].append(i)
+        loads[src] -= costs[i]
+        loads[dst] += costs[i]
+        bins[i] = dst
+    return bins
+
+
+def sample_costs(workload: Workload, lengths: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """Model FLOPs (forward + backward) of each sample, from :mod:`coplan.costmodel.flops`."""
+    from coplan.costmodel.flops import per_sample_flops
+
+    coeffs = per_sample_flops(workload)
+    cost = np.full(n, coeffs.get(None).const if None in coeffs else 0.0)
+    for s, c in coeffs.items():
+        if s is not None and s in lengths:
+            cost = cost + c.at(lengths[s])
+    return cost
+
+
+def split_global_batch(costs: np.ndarray, world_size: int, policy: str) -> list[np.ndarray]:
+    """Sample indices of each rank, sorted: the balancer's bins with the counts evened out."""
+    bins = balance(costs, world_size, policy)  # type: ignore[arg-type]
+    bins = equalize_counts(bins, costs, world_size)
+    return [np.flatnonzero(bins == r) for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Host batches
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HostBatch:
+    """One rank's share of one global batch, on the host (numpy), ready to become tensors."""
+
+    step: int
+    indices: np.ndarray
+    """Positions of this rank's samples in the global batch."""
+    pooled_lengths: np.ndarray
+    """Feature-major lengths of the pooled features, ``[num_pooled · b]``."""
+    pooled_values: np.ndarray
+    seq_lengths: dict[str, np.ndarray]
+    """Sequence -> per-sample lengths of this rank's samples."""
+    seq_values: dict[str, np.ndarray]
+    """Sequence table -> its ids (concatenated over this rank's samples)."""
+    dense: np.ndarray | None
+    labels: np.ndarray
+    global_lengths: dict[str, np.ndarray] = field(default_factory=dict)
+    """Sequence -> lengths of the whole global batch (for FLOPs and token counts)."""
+    rank_costs: np.ndarray | None = None
+    """Cost (model FLOPs) of every rank's share, for the imbalance metric."""
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    col = table.column(name).combine_chunks()
+    lengths = col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return lengths, values
+
+
+class BatchReader:
+    """Global batch ``step`` → this rank's :class:`HostBatch` (deterministic on every rank)."""
+
+    def __init__(self, workload: Workload, path: str | Path, *, world_size: int, rank: int, policy: str,
+                 global_batch: int) -> None:
+        self.workload = workload
+        self.layout = feature_layout(workload)
+        self.source = ParquetSource(path, self.layout)
+        self.world_size, self.rank, self.policy, self.global_batch = world_size, rank, policy, global_batch
+
+    def read(self, step: int) -> HostBatch:
+        lay = self.layout
+        table = self.source.rows(step * self.global_batch, self.global_batch)
+        g_lengths = {s: table.column(f"len_{s}").to_numpy().astype(np.int64) for s in lay.sequences}
+        costs = sample_costs(self.workload, g_lengths, self.global_batch)
+        shares = split_global_batch(costs, self.world_size, self.policy)
+        mine = shares[self.rank]
+        rank_costs = np.array([costs[s].sum() for s in shares])
+        local = table.take(pa.array(mine))
+        pl, pv = [], []
+        for name in lay.pooled_names:
+            ln, vals = _list_column(local, name)
+            pl.append(ln)
+            pv.append(vals)
+        seq_lengths, seq_values = {}, {}
+        for s in lay.sequences:
+            seq_lengths[s] = local.column(f"len_{s}").to_numpy().astype(np.int64)
+            for t in lay.sequence_tables[s]:
+                ln, vals = _list_column(local, t.name)
+                if not np.array_equal(ln, seq_lengths[s]):
+                    raise DataError(f"{self.source.path}: column '{t.name}' has lengths that differ from len_{s}")
+                seq_values[t.name] = vals
+        dense = None
+        if lay.num_dense:
+            dense = local.column("dense").combine_chunks().flatten().to_numpy().astype(np.float32).reshape(len(mine), lay.num_dense)
+        labels = np.stack([local.column(f"label_{t}").to_numpy().astype(np.float32) for t in lay.tasks], axis=1)
+        return HostBatch(
+            step=step, indices=mine, pooled_lengths=np.concatenate(pl) if pl else np.zeros(0, np.int64),
+            pooled_values=np.concatenate(pv) if pv else np.zeros(0, np.int64), seq_lengths=seq_lengths,
+            seq_values=seq_values, dense=dense, labels=labels, global_lengths=g_lengths, rank_costs=rank_costs,
+        )
+
+
+class Prefetcher:
+    """Reads the next host batches on a background thread (pyarrow and numpy release the GIL)."""
+
+    def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+
+        def work() -> None:
+            for step in range(start, stop):
+                if self._stop.is_set():
+                    return
+                try:
+                    item = reader.read(step)
+                except BaseException as e:  # surfaced on the consumer side
+                    self._q.put(e)
+                    return
+                self._q.put(item)
+
+        self._thread = threading.Thread(target=work, name="coplan-data", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[HostBatch]:
+        return self
+
+    def __next__(self) -> HostBatch:
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+
+
+def check_dataset(path: str | Path, workload: Workload) -> dict:
+    """The dataset's metadata; refuses one written for a different workload."""
+    meta_path = Path(path) / DATASET_META
+    if not meta_path.is_file():
+        raise DataError(f"{path}: no {DATASET_META}; not a coplan dataset")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("workload_sha256") != spec_sha256(workload):
+        raise MismatchError(f"{path}: written for workload '{meta.get('workload')}' (a different spec than "
+                            f"'{workload.name}' in the plan); generate data for this plan")
+    return meta
+
+
+__all__ = [
+    "BatchReader", "DataError", "HostBatch", "ParquetSource", "Prefetcher", "check_dataset", "equalize_counts",
+    "generate_dataset", "sample_costs", "split_global_batch", "teacher_score", "zipf_ids",
+]

@@ -1,0 +1,52 @@
+"""FSDP2 (``fully_shard``): one unit per stacked layer, the experts on their own mesh, the rest in the root.
+
+HSDP is FSDP2 on a 2-D mesh ``(dp_replicate, dp_shard)``: reduce-scatter within a replica, all-reduce
+across replicas. Reductions *sum* (divide factor 1): each rank's loss is already its share of the
+global mean (see :mod:`coplan.trainer.distributed.embedding`). Experts live on
+``(dp_replicate, dp_shard_mod_ep)``: their gradients already hold the whole EP group's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from coplan.spec.workload import Precision
+from coplan.trainer.model.moe import MoELayer
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
+    """Parameters are gathered in the compute dtype; gradients reduced in ``reduce_dtype``; master
+    weights stay in ``param_dtype`` (the shards the optimizer updates)."""
+    compute = _DTYPES[precision.compute_dtype]
+    return MixedPrecisionPolicy(
+        param_dtype=None if compute == torch.float32 else compute,
+        reduce_dtype=_DTYPES[precision.reduce_dtype],
+    )
+
+
+def _unwrap(m: nn.Module) -> nn.Module:
+    return getattr(m, "_checkpoint_wrapped_module", m)
+
+
+def apply_fsdp(dense: nn.Module, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh, precision: Precision) -> None:
+    mp = mixed_precision(precision)
+    for _, holder, i in dense.iter_layers():
+        layer = holder[i]
+        inner = _unwrap(layer)
+        if isinstance(inner, MoELayer):
+            fully_shard(inner.experts, mesh=expert_mesh, mp_policy=mp)
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp)
+    fully_shard(dense, mesh=dense_mesh, mp_policy=mp)
+    for m in dense.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+
+
+__all__ = ["apply_fsdp", "mixed_precision"]

@@ -1,0 +1,237 @@
+"""Dense building blocks of the GEM-shaped model: attention helpers, FFN, InterFormer and Kunlun layers.
+
+Every layer carries its op-name prefix (``interformer.1``) and wraps its parts in
+``record_function`` ranges named as the cost model names its ops (``interformer.1.gdpa``), so a
+Kineto trace can be attributed op by op. Jagged sequences travel as ``(values [T, D], offsets [B+1])``
+and attention goes through :mod:`coplan.kernels` (Triton on GPU, the PyTorch reference on CPU).
+Nothing here reads a tensor back to the host: lengths bounds come from the spec, not the batch, so
+that a sample's output does not depend on which other samples share its batch (a sharded run and
+the unsharded reference then compute the same function).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from coplan.spec.workload import Attention, InterFormerBlock, KunlunBlock
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
+    "identity": lambda x: x,
+}
+
+
+def attention_scales(attn: Attention, head_dim: int, max_len: int) -> tuple[float, float]:
+    """``(scale, out_scale)``: the score scale before the activation, the output scale after it.
+
+    'inv_max_len' is GDPA's normalisation as in HSTU and InterFormer: ``act(q·k / sqrt(d)) / N`` with
+    N the spec's length bound (the unnormalised sum grows with the length). For softmax it scales
+    the scores by 1/N. 'inv_sqrt_head_dim' and numbers scale the scores only.
+    """
+    if attn.scale == "inv_max_len":
+        if attn.kind == "gdpa":
+            return 1.0 / math.sqrt(head_dim), 1.0 / max(1, max_len)
+        return 1.0 / max(1, max_len), 1.0
+    if attn.scale == "inv_sqrt_head_dim":
+        return 1.0 / math.sqrt(head_dim), 1.0
+    return float(attn.scale), 1.0
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The attention backend that can run on ``device``: Triton needs CUDA; the reference runs anywhere."""
+    if backend == "triton" and device.type != "cuda":
+        return "reference"
+    return backend
+
+
+def jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None,
+    *,
+    attn: Attention,
+    causal: bool,
+    max_len: int,
+    scale: float,
+    out_scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Attention within each sample of a jagged batch through :mod:`coplan.kernels` (GDPA or softmax)."""
+    from coplan import kernels
+
+    if attn.kind == "gdpa":
+        return kernels.gdpa(
+            q, k, v, q_offsets, k_offsets, activation=attn.activation, causal=causal, max_len=max_len,
+            scale=scale, out_scale=out_scale, backend=backend, validate=False,
+        )
+    return kernels.jagged_attention(
+        q, k, v, q_offsets, k_offsets, causal=causal, max_len=max_len, scale=scale, backend=backend, validate=False
+    )
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn: Attention, scale: float, out_scale: float) -> torch.Tensor:
+    """Attention over a fixed number of tokens, ``[B, H, N, d]`` (Kunlun's non-sequence tokens)."""
+    if attn.kind == "softmax":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=attn.causal, scale=scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    a = _ACTIVATIONS[attn.activation](s)
+    if attn.causal:
+        n = s.shape[-1]
+        a = a.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), 0.0)
+    return torch.matmul(a, v) * out_scale
+
+
+def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """Sample index of every row of a jagged tensor with ``total`` rows (no host sync)."""
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
+
+
+class FFN(nn.Module):
+    """Two-matrix feed-forward network with SiLU; ``name`` prefixes its op ranges (``ffn_up``, ``ffn_down``)."""
+
+    def __init__(self, dim: int, hidden: int, name: str = "") -> None:
+        super().__init__()
+        self.name = name
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with record_function(f"{self.name}.ffn_up"):
+            x = F.silu(self.up(x))
+        with record_function(f"{self.name}.ffn_down"):
+            return self.down(x)
+
+
+class MLP(nn.Module):
+    """Linear layers with ReLU between them (none after the last). With ``name``, linear ``i`` runs in
+    the op range ``<name>.<i>.gemm`` (the cost model's ``dense_mlp.i.gemm``)."""
+
+    def __init__(self, dims: list[int], name: str = "") -> None:
+        super().__init__()
+        self.name = name
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            with record_function(f"{self.name}.{i}.gemm"):
+                x = layer(x)
+                if i < len(self.layers) - 1:
+                    x = F.relu(x)
+        return x
+
+
+class InterFormerLayer(nn.Module):
+    """One InterFormer layer over a jagged history, in both directions of interaction.
+
+    - non-sequence → sequence: the context vector of the sample's non-sequence tokens modulates the
+      normalised history tokens (FiLM: ``x · (1 + γ) + β``) before attention;
+    - sequence self-attention: causal GDPA over each history, then an FFN (pre-norm residuals);
+    - sequence → non-sequence: the sample's summary tokens cross-attend (not causally) to the
+      layer's keys and values; the summaries become non-sequence tokens after the last layer.
+
+    Ops as :mod:`coplan.costmodel.flops` counts them (``qkv``, ``gdpa``, ``attn_out``, ``ffn_up``,
+    ``ffn_down``, ``summary_q``, ``summary_attn``, ``summary_out``); the FiLM projection (a per-sample
+    ``[token width → 2·d]`` GEMM, under 0.1% of a layer's FLOPs at GEM sizes) is not counted.
+    """
+
+    def __init__(self, name: str, block: InterFormerBlock, ctx_dim: int, max_len: int, backend: str) -> None:
+        super().__init__()
+        self.name = name
+        d, h, hd = block.model_dim, block.num_heads, block.head_dim
+        self.heads, self.head_dim, self.inner = h, hd, h * hd
+        self.attn, self.max_len, self.backend = block.attention, max_len, backend
+        self.num_summary = block.num_summary_tokens
+        self.scale, self.out_scale = attention_scales(block.attention, hd, max_len)
+        self.film = nn.Linear(ctx_dim, 2 * d)
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * self.inner, bias=False)
+        self.out = nn.Linear(self.inner, d, bias=False)
+        self.norm2 = nn.LayerNorm(d)
+        self.ffn = FFN(d, int(round(block.ffn_multiplier * d)), name)
+        if self.num_summary:
+            self.summary_norm = nn.LayerNorm(d)
+            self.summary_q = nn.Linear(d, self.inner, bias=False)
+            self.summary_out = nn.Linear(self.inner, d, bias=False)
+        nn.init.zeros_(self.film.weight)  # start as plain self-attention; the interaction is learnt
+        nn.init.zeros_(self.film.bias)
+
+    def forward(
+        self, h: torch.Tensor, offsets: torch.Tensor, summary: torch.Tensor, ctx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.name
+        total, batch = h.shape[0], offsets.numel() - 1
+        seg = segment_ids(offsets, total)
+        with record_function(f"{n}.norm_act"):
+            gamma, beta = self.film(ctx).chunk(2, dim=-1)
+            x = torch.addcmul(beta[seg], self.norm1(h), 1.0 + gamma[seg])
+        with record_function(f"{n}.qkv"):
+            q, k, v = self.qkv(x).view(total, 3, self.heads, self.head_dim).unbind(1)
+        with record_function(f"{n}.gdpa"):
+            a = jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal, max_len=self.max_len,
+                                 scale=self.scale, out_scale=self.out_scale, backend=self.backend)
+        with record_function(f"{n}.attn_out"):
+            h = h + self.out(a.reshape(total, self.inner))
+        with record_function(f"{n}.norm_act"):
+            x = self.norm2(h)
+        h = h + self.ffn(x)
+        if self.num_summary:
+            s = self.num_summary
+            with record_function(f"{n}.summary_q"):
+                qs = self.summary_q(self.summary_norm(summary)).reshape(batch * s, self.heads, self.head_dim)
+            with record_function(f"{n}.summary_attn"):
+                q_off = torch.arange(batch + 1, device=offsets.device, dtype=offsets.dtype) * s
+                a_s = jagged_attention(qs, k, v, q_off, offsets, attn=self.attn, causal=False,
+                                       max_len=max(self.max_len, s), scale=self.scale, out_scale=self.out_scale,
+                                       backend=self.backend)
+            with record_function(f"{n}.summary_out"):
+                summary = summary + self.summary_out(a_s.reshape(batch, s, self.inner))
+        return h, summary
+
+
+class KunlunLayer(nn.Module):
+    """One Kunlun-style interaction layer: attention among a sample's non-sequence tokens, then an FFN."""
+
+    def __init__(self, name: str, block: KunlunBlock, num_tokens: int) -> None:
+        super().__init__()
+        self.name = name
+        d, h, hd = block.model_dim, block.num_heads, block.head_dim
+        self.heads, self.head_dim, self.inner = h, hd, h * hd
+        self.attn = block.attention
+        self.scale, self.out_scale = attention_scales(block.attention, hd, num_tokens)
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * self.inner, bias=False)
+        self.out = nn.Linear(self.inner, d, bias=False)
+        self.norm2 = nn.LayerNorm(d)
+        self.ffn = FFN(d, int(round(block.ffn_multiplier * d)), name)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        n = self.name
+        b, t, _ = z.shape
+        with record_function(f"{n}.norm_act"):
+            x = self.norm1(z)
+        with record_function(f"{n}.qkv"):
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        with record_function(f"{n}.attn"):
+            a = dense_attention(q, k, v, attn=self.attn, scale=self.scale, out_scale=self.out_scale)
+        with record_function(f"{n}.attn_out"):
+            z = z + self.out(a.transpose(1, 2).reshape(b, t, self.inner))
+        with record_function(f"{n}.norm_act"):
+            x = self.norm2(z)
+        return z + self.ffn(x)
+
+
+__all__ = [
+    "FFN", "InterFormerLayer", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "jagged_attention",
+    "resolve_backend", "segment_ids",
+]

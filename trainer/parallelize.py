@@ -1,0 +1,60 @@
+"""Apply the plan's parallelisms to the GEM model, in a fixed order.
+
+Order, and why:
+
+1. **Embedding sharding** (TorchRec DMP) first: it replaces the meta-device embedding collections
+   with sharded ones and must see the model before any wrapper, and FSDP must never own a table.
+2. **Expert parallelism** next: it changes which expert weights a rank holds, and FSDP shards
+   whatever parameters exist when it is applied.
+3. **Activation checkpointing** before FSDP: the checkpoint wrapper must sit *inside* the FSDP unit,
+   so that FSDP's all-gather is outside the recomputed region (recompute then runs on the
+   parameters FSDP has already gathered for backward), as in torchtitan.
+4. **FSDP2 / HSDP** last: it shards the parameters that are left, layer by layer, and registers the
+   hooks that gather them around each layer's forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+
+from coplan.spec import Plan
+from coplan.trainer.distributed.activation_checkpoint import apply_activation_checkpointing
+from coplan.trainer.distributed.embedding import apply_embedding_sharding, data_parallel_tables, init_sharded_tables
+from coplan.trainer.distributed.expert_parallel import apply_expert_parallel
+from coplan.trainer.distributed.fsdp import apply_fsdp
+from coplan.trainer.distributed.mesh import Meshes, ParallelDims
+
+
+@dataclass
+class ParallelModel:
+    """The model after parallelisation, and the handles the loop needs."""
+
+    dmp: DistributedModelParallel
+    """Call this with a Batch; its ``fused_optimizer`` holds the sharded tables' optimizer state."""
+
+    model: nn.Module
+    """The unwrapped GEM model (``.sparse`` sharded by TorchRec, ``.dense`` by FSDP)."""
+
+    dp_tables: list[tuple[str, nn.Parameter]]
+    """Replicated (data-parallel) tables, whose gradients the loop sums over the sparse group."""
+
+    recomputed: list[str]
+    """Layers under activation checkpointing."""
+
+
+def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
+                local_size: int, seed: int) -> ParallelModel:
+    dmp = apply_embedding_sharding(model, plan, device=device, group=meshes.sparse_group, local_size=local_size)
+    init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
+    dense = model.dense
+    apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
+    recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
+    apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision)
+    return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed)
+
+
+__all__ = ["ParallelModel", "parallelize"]

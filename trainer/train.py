@@ -1,0 +1,324 @@
+"""The training loop, one process per rank (``torchrun -m coplan.trainer.train plan.json ...``).
+
+``coplan train`` launches this; it can also be run under torchrun directly. Per step: read this
+rank's balanced share of the global batch (prefetched on a thread), forward through the sharded
+model, loss = this rank's share of the global mean BCE, backward (the fused embedding optimizer
+updates in backward), dense and data-parallel-table optimizer steps. Warm-up steps are excluded
+from the statistics; metrics are read back from the device only every ``--log-every`` steps.
+
+Run directory (``runs/<id>/``): ``plan.json``, ``metrics.jsonl``, ``summary.json``,
+``traces/rank<k>.json``, ``checkpoints/step_<n>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from coplan import __version__
+from coplan.errors import CoplanError, MismatchError
+from coplan.spec import Plan, RunResult, dump_spec, load_plan, spec_sha256
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m coplan.trainer.train", description="Train a plan (one rank; launch with torchrun).")
+    p.add_argument("plan", help="plan.json")
+    p.add_argument("--steps", type=int, default=20, help="total steps of the run (a resumed run continues up to it)")
+    p.add_argument("--warmup", type=int, default=None, help="leading steps left out of the statistics (default: min(5, steps/4))")
+    p.add_argument("--runs-root", default="runs", help="folder holding run directories")
+    p.add_argument("--run-id", default=None, help="run directory name (default: <workload>-<ranks>r-<UTC time>)")
+    p.add_argument("--resume", default=None, help="a run directory: continue it from its latest checkpoint")
+    p.add_argument("--data", default=None, help="dataset folder (Parquet); generated there by rank 0 when missing")
+    p.add_argument("--data-samples", type=int, default=None, help="samples to generate (default: 32 global batches)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of generated data")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="cuda needs GPUs matching the plan's topology; cpu is a functional run on gloo")
+    p.add_argument("--attention", choices=["triton", "reference", "flex"], default=None,
+                   help="override the plan's attention backend (recorded in the summary)")
+    p.add_argument("--trace", default="auto", help="'A:B' profiles steps A..B-1, 'none' disables, 'auto' = the 3 steps after warm-up")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: at the end only; -1: never)")
+    p.add_argument("--log-every", type=int, default=1, help="read metrics back every N steps")
+    p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    out = {"coplan": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    for mod in ("torchrec", "fbgemm_gpu", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def check_launch(plan: Plan, *, world_size: int, local_world_size: int, device_type: str, device_name: str,
+                 allow_device_mismatch: bool = False) -> None:
+    """Refuse a launch that does not match the plan (world size, GPU model, GPUs per node)."""
+    if world_size != plan.world_size:
+        raise MismatchError(
+            f"the plan is for {plan.world_size} ranks ({plan.num_nodes} node(s) of topology '{plan.topology.name}') but "
+            f"{world_size} processes were launched; launch with --nproc {plan.world_size}, or re-plan for {world_size} GPUs"
+        )
+    if device_type != "cuda":
+        return
+    want = plan.topology.gpu.name.lower()
+    have = device_name.lower()
+    if want not in have and have not in want and not allow_device_mismatch:
+        raise MismatchError(
+            f"the plan's topology '{plan.topology.name}' has {plan.topology.gpu.name} GPUs but this machine has "
+            f"'{device_name}'; re-plan for this machine's topology, or pass --allow-device-mismatch"
+        )
+    if plan.num_nodes > 1 and local_world_size != plan.topology.gpus_per_node:
+        raise MismatchError(
+            f"the plan puts {plan.topology.gpus_per_node} ranks on each node but {local_world_size} were launched on "
+            "this node; launch one process per GPU of every node"
+        )
+
+
+def _trace_window(spec: str, warmup: int, steps: int) -> tuple[int, int]:
+    if spec == "none":
+        return 0, 0
+    if spec == "auto":
+        first = min(warmup, max(0, steps - 1))
+        return first, max(0, min(3, steps - first))
+    a, b = (int(x) for x in spec.split(":"))
+    return a, max(0, b - a)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from coplan.trainer import checkpoint as ckpt
+    from coplan.trainer.batch import to_batch
+    from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, generate_dataset
+    from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
+    from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
+    from coplan.trainer.model.gem import GEMModel
+    from coplan.trainer.model.layers import resolve_backend
+    from coplan.trainer.optim import Optimizers
+    from coplan.trainer.parallelize import parallelize
+    from coplan.trainer.profiling import TraceWindow
+
+    plan = load_plan(args.plan)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if args.device == "auto":
+        if not torch.cuda.is_available():
+            raise MismatchError(
+                f"no CUDA device here, and the plan is for {plan.topology.gpu.name} GPUs; pass --device cpu for a "
+                "functional run on CPU processes (gloo), whose timings say nothing about the plan"
+            )
+        device_type = "cuda"
+    else:
+        device_type = args.device
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise MismatchError("--device cuda but no CUDA device is visible")
+    device_name = "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device_name = torch.cuda.get_device_name(local_rank)
+    check_launch(plan, world_size=world, local_world_size=local_world, device_type=device_type,
+                 device_name=device_name, allow_device_mismatch=args.allow_device_mismatch)
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    workload = plan.workload
+    global_batch = workload.batch.global_(plan.world_size)
+    if global_batch % world:
+        raise MismatchError(f"global batch {global_batch} does not split evenly over {world} ranks")
+    backend = resolve_backend(args.attention or plan.kernels.attention, device)
+
+    # run directory: rank 0 names it, everyone agrees
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "plan.json").is_file():
+            raise CoplanError(f"--resume {run_dir}: not a run directory (no plan.json)")
+        if spec_sha256(load_plan(run_dir / "plan.json")) != spec_sha256(plan):
+            raise MismatchError(f"--resume {run_dir}: that run trained a different plan than {args.plan}")
+    else:
+        rid = [args.run_id or f"{workload.name}-{world}r-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"]
+        dist.broadcast_object_list(rid, src=0)
+        run_dir = Path(args.runs_root) / rid[0]
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "plan.json").exists():
+            dump_spec(plan, run_dir / "plan.json")
+
+    # data: rank 0 generates it when missing
+    data_dir = Path(args.data) if args.data else Path(args.runs_root) / "data" / f"{workload.name}-{spec_sha256(workload)[:8]}-seed{args.seed}"
+    if rank == 0 and not (data_dir / "dataset.json").is_file():
+        n = args.data_samples or global_batch * 32
+        print(f"generating {n:,} samples of '{workload.name}' into {data_dir}", file=sys.stderr, flush=True)
+        generate_dataset(workload, data_dir, n, seed=args.seed, progress=not args.no_progress)
+    dist.barrier()
+    check_dataset(data_dir, workload)
+
+    # model, parallelisms, optimizers
+    dims = ParallelDims.from_plan(plan)
+    meshes = build_meshes(dims, device_type)
+    model = GEMModel(workload, attention_backend=backend, seed=args.seed, device=device)
+    pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed)
+    optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan)
+    from coplan.trainer.model.gem import bce_loss_sum
+
+    start = 0
+    if args.resume:
+        last = ckpt.latest(run_dir)
+        if last is not None:
+            start = ckpt.load(last, pm, optims) + 1
+            if rank == 0:
+                print(f"resumed from {last} at step {start}", file=sys.stderr, flush=True)
+                mp = run_dir / "metrics.jsonl"
+                if mp.is_file():  # steps after the checkpoint will run again: drop their old lines
+                    kept = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start]
+                    mp.write_text("".join(k + "\n" for k in kept))
+    steps = args.steps
+    warmup = args.warmup if args.warmup is not None else min(5, steps // 4)
+    reader = BatchReader(workload, data_dir, world_size=world, rank=rank, policy=plan.balancing.policy, global_batch=global_batch)
+    layout = model.layout
+    timer = StepTimer(device)
+    peak = plan.topology.gpu.peak_flops_per_s.get("bf16", 0.0)
+    tasks = layout.tasks
+    metrics_path = run_dir / "metrics.jsonl"
+    pending: list[tuple[int, object, object, int, int, float, float]] = []
+    records: list[StepRecord] = []
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    trace_first, trace_count = _trace_window(args.trace, warmup, steps)
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, initial=start, desc=f"train {workload.name}", unit="step", dynamic_ncols=True)
+
+    def flush() -> None:
+        durs = timer.resolve()
+        done = [p for p in pending if p[0] in durs]
+        for item in done:
+            pending.remove(item)
+            step, loss_t, task_t, tokens, samples, flops, imb = item
+            loss = float(loss_t.item())  # type: ignore[union-attr]
+            tl = task_t.tolist()  # type: ignore[union-attr]
+            dt = durs[step]
+            rec = StepRecord(step=step, loss=loss, step_time_s=dt, tokens=tokens, samples=samples, model_flops=flops,
+                             mfu=mfu(flops, dt, world, peak), imbalance=imb, task_loss=dict(zip(tasks, tl)))
+            records.append(rec)
+            if rank == 0:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(rec.as_json()) + "\n")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3g}", mfu=f"{rec.mfu:.1%}", refresh=False)
+
+    prefetch = Prefetcher(reader, start, steps)
+    try:
+        with TraceWindow(run_dir / "traces", rank, trace_first, trace_count, start, device) as tw:
+            for step in range(start, steps):
+                timer.mark(step)  # a step runs from its start to the next step's start: data stalls count
+                if step > start and step % max(1, args.log_every) == 0:
+                    flush()
+                hb = next(prefetch)
+                batch = to_batch(hb, layout, device)
+                logits = pm.dmp(batch)
+                # this rank's share of the global mean: gradients then sum over ranks (see distributed/embedding.py)
+                loss = bce_loss_sum(logits, batch.labels) / global_batch
+                loss.backward()
+                optims.step()
+                optims.zero_grad()
+                with torch.no_grad():
+                    per_task = torch.nn.functional.binary_cross_entropy_with_logits(
+                        logits.detach(), batch.labels, reduction="none").sum(0) / global_batch
+                    parts = torch.cat([loss.detach().reshape(1), per_task])
+                    dist.all_reduce(parts)
+                g_tokens = int(sum(int(v.sum()) for v in hb.global_lengths.values()))
+                flops = step_flops(workload, hb.global_lengths, global_batch)
+                rc = hb.rank_costs
+                imb = float(rc.max() / rc.mean()) if rc is not None and rc.mean() > 0 else 1.0
+                pending.append((step, parts[0], parts[1:], g_tokens, global_batch, flops, imb))
+                tw.step()
+                if bar is not None:
+                    bar.update(1)
+                if args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0 and step + 1 < steps:
+                    timer.mark(step + 1)
+                    flush()
+                    ckpt.save(run_dir, pm, optims, step)
+                    timer.reset()  # the checkpoint's time is no step's
+            timer.mark(steps)
+            flush()
+    finally:
+        prefetch.close()
+        if bar is not None:
+            bar.close()
+    if args.checkpoint_every >= 0 and steps > start:
+        ckpt.save(run_dir, pm, optims, steps - 1)
+
+    # summary
+    measured = [r for r in records if r.step >= max(warmup, start)]
+    times = [r.step_time_s for r in measured]
+    if device_type == "cuda":
+        mem = float(torch.cuda.max_memory_allocated(device))
+    else:
+        mem = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    mems: list = [None] * world
+    dist.all_gather_object(mems, mem)
+    if rank == 0:
+        total_t = sum(times)
+        flops_mean = float(np.mean([r.model_flops for r in measured])) if measured else 0.0
+        notes = [f"attention backend '{backend}'", f"balancing '{plan.balancing.policy}' with equal per-rank counts"]
+        if device_type == "cpu":
+            notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")
+        result = RunResult(
+            run_id=run_dir.name, plan_sha256=spec_sha256(plan), workload=workload.name, world_size=world,
+            device=device_name, versions=_versions(), started_utc=started,
+            ended_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), steps=steps,
+            warmup_steps=min(warmup, steps), step_time=stats(times), model_flops_per_step=flops_mean,
+            measured_mfu=mfu(flops_mean, float(np.mean(times)), world, peak) if times else 0.0,
+            tokens_per_s=sum(r.tokens for r in measured) / total_t if total_t else 0.0,
+            samples_per_s=sum(r.samples for r in measured) / total_t if total_t else 0.0,
+            peak_memory_bytes=tuple(float(m) for m in mems), first_loss=records[0].loss if records else None,
+            final_loss=records[-1].loss if records else None, attention_backend=backend, notes="; ".join(notes),
+        )
+        dump_spec(result, run_dir / "summary.json")
+        st = result.step_time
+        print(
+            f"run {run_dir}: {steps - start} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}"
+            + (f", step p50 {st.p50_s * 1e3:.1f} ms p90 {st.p90_s * 1e3:.1f} ms, MFU {result.measured_mfu:.2%}, "
+               f"{result.tokens_per_s:,.0f} tokens/s" if st else ""),
+            flush=True,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        return run(args)
+    except CoplanError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
