@@ -562,7 +562,12 @@ def dense_fixed_costs(ctx: Context) -> DenseFixedCosts:
     params_b = n_local * pb
     grads_b = n_local * pb  # FSDP2 keeps sharded gradients in the parameter dtype
     opt_b = n_local * w.optimizer.dense_state_bytes_per_param
-    if ds > 1 or ep > 1:
+    if (ds > 1 or ep > 1) and not ctx.options.reshard_after_forward:
+        # unsharded compute-dtype weights of every layer stay from forward to backward
+        mx = float((P + E / ep).max()) if nl else 0.0
+        fsdp_buf = float((P + E / ep).sum()) * cb + mx * rb
+    elif ds > 1 or ep > 1:
+        # the current and the prefetched layer's unsharded weights, one layer's unsharded gradients
         mx = float((P + E / ep).max()) if nl else 0.0
         fsdp_buf = 2.0 * mx * cb + mx * rb
     else:

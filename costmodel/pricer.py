@@ -10,7 +10,8 @@ micro-batch:
    previous layer starts); MoE layers dispatch and combine through expert-parallel all-to-alls, with
    shared experts computed under the dispatch;
 3. dense layers backward in reverse (recompute first where checkpointed), all-gathers prefetched one
-   layer ahead again, reduce-scatter (and the HSDP all-reduce) issued as each layer finishes;
+   layer ahead again, reduce-scatter (and the HSDP all-reduce) issued as each layer finishes, every
+   micro-batch (FSDP2's default with gradient accumulation);
 4. the embedding-gradient all-to-all once the layers that read embeddings are done, then the fused
    embedding backward + optimizer, which hides the tail of the dense reduce-scatters;
 
@@ -34,7 +35,7 @@ from coplan.costmodel.context import Context, dense_fixed_costs, imbalance, op_a
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment
 from coplan.costmodel.goodput import goodput as goodput_of
 from coplan.costmodel.results import CommCost, Memory, OpCost, Perf, StepCost
-from coplan.costmodel.schedule import COMM, COMPUTE, Schedule
+from coplan.costmodel.schedule import COMPUTE, Schedule
 from coplan.errors import CoplanError
 from coplan.spec.plan import BalancingPlan, LayerPlan, TableShard
 from coplan.spec.workload import Kernels
@@ -123,9 +124,11 @@ def price(
     kernels: Kernels | None = None,
     *,
     detail: bool = True,
+    include_embeddings: bool = True,
 ) -> StepCost:
     """Price one plan. ``tables=None`` prices a greedy table-wise placement; ``detail=False`` skips the
-    per-op rows (the planner's inner loop)."""
+    per-op rows (the planner's inner loop); ``include_embeddings=False`` prices the dense part alone
+    (no lookups, all-to-alls or embedding memory), the rank-independent base a placement adds to."""
     w = ctx.workload
     kernels = kernels or w.kernels
     balancing = balancing or BalancingPlan()
@@ -162,11 +165,14 @@ def price(
             d[part] = (pf + float(f_op[k]), pb + float(b_op[k]))
 
     # ---------------------------------------------------------------- embeddings
-    a = _assignment(ctx, tables) if tables is not None else default_assignment(ctx) if ctx.tables.num else None
+    if not include_embeddings or not ctx.tables.num:
+        a = None
+    else:
+        a = _assignment(ctx, tables) if tables is not None else default_assignment(ctx)
     G = ctx.mesh.sparse_shard
     sparse_model = ctx.model("sparse_shard", "all_to_all")
     emb_launch = ctx.eff.launch_s.get("embedding", 5e-6)
-    if a is not None and ctx.tables.num:
+    if a is not None:
         loads = embedding_loads(ctx, a)
         nk = np.where(loads["shards"] > 0, 1.0 if kernels.embedding == "fused" else loads["shards"], 0.0)
         t0cap = ctx.topology.tiers[0].bw_bytes_per_s * ctx.eff.collective.get((ctx.topology.tiers[0].name, "all_to_all"), 1.0)
@@ -200,20 +206,45 @@ def price(
     eag_m, ers_m = ctx.model("expert_shard", "all_gather"), ctx.model("expert_shard", "reduce_scatter")
     ear_m = ctx.model("expert_replicate", "all_reduce")
     a2a_ep = ctx.model("expert", "all_to_all")
-    ag_t = ag_m.time(P * cb) + eag_m.time(E / ep * cb)
-    rs_t = rs_m.time(P * rb) + ers_m.time(E / ep * rb)
-    rep_t = ar_m.time((P / ds if ds > 1 else P) * rb) + ear_m.time(E / ep / es * rb)
+    # per layer: the dense parameters' collectives, then the experts' (own groups), as (name, seconds, meta)
+    rep_bytes = (P / ds if ds > 1 else P) * rb
+    eb = E / ep
+    cols = [
+        ("fsdp_all_gather", "all_gather", "dense_shard", ag_m, P * cb),
+        ("expert_all_gather", "all_gather", "expert_shard", eag_m, eb * cb),
+        ("fsdp_reduce_scatter", "reduce_scatter", "dense_shard", rs_m, P * rb),
+        ("expert_reduce_scatter", "reduce_scatter", "expert_shard", ers_m, eb * rb),
+        ("replicate_all_reduce", "all_reduce", "dense_replicate", ar_m, rep_bytes),
+        ("expert_replicate_all_reduce", "all_reduce", "expert_replicate", ear_m, eb / es * rb),
+    ]
+    timed = [(suffix, kind, grp, np.asarray(m.time(b), dtype=float).tolist(), np.asarray(b, dtype=float).tolist())
+             for suffix, kind, grp, m, b in cols]
+    ag_parts = [[(f"{n}.{sx}", t[i], (k, g, b[i])) for sx, k, g, t, b in timed[:2]] for i, n in enumerate(ctx.layer_names)]
+    rs_parts = [[(f"{n}.{sx}", t[i], (k, g, b[i])) for sx, k, g, t, b in timed[2:]] for i, n in enumerate(ctx.layer_names)]
+    ag_parts = [[p for p in parts if p[1] > 0] for parts in ag_parts]
+    rs_parts = [[p for p in parts if p[1] > 0] for parts in rs_parts]
+    sm_of = {"dense_shard": not ag_m.sm_free, "expert_shard": not eag_m.sm_free, "dense_replicate": not ar_m.sm_free,
+             "expert_replicate": not ear_m.sm_free}
     ep_bytes = np.zeros(nl)
     for li in moe_parts:
         b = ctx.moe_blocks[ctx.layer_names[li]]
         ep_bytes[li] = ctx.mb_batch * b.tokens_per_sample * b.top_k * b.model_dim * cb * b.capacity_factor if ep > 1 else 0.0
     ep_t = a2a_ep.time(ep_bytes)
-    sm_dense = not (ag_m.sm_free and rs_m.sm_free)
-    sm_rep = not ar_m.sm_free
     reshard = ctx.options.reshard_after_forward
 
     # ---------------------------------------------------------------- schedule
     S = Schedule()
+
+    streams: dict[tuple[str, str], str] = {}
+
+    def comm_add(name: str, dur: float, deps=(), *, meta, **kw) -> int:
+        # one stream per bottleneck link: collectives that share links queue, others run side by side
+        key = (meta[1], meta[0])
+        st = streams.get(key)
+        if st is None:
+            st = streams[key] = "net:" + (ctx.model(meta[1], meta[0]).bottleneck or ctx.topology.tiers[0].name)
+        return S.add(name, st, dur, deps, meta=meta, **kw)
+
     names = ctx.layer_names
     needs = ctx.layer_needs_embeddings
     first_need = int(np.flatnonzero(needs)[0]) if needs.any() else -1
@@ -222,32 +253,35 @@ def price(
     for m in range(M):
         ids_task = None
         if loads is not None and not ctx.options.pipeline_input_dist:
-            ids_task = S.add("sparse.ids_all_to_all", COMM, ids_t, phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
+            ids_task = comm_add("sparse.ids_all_to_all", ids_t, phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
         emb_f = S.add("sparse.tbe", COMPUTE, emb_fwd, (ids_task,), phase="fwd", layer="sparse") if loads is not None else None
-        out_a2a = S.add("sparse.all_to_all_fwd", COMM, a2a_t, (emb_f,), phase="fwd", layer="sparse", sm=sparse_sm,
+        out_a2a = comm_add("sparse.all_to_all_fwd", a2a_t, (emb_f,), phase="fwd", layer="sparse", sm=sparse_sm,
                         meta=("all_to_all", "sparse_shard", a2a_bytes)) if loads is not None else None
         # forward
         fwd_task: list[int] = [-1] * nl
         ag_task: list[int | None] = [None] * nl
+        def gather(j: int, dep, phase: str):
+            last = None
+            for name, dur, meta in ag_parts[j]:
+                last = comm_add(name, dur, (dep,), phase=phase, layer=names[j], sm=sm_of[meta[1]], meta=meta)
+            return last
+
         if nl:
-            ag_task[0] = S.add(f"{names[0]}.fsdp_all_gather", COMM, ag_t[0], (), phase="fwd", layer=names[0], sm=sm_dense,
-                               meta=("all_gather", "dense_shard", P[0] * cb)) if ag_t[0] > 0 else None
+            ag_task[0] = gather(0, None, "fwd")
         for i in range(nl):
-            if i + 1 < nl and ag_t[i + 1] > 0:
-                dep = fwd_task[i - 1] if i >= 1 else None
-                ag_task[i + 1] = S.add(f"{names[i + 1]}.fsdp_all_gather", COMM, ag_t[i + 1], (dep,), phase="fwd", layer=names[i + 1],
-                                       sm=sm_dense, meta=("all_gather", "dense_shard", P[i + 1] * cb))
+            if i + 1 < nl:
+                ag_task[i + 1] = gather(i + 1, fwd_task[i - 1] if i >= 1 else None, "fwd")
             deps = [ag_task[i]]
             if needs[i]:
                 deps.append(out_a2a)
             if i in moe_parts:
                 p = moe_parts[i]
                 r = S.add(f"{names[i]}.router", COMPUTE, p.get("router", (0, 0))[0], deps, phase="fwd", layer=names[i])
-                disp = S.add(f"{names[i]}.ep_dispatch", COMM, ep_t[i], (r,), phase="fwd", layer=names[i], sm=not a2a_ep.sm_free,
+                disp = comm_add(f"{names[i]}.ep_dispatch", ep_t[i], (r,), phase="fwd", layer=names[i], sm=not a2a_ep.sm_free,
                              meta=("all_to_all", "expert", ep_bytes[i]))
                 S.add(f"{names[i]}.shared", COMPUTE, p.get("shared", (0, 0))[0], (r,), phase="fwd", layer=names[i])
                 ex = S.add(f"{names[i]}.experts", COMPUTE, p.get("experts", (0, 0))[0], (disp,), phase="fwd", layer=names[i])
-                comb = S.add(f"{names[i]}.ep_combine", COMM, ep_t[i], (ex,), phase="fwd", layer=names[i], sm=not a2a_ep.sm_free,
+                comb = comm_add(f"{names[i]}.ep_combine", ep_t[i], (ex,), phase="fwd", layer=names[i], sm=not a2a_ep.sm_free,
                              meta=("all_to_all", "expert", ep_bytes[i]))
                 fwd_task[i] = S.add(f"{names[i]}.post", COMPUTE, p.get("post", (0, 0))[0], (comb,), phase="fwd", layer=names[i])
             else:
@@ -258,59 +292,51 @@ def price(
         grad_a2a = None
         for i in range(nl - 1, -1, -1):
             j = i - 1
-            if reshard and j >= 0 and ag_t[j] > 0:
-                dep = bwd_task[i + 1] if i + 1 < nl else fwd_task[nl - 1]
-                agb[j] = S.add(f"{names[j]}.fsdp_all_gather", COMM, ag_t[j], (dep,), phase="bwd", layer=names[j], sm=sm_dense,
-                               meta=("all_gather", "dense_shard", P[j] * cb))
+            if reshard and j >= 0:
+                agb[j] = gather(j, bwd_task[i + 1] if i + 1 < nl else fwd_task[nl - 1], "bwd")
             deps = (agb[i],)
             if names[i] in recomputed:
                 rc = S.add(f"{names[i]}.recompute", COMPUTE, fl[i], deps, phase="recompute", layer=names[i])
                 if i in moe_parts and ep_t[i] > 0:  # recomputing a MoE layer dispatches and combines again
-                    deps = (S.add(f"{names[i]}.ep_recompute", COMM, 2 * ep_t[i], (rc,), phase="bwd", layer=names[i],
+                    deps = (comm_add(f"{names[i]}.ep_recompute", 2 * ep_t[i], (rc,), phase="bwd", layer=names[i],
                                   sm=not a2a_ep.sm_free, meta=("all_to_all", "expert", ep_bytes[i])),)
             if i in moe_parts:
                 p = moe_parts[i]
                 post = S.add(f"{names[i]}.post_bwd", COMPUTE, p.get("post", (0, 0))[1], deps, phase="bwd", layer=names[i])
-                cb_t = S.add(f"{names[i]}.ep_combine", COMM, ep_t[i], (post,), phase="bwd", layer=names[i], sm=not a2a_ep.sm_free,
+                cb_t = comm_add(f"{names[i]}.ep_combine", ep_t[i], (post,), phase="bwd", layer=names[i], sm=not a2a_ep.sm_free,
                              meta=("all_to_all", "expert", ep_bytes[i]))
                 exb = S.add(f"{names[i]}.experts_bwd", COMPUTE, p.get("experts", (0, 0))[1], (cb_t,), phase="bwd", layer=names[i])
-                dsp = S.add(f"{names[i]}.ep_dispatch", COMM, ep_t[i], (exb,), phase="bwd", layer=names[i], sm=not a2a_ep.sm_free,
+                dsp = comm_add(f"{names[i]}.ep_dispatch", ep_t[i], (exb,), phase="bwd", layer=names[i], sm=not a2a_ep.sm_free,
                             meta=("all_to_all", "expert", ep_bytes[i]))
                 S.add(f"{names[i]}.shared_bwd", COMPUTE, p.get("shared", (0, 0))[1], (post,), phase="bwd", layer=names[i])
                 bwd_task[i] = S.add(f"{names[i]}.router_bwd", COMPUTE, p.get("router", (0, 0))[1], (dsp,), phase="bwd", layer=names[i])
             else:
                 bwd_task[i] = S.add(f"{names[i]}.bwd", COMPUTE, bl[i], deps, phase="bwd", layer=names[i])
-            if rs_t[i] > 0:
-                r = S.add(f"{names[i]}.fsdp_reduce_scatter", COMM, rs_t[i], (bwd_task[i],), phase="bwd", layer=names[i], sm=sm_dense,
-                          meta=("reduce_scatter", "dense_shard", P[i] * rb))
-                last_rs.append(r)
-            if rep_t[i] > 0:
-                r = S.add(f"{names[i]}.replicate_all_reduce", COMM, rep_t[i], (bwd_task[i],), phase="bwd", layer=names[i], sm=sm_rep,
-                          meta=("all_reduce", "dense_replicate", (P[i] / ds if ds > 1 else P[i]) * rb))
-                last_rs.append(r)
+            for name, dur, meta in rs_parts[i]:
+                last_rs.append(comm_add(name, dur, (bwd_task[i],), phase="bwd", layer=names[i], sm=sm_of[meta[1]], meta=meta))
             if i == first_need and loads is not None:
-                grad_a2a = S.add("sparse.all_to_all_bwd", COMM, a2a_t, (bwd_task[i],), phase="bwd", layer="sparse", sm=sparse_sm,
+                grad_a2a = comm_add("sparse.all_to_all_bwd", a2a_t, (bwd_task[i],), phase="bwd", layer="sparse", sm=sparse_sm,
                                  meta=("all_to_all", "sparse_shard", a2a_bytes))
         if loads is not None:
             if grad_a2a is None:
-                grad_a2a = S.add("sparse.all_to_all_bwd", COMM, a2a_t, (), phase="bwd", layer="sparse", sm=sparse_sm,
+                grad_a2a = comm_add("sparse.all_to_all_bwd", a2a_t, (), phase="bwd", layer="sparse", sm=sparse_sm,
                                  meta=("all_to_all", "sparse_shard", a2a_bytes))
             S.add("sparse.tbe_bwd", COMPUTE, emb_bwd, (grad_a2a,), phase="bwd", layer="sparse")
     # once per step
     world_ar = ctx.model("world", "all_reduce")
     if dp_ar > 0:
-        last_rs.append(S.add("sparse.dp_all_reduce", COMM, world_ar.time(dp_ar), (), phase="bwd", layer="sparse",
+        last_rs.append(comm_add("sparse.dp_all_reduce", world_ar.time(dp_ar), (), phase="bwd", layer="sparse",
                              sm=not world_ar.sm_free, meta=("all_reduce", "world", dp_ar)))
     if rsync > 0:
         rm = ctx.model("sparse_replicate", "all_reduce")
-        S.add("sparse.replica_sync", COMM, rm.time(rsync) / ctx.options.sparse_sync_interval_steps, (), phase="bwd", layer="sparse",
+        comm_add("sparse.replica_sync", rm.time(rsync) / ctx.options.sparse_sync_interval_steps, (), phase="bwd", layer="sparse",
               sm=not rm.sm_free, meta=("all_reduce", "sparse_replicate", rsync))
     fixed = dense_fixed_costs(ctx)
     if fixed.optimizer_step_s > 0:
         S.add("optimizer.step", COMPUTE, fixed.optimizer_step_s, tuple(last_rs), phase="optimizer", layer="optimizer")
     if loads is not None and ctx.options.pipeline_input_dist:
         for _ in range(M):
-            S.add("sparse.ids_all_to_all", COMM, ids_t, (), phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
+            comm_add("sparse.ids_all_to_all", ids_t, (), phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
     before = [t.duration for t in S.tasks]
     S.run(ctx.sm_contention)
 
@@ -324,7 +350,7 @@ def price(
     comm_acc: dict[tuple[str, str], list] = {}
     for i, t in enumerate(S.tasks):
         acc = perf_by_layer.setdefault(t.layer, [0.0] * 8)
-        if t.stream == COMPUTE:
+        if t.is_compute:
             ph_compute[t.phase] += t.duration
             slot = {"fwd": 0, "bwd": 1, "recompute": 2, "optimizer": 3}[t.phase]
             acc[slot] += t.duration

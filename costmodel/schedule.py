@@ -1,27 +1,35 @@
-"""Overlap: a two-stream, in-order schedule of one step's compute and communication.
+"""Overlap: an in-order schedule of one step's compute and communication on one rank.
 
-Each rank runs one compute stream and one communication stream. Tasks are issued in program order;
-a task starts when its stream is free and the tasks it depends on have finished (FSDP prefetch is
-a dependency of the all-gather of layer ``i+1`` on the *start* of layer ``i``, written as the end of
-layer ``i−1``). Communication tasks share one stream because they share the links. Compute that runs
-beside communication that uses SMs is slowed by the SM-contention factor: the schedule is run once,
-each compute task is lengthened by ``κ ×`` its overlap with SM-using collectives, and run again.
+The rank has one compute stream and one communication stream per network resource (the tier whose
+links bound a collective: NVLink, the NIC/leaf, ...). Collectives bound by the same links queue
+behind each other, because they would share those links' bandwidth; collectives bound by different
+links run side by side (an FSDP all-gather inside the NVLink domain beside an HSDP all-reduce across
+nodes). Tasks are issued in program order; a task starts when its stream is free and the tasks it
+depends on have finished (FSDP prefetch is a dependency of the all-gather of layer ``i+1`` on the
+*start* of layer ``i``, written as the end of layer ``i−1``).
 
-Exposed communication is the time the compute stream sits idle inside a collective's interval; it
-is attributed to that collective, so the exposed parts add up to ``step − compute`` exactly.
+Compute that runs beside communication that uses SMs is slowed by the SM-contention factor: the
+schedule is run once, each compute task is lengthened by ``κ ×`` the time SM-using collectives run
+beside it, and run again.
+
+Exposed communication is the time the compute stream sits idle; each idle instant is shared equally
+by the collectives running then, so the exposed parts add up to ``step − compute`` exactly. Compute
+slowdown counts the union of SM-using collectives beside a task (two at once do not slow it twice).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMPUTE, COMM = 0, 1
+COMPUTE = "compute"
+COMM = "comm"
+"""Default communication stream (callers may pass any other stream name)."""
 
 
 @dataclass(slots=True)
 class Task:
     name: str
-    stream: int
+    stream: str
     duration: float
     deps: tuple[int, ...]
     phase: str
@@ -29,6 +37,10 @@ class Task:
     sm: bool = False
     """Communication that occupies SMs (slows concurrent compute)."""
     meta: object = None
+
+    @property
+    def is_compute(self) -> bool:
+        return self.stream == COMPUTE
 
 
 @dataclass(slots=True)
@@ -39,17 +51,17 @@ class Schedule:
     exposed: list[float] = field(default_factory=list)
     makespan: float = 0.0
 
-    def add(self, name: str, stream: int, duration: float, deps=(), *, phase: str = "fwd", layer: str = "", sm: bool = False, meta=None) -> int:
+    def add(self, name: str, stream: str, duration: float, deps=(), *, phase: str = "fwd", layer: str = "", sm: bool = False, meta=None) -> int:
         self.tasks.append(Task(name, stream, max(0.0, float(duration)), tuple(d for d in deps if d is not None and d >= 0), phase, layer, sm, meta))
         return len(self.tasks) - 1
 
     def _pass(self) -> None:
-        free = [0.0, 0.0]
+        free: dict[str, float] = {}
         n = len(self.tasks)
         start = [0.0] * n
         end = [0.0] * n
         for i, t in enumerate(self.tasks):
-            s = free[t.stream]
+            s = free.get(t.stream, 0.0)
             for d in t.deps:
                 e = end[d]
                 if e > s:
@@ -60,24 +72,30 @@ class Schedule:
         self.start, self.end = start, end
         self.makespan = max(end) if end else 0.0
 
+    def _comm_intervals(self, sm_only: bool) -> list[tuple[float, float, int]]:
+        out = [(self.start[i], self.end[i], i) for i, t in enumerate(self.tasks)
+               if not t.is_compute and t.duration > 0 and (t.sm or not sm_only)]
+        out.sort()
+        return out
+
     def run(self, sm_contention: float) -> "Schedule":
         self._pass()
         if sm_contention > 0:
-            comm = [(self.start[i], self.end[i]) for i, t in enumerate(self.tasks) if t.stream == COMM and t.sm and t.duration > 0]
-            if comm:
+            union = _union([(s, e) for s, e, _ in self._comm_intervals(sm_only=True)])
+            if union:
                 changed = False
-                j0 = 0
+                j = 0
+                # compute tasks run in issue order on one stream, so their intervals are sorted
                 for i, t in enumerate(self.tasks):
-                    if t.stream != COMPUTE or t.duration <= 0:
+                    if not t.is_compute or t.duration <= 0:
                         continue
                     a, b = self.start[i], self.end[i]
-                    ov = 0.0
-                    while j0 < len(comm) and comm[j0][1] <= a:
-                        j0 += 1
-                    j = j0
-                    while j < len(comm) and comm[j][0] < b:
-                        ov += max(0.0, min(b, comm[j][1]) - max(a, comm[j][0]))
+                    while j < len(union) and union[j][1] <= a:
                         j += 1
+                    ov, k = 0.0, j
+                    while k < len(union) and union[k][0] < b:
+                        ov += min(b, union[k][1]) - max(a, union[k][0])
+                        k += 1
                     if ov > 0:
                         t.duration += sm_contention * ov
                         changed = True
@@ -87,31 +105,48 @@ class Schedule:
         return self
 
     def _attribute(self) -> None:
-        """Exposed time of each comm task = compute-stream idle time inside its interval."""
-        busy = [(self.start[i], self.end[i]) for i, t in enumerate(self.tasks) if t.stream == COMPUTE and t.duration > 0]
-        gaps = []
-        cur = 0.0
-        for a, b in busy:
-            if a > cur:
-                gaps.append((cur, a))
-            cur = max(cur, b)
-        if self.makespan > cur:
-            gaps.append((cur, self.makespan))
+        """Split every compute-idle instant equally among the collectives running at that instant."""
+        busy = _union([(self.start[i], self.end[i]) for i, t in enumerate(self.tasks) if t.is_compute and t.duration > 0])
         exposed = [0.0] * len(self.tasks)
-        g0 = 0
-        for i, t in enumerate(self.tasks):
-            if t.stream != COMM or t.duration <= 0:
-                continue
-            a, b = self.start[i], self.end[i]
-            while g0 < len(gaps) and gaps[g0][1] <= a:
-                g0 += 1
-            j = g0
-            e = 0.0
-            while j < len(gaps) and gaps[j][0] < b:
-                e += max(0.0, min(b, gaps[j][1]) - max(a, gaps[j][0]))
-                j += 1
-            exposed[i] = e
+        events: list[tuple[float, int, int]] = []  # (time, +1 start / -1 end, task)
+        for s, e, i in self._comm_intervals(sm_only=False):
+            events.append((s, 1, i))
+            events.append((e, -1, i))
+        events.sort()
+        active: set[int] = set()
+        bi = 0
+        prev = 0.0
+        for time, kind, i in events:
+            if time > prev and active:
+                # idle part of [prev, time]: its length minus the compute-busy time inside it
+                idle = time - prev
+                while bi < len(busy) and busy[bi][1] <= prev:
+                    bi += 1
+                k = bi
+                while k < len(busy) and busy[k][0] < time:
+                    idle -= min(time, busy[k][1]) - max(prev, busy[k][0])
+                    k += 1
+                if idle > 0:
+                    share = idle / len(active)
+                    for x in active:
+                        exposed[x] += share
+            prev = max(prev, time)
+            if kind > 0:
+                active.add(i)
+            else:
+                active.discard(i)
         self.exposed = exposed
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
 
 
 __all__ = ["COMM", "COMPUTE", "Schedule", "Task"]
