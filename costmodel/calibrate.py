@@ -1,0 +1,345 @@
+"""Calibration: fit the cost model's efficiencies to what runs measured (``coplan calibrate``).
+
+For each run (``runs/<id>/``: the plan it ran, ``metrics.jsonl``, ``summary.json``, Kineto traces),
+the traces are attributed to the cost model's ops (:mod:`coplan.costmodel.traces`) and each measured
+(op, phase) becomes one sample. The cost model's own roofline gives each sample's prediction as a
+function of the parameters of its op class ``c``:
+
+    t̂ = max(F / (peak · e_c), (B + B_fixed) / (hbm_bw · m_c)) + launches · λ_c
+
+``F``, ``B``, ``launches`` come from the same context the planner prices with (built once with unit
+efficiencies, so ``F/peak`` and ``B/hbm_bw`` are read off directly) and the *measured* length moments
+of the profiled steps. ``e_c`` (compute efficiency, for the dtype the ops ran in), ``m_c`` (fraction of
+HBM bandwidth) and ``λ_c`` (seconds per launch) are fitted by ``scipy.optimize.least_squares`` on
+log-ratio residuals (every op counts by its relative error, whatever its size), with a weak prior
+pulling parameters that the data cannot identify (a class whose ops are all memory-bound says
+nothing of its compute efficiency) towards the defaults. The fit error is reported, not hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from coplan import __version__
+from coplan.costmodel.context import build_context, op_arrays
+from coplan.costmodel.efficiency import resolve_efficiencies
+from coplan.costmodel.traces import TraceAttribution, TraceError, attribute_file
+from coplan.errors import CoplanError
+from coplan.spec import Calibration, FitError, OpClassCalibration, Plan, RunResult, load_plan, load_run_result
+from coplan.spec.calibration import ComputeOpClass
+
+CLASSES: tuple[str, ...] = ("gemm", "attention", "embedding", "elementwise")
+PRIOR_WEIGHT = 0.05
+"""Weight of the pull towards defaults, against 1 per sample: small enough that any parameter the
+samples constrain is set by them."""
+
+
+class CalibrationError(CoplanError):
+    """A run directory cannot be calibrated from (missing files, no attributable ops)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One measured (op, phase) of one run, per micro-batch, with its unit-efficiency roofline terms."""
+
+    run: str
+    name: str
+    phase: str
+    op_class: str
+    dtype: str
+    measured_s: float
+    flop_s: float
+    """F / peak: seconds at compute efficiency 1."""
+    mem_s: float
+    """(B + B_fixed) / datasheet HBM bandwidth: seconds at memory efficiency 1."""
+    launches: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunSamples:
+    """What one run contributes: its samples and what could not be attributed."""
+
+    run: str
+    device: str
+    plan: Plan
+    result: RunResult | None
+    samples: tuple[Sample, ...]
+    attributed_share: float
+    unattributed_s: float
+    total_s: float
+    moments: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def _unit_calibration(device: str) -> Calibration:
+    """Efficiencies of 1 and no launch cost: the context then yields the raw roofline terms."""
+    ones = {dt: 1.0 for dt in ("bf16", "fp16", "fp8", "tf32", "fp32")}
+    return Calibration(
+        device=device,
+        op_classes={c: OpClassCalibration(compute_efficiency=ones, memory_efficiency=1.0, launch_overhead_s=0.0) for c in CLASSES},
+    )
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    p = run_dir / "metrics.jsonl"
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise CalibrationError(f"{p}: a line is not JSON ({e.msg}); the run's metrics are corrupt") from None
+    return rows
+
+
+def measured_moments(metrics: Sequence[dict], steps: Iterable[int] | None = None) -> dict[str, tuple[float, float]]:
+    """Mean (E[L], E[L²]) per sequence over the given steps, from ``seq_stats`` lines of metrics.jsonl
+    (``{"<sequence>": [n, ΣL, ΣL²]}`` per rank-local batch); empty when the run did not log them."""
+    want = set(steps) if steps is not None else None
+    acc: dict[str, list[float]] = {}
+    for row in metrics:
+        if want is not None and row.get("step") not in want:
+            continue
+        for seq, v in (row.get("seq_stats") or {}).items():
+            a = acc.setdefault(seq, [0.0, 0.0, 0.0])
+            a[0] += v[0]
+            a[1] += v[1]
+            a[2] += v[2]
+    return {s: (a[1] / a[0], a[2] / a[0]) for s, a in acc.items() if a[0] > 0}
+
+
+def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False) -> RunSamples:
+    """Attribute one run's trace (of ``rank``) and pair each measured op with its roofline terms."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise CalibrationError(f"{d}: not a run directory (expected runs/<id>/ with plan.json, metrics.jsonl, traces/)")
+    plan_path = d / "plan.json"
+    if not plan_path.is_file():
+        raise CalibrationError(f"{d}: has no plan.json; was it written by `coplan train`?")
+    plan = load_plan(plan_path)
+    result = load_run_result(d / "summary.json") if (d / "summary.json").is_file() else None
+    traces = sorted((d / "traces").glob(f"rank{rank}*.json*")) if (d / "traces").is_dir() else []
+    if not traces:
+        raise CalibrationError(f"{d}: no trace for rank {rank} under traces/ (run with profiling on)")
+    att: TraceAttribution = attribute_file(traces[0])
+    device = (result.device if result and result.device else plan.topology.gpu.name)
+    metrics = _read_metrics(d)
+    moments = measured_moments(metrics, _profiled_steps(d, metrics))
+
+    per_step = att.per_step()
+    out: list[Sample] = []
+    for t in unit_terms(plan, moments, rank=rank):
+        if t.name == "sparse":
+            meas = sum(per_step.get((n, t.phase), 0.0) for n in t.members)
+        else:
+            meas = per_step.get((t.name, t.phase), 0.0) / t.micro_batches
+        if meas > 0:
+            out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches))
+    if not out:
+        raise CalibrationError(
+            f"{traces[0]}: no op of the cost model could be attributed ({att.unattributed_s * 1e3:.1f} ms unattributed); "
+            "the trainer names its record_function ranges '<block>.<layer>.<op>'"
+        )
+    return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTerm:
+    """The roofline terms of one (op, phase) at unit efficiencies, per micro-batch of one rank."""
+
+    name: str
+    phase: str
+    op_class: str
+    dtype: str
+    flop_s: float
+    mem_s: float
+    launches: float
+    micro_batches: int
+    members: tuple[str, ...] = ()
+    """For the merged embedding sample ('sparse'): the op names whose measured time it sums."""
+
+
+def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None, *, rank: int = 0) -> list[UnitTerm]:
+    """Per (op, phase) of ``plan`` on ``rank``: F/peak, B/hbm_bw and kernel launches, from the same
+    context the planner prices with (unit efficiencies) and, when given, measured length moments.
+
+    Embedding lookups are one sample per phase (``sparse``), priced by the pricer's per-rank lookup
+    time at full HBM bandwidth: the trace cannot split one fused TBE kernel among tables.
+    """
+    from coplan.costmodel.pricer import _assignment, default_assignment, embedding_loads
+
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, _unit_calibration(plan.topology.gpu.name), force_calibration=True)
+    for seq, m in (moments or {}).items():
+        if seq in ctx.moments:
+            ctx.moments[seq] = m
+    ctx.cache.clear()
+    fp8 = frozenset(lp.name for lp in plan.layers if lp.precision == "fp8")
+    arr = op_arrays(ctx, plan.kernels, fp8)
+    mb = ctx.micro_batches
+    out: list[UnitTerm] = []
+    for k, i in enumerate(ctx.dense_idx):
+        o = ctx.ops[int(i)]
+        dt = "fp8" if (o.layer in fp8 and o.op_class == "gemm") else o.dtype
+        out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
+                            float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(o.fwd_launches), mb))
+        out.append(UnitTerm(o.name, "bwd", o.op_class, dt, float(arr.bwd_flop_s[k]),
+                            float(arr.bwd_mem_s[k] + arr.bwd_fixed_mem_s[k]), float(o.bwd_launches), mb))
+    sparse = tuple(o.name for o in ctx.ops if o.layer == "sparse")
+    if ctx.tables.num and sparse:
+        a = _assignment(ctx, plan.tables) if plan.tables else default_assignment(ctx)
+        loads = embedding_loads(ctx, a)
+        r = rank % ctx.mesh.sparse_shard
+        for phase, key in (("fwd", "fwd_s"), ("bwd", "bwd_s")):
+            out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, float(loads[key][r]), float(len(sparse)), 1, sparse))
+    return out
+
+
+def _profiled_steps(run_dir: Path, metrics: Sequence[dict]) -> list[int] | None:
+    marker = run_dir / "traces" / "steps.json"
+    if marker.is_file():
+        try:
+            return [int(s) for s in json.loads(marker.read_text())]
+        except (ValueError, TypeError):
+            return None
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The fit
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """Fitted parameters, predictions and errors."""
+
+    compute: dict[tuple[str, str], float]
+    memory: dict[str, float]
+    launch_s: dict[str, float]
+    predicted_s: np.ndarray
+    measured_s: np.ndarray
+    samples: tuple[Sample, ...]
+
+    def rel_errors(self) -> np.ndarray:
+        return np.abs(self.predicted_s - self.measured_s) / self.measured_s
+
+    def per_class_error(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in sorted({s.op_class for s in self.samples}):
+            idx = [i for i, s in enumerate(self.samples) if s.op_class == c]
+            m = float(self.measured_s[idx].sum())
+            out[c] = abs(float(self.predicted_s[idx].sum()) - m) / m if m > 0 else 0.0
+        return out
+
+
+def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], memory: dict[str, float], launch_s: dict[str, float]) -> np.ndarray:
+    """The roofline of each sample under the given efficiencies (the same form the pricer uses)."""
+    out = np.empty(len(samples))
+    for i, s in enumerate(samples):
+        e = compute.get((s.op_class, s.dtype), 1.0)
+        m = memory.get(s.op_class, 1.0)
+        out[i] = max(s.flop_s / e, s.mem_s / m) + s.launches * launch_s.get(s.op_class, 0.0)
+    return out
+
+
+def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float], defaults_memory: dict[str, float],
+        defaults_launch: dict[str, float]) -> FitResult:
+    """Least-squares fit of (e, m, λ) per op class present in ``samples``."""
+    from scipy.optimize import least_squares
+
+    samples = tuple(samples)
+    if not samples:
+        raise CalibrationError("nothing to fit: no measured op")
+    keys_c = sorted({(s.op_class, s.dtype) for s in samples if s.flop_s > 0})
+    keys_m = sorted({s.op_class for s in samples if s.mem_s > 0})
+    keys_l = sorted({s.op_class for s in samples if s.launches > 0})
+    # parameters in log space: efficiencies in (1e-6, 1], launch overhead in (1e-8 s, 1e-2 s)
+    x0 = np.array(
+        [math.log(min(1.0, max(1e-6, defaults_compute.get(k, 0.5)))) for k in keys_c]
+        + [math.log(min(1.0, max(1e-6, defaults_memory.get(k, 0.8)))) for k in keys_m]
+        + [math.log(min(1e-2, max(1e-8, defaults_launch.get(k, 3e-6)))) for k in keys_l]
+    )
+    lo = np.array([math.log(1e-6)] * (len(keys_c) + len(keys_m)) + [math.log(1e-8)] * len(keys_l))
+    hi = np.array([0.0] * (len(keys_c) + len(keys_m)) + [math.log(1e-2)] * len(keys_l))
+    # start inside the box, from the measured data's own scale where the defaults are far off
+    x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
+    meas = np.array([s.measured_s for s in samples])
+    prior0 = x0.copy()
+
+    def unpack(x):
+        nc, nm = len(keys_c), len(keys_m)
+        comp = {k: math.exp(v) for k, v in zip(keys_c, x[:nc])}
+        mem = {k: math.exp(v) for k, v in zip(keys_m, x[nc : nc + nm])}
+        lau = {k: math.exp(v) for k, v in zip(keys_l, x[nc + nm :])}
+        return comp, mem, lau
+
+    def residuals(x):
+        comp, mem, lau = unpack(x)
+        pred = predict(samples, comp, mem, lau)
+        return np.concatenate([np.log(pred / meas), PRIOR_WEIGHT * (x - prior0)])
+
+    best = None
+    # a few starts: the roofline's max() makes the problem non-smooth, so start from the defaults and
+    # from "everything compute-bound" / "everything memory-bound" guesses
+    starts = [x0, np.clip(x0 - 2.0, lo + 1e-9, hi - 1e-9), np.clip(x0 + 0.5, lo + 1e-9, hi - 1e-9)]
+    for start in starts:
+        r = least_squares(residuals, start, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=2000)
+        if best is None or r.cost < best.cost:
+            best = r
+    comp, mem, lau = unpack(best.x)
+    pred = predict(samples, comp, mem, lau)
+    return FitResult(comp, mem, lau, pred, meas, samples)
+
+
+def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False) -> tuple[Calibration, FitResult, list[RunSamples]]:
+    """Fit a Calibration to the runs; all must come from one device unless ``force``."""
+    if not run_dirs:
+        raise CalibrationError("give at least one run directory")
+    runs = [run_samples(d, rank=rank, force=force) for d in run_dirs]
+    devices = sorted({r.device for r in runs})
+    if len(devices) > 1 and not force:
+        raise CalibrationError(f"the runs come from different devices {devices}; calibrate each device separately (or --force)")
+    topo = runs[0].plan.topology
+    eff = resolve_efficiencies(topo)
+    samples = [s for r in runs for s in r.samples]
+    res = fit(samples, eff.compute, eff.memory, eff.launch_s)
+    rel = res.rel_errors()
+    op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
+    for c in CLASSES:
+        ce = {dt: min(1.0, v) for (cc, dt), v in res.compute.items() if cc == c}
+        me = res.memory.get(c)
+        la = res.launch_s.get(c)
+        if ce or me is not None or la is not None:
+            op_classes[c] = OpClassCalibration(
+                compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me), launch_overhead_s=la
+            )
+    versions = dict(runs[0].result.versions) if runs[0].result else {}
+    versions.setdefault("coplan", __version__)
+    cal = Calibration(
+        device=devices[0],
+        created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        versions=versions,
+        source_runs=tuple(str(d) for d in run_dirs),
+        op_classes=op_classes,
+        fit_error=FitError(
+            median_abs_rel_error=float(np.median(rel)),
+            max_abs_rel_error=float(np.max(rel)),
+            per_op_class=res.per_class_error(),
+            num_samples=len(samples),
+        ),
+        notes=(
+            f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; "
+            f"trace time attributed: {min(r.attributed_share for r in runs):.1%} (worst run); "
+            "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
+        ),
+    )
+    return cal, res, runs

@@ -1,0 +1,145 @@
+"""Calibration: trace attribution and the fit, on Kineto traces synthesised from the cost model with
+known efficiencies and noise, and on a real CPU trace from torch.profiler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coplan.costmodel.calibrate import CalibrationError, calibrate, predict, unit_terms
+from coplan.costmodel.efficiency import resolve_efficiencies
+from coplan.costmodel.traces import attribute, classify_kernel
+from coplan.errors import MismatchError
+from coplan.spec import MeshPlan, Plan, dump_spec, load_topology, load_workload, spec_sha256
+
+TRUE_COMPUTE = {("gemm", "bf16"): 0.62, ("attention", "bf16"): 0.41, ("elementwise", "bf16"): 0.5}
+TRUE_MEMORY = {"gemm": 0.8, "attention": 0.7, "elementwise": 0.72, "embedding": 0.55}
+TRUE_LAUNCH = {"gemm": 5e-6, "attention": 7e-6, "elementwise": 3e-6, "embedding": 9e-6}
+
+
+def _plan(batch: int, mean_len: int) -> Plan:
+    t = load_topology("h200-1gpu")
+    doc = load_workload("gem-h200").model_dump(mode="json")
+    doc["batch"] = {"local_batch_size": batch}
+    doc["sequences"][0]["length"]["mean"] = mean_len
+    from coplan.spec import Workload, parse_spec
+
+    w = parse_spec(Workload, doc, "gem-h200 variant")
+    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1),
+                topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
+
+
+def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, noise: float, steps: int = 2) -> Path:
+    """A run directory whose trace says each op took the cost model's time under TRUE_* (± noise)."""
+    d = root / name
+    (d / "traces").mkdir(parents=True)
+    dump_spec(plan, d / "plan.json")
+    terms = unit_terms(plan)
+    events: list[dict] = []
+    t, corr, seq = 0.0, 0, 0
+    for step in range(steps):
+        start = t
+        fwd_seq = {}
+        for term in [x for x in terms if x.phase == "fwd"]:
+            names = term.members or (term.name,)
+            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH)[0]
+            for nm in names:
+                dur_us = truth * 1e6 / len(names) * (1 + noise * rng.standard_normal())
+                corr += 1
+                seq += 1
+                fwd_seq[nm] = seq
+                events += [
+                    {"ph": "X", "cat": "user_annotation", "name": nm, "ts": t, "dur": 10.0, "tid": 1},
+                    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 1, "dur": 5.0, "tid": 1, "args": {"Sequence number": seq}},
+                    {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 2, "dur": 2.0, "tid": 1, "args": {"correlation": corr}},
+                    {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16" if term.op_class == "gemm" else term.name, "ts": t + 20, "dur": max(dur_us, 0.01), "tid": 7, "args": {"correlation": corr}},
+                ]
+                t += 10 + max(dur_us, 0.01) + 20
+        for term in [x for x in terms if x.phase == "bwd"]:
+            names = term.members or (term.name,)
+            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH)[0]
+            for nm in names:
+                dur_us = truth * 1e6 / len(names) * (1 + noise * rng.standard_normal())
+                corr += 1
+                events += [
+                    {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: MmBackward0", "ts": t, "dur": 8.0, "tid": 2, "args": {"Sequence number": fwd_seq[nm]}},
+                    {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 1, "dur": 2.0, "tid": 2, "args": {"correlation": corr}},
+                    {"ph": "X", "cat": "kernel", "name": "elementwise_kernel", "ts": t + 20, "dur": max(dur_us, 0.01), "tid": 7, "args": {"correlation": corr}},
+                ]
+                t += 10 + max(dur_us, 0.01) + 20
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "ts": start - 0.5, "dur": t - start + 1, "tid": 1})
+    # one unattributed kernel (an optimizer step nobody named)
+    corr += 1
+    events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 1, "dur": 1, "tid": 1, "args": {"correlation": corr}},
+               {"ph": "X", "cat": "kernel", "name": "multi_tensor_apply_kernel", "ts": t + 5, "dur": 50.0, "tid": 7, "args": {"correlation": corr}}]
+    (d / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    (d / "metrics.jsonl").write_text("")
+    return d
+
+
+def test_fit_recovers_known_efficiencies(tmp_path):
+    rng = np.random.default_rng(0)
+    runs = [_synth_run(tmp_path, f"r{i}", _plan(b, L), rng, noise=0.03) for i, (b, L) in enumerate([(8, 256), (64, 1024), (32, 512)])]
+    cal, res, parsed = calibrate(runs)
+    assert cal.device == "NVIDIA H200"
+    for (cls, dt), truth in TRUE_COMPUTE.items():
+        fitted = cal.op_classes[cls].compute_efficiency.get(dt)
+        if cls == "elementwise":  # elementwise ops are memory-bound: compute efficiency is unidentifiable
+            continue
+        assert fitted == pytest.approx(truth, rel=0.05), (cls, fitted, truth)
+    for cls in ("gemm", "attention", "elementwise", "embedding"):
+        assert cal.op_classes[cls].memory_efficiency == pytest.approx(TRUE_MEMORY[cls], rel=0.08), cls
+    assert cal.op_classes["gemm"].launch_overhead_s == pytest.approx(TRUE_LAUNCH["gemm"], rel=0.3)
+    assert cal.fit_error.median_abs_rel_error < 0.04
+    assert all(r.unattributed_s > 0 and r.attributed_share > 0.9 for r in parsed)
+
+
+def test_calibration_from_one_device_is_refused_on_another(tmp_path):
+    rng = np.random.default_rng(1)
+    cal, _, _ = calibrate([_synth_run(tmp_path, "r", _plan(16, 256), rng, noise=0.0)])
+    meta = load_topology("meta-roce-24k")  # H100
+    with pytest.raises(MismatchError, match="re-calibrate"):
+        resolve_efficiencies(meta, cal)
+    assert resolve_efficiencies(meta, cal, force=True).compute[("gemm", "bf16")] == pytest.approx(cal.op_classes["gemm"].compute_efficiency["bf16"])
+
+
+def test_bad_run_dirs_are_explained(tmp_path):
+    with pytest.raises(CalibrationError, match="not a run directory"):
+        calibrate([tmp_path / "nope"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CalibrationError, match="no plan.json"):
+        calibrate([tmp_path / "empty"])
+
+
+def test_real_cpu_profiler_trace_is_attributed(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(16, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with record_function("kunlun.0.qkv"):
+                y = lin(x)
+            with record_function("kunlun.0.norm_act"):
+                z = torch.nn.functional.silu(y)
+            z.square().mean().backward()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    att = attribute(json.loads((tmp_path / "t.json").read_text()))
+    got = {(o.name, o.phase) for o in att.ops}
+    assert {("kunlun.0.qkv", "fwd"), ("kunlun.0.qkv", "bwd"), ("kunlun.0.norm_act", "fwd"), ("kunlun.0.norm_act", "bwd")} <= got
+    assert not att.on_device
+    assert 0 < att.unattributed_s < att.total_s  # the loss ops were in no range
+
+
+def test_kernel_rules():
+    assert classify_kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert classify_kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "collective:all_gather"
+    assert classify_kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "collective:all_to_all"
+    assert classify_kernel("split_embedding_codegen_forward_unweighted_kernel") == "embedding"
+    assert classify_kernel("_gdpa_fwd_kernel") == "attention"
+    assert classify_kernel("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
