@@ -180,19 +180,35 @@ def heuristic_plan_choices(
     from coplan.costmodel.pricer import price
 
     mesh, reasons = choose_mesh(workload, topology, world_size)
-    ctx = build_context(workload, topology, mesh, calibration)
-    tables = greedy_table_wise(ctx) if ctx.tables.num else None
     varies = any(not isinstance(s.length, FixedLength) for s in workload.sequences)
     balancing = BalancingPlan(policy="greedy" if varies else "none")
     layers: tuple[LayerPlan, ...] = ()
-    cost = price(ctx, tables, layers, balancing, detail=False)
-    if not cost.fits:
+
+    def attempt(ss: int):
+        m = mesh.model_copy(update={"sparse_shard": ss, "sparse_replicate": world_size // ss})
+        m = m.model_copy(update={"axes": mesh_axes(topology, m)})
+        ctx = build_context(workload, topology, m, calibration)
+        tables = greedy_table_wise(ctx) if ctx.tables.num else None
+        return m, ctx, tables, price(ctx, tables, layers, balancing, detail=False)
+
+    m, ctx, tables, cost = attempt(mesh.sparse_shard)
+    if cost.memory.total - cost.memory.activations - cost.memory.recompute_peak > 0 and not cost.fits:
+        full = cost.memory.activations
         layers = tuple(LayerPlan(name=n, recompute=True) for n in ctx.layer_names)
-        cost2 = price(ctx, tables, layers, balancing, detail=False)
-        reasons.append(
-            f"activations {cost.memory.activations / 1e9:.1f} GB do not fit: every layer recomputed "
-            f"(now {cost2.memory.activations / 1e9:.1f} GB)"
-        )
+        m, ctx, tables, cost = attempt(mesh.sparse_shard)
+        reasons.append(f"activations {full / 1e9:.1f} GB do not fit: every layer recomputed (now {cost.memory.activations / 1e9:.1f} GB)")
+    # sparse group: from the smallest that holds the tables up to the world, keep the fastest that fits
+    # (bigger groups reach further in the all-to-all but leave fewer replicas to keep in sync)
+    best = ((not cost.fits, cost.step_time_s if cost.fits else cost.memory.total), m, ctx, tables, cost)
+    if ctx.tables.num:
+        for ss in [d for d in _divisors_pow2(world_size) if d > mesh.sparse_shard]:
+            got = attempt(ss)
+            c = got[3]
+            key = (not c.fits, c.step_time_s if c.fits else c.memory.total)
+            if key < best[0]:
+                best = (key,) + got
+        reasons.append(f"sparse group of {best[1].sparse_shard} ranks: the fastest that fits ({best[1].sparse_replicate} replicas)")
+    _, mesh, ctx, tables, cost = best
     balancing = balancing.model_copy(update={"expected_imbalance": max(1.0, cost.imbalance)})
     return HeuristicPlan(mesh, tables, layers, balancing, tuple(reasons))
 
