@@ -65,3 +65,12 @@ def test_bus_bandwidth_matches_published(case, make, kind, ranks, stride, nbytes
     predicted = m.bus_bw(nbytes) / 1e9
     err = predicted / published - 1.0
     assert abs(err) <= TOL, f"{case}: predicted {predicted:.1f} GB/s vs published {published:.1f} GB/s ({err:+.1%}); source: {source}"
+
+
+if __name__ == "__main__":  # print the table summarised in BENCHMARKS.md
+    print(f"| case | collective | ranks | predicted GB/s | published GB/s | error |")
+    print("|---|---|---:|---:|---:|---:|")
+    for case, make, kind, ranks, stride, nbytes, published, source in CASES:
+        topo = make()
+        p = collective_model(topo, place_group(topo, ranks, stride), kind).bus_bw(nbytes) / 1e9
+        print(f"| {case} | {kind} | {ranks} | {p:.0f} | {published:.0f} | {p / published - 1:+.1%} |")
