@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 from coplan.errors import CoplanError, PresetNotFoundError
 from coplan.spec import BalancingPlan, LayerPlan, MeshPlan, Topology, Workload, list_presets, load_calibration, load_topology, load_workload
@@ -106,7 +105,7 @@ def _gpu_list(raw: str | None) -> list[int]:
 def simulate_point(workload: Workload, topology: Topology, gpus: int, calibration=None, knob: str | None = None, value=None) -> dict:
     """Plan (heuristically) and price one point; returns a JSON-ready row."""
     from coplan.costmodel.context import build_context
-    from coplan.costmodel.heuristic import HeuristicPlan, heuristic_plan_choices, mesh_axes
+    from coplan.costmodel.heuristic import heuristic_plan_choices, mesh_axes
     from coplan.costmodel.pricer import price
     from coplan.spec.workload import Kernels
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from coplan.costmodel.efficiency import Efficiencies, resolve_efficiencies
 from coplan.costmodel.embedding import SHARDING_CODES, TableArrays, TableOptionCosts, option_costs, table_arrays
 from coplan.errors import CoplanError
 from coplan.spec.calibration import Calibration
-from coplan.spec.plan import LayerPlan, MeshPlan
+from coplan.spec.plan import MeshPlan
 from coplan.spec.topology import Topology
 from coplan.spec.workload import (
     DotInteractionBlock,

@@ -26,7 +26,6 @@ optimizer state (fused optimizer). Unique rows of ``n`` Zipf(α) draws over ``R`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

@@ -68,10 +68,9 @@ The model each block stands for (the trainer builds exactly this):
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Iterable, Literal, Mapping
+from typing import Literal, Mapping
 
 import numpy as np
 

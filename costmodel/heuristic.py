@@ -27,7 +27,6 @@ import numpy as np
 from coplan.costmodel import flops as F
 from coplan.costmodel.comm import place_group
 from coplan.costmodel.embedding import SHARDING_CODES, TableAssignment, option_costs
-from coplan.errors import InfeasibleError
 from coplan.spec.calibration import Calibration
 from coplan.spec.plan import BalancingPlan, LayerPlan, MeshAxis, MeshPlan, TableShard
 from coplan.spec.topology import Topology

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Mapping
 
-import numpy as np
-
 from coplan.spec.plan import CommPrediction, OpPrediction, Prediction
 
 
