@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:  # the file system said no (missing folder, permissions, disk full): not a bug
+        print(f"error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
     except Exception as e:  # a bug in coplan, not in the input: say so plainly
         if os.environ.get("COPLAN_DEBUG"):
             raise

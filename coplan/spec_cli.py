@@ -73,6 +73,8 @@ def run_schema(args: argparse.Namespace) -> int:
     schemas = {k: SPEC_KINDS[k].model_json_schema() for k in kinds}
     if args.output:
         out = Path(args.output)
+        if out.exists() and not out.is_dir():
+            raise CoplanError(f"{out}: exists and is not a folder; -o takes a folder to write <kind>.schema.json files into")
         out.mkdir(parents=True, exist_ok=True)
         for k, s in schemas.items():
             (out / f"{k}.schema.json").write_text(json.dumps(s, indent=1) + "\n")
