@@ -252,6 +252,10 @@ def _print_table(workload: Workload, args: argparse.Namespace, rows: list[dict])
     for r in rows:
         if "skipped" in r:
             console.print(f"skipped {r['gpus']:,} GPUs: {r['skipped']}")
+    short = [r for r in rows if "skipped" not in r and not r["fits"]]
+    if short:
+        console.print(f"[red]{len(short)} point(s) do not fit in HBM[/red] (negative headroom): their times are what the "
+                      "plan would take if it fitted; `coplan plan` says which resource falls short and what would fix it.")
 
 
 def register_simulate(sub: argparse._SubParsersAction, help_text: str) -> None:
