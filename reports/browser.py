@@ -89,6 +89,15 @@ class PageLoad:
     timed_out: bool = False
     """The page did not finish within the deadline."""
 
+    figure_ms: dict[str, float] = field(default_factory=dict)
+    """Figure element id → ms from its JSON parse to its drawn promise (includes waiting behind earlier figures)."""
+
+    plotly_ready_ms: float | None = None
+    """Navigation start → plotly.js evaluated (its cost is the same for every report)."""
+
+    first_paint_ms: float | None = None
+    """Navigation start → first contentful paint (the summary text is visible)."""
+
     @property
     def ok(self) -> bool:
         return not self.errors and not self.timed_out and self.rendered == self.expected and self.expected > 0
@@ -254,7 +263,8 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
             var s = window.__coplan || {};
             var nav = performance.getEntriesByType('navigation')[0];
             return {expected: s.expected || 0, rendered: s.rendered || 0, errors: s.errors || [],
-                    render_ms: s.render_ms, done_at_ms: s.done_at_ms,
+                    render_ms: s.render_ms, done_at_ms: s.done_at_ms, figure_ms: s.figure_ms || {},
+                    script_ms: s.script_ms, first_paint_ms: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime,
                     load_ms: nav && nav.loadEventEnd > 0 ? nav.loadEventEnd : null,
                     overflow: Math.max(0, document.documentElement.scrollWidth - window.innerWidth)};
         })())"""
@@ -280,6 +290,9 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
         result.figures_done_ms = info.get("done_at_ms")
         result.load_event_ms = info.get("load_ms")
         result.overflow_px = int(info["overflow"])
+        result.figure_ms = {k: float(v) for k, v in (info.get("figure_ms") or {}).items()}
+        result.plotly_ready_ms = info.get("script_ms")
+        result.first_paint_ms = info.get("first_paint_ms")
         errors = [f"page: {e}" for e in info["errors"]] + errors
     finally:
         pipe.close()

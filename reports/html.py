@@ -86,7 +86,7 @@ footer { color: #777; font-size: .8rem; margin-top: 36px; border-top: 1px solid 
 
 # Installed before plotly.js so that an error anywhere (plotly.js itself included) is recorded.
 _ERROR_HOOK = """
-window.__coplan = {errors: [], rendered: 0, expected: 0, done: false, render_ms: null, done_at_ms: null};
+window.__coplan = {errors: [], rendered: 0, expected: 0, done: false, render_ms: null, done_at_ms: null, figure_ms: {}};
 function __coplanError(msg) {
   window.__coplan.errors.push(String(msg));
   if (document.body) { document.body.dataset.errors = String(window.__coplan.errors.length); }
@@ -98,29 +98,36 @@ window.addEventListener('unhandledrejection', function (e) { __coplanError('unha
 _LOADER = """
 (function () {
   var state = window.__coplan;
-  var blocks = document.querySelectorAll('script[type="application/json"][data-figure]');
+  var blocks = Array.prototype.slice.call(document.querySelectorAll('script[type="application/json"][data-figure]'));
   state.expected = blocks.length;
   document.body.dataset.expected = String(blocks.length);
   document.body.dataset.errors = String(state.errors.length);
   var t0 = performance.now();
-  var pending = [];
-  blocks.forEach(function (block) {
-    var div = document.getElementById(block.dataset.figure);
+  var config = {responsive: true, displaylogo: false, scrollZoom: false};
+  // One figure at a time, yielding to the browser in between, so the first figures paint while the
+  // later ones are still being drawn.
+  function drawNext(i) {
+    if (i >= blocks.length) { return finish(); }
+    var block = blocks[i];
+    var id = block.dataset.figure;
+    var div = document.getElementById(id);
+    var t1 = performance.now();
+    var p;
     try {
       var spec = JSON.parse(block.textContent);
-      var config = {responsive: true, displaylogo: false, scrollZoom: false,
-                    toImageButtonOptions: {format: 'svg', filename: block.dataset.figure}};
-      pending.push(Plotly.newPlot(div, spec.data, spec.layout, config).then(function () {
-        state.rendered += 1;
+      var cfg = Object.assign({}, config, {toImageButtonOptions: {format: 'svg', filename: id}});
+      p = Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
         div.dataset.rendered = '1';
-      }, function (err) { __coplanError(block.dataset.figure + ': ' + err); }));
+        state.figure_ms[id] = performance.now() - t1;
+      }, function (err) { __coplanError(id + ': ' + err); });
     } catch (err) {
-      __coplanError(block.dataset.figure + ': ' + err);
+      __coplanError(id + ': ' + err);
+      p = Promise.resolve();
     }
-  });
-  Promise.all(pending).then(function () {
+    p.then(function () { setTimeout(function () { drawNext(i + 1); }, 0); });
+  }
+  function finish() {
     state.render_ms = performance.now() - t0;
-    state.done = true;
     state.done_at_ms = performance.now();
     var ok = 0;
     document.querySelectorAll('.fig').forEach(function (d) {
@@ -131,7 +138,9 @@ _LOADER = """
     document.body.dataset.errors = String(state.errors.length);
     document.body.dataset.renderMs = String(Math.round(state.render_ms));
     document.body.dataset.done = '1';
-  });
+    state.done = true;
+  }
+  drawNext(0);
 })();
 """
 
@@ -182,6 +191,7 @@ def render(report: Report) -> str:
     parts.append("</main>")
     # plotly.js once, then the data, then the loader.
     parts.append(f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>')
+    parts.append("<script>window.__coplan.script_ms = performance.now();</script>")
     parts += blocks
     parts.append(f"<script>{_LOADER}</script>")
     parts.append("</body></html>")

@@ -58,7 +58,9 @@ def fmt_flops(f: float) -> str:
 
 
 def fmt_pct(x: float, digits: int = 2) -> str:
-    """A fraction as a percentage."""
+    """A fraction as a percentage (tiny ones with three significant digits rather than as 0.00%)."""
+    if x != 0 and abs(100.0 * x) < 10.0 ** -digits:
+        return f"{100.0 * x:.3g}%"
     return f"{100.0 * x:.{digits}f}%"
 
 

@@ -1,6 +1,7 @@
-"""Predicted step timeline: the critical rank's compute stream and communication stream, task by task,
-exactly as the cost model scheduled them (:mod:`coplan.costmodel.schedule`: in-order streams, FSDP
-prefetch one layer ahead, embedding all-to-alls, MoE dispatch/combine, reduce-scatters as layers finish).
+"""Predicted step timeline: the critical rank's compute stream and its communication streams (one per
+bottleneck link: collectives that share links queue, others run side by side), task by task, exactly as
+the cost model scheduled them (:mod:`coplan.costmodel.schedule`: in-order streams, FSDP prefetch one
+layer ahead, embedding all-to-alls, MoE dispatch/combine, reduce-scatters as layers finish).
 
 Each compute task (a layer's forward, backward or recompute; an MoE layer's router, experts, shared
 experts and the rest) is cut into one segment per op class, in proportion to the cost model's per-op
@@ -21,6 +22,19 @@ from coplan.reports.palette import PHASE_COLOURS, collective_colour, loss_colour
 
 COMPUTE_ROW = "compute"
 COMM_ROW = "communication"
+
+
+def _is_compute(task) -> bool:
+    v = getattr(task, "is_compute", None)
+    return bool(v) if v is not None else task.stream in (0, "compute")
+
+
+def _comm_row(stream) -> str:
+    """Row label of a communication stream: the cost model keeps one per bottleneck link ('net:<tier>')."""
+    s = str(stream)
+    if s.startswith("net:"):
+        return f"comm: {s[4:]} links"
+    return COMM_ROW if s in ("1", "comm") else f"comm: {s}"
 CLASS_ORDER = ("embedding", "gemm", "attention", "elementwise")
 
 _MOE_PART_OPS = {"router": ("router",), "shared": ("shared_experts",), "experts": ("experts",)}
@@ -49,7 +63,7 @@ def _phase_bands(tasks, start, end) -> list[tuple[str, float, float]]:
     """Contiguous runs of one phase on the compute stream: (phase, t0, t1)."""
     bands: list[tuple[str, float, float]] = []
     for i, t in enumerate(tasks):
-        if t.stream != 0 or t.duration <= 0:
+        if not _is_compute(t) or t.duration <= 0:
             continue
         ph = "bwd" if t.phase == "recompute" else t.phase
         if bands and bands[-1][0] == ph:
@@ -69,12 +83,13 @@ def step_timeline(schedule, cost, *, title: str = "Predicted step timeline (crit
     for o in cost.ops:
         by_lp[(o.layer, o.phase)].append(o)
     M = max(1, sum(1 for t in tasks if t.name == tasks[0].name and t.stream == tasks[0].stream)) if tasks else 1
+    comm_rows: list[str] = []
 
     seg: dict[str, dict[str, list]] = defaultdict(lambda: {"base": [], "x": [], "hover": []})
     for i, t in enumerate(tasks):
         if t.duration <= 0:
             continue
-        if t.stream == 0:
+        if _is_compute(t):
             ops = _task_ops(t, by_lp)
             per_cls: dict[str, float] = defaultdict(float)
             names: dict[str, list[str]] = defaultdict(list)
@@ -100,7 +115,11 @@ def step_timeline(schedule, cost, *, title: str = "Predicted step timeline (crit
                 cur += d
         else:
             kind, group, nbytes = (t.meta if isinstance(t.meta, tuple) and len(t.meta) == 3 else ("p2p", "", 0.0))
+            row = _comm_row(t.stream)
+            if row not in comm_rows:
+                comm_rows.append(row)
             s = seg[f"comm:{kind}"]
+            s.setdefault("row", []).append(row)
             s["base"].append(start[i] / scale)
             s["x"].append(t.duration / scale)
             e = exposed[i] if i < len(exposed) else 0.0
@@ -110,8 +129,8 @@ def step_timeline(schedule, cost, *, title: str = "Predicted step timeline (crit
                 + ("<br>uses SMs: slows the compute beside it" if t.sm else "")
             )
     # compute-stream idle gaps, attributed to the collective active then
-    busy = sorted((start[i], end[i]) for i, t in enumerate(tasks) if t.stream == 0 and t.duration > 0)
-    comm = [(start[i], end[i], t.name) for i, t in enumerate(tasks) if t.stream == 1 and t.duration > 0]
+    busy = sorted((start[i], end[i]) for i, t in enumerate(tasks) if _is_compute(t) and t.duration > 0)
+    comm = [(start[i], end[i], t.name) for i, t in enumerate(tasks) if not _is_compute(t) and t.duration > 0]
     cur = 0.0
     gaps = []
     for a, b in busy:
@@ -152,18 +171,18 @@ def step_timeline(schedule, cost, *, title: str = "Predicted step timeline (crit
         if pattern:
             marker["pattern"] = pattern
         fig.add_trace(go.Bar(
-            y=[row] * len(s["x"]), x=s["x"], base=s["base"], orientation="h", name=label, marker=marker,
+            y=s.get("row") or [row] * len(s["x"]), x=s["x"], base=s["base"], orientation="h", name=label, marker=marker,
             hovertext=s["hover"], hoverinfo="text", width=0.6,
         ))
     fig.update_layout(barmode="overlay", bargap=0.2)
-    fig.update_yaxes(categoryorder="array", categoryarray=[COMM_ROW, COMPUTE_ROW], fixedrange=True)
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(comm_rows)) + [COMPUTE_ROW], fixedrange=True, automargin=True)
     fig.update_xaxes(title_text=f"time in the step ({unit})", range=[0, step / scale * 1.01])
-    n_c = sum(1 for t in tasks if t.stream == 0 and t.duration > 0)
-    n_m = sum(1 for t in tasks if t.stream == 1 and t.duration > 0)
+    n_c = sum(1 for t in tasks if _is_compute(t) and t.duration > 0)
+    n_m = sum(1 for t in tasks if not _is_compute(t) and t.duration > 0)
     exp = sum(exposed) if exposed else 0.0
-    sub = (f"step {fmt_s(step)}: {n_c} compute and {n_m} communication tasks over {M} micro-batch(es); "
+    sub = (f"step {fmt_s(step)}: {n_c} compute and {n_m} communication tasks on {len(comm_rows)} link stream(s), {M} micro-batch(es); "
            f"compute waits {fmt_s(exp)} ({100 * exp / step:.1f}%) on communication (drag to zoom, double-click to reset)")
-    return base_layout(fig, title, subtitle=sub, height=380)
+    return base_layout(fig, title, subtitle=sub, height=300 + 50 * len(comm_rows))
 
 
 __all__ = ["step_timeline"]

@@ -1,0 +1,198 @@
+"""Assemble a whole report from a plan (and optionally a run and a calibration): the summary, then every
+figure in reading order, each with a caption that says how it was computed.
+
+A figure that cannot be drawn for a reason of the inputs (no jagged sequence, a run without traces)
+becomes a note in its place. A figure that fails because of a bug in coplan also becomes a note that
+says so plainly, so one broken figure does not cost the reader the rest; ``COPLAN_DEBUG=1`` re-raises.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from coplan import __version__
+from coplan.errors import CoplanError
+from coplan.reports.html import Report, Section, render
+from coplan.reports.inputs import ReportInputs, load_inputs
+from coplan.reports.layout import fmt_bytes, fmt_pct, fmt_s
+from coplan.spec import spec_sha256
+
+CAPTIONS = {
+    "waterfall": (
+        "Each bar is time one step loses against running every GPU at its dense peak on model FLOPs, as a share of the wall time a step "
+        "really costs (step time / goodput), so the bars add up exactly from 100% to the goodput MFU. Kernel bars are each op class's time "
+        "on the critical rank minus its model FLOPs at peak; communication bars are the part of each collective compute waited for, by "
+        "what it is and the tiers it crosses; 'other' is what the cost model does not itemise. Hover for the numbers."
+    ),
+    "timeline": (
+        "The critical rank's two streams as the cost model scheduled them: compute tasks cut by op class (same colours as the waterfall), "
+        "communication tasks by collective. Hatched segments are where compute waits for communication: the exposed part. Hover a task for "
+        "its start, end, size and exposed time."
+    ),
+    "ranks": (
+        "The step of the critical rank, then the ranks the cost model sampled at the extremes of the embedding load. A rank that finishes "
+        "early idles until the slowest one reaches the next collective."
+    ),
+    "memory": (
+        "Bytes per rank by kind against the GPU's HBM (dashed). Dense state is the same on every rank; embedding shards, their optimizer "
+        "state and lookup buffers differ with the table placement. The allocator headroom is a stated reserve, not an allocation."
+    ),
+    "sharding": (
+        "Top: embedding bytes each rank of the sparse shard group holds, by sharding type. Bottom: one row per table (largest first), one "
+        "dot per shard on one rank, one bar per shard spread over a run of ranks; size is bytes per shard."
+    ),
+    "balance": (
+        "One global batch of jagged samples, drawn from the workload's length distribution and priced per sample by the cost model, split "
+        "across ranks in order and with the plan's balancing policy (the trainer's own balancer). The slowest rank sets the step."
+    ),
+    "scaling": (
+        "coplan simulate's sweep of the same workload on the same topology, one heuristic plan per GPU count; the star is this plan. "
+        "Scaling ratio is compute time over step time: the share not lost to exposed communication."
+    ),
+    "run_steps": (
+        "What the run measured each step (grey: warm-up, excluded from the statistics) against the plan's prediction (dashed). MFU uses "
+        "the same FLOP formula and peak as the prediction; imbalance is the max/mean of the ranks' model FLOPs each step."
+    ),
+    "run_classes": (
+        "Device time per step by op class and collective, attributed from the run's Kineto traces, next to the cost model's per-op and "
+        "per-collective times (whole durations, not just exposed parts)."
+    ),
+    "calibration": (
+        "Every (op, phase) the calibration was fitted on: measured time against the time the cost model predicts with the calibration "
+        "(filled) and with its defaults (hollow, hidden until clicked in the legend). Points on the dotted diagonal are exact; the grey "
+        "lines are 2× off."
+    ),
+}
+
+
+@dataclass
+class BuildLog:
+    """How long each figure took to build and how big its JSON is (for the benchmark)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def _section(key: str, title: str, make: Callable[[], object], log: BuildLog) -> Section:
+    t0 = time.perf_counter()
+    try:
+        fig = make()
+        note = ""
+        if isinstance(fig, tuple):
+            fig, note = fig
+        if fig is None and not note:
+            note = "nothing to draw for this plan"
+    except CoplanError as e:
+        fig, note = None, f"not drawn: {e}"
+    except Exception as e:  # a bug: say so, keep the rest of the report
+        if os.environ.get("COPLAN_DEBUG"):
+            raise
+        fig, note = None, f"not drawn because of a bug in coplan ({type(e).__name__}: {e}); set COPLAN_DEBUG=1 to see the traceback"
+    log.seconds[key] = time.perf_counter() - t0
+    if note:
+        log.notes[key] = note
+    return Section(key=key, title=title, figure=fig, caption=CAPTIONS.get(key, ""), note=note)
+
+
+def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scaling: bool = True, what_if: bool = True,
+                 log: BuildLog | None = None) -> Report:
+    """Every figure and the summary for ``inputs``."""
+    from coplan.reports import balance, calibration, ledger, ranks, runs, scaling as scaling_mod, sharding, summary, timeline, waterfall
+
+    log = log or BuildLog()
+    plan = inputs.plan
+    pred = inputs.prediction
+    if pred is None:
+        raise CoplanError(f"{inputs.plan_path or 'the plan'} has no prediction and the cost model could not price it: "
+                          + "; ".join(inputs.warnings or ["no reason given"]))
+    led = ledger.build_ledger(plan, pred)
+    cost = inputs.cost
+    sections: list[Section] = [
+        _section("waterfall", "MFU waterfall", lambda: waterfall.mfu_waterfall(led), log),
+        _section("timeline", "Predicted step timeline", lambda: timeline.step_timeline(inputs.priced.schedule, cost)
+                 if inputs.priced is not None and inputs.priced.schedule is not None else (None, "the cost model did not expose its schedule"), log),
+        _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost) if cost is not None else (None, "needs the cost model's breakdown"), log),
+        _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
+        _section("sharding", "Embedding sharding map", lambda: sharding.sharding_map(plan) if plan.tables else (None, "the plan shards no embedding tables"), log),
+        _section("balance", "Jagged balance", lambda: balance.jagged_balance(plan, inputs.context)
+                 if plan.world_size > 1 else (None, "one rank: nothing to balance"), log),
+    ]
+    if scaling:
+        sections.append(_section("scaling", "Scaling curve", lambda: scaling_mod.scaling_curve(
+            sweep if sweep is not None else scaling_mod.simulate_sweep(plan), plan), log))
+    if inputs.run is not None:
+        r = inputs.run
+        sections.append(_section("run_steps", "Run: measured vs predicted per step", lambda: runs.run_steps(r, pred), log))
+        sections.append(_section("run_classes", "Run: measured vs predicted per op class", lambda: runs.run_op_classes(r, pred, plan)
+                                 or (None, f"{r.path} has no traces/rank<k>.json (run with profiling on)"), log))
+    if inputs.calibration is not None:
+        cal = inputs.calibration
+        extra = [inputs.run.path] if inputs.run is not None and inputs.run.plan is not None else []
+
+        def cal_fig():
+            pts = calibration.calibration_points(cal, cal_path=inputs.calibration_path, extra_runs=extra)
+            return calibration.calibration_scatter(cal, pts)
+
+        sections.append(_section("calibration", "Calibration: predicted vs measured", cal_fig, log))
+
+    t0 = time.perf_counter()
+    paras = [summary.describe_plan(plan), summary.describe_prediction(pred), summary.describe_losses(plan, pred, led, price_what_if=what_if)]
+    log.seconds["summary"] = time.perf_counter() - t0
+    if inputs.run is not None:
+        res = inputs.run.result
+        if res.step_time is not None:
+            ratio = res.step_time.p50_s / pred.step_time_s if pred.step_time_s else float("nan")
+            paras.append(f"Run {res.run_id} ({res.world_size} × {res.device or '?'}, {res.steps} steps): measured step p50 "
+                         f"{fmt_s(res.step_time.p50_s)} ({ratio:.3g}× the prediction), MFU {fmt_pct(res.measured_mfu)} against "
+                         f"{fmt_pct(pred.e2e_mfu)} predicted.")
+    if inputs.calibration is not None and inputs.calibration.fit_error is not None:
+        fe = inputs.calibration.fit_error
+        paras.append(f"Calibration on {inputs.calibration.device} from {len(inputs.calibration.source_runs)} run(s): median error "
+                     f"{fmt_pct(fe.median_abs_rel_error, 1)}, worst {fmt_pct(fe.max_abs_rel_error, 1)} over {fe.num_samples} samples.")
+    if led.checks:
+        inputs.warnings.extend(f"ledger check: {c}" for c in led.checks)
+    paras += [f"Note: {w}" for w in inputs.warnings]
+    if pred.notes:
+        paras.append("Cost-model notes: " + "; ".join(pred.notes) + ".")
+    facts = [
+        ("GPUs", f"{plan.world_size:,} × {plan.topology.gpu.name} ({plan.topology.name})"),
+        ("step time", fmt_s(pred.step_time_s)),
+        ("local MFU × scaling", f"{fmt_pct(pred.local_mfu)} × {fmt_pct(pred.scaling_ratio, 1)}"),
+        ("E2E MFU / goodput MFU", f"{fmt_pct(pred.e2e_mfu)} / {fmt_pct(pred.goodput_mfu)}"),
+        ("peak memory / HBM", f"{fmt_bytes(pred.peak_memory_bytes)} / {fmt_bytes(pred.hbm_capacity_bytes)}"),
+        ("model FLOPs per step", f"{pred.model_flops_per_step:.4g}"),
+    ]
+    footer = (f"coplan {__version__}; report written {datetime.now(timezone.utc).isoformat(timespec='seconds')}; plan {inputs.plan_path} "
+              f"(sha256 {spec_sha256(plan)[:16]}…, planned {plan.created_utc or '?'} by coplan {plan.coplan_version or '?'}); "
+              f"topology sha256 {plan.topology_sha256[:16] or '?'}…, workload sha256 {plan.workload_sha256[:16] or '?'}….")
+    meta = {"coplan-version": __version__, "coplan-plan-sha256": spec_sha256(plan)}
+    return Report(title=f"coplan report: {plan.workload.name} on {plan.world_size:,} GPUs of {plan.topology.name}",
+                  summary=tuple(p for p in paras if p), sections=tuple(sections), facts=tuple(facts), footer=footer, meta=meta)
+
+
+def write_report(plan_path: str | Path, output: str | Path, *, run: str | Path | None = None, calibration: str | Path | None = None,
+                 sweep_path: str | Path | None = None, scaling: bool = True, what_if: bool = True) -> tuple[Path, Report, BuildLog]:
+    """Load, build and write a report; returns (path, report, build log)."""
+    from coplan.reports.scaling import load_sweep
+
+    out = Path(output)
+    if out.parent and not out.parent.exists():
+        raise CoplanError(f"{out}: folder {out.parent} does not exist")
+    inputs = load_inputs(plan_path, run, calibration)
+    sweep = load_sweep(sweep_path) if sweep_path else None
+    log = BuildLog()
+    report = build_report(inputs, sweep=sweep, scaling=scaling, what_if=what_if, log=log)
+    html = render(report)
+    try:
+        out.write_text(html, encoding="utf-8")
+    except OSError as e:
+        raise CoplanError(f"{out}: cannot be written ({e.strerror})") from None
+    return out, report, log
+
+
+__all__ = ["BuildLog", "CAPTIONS", "build_report", "write_report"]

@@ -1,0 +1,101 @@
+"""The page and the verb: one self-contained file (plotly.js once, no network), every figure present,
+summary at the top; `coplan report` errors are one message, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import plotly.graph_objects as go
+import plotly.offline
+import pytest
+
+from coplan.reports.build import write_report
+from coplan.reports.html import Report, Section, render
+from coplan.spec import dump_spec
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coplan.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_page_embeds_plotly_once_and_loads_nothing_remote():
+    fig = go.Figure(go.Bar(x=[1], y=[2]))
+    html = render(Report("t", ("a </script><script>alert(1)</script> summary",), (Section("a", "A", fig), Section("b", "B", fig))))
+    js = plotly.offline.get_plotlyjs()
+    assert html.count(js[:200]) == 1, "plotly.js is embedded exactly once"
+    assert not re.search(r"<script[^>]+src=", html), "no external scripts"
+    assert not re.search(r"<link[^>]+href=", html), "no external stylesheets or fonts"
+    assert "cdn.plot.ly" not in html.replace(js, "")
+    assert html.count('data-figure="fig-') == 2
+    assert "</script><script>alert(1)" not in html, "text is escaped"
+
+
+def test_json_blocks_cannot_close_the_script():
+    fig = go.Figure(go.Bar(x=[1], y=[2], name="</script><b>x</b>"))
+    html = render(Report("t", (), (Section("a", "A", fig),)))
+    block = html.split('data-figure="fig-a">', 1)[1].split("</script>", 1)[0]
+    assert json.loads(block)["data"][0]["name"] == "</script><b>x</b>"
+
+
+def test_write_report_has_summary_and_every_figure(tmp_path, plan_file):
+    out, report, log = write_report(plan_file, tmp_path / "r.html")
+    keys = [s.key for s in report.sections]
+    assert keys == ["waterfall", "timeline", "ranks", "memory", "sharding", "balance", "scaling"]
+    missing = {s.key: s.note for s in report.sections if s.figure is None}
+    assert not missing, missing
+    assert report.summary[0].startswith("Plan: ")
+    assert "goodput MFU" in report.summary[1]
+    assert report.summary[2].startswith("Biggest loss: ") and "What would recover it" in report.summary[2]
+    html = out.read_text()
+    assert html.index("Biggest loss") < html.index('data-figure="fig-waterfall"'), "the summary comes first"
+
+
+def test_cli_report(tmp_path, plan_file):
+    out = _run("report", str(plan_file), "-o", str(tmp_path / "r.html"), "--no-scaling", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert Path(d["output"]).exists() and d["bytes"] > 1_000_000
+    assert "scaling" not in d["figures"] and "waterfall" in d["figures"]
+    assert d["not_drawn"] == {}
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{}", "required field is missing"),
+    ("{not json", "not valid JSON"),
+])
+def test_cli_bad_plan_file_is_one_message(tmp_path, content, needle):
+    p = tmp_path / "plan.json"
+    p.write_text(content)
+    out = _run("report", str(p), "-o", str(tmp_path / "r.html"))
+    assert out.returncode == 2
+    assert needle in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_cli_bad_run_and_calibration(tmp_path, plan_file):
+    out = _run("report", str(plan_file), "--run", str(tmp_path), "-o", str(tmp_path / "r.html"))
+    assert out.returncode == 2 and "summary.json" in out.stderr and "Traceback" not in out.stderr
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text('{"run_id": "x", "world_size": 1, "steps": 1, "warmup_steps": 0}')
+    (run / "metrics.jsonl").write_text('{"step": 0, "step_time_s": 1.0}\nnot json\n')
+    out = _run("report", str(plan_file), "--run", str(run), "-o", str(tmp_path / "r.html"))
+    assert out.returncode == 2 and "metrics.jsonl:2" in out.stderr
+    cal = tmp_path / "cal.json"
+    cal.write_text('{"device": ""}')
+    out = _run("report", str(plan_file), "--calibration", str(cal), "-o", str(tmp_path / "r.html"))
+    assert out.returncode == 2 and "device" in out.stderr and "Traceback" not in out.stderr
+    out = _run("report", str(plan_file), "-o", str(tmp_path / "no" / "such" / "dir" / "r.html"))
+    assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_plan_without_prediction_is_repriced(tmp_path, h200_plan):
+    p = tmp_path / "bare.json"
+    dump_spec(h200_plan.model_copy(update={"predicted": None}), p)
+    out, report, _ = write_report(p, tmp_path / "r.html", scaling=False, what_if=False)
+    assert not [s for s in report.sections if s.figure is None]
+    assert "goodput MFU" in report.summary[1]
