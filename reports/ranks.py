@@ -31,6 +31,9 @@ MAX_RANKS = 96
 MAX_MEMORY_RANKS = 256
 """Most ranks in the memory figure before sampling."""
 
+MAX_BAR_RANKS = 48
+"""Beyond this many ranks the memory figure draws a stacked step area instead of bars."""
+
 CLASS_ORDER = ("gemm", "attention", "embedding", "elementwise")
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "fsdp_buffers", "activations", "recompute_peak", "embeddings",
                 "embedding_optimizer", "embedding_io", "comm_buffers", "cuda_context", "allocator_headroom")
@@ -237,27 +240,47 @@ def rank_memory(plan: Plan, cost, context) -> RankMemory:
 
 
 def memory_per_rank(plan: Plan, cost, context, *, title: str = "Memory per rank against HBM") -> go.Figure:
-    """Stacked bars of bytes per kind for each rank, with the HBM capacity as a line."""
+    """Bytes per kind for each rank, stacked, with the HBM capacity as a line: bars for a few ranks, a
+    stacked step area (one flat step per rank, far cheaper for a browser to draw) for many."""
     rm = rank_memory(plan, cost, context)
-    x = [f"{int(r)}" for r in rm.ranks]
+    n = int(rm.ranks.size)
     fig = go.Figure()
     GiB = 1024.0**3
     total = sum(rm.kinds.values())
+    area = n > MAX_BAR_RANKS
+    ids = [int(r) for r in rm.ranks]
     for k in MEMORY_ORDER + tuple(k for k in rm.kinds if k not in MEMORY_ORDER):
         v = rm.kinds.get(k)
         if v is None or not np.any(v > 0):
             continue
         name = k.replace("_", " ")
-        fig.add_trace(go.Bar(
-            x=x, y=v / GiB, name=name, marker_color=memory_colour(k),
-            marker_pattern={"shape": "/", "fgcolor": "#999"} if k == "allocator_headroom" else None,
-            customdata=np.stack([[fmt_bytes(b) for b in v], [fmt_bytes(t) for t in total]], axis=-1),
-            hovertemplate=f"rank %{{x}}<br>{name}: %{{customdata[0]}}<br>rank total %{{customdata[1]}}<extra></extra>",
-        ))
+        custom = np.stack([[fmt_bytes(b) for b in v], [fmt_bytes(t) for t in total], ids], axis=-1)
+        if area:
+            # one extra point so the last rank's step has a width
+            fig.add_trace(go.Scatter(
+                x=np.arange(n + 1), y=np.append(v, v[-1]) / GiB, name=name, mode="lines", stackgroup="memory",
+                line={"shape": "hv", "width": 0.5, "color": memory_colour(k)}, fillcolor=memory_colour(k),
+                customdata=np.vstack([custom, custom[-1:]]),
+                hovertemplate=f"{name}: %{{customdata[0]}}<extra></extra>",
+            ))
+        else:
+            fig.add_trace(go.Bar(
+                x=[str(r) for r in ids], y=v / GiB, name=name, marker_color=memory_colour(k),
+                marker_pattern={"shape": "/", "fgcolor": "#999"} if k == "allocator_headroom" else None,
+                customdata=custom,
+                hovertemplate=f"rank %{{x}}<br>{name}: %{{customdata[0]}}<br>rank total %{{customdata[1]}}<extra></extra>",
+            ))
     fig.add_hline(y=rm.capacity_bytes / GiB, line={"color": "#CC3311", "width": 2, "dash": "dash"},
                   annotation_text=f"HBM {fmt_bytes(rm.capacity_bytes)}", annotation_position="top left")
-    fig.update_layout(barmode="stack", bargap=0.15)
-    fig.update_xaxes(title_text="rank in the sparse shard group (sorted by memory)", type="category")
+    if area:
+        ticks = sorted(set(np.linspace(0, n - 1, min(n, 12)).round().astype(int).tolist()))
+        fig.update_xaxes(title_text=f"{n} ranks of the sparse shard group, fullest first (tick labels: rank ids)",
+                         tickvals=[t + 0.5 for t in ticks], ticktext=[str(ids[t]) for t in ticks], range=[0, n],
+                         unifiedhovertitle={"text": "rank %{customdata[2]}: %{customdata[1]} in all"})
+        fig.update_layout(hovermode="x unified")
+    else:
+        fig.update_layout(barmode="stack", bargap=0.15)
+        fig.update_xaxes(title_text="rank in the sparse shard group (fullest first)", type="category")
     fig.update_yaxes(title_text="GiB", rangemode="tozero")
     peak = float(total.max()) if total.size else 0.0
     head = rm.capacity_bytes - peak

@@ -25,7 +25,10 @@ from coplan.spec import Plan
 from coplan.spec.plan import SHARDING_TYPES
 
 MAX_RANK_BARS = 256
-"""Most per-rank bars in the top panel before ranks are binned."""
+"""Most ranks (steps) in the top panel before ranks are binned."""
+
+MAX_BAR_RANKS = 48
+"""Up to this many ranks the top panel draws bars; beyond, a stacked step area."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,35 +114,43 @@ def sharding_map(plan: Plan) -> go.Figure:
     per_type = rank_bytes(rows, G)
     total = sum(per_type.values())
     binned = G > MAX_RANK_BARS
-    if binned:
-        edges = np.linspace(0, G, MAX_RANK_BARS + 1).astype(int)
-        lo, hi = edges[:-1], edges[1:] - 1
-        x = (lo + hi) / 2.0
-        width = (hi - lo + 1) * 0.9
-        label = [f"ranks {a}–{b}" for a, b in zip(lo, hi)]
-        reduce_mean = lambda v: np.add.reduceat(v, edges[:-1]) / (hi - lo + 1)  # noqa: E731
+    if G <= MAX_BAR_RANKS:
+        for stype in SHARDING_TYPES:
+            if stype not in per_type:
+                continue
+            y = per_type[stype]
+            fig.add_trace(go.Bar(
+                x=np.arange(G), y=y / 2**30, width=0.9, name=stype, legendgroup=stype, marker_color=sharding_colour(stype),
+                customdata=[fmt_bytes(v) for v in y],
+                hovertemplate=f"rank %{{x}}<br>{stype}: %{{customdata}}<extra></extra>",
+            ), row=1, col=1)
     else:
-        x = np.arange(G, dtype=float)
-        width = np.full(G, 0.9)
-        label = [f"rank {r}" for r in range(G)]
-        reduce_mean = lambda v: v  # noqa: E731
-    for stype in SHARDING_TYPES:
-        if stype not in per_type:
-            continue
-        y = reduce_mean(per_type[stype])
-        fig.add_trace(go.Bar(
-            x=x, y=y / 2**30, width=width, name=stype, legendgroup=stype, marker_color=sharding_colour(stype),
-            customdata=np.stack([label, [fmt_bytes(v) for v in y]], axis=-1),
-            hovertemplate=f"%{{customdata[0]}}<br>{stype}: %{{customdata[1]}}" + (" (bin mean)" if binned else "") + "<extra></extra>",
-        ), row=1, col=1)
-    if binned:
-        mx = np.maximum.reduceat(total, edges[:-1])
-        arg = [int(lo[i] + np.argmax(total[lo[i]:hi[i] + 1])) for i in range(len(lo))]
-        fig.add_trace(go.Scatter(
-            x=x, y=mx / 2**30, mode="markers", name="fullest rank of the bin", marker={"symbol": "line-ew-open", "size": 8, "color": "#222"},
-            customdata=np.stack([[f"rank {a}" for a in arg], [fmt_bytes(v) for v in mx]], axis=-1),
-            hovertemplate="%{customdata[0]}: %{customdata[1]} of embeddings (fullest in its bin)<extra></extra>",
-        ), row=1, col=1)
+        # a stacked step area (one flat step per rank or bin of ranks): cheap to draw for many ranks
+        nb = min(G, MAX_RANK_BARS)
+        edges = np.linspace(0, G, nb + 1).round().astype(int)
+        lo, hi = edges[:-1], edges[1:] - 1
+        xs = np.append(lo, G) - 0.5
+        label = [f"rank {a}" if a == b else f"ranks {a}–{b}" for a, b in zip(lo, hi)]
+        for stype in SHARDING_TYPES:
+            if stype not in per_type:
+                continue
+            y = np.add.reduceat(per_type[stype], lo) / (hi - lo + 1)
+            cd = np.stack([label, [fmt_bytes(v) for v in y]], axis=-1)
+            fig.add_trace(go.Scatter(
+                x=xs, y=np.append(y, y[-1]) / 2**30, mode="lines", stackgroup="bytes", name=stype, legendgroup=stype,
+                line={"shape": "hv", "width": 0.5, "color": sharding_colour(stype)}, fillcolor=sharding_colour(stype),
+                customdata=np.vstack([cd, cd[-1:]]),
+                hovertemplate=f"%{{customdata[0]}}<br>{stype}: %{{customdata[1]}}" + (" (bin mean)" if binned else "") + "<extra></extra>",
+            ), row=1, col=1)
+        if binned:
+            mx = np.maximum.reduceat(total, lo)
+            arg = [int(lo[i] + np.argmax(total[lo[i]:hi[i] + 1])) for i in range(len(lo))]
+            fig.add_trace(go.Scatter(
+                x=(lo + hi) / 2.0, y=mx / 2**30, mode="markers", name="fullest rank of the bin",
+                marker={"symbol": "line-ew-open", "size": 8, "color": "#222"},
+                customdata=np.stack([[f"rank {a}" for a in arg], [fmt_bytes(v) for v in mx]], axis=-1),
+                hovertemplate="%{customdata[0]}: %{customdata[1]} of embeddings (fullest in its bin)<extra></extra>",
+            ), row=1, col=1)
 
     # --- bottom: the map ------------------------------------------------------------------------
     smax = max(r.shard_bytes for r in rows) or 1.0
@@ -147,38 +158,43 @@ def sharding_map(plan: Plan) -> go.Figure:
     def size_px(b: float) -> float:
         return 4.0 + 14.0 * float(np.sqrt(b / smax))
 
-    points: dict[str, list] = defaultdict(lambda: [[], [], [], [], []])  # x, y, size, hover, table
-    segs: dict[tuple[str, int], list] = defaultdict(lambda: [[], [], []])  # x, y, hover (None-separated)
+    points: dict[str, list] = defaultdict(lambda: [[], [], [], []])  # x, y, size, customdata
+    segs: dict[tuple[str, int], list] = defaultdict(lambda: [[], [], []])  # x, y, customdata (None-separated)
+    blank = ["", "", "", "", "", ""]
     for yi, r in enumerate(rows):
         runs = _runs(r.ranks)
-        hover = (f"<b>{r.table}</b> ({r.sharding_type})<br>{r.rows:,} rows × {r.dim}<br>"
-                 f"one shard: {fmt_bytes(r.shard_bytes)} (weights + optimizer state)<br>"
-                 f"all shards: {fmt_bytes(r.total_bytes)}<br>ranks: {_ranks_text(runs)}")
+        cd = [r.table, f"{r.rows:,}", str(r.dim), fmt_bytes(r.shard_bytes), fmt_bytes(r.total_bytes), _ranks_text(runs)]
         for a, b in runs:
             if a == b:
                 p = points[r.sharding_type]
                 p[0].append(a)
                 p[1].append(yi)
                 p[2].append(size_px(r.shard_bytes))
-                p[3].append(hover)
+                p[3].append(cd)
             else:
                 # line width in 4 buckets of shard size (a trace has one width)
                 bucket = int(min(3, np.sqrt(r.shard_bytes / smax) * 4))
-                s = segs[(r.sharding_type, bucket)]
-                s[0] += [a - 0.4, b + 0.4, None]
-                s[1] += [yi, yi, None]
-                s[2] += [hover, hover, None]
+                sg = segs[(r.sharding_type, bucket)]
+                sg[0] += [a - 0.4, b + 0.4, None]
+                sg[1] += [yi, yi, None]
+                sg[2] += [cd, cd, blank]
+
+    def tmpl(stype: str) -> str:
+        return (f"<b>%{{customdata[0]}}</b> ({stype})<br>%{{customdata[1]}} rows × %{{customdata[2]}}<br>"
+                "one shard: %{customdata[3]} (weights + optimizer state)<br>all shards: %{customdata[4]}<br>"
+                "ranks: %{customdata[5]}<extra></extra>")
+
     shown: set[str] = set(per_type)
-    for (stype, bucket), (xs, ys, hs) in sorted(segs.items()):
+    for (stype, bucket), (xs, ys, cds) in sorted(segs.items()):
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="lines", line={"color": sharding_colour(stype), "width": 2 + 3 * bucket},
-            name=stype, legendgroup=stype, showlegend=stype not in shown, hovertext=hs, hoverinfo="text",
+            name=stype, legendgroup=stype, showlegend=stype not in shown, customdata=cds, hovertemplate=tmpl(stype),
         ), row=2, col=1)
         shown.add(stype)
-    for stype, (xs, ys, ss, hs, _) in sorted(points.items()):
+    for stype, (xs, ys, ss, cds) in sorted(points.items()):
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="markers", marker={"color": sharding_colour(stype), "size": ss, "line": {"width": 0.5, "color": "#333"}},
-            name=stype, legendgroup=stype, showlegend=stype not in shown, hovertext=hs, hoverinfo="text",
+            name=stype, legendgroup=stype, showlegend=stype not in shown, customdata=cds, hovertemplate=tmpl(stype),
         ), row=2, col=1)
         shown.add(stype)
 
@@ -189,7 +205,7 @@ def sharding_map(plan: Plan) -> go.Figure:
     mix = ", ".join(f"{counts[t]:,} {t}" for t in SHARDING_TYPES if counts[t])
     sub = f"{n:,} tables over a sparse shard group of {G:,} ranks ({plan.mesh.sparse_replicate}× replicated): {mix}"
     if binned:
-        sub += f"; top: ranks binned by {int(np.ceil(G / MAX_RANK_BARS))}"
+        sub += f"; top: ranks binned by ~{G / MAX_RANK_BARS:.0f}"
     fig.update_yaxes(title_text="GiB / rank", row=1, col=1, rangemode="tozero")
     tick_idx = list(range(n)) if n <= 40 else []
     fig.update_yaxes(
