@@ -14,7 +14,7 @@ import pytest
 
 from coplan.spec import dump_spec
 
-from tests.reports.plans import real_plan
+from tests.reports.plans import heuristic_plan, real_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,13 +64,14 @@ def _trainer_missing() -> str | None:
 def tiny_run(tmp_path_factory):
     """A real CPU run of gem-tiny by the trainer (gloo), with traces: (plan path, run dir).
 
-    One rank: the heuristic plan for 2 GPUs replicates the sparse tables (2-D sparse parallelism), which
-    the trainer does not run yet."""
+    The plan is the cost model's heuristic one (every table table-wise): the planner may choose
+    data-parallel sequence tables, which the trainer runs only on CUDA. One rank: the heuristic plan for
+    2 GPUs replicates the sparse tables (2-D sparse parallelism), which the trainer does not run yet."""
     why = _trainer_missing()
     if why:
         pytest.skip(why)
     d = tmp_path_factory.mktemp("run")
-    plan = real_plan("gem-tiny", "h200-superpod-1k", RUN_RANKS)
+    plan = heuristic_plan("gem-tiny", "h200-superpod-1k", RUN_RANKS)
     dump_spec(plan, d / "plan.json")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RUN_RANKS), "-m", "coplan.trainer.train",

@@ -5,19 +5,29 @@ uses) priced by the full pricer. Nothing here writes a number by hand."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
+import os
 from functools import lru_cache
 
 from coplan import __version__
 from coplan.spec import Plan, load_topology, load_workload, spec_sha256
 
 
+PLANNER_TIME_LIMIT_S = 30.0
+"""Search budget per plan in tests (the planner's default is 45 s); plans are deterministic for a seed."""
+
+
 def planner_api():
-    """The planner's plan function, or None while it is not built."""
+    """``(workload, topology, world_size) -> Plan`` through the CP-SAT planner, or None while it is not built."""
     try:
-        from coplan.planner import plan as plan_fn  # type: ignore[attr-defined]
+        from coplan.planner.search import PlannerConfig, make_plan
     except ImportError:
         return None
-    return plan_fn if callable(plan_fn) else None
+
+    def plan_fn(workload, topology, world_size: int) -> Plan:
+        cfg = PlannerConfig(world_size=world_size, time_limit_s=PLANNER_TIME_LIMIT_S, num_workers=min(4, os.cpu_count() or 1))
+        return make_plan(workload, topology, None, cfg)[0]
+
+    return plan_fn
 
 
 def heuristic_plan(workload_name: str, topology_name: str, world_size: int) -> Plan:
