@@ -1,0 +1,128 @@
+"""``coplan plan``: choose the parallel plan of a workload on a topology and write plan.json.
+
+With no arguments it plans the built-in default, ``gem-1t`` on ``h200-superpod-4k``. Prints a summary
+(mesh and the tiers each axis crosses, sharding counts, recompute, predicted step time, MFU, goodput,
+peak memory against capacity, solver status, bound and gap); ``--json`` prints it as JSON.
+``--export-torchrec`` also writes TorchRec's ShardingPlan of the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from coplan.errors import CoplanError
+from coplan.spec import Plan, dump_spec, load_calibration, load_topology, load_workload
+from coplan.units import human_bytes, human_seconds
+
+DEFAULT_TOPOLOGY = "h200-superpod-4k"
+DEFAULT_WORKLOAD = "gem-1t"
+
+
+def summary(plan: Plan, result=None) -> dict:
+    """The summary as plain data (what ``--json`` prints)."""
+    pred = plan.predicted
+    counts = Counter(t.sharding_type for t in plan.tables)
+    out = {
+        "workload": plan.workload.name,
+        "topology": plan.topology.name,
+        "world_size": plan.world_size,
+        "mesh": {a.name: {"size": a.size, "tiers": list(a.tiers)} for a in plan.mesh.axes},
+        "dense": {"fsdp_shard": plan.mesh.dense_shard, "replicate": plan.mesh.dense_replicate, "expert_parallel": plan.mesh.expert_parallel},
+        "sparse": {"shard_group": plan.mesh.sparse_shard, "replicas": plan.mesh.sparse_replicate},
+        "sharding_counts": dict(sorted(counts.items())),
+        "recompute_layers": [l.name for l in plan.layers if l.recompute],
+        "balancing": plan.balancing.model_dump(),
+    }
+    if pred is not None:
+        out["predicted"] = {
+            "step_time_s": pred.step_time_s, "local_mfu": pred.local_mfu, "scaling_ratio": pred.scaling_ratio,
+            "e2e_mfu": pred.e2e_mfu, "goodput": pred.goodput, "goodput_mfu": pred.goodput_mfu,
+            "peak_memory_bytes": pred.peak_memory_bytes, "hbm_capacity_bytes": pred.hbm_capacity_bytes,
+        }
+    if plan.solver is not None:
+        out["solver"] = plan.solver.model_dump()
+    return out
+
+
+def print_summary(plan: Plan, out=sys.stdout) -> None:
+    s = summary(plan)
+    p = plan.predicted
+    w = lambda *a: print(*a, file=out)  # noqa: E731
+    w(f"plan: '{plan.workload.name}' on {plan.world_size:,} GPUs of '{plan.topology.name}'")
+    w("mesh (axis: size, tiers its groups cross):")
+    for name, ax in s["mesh"].items():
+        w(f"  {name:<17} {ax['size']:>6,}  {' > '.join(ax['tiers'])}")
+    d = s["dense"]
+    w(f"dense: FSDP shard {d['fsdp_shard']:,} x replicate {d['replicate']:,} (HSDP), expert-parallel {d['expert_parallel']}")
+    sp = s["sparse"]
+    w(f"sparse: tables sharded over groups of {sp['shard_group']:,} ranks, {sp['replicas']:,} replicas")
+    if s["sharding_counts"]:
+        w("tables: " + ", ".join(f"{k} {v:,}" for k, v in s["sharding_counts"].items()))
+    rc = s["recompute_layers"]
+    w(f"recompute: {len(rc)} of {len(plan.layers)} layers" + (f" ({', '.join(rc[:8])}{', ...' if len(rc) > 8 else ''})" if rc else ""))
+    b = plan.balancing
+    w(f"jagged balancing: {b.policy} (expected max/mean rank work {b.expected_imbalance:.4f})")
+    if p is not None:
+        w(f"predicted step time  {human_seconds(p.step_time_s)}")
+        w(f"local MFU            {p.local_mfu:6.1%}")
+        w(f"scaling ratio        {p.scaling_ratio:6.1%}")
+        w(f"E2E MFU              {p.e2e_mfu:6.1%}")
+        w(f"goodput              {p.goodput:6.1%}  (goodput MFU {p.goodput_mfu:.1%})")
+        w(f"peak memory / rank   {human_bytes(p.peak_memory_bytes)} of {human_bytes(p.hbm_capacity_bytes)} ({p.peak_memory_bytes / max(p.hbm_capacity_bytes, 1):.1%})")
+    if plan.solver is not None:
+        r = plan.solver
+        w(f"solver: {r.status}, objective {r.objective_us / 1e3:,.3f} ms, bound {r.best_bound_us / 1e3:,.3f} ms, gap {r.gap:.2%}; "
+          f"{r.candidates_solved} of {r.candidates_total:,} mesh candidates solved in {r.wall_s:.1f} s on {r.num_workers} workers (seed {r.seed})")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from coplan.planner.search import PlannerConfig, make_plan
+
+    topology = load_topology(args.topology)
+    workload = load_workload(args.workload)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    if args.time_limit <= 0:
+        raise CoplanError(f"--time-limit must be positive (got {args.time_limit})")
+    cfg = PlannerConfig(world_size=args.gpus, time_limit_s=args.time_limit, num_workers=args.workers, seed=args.seed,
+                        policy=args.policy, solve_dtime=args.solve_dtime)
+    progress = None if (args.json or args.quiet) else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    plan, _ = make_plan(workload, topology, calibration, cfg, progress=progress)
+    out = Path(args.output)
+    if out.parent and not out.parent.exists():
+        raise CoplanError(f"-o {out}: folder '{out.parent}' does not exist")
+    dump_spec(plan, out)
+    written = [str(out)]
+    if args.export_torchrec:
+        from coplan.planner.torchrec_export import write_torchrec
+
+        target = Path(args.export_torchrec) if isinstance(args.export_torchrec, str) else out.with_suffix(".torchrec.pt")
+        written += [str(p) for p in write_torchrec(plan, target)]
+    if args.json:
+        print(json.dumps({"written": written, **summary(plan)}, indent=1, default=str))
+    else:
+        print_summary(plan)
+        print("wrote " + ", ".join(written))
+    return 0
+
+
+def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
+    p = sub.add_parser("plan", help=help_text, description=help_text + f". With no arguments: {DEFAULT_WORKLOAD} on {DEFAULT_TOPOLOGY}.")
+    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology preset or file (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--workload", "-w", default=DEFAULT_WORKLOAD, help=f"workload preset or file (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--calibration", "-c", help="calibration.json from coplan calibrate")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    p.add_argument("--gpus", type=int, help="plan for the first N GPUs of the topology (default: all)")
+    p.add_argument("--time-limit", type=float, default=40.0, help="wall-clock budget of the search, seconds (default 40)")
+    p.add_argument("--solve-dtime", type=float, default=0.5, help="CP-SAT deterministic-time limit per candidate (default 0.5)")
+    p.add_argument("--workers", type=int, default=0, help="parallel solves (default: the machine's cores)")
+    p.add_argument("--seed", type=int, default=0, help="CP-SAT seed (plans are deterministic for a seed)")
+    p.add_argument("--policy", choices=["none", "greedy", "karmarkar_karp"], help="jagged balancing policy (default: least expected imbalance)")
+    p.add_argument("--export-torchrec", nargs="?", const=True, default=None, metavar="PATH",
+                   help="also write TorchRec's ShardingPlan (torch.save) and a JSON rendering (default <output>.torchrec.pt)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=run_plan)
