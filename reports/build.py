@@ -110,8 +110,13 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
     if pred is None:
         raise CoplanError(f"{inputs.plan_path or 'the plan'} has no prediction and the cost model could not price it: "
                           + "; ".join(inputs.warnings or ["no reason given"]))
-    led = ledger.build_ledger(plan, pred)
     cost = inputs.cost
+    try:
+        launch = ledger.launch_by_class(plan, inputs.context)
+    except CoplanError as e:
+        launch = None
+        inputs.warnings.append(f"kernel launch overhead is left inside the kernel bars: {e}")
+    led = ledger.build_ledger(plan, pred, launch_s=launch)
     sections: list[Section] = [
         _section("waterfall", "MFU waterfall", lambda: waterfall.mfu_waterfall(led), log),
         _section("timeline", "Predicted step timeline", lambda: timeline.step_timeline(inputs.priced.schedule, cost)

@@ -14,6 +14,9 @@ Accounting (all per optimizer step, on the critical rank, from the cost model's
   kernel slower than peak on model FLOPs: achieved fraction of peak, memory-bound ops, launch overhead,
   hardware FLOPs that are not model FLOPs (a fused attention backward recomputes the scores), the
   slowest embedding shard's excess over the mean, the slowdown from communication sharing the SMs.
+- Kernel launch overhead (when the pricing context is given): the cost model's per-kernel launch term
+  of the dense forward and backward ops, taken out of the class bars. There is no pipeline parallelism
+  in these plans, so the only other gaps in the compute stream are waits on communication (below).
 - Jagged load imbalance: the cost model's ``imbalance_s`` (the slowest rank's extra dense work),
   spread back over the classes in proportion to their dense time so the class bars do not count it twice.
 - Recompute and the dense optimizer step: their op times.
@@ -143,8 +146,26 @@ def checkpoint_fraction(pred: Prediction) -> float:
     return useful_fraction(tau, delta, 0.0, math.inf)
 
 
-def build_ledger(plan: Plan, pred: Prediction) -> Ledger:
-    """The step's ledger from a plan and its prediction (see the module docstring)."""
+def launch_by_class(plan: Plan, context) -> dict[str, float]:
+    """Seconds per step of kernel-launch overhead in the critical rank's dense forward and backward ops,
+    per op class: the cost model's own launch term (:class:`~coplan.costmodel.context.OpArrays`
+    ``fwd_launch_s``/``bwd_launch_s``, one micro-batch) times the micro-batches. Recompute launches stay
+    in the recompute bar; the lookups' launches stay in the embedding bar (the pricer folds them into the
+    slowest shard's time)."""
+    from coplan.costmodel.context import op_arrays
+
+    fp8 = frozenset(lp.name for lp in plan.layers if lp.precision == "fp8")
+    arr = op_arrays(context, plan.kernels, fp8)
+    out: dict[str, float] = {}
+    for k, i in enumerate(context.dense_idx):
+        c = context.ops[int(i)].op_class
+        out[c] = out.get(c, 0.0) + float(arr.fwd_launch_s[k] + arr.bwd_launch_s[k]) * context.micro_batches
+    return out
+
+
+def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | None = None) -> Ledger:
+    """The step's ledger from a plan and its prediction (see the module docstring). With ``launch_s``
+    (:func:`launch_by_class`), kernel-launch overhead becomes its own bar, taken out of the class bars."""
     N = plan.world_size
     peak = plan.topology.dense_peak_flops_per_s
     step = pred.step_time_s
@@ -174,20 +195,27 @@ def build_ledger(plan: Plan, pred: Prediction) -> Ledger:
     dense_tot = sum(dense_cls.values())
     imb = pred.imbalance_s
     losses: list[Loss] = []
+    launch = {c: (launch_s or {}).get(c, 0.0) for c in COMPUTE_CLASSES}
     for c in COMPUTE_CLASSES:
         if t_cls[c] <= 0 and shares.get(c, 0.0) <= 0:
             continue
         ideal = T0 * shares.get(c, 0.0)
         imb_c = imb * dense_cls[c] / dense_tot if dense_tot > 0 else 0.0
-        loss = t_cls[c] - ideal - imb_c
+        loss = t_cls[c] - ideal - imb_c - launch[c]
         achieved = ideal / (t_cls[c] - imb_c) if t_cls[c] - imb_c > 0 else 0.0
         losses.append(Loss(
             f"kernel.{c}", f"{c} kernels below peak", "op_class", c, loss,
             f"{c} ops, forward + backward on the critical rank: {_ms(t_cls[c])}<br>"
-            f"of which jagged imbalance (shown separately): {_ms(imb_c)}<br>"
+            f"of which jagged imbalance (shown separately): {_ms(imb_c)}"
+            + (f"; launch overhead (shown separately): {_ms(launch[c])}" if launch[c] else "") + "<br>"
             f"model FLOPs of {c} at peak: {_ms(ideal)} ({100 * shares.get(c, 0.0):.1f}% of model FLOPs)<br>"
-            f"achieved {100 * achieved:.1f}% of peak on model FLOPs",
+            f"achieved {100 * achieved:.1f}% of peak on model FLOPs (launches included)",
         ))
+    if launch_s:
+        tot = sum(launch.values())
+        parts = ", ".join(f"{c} {_ms(v)}" for c, v in launch.items() if v > 0)
+        losses.append(Loss("launch", "kernel launch overhead", "loss", "launch", tot,
+                           f"the cost model's per-kernel launch cost over the dense forward and backward kernels: {parts}"))
     if imb > 0 or pred.imbalance > 1.0:
         losses.append(Loss(
             "imbalance", "jagged load imbalance", "loss", "imbalance", imb,
@@ -270,4 +298,4 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-__all__ = ["COMM_LABELS", "Ledger", "Loss", "build_ledger", "checkpoint_fraction", "class_flop_shares", "comm_label"]
+__all__ = ["COMM_LABELS", "Ledger", "Loss", "build_ledger", "launch_by_class", "checkpoint_fraction", "class_flop_shares", "comm_label"]

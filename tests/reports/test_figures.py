@@ -70,6 +70,27 @@ def test_waterfall_adds_up_exactly(plan_case):
     assert level == pytest.approx(led.final_points, abs=1e-9)
 
 
+def test_waterfall_launch_overhead_bar(plan_case):
+    """With the pricing context, launch overhead is its own bar, taken out of the class bars: the sum holds."""
+    from coplan.reports.ledger import launch_by_class
+
+    _, plan = plan_case
+    pp = price_plan(plan)
+    launch = launch_by_class(plan, pp.context)
+    plain = build_ledger(plan, plan.predicted)
+    split = build_ledger(plan, plan.predicted, launch_s=launch)
+    assert abs(split.residual_points) < 1e-9
+    bar = next(x for x in split.losses if x.key == "launch")
+    assert bar.seconds == pytest.approx(sum(launch.values())) and bar.seconds > 0
+    for c in ("gemm", "attention", "elementwise"):
+        a = next((x for x in plain.losses if x.key == f"kernel.{c}"), None)
+        b = next((x for x in split.losses if x.key == f"kernel.{c}"), None)
+        if a is not None:
+            assert a.seconds - b.seconds == pytest.approx(launch.get(c, 0.0))
+    # launches are part of the ops' time: never more than the dense compute itself
+    assert bar.seconds < sum(o.time_s for o in plan.predicted.ops if o.phase in ("fwd", "bwd") and not o.name.startswith("sparse."))
+
+
 def test_waterfall_biggest_loss_is_marked(h200_plan):
     led = build_ledger(h200_plan, h200_plan.predicted)
     big = led.biggest()
