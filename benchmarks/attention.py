@@ -151,7 +151,7 @@ def method_fns(shape, lengths, offsets):
         return torch.matmul(torch.where(mask, F.silu(s), 0.0).to(v.dtype) / cap, v)
 
     fns["silu_padded_eager"] = ("padded", silu_padded)
-    fns["silu_padded_compile"] = ("padded", lambda: torch.compile(silu_padded))
+    fns["silu_padded_compile"] = ("padded", lambda: torch.compile(silu_padded, dynamic=False))
     return fns
 
 
@@ -209,6 +209,48 @@ def bench(fn, grad_to_none=None):
     import triton
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def bench_graph(fn, reps=30) -> float:
+    """Median ms of one CUDA-graph replay of ``fn``: device time without the host's launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return float(np.median(times))
+
+
+def kernel_times(fn, steps=5) -> dict[str, float]:
+    """Device microseconds per call of each kernel ``fn`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            out[e.key[:80]] = t / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def matmul_ceiling() -> float:
@@ -313,6 +355,25 @@ def run_shape(key, methods, log):
                 fn(*xs).backward(g)
 
             fb_ms = bench(step, grad_to_none=xs)
+            if name != "silu_padded_eager":  # tens of GiB of scores: no need to hold them in a graph pool
+                try:
+                    with torch.no_grad():
+                        entry["graph_forward_ms"] = bench_graph(lambda: fn(*x))
+                    for t in xs:
+                        t.grad = None
+                    entry["graph_forward_backward_ms"] = bench_graph(step)
+                    entry["graph_forward_tflops"] = fwd_flops / (entry["graph_forward_ms"] * 1e-3) / 1e12
+                    entry["graph_forward_backward_tflops"] = (
+                        fwd_flops * (1 + BWD_OVER_FWD) / (entry["graph_forward_backward_ms"] * 1e-3) / 1e12)
+                except Exception as e:  # a baseline that cannot be captured keeps its eager figures
+                    entry["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if name.startswith("triton_"):
+                try:
+                    for t in xs:
+                        t.grad = None
+                    entry["kernel_us_per_forward_backward"] = kernel_times(step)
+                except Exception as e:
+                    entry["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -327,7 +388,8 @@ def run_shape(key, methods, log):
                 peak_extra_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
             )
             log(f"  {name:22s} fwd {fwd_ms:8.3f} ms {entry['forward_tflops']:7.1f} TF/s | fwd+bwd {fb_ms:8.3f} ms "
-                f"{entry['forward_backward_tflops']:7.1f} TF/s | peak +{entry['peak_extra_gib']:.2f} GiB | "
+                f"{entry['forward_backward_tflops']:7.1f} TF/s | graph {entry.get('graph_forward_tflops', 0):7.1f} / "
+                f"{entry.get('graph_forward_backward_tflops', 0):7.1f} TF/s | peak +{entry['peak_extra_gib']:.2f} GiB | "
                 f"first {entry['first_forward_s']:.1f}s/{entry['first_forward_backward_s']:.1f}s | err "
                 + " ".join(f"{k}={v:.1e}" for k, v in entry["rel_err"].items()))
             del xs, x, g
@@ -346,7 +408,12 @@ def main(argv=None):
                                         "silu_padded_eager,silu_padded_compile")
     p.add_argument("--precompile", type=int, default=12, help="processes compiling autotune configs ahead (0: off)")
     p.add_argument("--out", default="benchmarks/results/attention_h200.json")
+    p.add_argument("--table-from", help="print the Markdown table of an earlier JSON result and exit")
     args = p.parse_args(argv)
+    if args.table_from:
+        with open(args.table_from) as f:
+            print(table(json.load(f)))
+        return True
     import triton
 
     shapes = args.shapes.split(",")
@@ -390,16 +457,19 @@ def main(argv=None):
 def table(result) -> str:
     lines = [f"{result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}; "
              f"bf16 matmul ceiling {result['matmul_bf16_tflops']:.0f} TFLOP/s",
-             "| shape | method | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms | peak GiB | goal | first call s |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+             "| shape | method | fwd TFLOP/s | fwd+bwd TFLOP/s | graphed fwd | graphed fwd+bwd | fwd ms | fwd+bwd ms "
+             "| peak GiB | goal | first call s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for s, r in result["shapes"].items():
         for m, e in r["methods"].items():
             goal = GOALS.get((s, m))
             if "error" in e:
-                lines.append(f"| {s} | {m} | failed: {e['error'][:60]} | | | | | | |")
+                lines.append(f"| {s} | {m} | failed: {e['error'][:60]} | | | | | | | | |")
                 continue
+            graphed = [f"{e[k]:.0f}" if k in e else "-" for k in ("graph_forward_tflops", "graph_forward_backward_tflops")]
             lines.append(
-                f"| {s} | {m} | {e['forward_tflops']:.0f} | {e['forward_backward_tflops']:.0f} | {e['forward_ms']:.3f} | "
+                f"| {s} | {m} | {e['forward_tflops']:.0f} | {e['forward_backward_tflops']:.0f} | {graphed[0]} | {graphed[1]} | "
+                f"{e['forward_ms']:.3f} | "
                 f"{e['forward_backward_ms']:.3f} | {e['peak_extra_gib']:.2f} | {f'{goal[0]} / {goal[1]}' if goal else ''} | "
                 f"{e['first_forward_s'] + e['first_forward_backward_s']:.1f} |")
     return "\n".join(lines)

@@ -7,10 +7,11 @@ normalisation. The backward is deterministic, without atomics: one kernel comput
 softmax row term delta = rowsum(dO * O)), a second computes dK and dV per key block; both recompute
 the scores, which costs two extra matrix products over a single fused kernel with atomic dQ.
 
-Programs are ordered so that the heaviest start first: samples by decreasing length, and within
-a sample the query blocks that see the most keys (causal: the last ones) before the others; the
-dK/dV kernel numbers key blocks from the end of the sample for the same reason. Autotuning is
-keyed on powers of two of batch size and maximum lengths, so it runs once per bucket.
+The grid holds one program per real block and head, found from cumulative block counts (no
+programs for padding up to max_len). Within a sample the heaviest block starts first (causal:
+the query blocks that see the most keys; the dK/dV kernel numbers key blocks from the end of the
+sample for the same reason). Autotuning is keyed on powers of two of batch size and maximum
+lengths, so it runs once per bucket.
 """
 
 from __future__ import annotations
@@ -114,18 +115,64 @@ def _activation_and_grad(s, scale, ACT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _locate(order, q_offsets, k_offsets, num_heads, max_len, BLOCK: tl.constexpr):
-    """Block rank (0 = heaviest), sample start offsets and lengths of this program.
+def _block_counts_kernel(q_offsets, k_offsets, CUM_Q, CUM_K, batch, CHUNK: tl.constexpr):
+    """CUM[j, b] = blocks of 16 << j rows in samples 0..b-1, for queries and keys (j = 0..3).
 
-    The grid is one-dimensional (no 65,535 cap on batch x heads): blocks of a (sample, head) are
-    consecutive, heaviest first, and (sample, head) pairs follow `order`, longest sample first.
+    One program: the tables are [4, batch + 1] and feed a binary search in every attention program.
     """
+    for j in tl.static_range(4):
+        size = 16 << j
+        row_q = CUM_Q + j * (batch + 1)
+        row_k = CUM_K + j * (batch + 1)
+        tl.store(row_q, 0)
+        tl.store(row_k, 0)
+        carry_q = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+        carry_k = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+        for start in range(0, batch, CHUNK):
+            idx = start + tl.arange(0, CHUNK)
+            ok = idx < batch
+            q_len = (tl.load(q_offsets + idx + 1, mask=ok, other=0) - tl.load(q_offsets + idx, mask=ok, other=0)).to(tl.int32)
+            k_len = (tl.load(k_offsets + idx + 1, mask=ok, other=0) - tl.load(k_offsets + idx, mask=ok, other=0)).to(tl.int32)
+            n_q = (q_len + size - 1) // size
+            n_k = (k_len + size - 1) // size
+            tl.store(row_q + idx + 1, carry_q + tl.cumsum(n_q, 0), mask=ok)
+            tl.store(row_k + idx + 1, carry_k + tl.cumsum(n_k, 0), mask=ok)
+            carry_q += tl.sum(n_q, 0)
+            carry_k += tl.sum(n_k, 0)
+
+
+@triton.jit
+def _locate(CUM, batch, num_heads, q_offsets, k_offsets, BLOCK: tl.constexpr):
+    """This program's head, sample, block rank (rank < 0: no work) and the sample's offsets.
+
+    The grid covers every real block of every sample once per head, from the cumulative block
+    counts, so no program is launched for the padding up to max_len (a batch of short samples
+    under a long cap would otherwise be mostly empty programs). Heads of one block are adjacent,
+    and a sample's blocks run heaviest first (rank = n_blocks - 1 first), so that the blocks of one
+    (sample, head) share its keys in L2 and its longest-running block starts early.
+    """
+    if BLOCK == 16:
+        row = 0
+    elif BLOCK == 32:
+        row = 1
+    elif BLOCK == 64:
+        row = 2
+    else:
+        row = 3
+    cum = CUM + row * (batch + 1)
     pid = tl.program_id(0)
-    n_blocks = tl.cdiv(max_len, BLOCK)
-    rank = n_blocks - 1 - pid % n_blocks
-    pair = pid // n_blocks
-    b = tl.load(order + pair // num_heads)
-    h = pair % num_heads
+    h = pid % num_heads
+    i = pid // num_heads
+    # Largest b with cum[b] <= i: the sample that owns block i (empty samples own none).
+    lo = pid * 0
+    hi = lo + batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        right = tl.load(cum + mid) <= i
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    b = lo
+    rank = tl.load(cum + b + 1) - 1 - i  # n_blocks - 1 - (i - cum[b]); < 0 past the last block
     q_start = tl.load(q_offsets + b).to(tl.int64)
     q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
     k_start = tl.load(k_offsets + b).to(tl.int64)
@@ -160,7 +207,7 @@ def _key_range(m0, q_len, k_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
 def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     arange_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
@@ -178,7 +225,7 @@ def _fwd_tiles(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MODE == 0:
             if MASKED:
                 s = tl.where(mask, s, float("-inf"))
@@ -199,25 +246,25 @@ def _fwd_tiles(
             p = _activation(s, qk_scale, ACT, FAST)
             if MASKED:
                 p = tl.where(mask, p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
 # Ints that change with every batch are not specialised on (== 1, divisible by 16), so that a new
 # batch reuses the compiled kernel.
-@triton.jit(do_not_specialize=["stride_lse_h", "max_q_len", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
+@triton.jit(do_not_specialize=["stride_lse_h", "batch", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, q_offsets, k_offsets, order,
+    Q, K, V, O, LSE, q_offsets, k_offsets, CUM_Q,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
-    num_heads, max_q_len, qk_scale, out_scale,
+    batch, num_heads, qk_scale, out_scale,
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rank, h, q_start, q_len, k_start, k_len = _locate(order, q_offsets, k_offsets, num_heads, max_q_len, BLOCK_M)
-    m0 = rank * BLOCK_M
-    if m0 >= q_len:
+    rank, h, q_start, q_len, k_start, k_len = _locate(CUM_Q, batch, num_heads, q_offsets, k_offsets, BLOCK_M)
+    if rank < 0:
         return
+    m0 = rank * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
@@ -231,9 +278,9 @@ def _fwd_kernel(
     diag = k_len - q_len
     full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
-                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, BLOCK_N)
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
-                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, BLOCK_N)
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N)
     if MODE == 0:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -256,7 +303,7 @@ def _fwd_kernel(
 def _dq_tiles(
     dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     arange_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
@@ -274,8 +321,8 @@ def _dq_tiles(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k))
-        dp = tl.dot(do, tl.trans(v))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if MODE == 0:
             p = tl.math.exp2(s * qk_scale - lse[:, None])
             if MASKED:
@@ -286,24 +333,24 @@ def _dq_tiles(
             ds = dp * da
             if MASKED:
                 ds = tl.where(mask, ds, 0.0)
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
-@triton.jit(do_not_specialize=["stride_lse_h", "max_q_len", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
+@triton.jit(do_not_specialize=["stride_lse_h", "batch", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
 def _bwd_dq_kernel(
-    Q, K, V, O, DO, DQ, LSE, DELTA, q_offsets, k_offsets, order,
+    Q, K, V, O, DO, DQ, LSE, DELTA, q_offsets, k_offsets, CUM_Q,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lse_h,
-    num_heads, max_q_len, qk_scale, ds_scale,
+    batch, num_heads, qk_scale, ds_scale,
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rank, h, q_start, q_len, k_start, k_len = _locate(order, q_offsets, k_offsets, num_heads, max_q_len, BLOCK_M)
-    m0 = rank * BLOCK_M
-    if m0 >= q_len:
+    rank, h, q_start, q_len, k_start, k_len = _locate(CUM_Q, batch, num_heads, q_offsets, k_offsets, BLOCK_M)
+    if rank < 0:
         return
+    m0 = rank * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
@@ -325,9 +372,9 @@ def _bwd_dq_kernel(
     diag = k_len - q_len
     full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
-                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, BLOCK_N)
+                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
-                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, BLOCK_N)
+                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N)
     dq = dq * ds_scale
     tl.store(DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -342,7 +389,7 @@ def _dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
     t_lo, t_hi, q_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     arange_m = tl.arange(0, BLOCK_M)
     for t in range(t_lo, t_hi):
@@ -362,8 +409,8 @@ def _dkdv_tiles(
         else:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
-        sT = tl.dot(k, tl.trans(q))
-        dpT = tl.dot(v, tl.trans(do))
+        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if MODE == 0:
             if MASKED:
                 lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
@@ -381,27 +428,27 @@ def _dkdv_tiles(
                 pT = tl.where(maskT, pT, 0.0)
                 daT = tl.where(maskT, daT, 0.0)
             dsT = dpT * daT
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["stride_lse_h", "max_k_len", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
+@triton.jit(do_not_specialize=["stride_lse_h", "batch", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, q_offsets, k_offsets, order,
+    Q, K, V, DO, DK, DV, LSE, DELTA, q_offsets, k_offsets, CUM_K,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
-    num_heads, max_k_len, qk_scale, dk_scale, dv_scale,
+    batch, num_heads, qk_scale, dk_scale, dv_scale,
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rank, h, q_start, q_len, k_start, k_len = _locate(order, q_offsets, k_offsets, num_heads, max_k_len, BLOCK_N)
+    rank, h, q_start, q_len, k_start, k_len = _locate(CUM_K, batch, num_heads, q_offsets, k_offsets, BLOCK_N)
+    if rank < 0:
+        return
     # Key blocks are numbered from the end of the sample (rank 0 = last keys); under a causal
     # mask the first keys are seen by the most queries, so the heaviest blocks launch first.
     n_end = k_len - rank * BLOCK_N
-    if n_end <= 0:
-        return
     offs_n = n_end - BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n >= 0
@@ -427,9 +474,9 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, BLOCK_M)
+                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_M)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, BLOCK_M)
+                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_M)
     dk = dk * dk_scale
     dv = dv * dv_scale
     tl.store(DK + rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -448,17 +495,18 @@ _AUTOTUNE_KEY = ["BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET", "MODE", "ACT", 
 # out, and a d=256 tile must fit in 227 KiB of shared memory.
 _CONFIG_TABLE = {
     "fwd": {
-        64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
-        128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)],
+        64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+              (64, 32, 4, 2)],
         256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
     },
     "dq": {
-        64: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)],
+        64: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3)],
         128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
         256: [(64, 32, 4, 2), (64, 64, 8, 2)],
     },
     "dkdv": {
-        64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2)],
+        64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2), (16, 64, 4, 3)],
         128: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
         256: [(32, 64, 8, 2), (16, 64, 4, 2)],
     },
@@ -512,23 +560,29 @@ def _fixed_config(kind: str, head_dim: int) -> tuple[int, int, int, int] | None:
     return None
 
 
-def _launch(kind: str, tuned, plain, grid_len: int, batch_heads: int, args: list, consts: dict) -> None:
+def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: list, consts: dict) -> None:
+    """Launch one kernel over every block of ``rows`` jagged rows: at most cdiv(rows, block) + batch
+    blocks per head (a sample's last block may be partial); programs past the real count exit."""
     fixed = _fixed_config(kind, consts["HEAD_DIM"])
     if fixed is not None:
         bm, bn, warps, stages = fixed
-        n_blocks = triton.cdiv(grid_len, bn if kind == "dkdv" else bm)
-        plain[(n_blocks * batch_heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        n_blocks = triton.cdiv(rows, bn if kind == "dkdv" else bm) + batch
+        plain[(n_blocks * heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         return
-    if kind == "dkdv":
-        grid = lambda meta: (triton.cdiv(grid_len, meta["BLOCK_N"]) * batch_heads,)  # noqa: E731
-    else:
-        grid = lambda meta: (triton.cdiv(grid_len, meta["BLOCK_M"]) * batch_heads,)  # noqa: E731
-    tuned[grid](*args, **consts)
+    block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    tuned[lambda meta: ((triton.cdiv(rows, meta[block]) + batch) * heads,)](*args, **consts)
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers (called by the custom ops in ops.py; inputs are already checked there)
 # --------------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get fp32 products, not tf32: a caller passing fp32 expects fp32 results, and a
+    # discontinuous activation (ReLU) turns tf32 rounding of scores near 0 into gradient errors.
+    # For bf16/fp16 this is the default and changes nothing.
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _head_dim_padded(d: int) -> int:
@@ -545,11 +599,12 @@ def _prepare(x: torch.Tensor, d_pad: int) -> torch.Tensor:
     return x
 
 
-def _batch_order(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> torch.Tensor:
-    # Longest samples first, so the last wave of programs holds the short ones (work ~ Lq * Lk).
-    q_len = (q_offsets[1:] - q_offsets[:-1]).to(torch.float32)
-    k_len = (k_offsets[1:] - k_offsets[:-1]).to(torch.float32)
-    return torch.argsort(q_len * k_len, descending=True).to(torch.int32)
+def _block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cumulative block counts [4, batch + 1] of queries and keys for blocks of 16, 32, 64, 128 rows."""
+    batch = q_offsets.numel() - 1
+    cum = torch.empty((2, 4, batch + 1), dtype=torch.int32, device=q_offsets.device)
+    _block_counts_kernel[(1,)](q_offsets, k_offsets, cum[0], cum[1], batch, CHUNK=1024)
+    return cum[0], cum[1]
 
 
 def _keys(batch: int, max_q_len: int, max_k_len: int) -> list[int]:
@@ -572,16 +627,16 @@ def attention_forward(
     d_pad = _head_dim_padded(d)
     qp, kp, vp = (_prepare(x, d_pad) for x in (q, k, v))
     op = out if d_pad == d else torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=q.device)
-    order = _batch_order(q_offsets, k_offsets)
+    cum_q, _ = _block_counts(q_offsets, k_offsets)
     args = [
-        qp, kp, vp, op, lse, q_offsets, k_offsets, order,
+        qp, kp, vp, op, lse, q_offsets, k_offsets, cum_q,
         qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), op.stride(0), op.stride(1),
-        total_q, heads, max_q_len, scale * LOG2E if softmax else scale, out_scale,
+        total_q, batch, heads, scale * LOG2E if softmax else scale, out_scale,
         *_keys(batch, max_q_len, max_k_len),
     ]
     consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
-                  HEAD_DIM=d_pad, FAST=not interpreting())
-    _launch("fwd", _fwd_tuned, _fwd_kernel, max_q_len, batch * heads, args, consts)
+                  HEAD_DIM=d_pad, FAST=not interpreting(), PRECISION=_dot_precision(q.dtype))
+    _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts)
     if op is not out:
         out.copy_(op[..., :d])
     return out, lse
@@ -616,26 +671,26 @@ def attention_backward(
     else:
         op = qp  # unread when MODE is ACTIVATION
         delta = lse_t = torch.empty((0, 0), dtype=torch.float32, device=q.device)
-    order = _batch_order(q_offsets, k_offsets)
+    cum_q, cum_k = _block_counts(q_offsets, k_offsets)
     keys = _keys(batch, max_q_len, max_k_len)
     consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
-                  HEAD_DIM=d_pad, FAST=not interpreting())
+                  HEAD_DIM=d_pad, FAST=not interpreting(), PRECISION=_dot_precision(q.dtype))
     qk_scale = scale * LOG2E if softmax else scale
     ds_scale = scale if softmax else scale * out_scale
     dq_args = [
-        qp, kp, vp, op, dop, dqp, lse_t, delta, q_offsets, k_offsets, order,
+        qp, kp, vp, op, dop, dqp, lse_t, delta, q_offsets, k_offsets, cum_q,
         qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), op.stride(0), op.stride(1),
         dop.stride(0), dop.stride(1), dqp.stride(0), dqp.stride(1), total_q,
-        heads, max_q_len, qk_scale, ds_scale, *keys,
+        batch, heads, qk_scale, ds_scale, *keys,
     ]
-    _launch("dq", _dq_tuned, _bwd_dq_kernel, max_q_len, batch * heads, dq_args, consts)
+    _launch("dq", _dq_tuned, _bwd_dq_kernel, total_q, batch, heads, dq_args, consts)
     dkdv_args = [
-        qp, kp, vp, dop, dk, dv, lse_t, delta, q_offsets, k_offsets, order,
+        qp, kp, vp, dop, dk, dv, lse_t, delta, q_offsets, k_offsets, cum_k,
         qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         dop.stride(0), dop.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), total_q,
-        heads, max_k_len, qk_scale, ds_scale, 1.0 if softmax else out_scale, *keys,
+        batch, heads, qk_scale, ds_scale, 1.0 if softmax else out_scale, *keys,
     ]
-    _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, max_k_len, batch * heads, dkdv_args, consts)
+    _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, total_k, batch, heads, dkdv_args, consts)
     if padded:
         dq.copy_(dqp[..., :d])
         dk, dv = dk[..., :d].contiguous(), dv[..., :d].contiguous()

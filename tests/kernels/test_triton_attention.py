@@ -19,7 +19,7 @@ from ._util import DEVICE, HAS_CUDA, TOLERANCE, assert_close, forward_backward, 
 
 OPS = ["softmax", "silu", "gelu_tanh", "relu", "relu_squared", "identity"]
 MAX_LEN = 40  # crosses two 16-row blocks under the interpreter, so every tile kind is exercised
-EXAMPLES = 25 if HAS_CUDA else 5
+EXAMPLES = 25 if HAS_CUDA else 4
 HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 LOW_PRECISION = torch.bfloat16 if HAS_CUDA else torch.float16
 
@@ -98,10 +98,9 @@ def test_cross_attention_matches_reference(op, lens, causal, seed):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_low_precision(op, causal):
-    check_against_reference(op, [33, 0, 17, 1, 24], None, causal, dtype=LOW_PRECISION, seed=5)
-    check_against_reference(op, [3, 0, 1, 5], [30, 4, 0, 17], causal, dtype=LOW_PRECISION, seed=6)
+def test_low_precision(op):
+    check_against_reference(op, [33, 0, 17, 1, 24], None, True, dtype=LOW_PRECISION, seed=5)
+    check_against_reference(op, [3, 0, 1, 5], [30, 4, 0, 17], False, dtype=LOW_PRECISION, seed=6)
 
 
 @pytest.mark.timeout(300)
