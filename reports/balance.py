@@ -117,14 +117,16 @@ def jagged_balance(plan: Plan, context, *, seed: int = 0) -> go.Figure | None:
                 customdata=[fmt_s(v) for v in py],
                 hovertemplate=f"{name}<br>%{{x:.2f}}% of ranks are at least this slow: %{{customdata}}<extra></extra>",
             ))
-        fig.update_xaxes(title_text=f"ranks sorted by cost, slowest first (% of {R:,}; {PROFILE_POINTS} quantiles drawn)")
+        fig.update_xaxes(title_text=f"% of the {R:,} ranks, slowest first", ticksuffix="%")
         title_extra = " (ranks sorted by cost)"
     fig.add_hline(y=mean / scale, line={"color": "#555", "dash": "dot", "width": 1},
                   annotation_text=f"mean {fmt_s(mean)}", annotation_position="bottom right")
-    fig.update_yaxes(title_text=f"jagged compute per step ({unit})", rangemode="tozero")
+    fig.update_yaxes(title_text=f"jagged compute / step ({unit})", rangemode="tozero")
     sub = (f"one global batch of {bs.samples:,} '{bs.sequence}' lengths drawn from the workload (seed {bs.seed}), each sample priced by the cost model; "
            f"slowest rank {fmt_pct(bs.ratio_none - 1, 1)} over the mean unbalanced, {fmt_pct(bs.ratio_policy - 1, 2)} with {bs.policy}; "
            f"the plan priced {fmt_pct(bs.expected_imbalance - 1, 2)}")
+    if title_extra:
+        sub += f"; ranks sorted by cost, {PROFILE_POINTS} quantiles drawn"
     return base_layout(fig, "Jagged balance: per-rank cost before and after balancing" + title_extra, subtitle=sub, height=440)
 
 

@@ -215,8 +215,10 @@ def _event_error(ev: dict) -> str | None:
     return None
 
 
-def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900, timeout_s: float = 60.0, binary: str | None = None) -> PageLoad:
+def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900, timeout_s: float = 60.0, binary: str | None = None,
+                screenshot: str | Path | None = None) -> PageLoad:
     """Open ``path`` in a fresh headless browser at ``width_px`` and wait until every figure is drawn.
+    With ``screenshot``, a PNG of the whole page at that width is written there.
 
     Raises FileNotFoundError when no browser is installed (callers decide whether that skips).
     """
@@ -284,6 +286,11 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
                 err = _event_error(ev)
                 if err:
                     errors.append(err)
+        if screenshot is not None:
+            import base64
+
+            shot = pipe.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=session, timeout_s=timeout_s)
+            Path(screenshot).write_bytes(base64.b64decode(shot["data"]))
         result.expected = int(info["expected"])
         result.rendered = int(info["rendered"])
         result.render_ms = info.get("render_ms")

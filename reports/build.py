@@ -30,9 +30,10 @@ CAPTIONS = {
         "what it is and the tiers it crosses; 'other' is what the cost model does not itemise. Hover for the numbers."
     ),
     "timeline": (
-        "The critical rank's two streams as the cost model scheduled them: compute tasks cut by op class (same colours as the waterfall), "
-        "communication tasks by collective. Hatched segments are where compute waits for communication: the exposed part. Hover a task for "
-        "its start, end, size and exposed time."
+        "The critical rank's compute stream and its communication streams (one per bottleneck link: collectives that share links queue, "
+        "others overlap) as the cost model scheduled them: compute tasks cut by op class (same colours as the waterfall), communication "
+        "tasks by collective. Hatched segments are where compute waits for communication: the exposed part. Hover a task for its start, "
+        "end, size and exposed time."
     ),
     "ranks": (
         "The step of the critical rank, then the ranks the cost model sampled at the extremes of the embedding load. A rank that finishes "
@@ -119,7 +120,7 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
     led = ledger.build_ledger(plan, pred, launch_s=launch)
     sections: list[Section] = [
         _section("waterfall", "MFU waterfall", lambda: waterfall.mfu_waterfall(led), log),
-        _section("timeline", "Predicted step timeline", lambda: timeline.step_timeline(inputs.priced.schedule, cost)
+        _section("timeline", "Predicted step timeline", lambda: timeline.step_timeline(inputs.priced.schedule, cost, tiers=tuple(t.name for t in plan.topology.tiers))
                  if inputs.priced is not None and inputs.priced.schedule is not None else (None, "the cost model did not expose its schedule"), log),
         _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost) if cost is not None else (None, "needs the cost model's breakdown"), log),
         _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),

@@ -104,6 +104,45 @@ _LOADER = """
   document.body.dataset.errors = String(state.errors.length);
   var t0 = performance.now();
   var config = {responsive: true, displaylogo: false, scrollZoom: false};
+  var NARROW_PX = 640;
+  function wrapWords(text, maxChars) {
+    var words = text.split(' '), lines = [], cur = '';
+    words.forEach(function (w) {
+      if (cur && (cur + ' ' + w).replace(/<[^>]*>/g, '').length > maxChars) { lines.push(cur); cur = w; }
+      else { cur = cur ? cur + ' ' + w : w; }
+    });
+    if (cur) { lines.push(cur); }
+    return lines;
+  }
+  function merge(dst, src) {
+    Object.keys(src).forEach(function (k) {
+      if (src[k] && typeof src[k] === 'object' && !Array.isArray(src[k]) && dst[k] && typeof dst[k] === 'object') { merge(dst[k], src[k]); }
+      else { dst[k] = src[k]; }
+    });
+  }
+  // Titles are SVG text and do not wrap: wrap the subtitle to the figure's width, growing the top margin
+  // and the height by the extra lines; below NARROW_PX also apply the figure's own narrow overrides.
+  function fitToWidth(layout, width) {
+    var t = layout.title && layout.title.text;
+    if (t) {
+      var cut = t.indexOf('<br><sup>');
+      var head = cut >= 0 ? t.slice(0, cut) : t;
+      var sub = cut >= 0 ? t.slice(cut + 9).replace('</sup>', '') : '';
+      var heads = wrapWords(head, Math.max(24, Math.floor((width - 16) / 8.6)));
+      var subs = sub ? wrapWords(sub, Math.max(36, Math.floor((width - 16) / 6.1))) : [];
+      layout.title.text = heads.join('<br>') + subs.map(function (l) { return '<br><sup>' + l + '</sup>'; }).join('');
+      var extra = 20 * (heads.length - 1) + 19 * Math.max(0, subs.length - 1);
+      layout.margin = layout.margin || {};
+      layout.margin.t = (layout.margin.t || 72) + extra;
+      if (layout.height) { layout.height += extra; }
+    }
+    if (width < NARROW_PX) {
+      layout.font = layout.font || {};
+      layout.font.size = Math.min(layout.font.size || 12, 11);
+      if (layout.margin) { layout.margin.l = Math.min(layout.margin.l || 60, 44); layout.margin.r = 8; }
+      if (layout.meta && layout.meta.narrow) { merge(layout, layout.meta.narrow); }
+    }
+  }
   // One figure at a time, yielding to the browser in between, so the first figures paint while the
   // later ones are still being drawn.
   function drawNext(i) {
@@ -115,6 +154,7 @@ _LOADER = """
     var p;
     try {
       var spec = JSON.parse(block.textContent);
+      fitToWidth(spec.layout, div.clientWidth || window.innerWidth);
       var cfg = Object.assign({}, config, {toImageButtonOptions: {format: 'svg', filename: id}});
       p = Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
         div.dataset.rendered = '1';

@@ -274,13 +274,13 @@ def memory_per_rank(plan: Plan, cost, context, *, title: str = "Memory per rank 
                   annotation_text=f"HBM {fmt_bytes(rm.capacity_bytes)}", annotation_position="top left")
     if area:
         ticks = sorted(set(np.linspace(0, n - 1, min(n, 12)).round().astype(int).tolist()))
-        fig.update_xaxes(title_text=f"{n} ranks of the sparse shard group, fullest first (tick labels: rank ids)",
+        fig.update_xaxes(title_text="ranks, fullest first (ticks: rank ids)",
                          tickvals=[t + 0.5 for t in ticks], ticktext=[str(ids[t]) for t in ticks], range=[0, n],
                          unifiedhovertitle={"text": "rank %{customdata[2]}: %{customdata[1]} in all"})
         fig.update_layout(hovermode="x unified")
     else:
         fig.update_layout(barmode="stack", bargap=0.15)
-        fig.update_xaxes(title_text="rank in the sparse shard group (fullest first)", type="category")
+        fig.update_xaxes(title_text="rank, fullest first", type="category")
     fig.update_yaxes(title_text="GiB", rangemode="tozero")
     peak = float(total.max()) if total.size else 0.0
     head = rm.capacity_bytes - peak

@@ -88,6 +88,8 @@ def lever(loss: Loss, plan: Plan, pred: Prediction) -> str:
         if "all_to_all" in base and base.startswith("sparse") or base in ("sparse",):
             return ("fewer bytes in the embedding all-to-all: a smaller sparse shard group kept inside the faster tiers "
                     "(more sparse replicas), lower-precision embedding communication, or overlapping it with the previous batch's compute")
+        if base.startswith("expert_"):
+            return "sharding the experts' weights over fewer ranks (a larger expert-parallel degree) so their gathers and gradient reductions shrink"
         if base.startswith("fsdp"):
             return "keeping the FSDP shard group inside NVLink or prefetching further ahead so the gathers hide under compute"
         if base == "replicate_all_reduce":

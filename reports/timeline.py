@@ -73,8 +73,9 @@ def _phase_bands(tasks, start, end) -> list[tuple[str, float, float]]:
     return bands
 
 
-def step_timeline(schedule, cost, *, title: str = "Predicted step timeline (critical rank)") -> go.Figure:
-    """Gantt of the compute and communication streams of one step."""
+def step_timeline(schedule, cost, *, tiers: tuple[str, ...] = (), title: str = "Predicted step timeline (critical rank)") -> go.Figure:
+    """Gantt of the compute and communication streams of one step. ``tiers`` (innermost first) orders the
+    communication rows: the fastest links sit next to the compute stream."""
     tasks = schedule.tasks
     start, end, exposed = schedule.start, schedule.end, schedule.exposed
     step = schedule.makespan
@@ -175,6 +176,8 @@ def step_timeline(schedule, cost, *, title: str = "Predicted step timeline (crit
             hovertext=s["hover"], hoverinfo="text", width=0.6,
         ))
     fig.update_layout(barmode="overlay", bargap=0.2)
+    rank = {f"comm: {t} links": i for i, t in enumerate(tiers)}
+    comm_rows.sort(key=lambda r: (rank.get(r, len(rank)), r))
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(comm_rows)) + [COMPUTE_ROW], fixedrange=True, automargin=True)
     fig.update_xaxes(title_text=f"time in the step ({unit})", range=[0, step / scale * 1.01])
     n_c = sum(1 for t in tasks if _is_compute(t) and t.duration > 0)

@@ -10,8 +10,20 @@ from coplan.reports.layout import base_layout, fmt_s
 from coplan.reports.ledger import Ledger, Loss
 from coplan.reports.palette import collective_colour, loss_colour, op_class_colour
 
+LABEL_CHARS = 30
+"""Bar labels longer than this wrap onto two lines (so the plot keeps its width in a narrow window)."""
+
 MIN_POINTS = 0.005
 """Losses smaller than this many MFU points are merged into one 'small items' bar (listed in its hover)."""
+
+
+def _wrap(label: str) -> str:
+    if len(label) <= LABEL_CHARS:
+        return label
+    cut = label.rfind(" ", 0, LABEL_CHARS + 1)
+    if " (" in label and label.index(" (") <= LABEL_CHARS + 8:
+        cut = label.index(" (")
+    return label if cut <= 0 else label[:cut] + "<br>" + label[cut + 1:]
 
 
 def _colour(x: Loss) -> str:
@@ -47,7 +59,7 @@ def mfu_waterfall(ledger: Ledger, *, title: str = "MFU waterfall: where the peak
     for label, pts, colour, hover, key in bars:
         start = level - pts
         is_big = biggest is not None and key == biggest.key
-        shown = f"<b>{label} (biggest loss)</b>" if is_big else label
+        shown = f"<b>{_wrap(label)}<br>(biggest loss)</b>" if is_big else _wrap(label)
         labels.append(shown)
         secs = pts / 100.0 * ledger.wall_step_s
         fig.add_trace(go.Bar(
@@ -68,11 +80,13 @@ def mfu_waterfall(ledger: Ledger, *, title: str = "MFU waterfall: where the peak
                        f"{fmt_s(ledger.useful_s)}<br>E2E MFU (no checkpoints or failures) {100 * ledger.e2e_mfu:.3f}%<extra></extra>"),
     ))
     fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels, automargin=True, tickfont={"size": 11})
-    fig.update_xaxes(title_text="% of peak FLOPs (dense peak × GPUs × wall time)", range=[0, 108], ticksuffix="%")
+    fig.update_xaxes(title_text="% of peak FLOPs", range=[0, 108], ticksuffix="%", dtick=20)
     fig.update_layout(bargap=0.25, margin={"l": 8})
     sub = (f"{len(ledger.losses)} losses sum from 100% to goodput MFU {final:.2f}% "
            f"(E2E MFU {100 * ledger.e2e_mfu:.2f}%, step {fmt_s(ledger.step_time_s)}, wall per step {fmt_s(ledger.wall_step_s)})")
-    return base_layout(fig, title, height=max(360, 80 + 26 * len(labels)), legend=False, subtitle=sub)
+    wrapped = sum(1 for lab in labels if "<br>" in lab)
+    fig.update_layout(meta={"narrow": {"yaxis": {"tickfont": {"size": 9}}, "xaxis": {"dtick": 25, "range": [0, 122]}}})
+    return base_layout(fig, title, height=max(360, 80 + 26 * len(labels) + 8 * wrapped), legend=False, subtitle=sub)
 
 
 __all__ = ["mfu_waterfall"]

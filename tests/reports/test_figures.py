@@ -95,7 +95,7 @@ def test_waterfall_biggest_loss_is_marked(h200_plan):
     led = build_ledger(h200_plan, h200_plan.predicted)
     big = led.biggest()
     fig = waterfall.mfu_waterfall(led)
-    labels = [str(tr.y[0]) for tr in fig.data]
+    labels = [str(tr.y[0]).replace("<br>", " ") for tr in fig.data]
     assert sum("biggest loss" in y for y in labels) == 1
     assert any(big.label in y and "biggest" in y for y in labels)
 
