@@ -1,9 +1,12 @@
 """Checkpoints with ``torch.distributed.checkpoint``: every rank writes its shards, and a resumed run
 continues bit for bit (the data position is the step number; all random state is in the weights).
 
-One checkpoint holds the model (TorchRec ShardedTensors for sharded tables, FSDP DTensors for dense
-weights), the dense optimizer (FQN-keyed), the fused embedding optimizer's sharded state, the state
-of the data-parallel tables' optimizer, and the step.
+One checkpoint holds, through DCP, the model (TorchRec ShardedTensors for sharded tables, FSDP
+DTensors for dense weights), the dense optimizer (FQN-keyed), the data-parallel tables' optimizer and
+the step; and, one file per rank, the fused embedding optimizer's local shards (``fused/rank<k>.pt``).
+The fused state is kept apart because TorchRec lists a table's optimizer state only on the ranks
+holding a shard of it, and DCP takes keys that differ between ranks for a pre-2.4 checkpoint and
+refuses to load. A resumed run has the same plan (checked), hence the same shards on each rank.
 """
 
 from __future__ import annotations
@@ -15,13 +18,52 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, Shard
 
 from coplan.errors import CoplanError
 from coplan.trainer.optim import Optimizers
 from coplan.trainer.parallelize import ParallelModel
 
 STEP_PREFIX = "step_"
+
+
+def _is_expert(key: str) -> bool:
+    return ".experts.w13" in key or ".experts.w2" in key
+
+
+def _expert_view(t: DTensor, ep_mesh) -> DTensor:
+    """This EP rank's experts (gathered over their FSDP mesh) as its Shard(0) of all experts over the EP
+    mesh: the same key then means the same global tensor on every rank, as DCP needs."""
+    return DTensor.from_local(t.full_tensor(), ep_mesh, [Shard(0)], run_check=False)
+
+
+def _copy_expert(dst: DTensor, src_local: torch.Tensor) -> None:
+    """Write this EP rank's experts ``src_local`` into the FSDP shard ``dst`` of them."""
+    part = src_local
+    for dim, pl in enumerate(dst.placements):
+        if isinstance(pl, Shard):
+            part = torch.chunk(part, dst.device_mesh.size(dim), dim=pl.dim)[dst.device_mesh.get_local_rank(dim)]
+    with torch.no_grad():
+        dst.to_local().copy_(part)
+
+
+def _globalise(tree: Any, ep_mesh, key: str = "") -> Any:
+    if isinstance(tree, dict):
+        return {k: _globalise(v, ep_mesh, f"{key}.{k}" if key else str(k)) for k, v in tree.items()}
+    if ep_mesh is not None and isinstance(tree, DTensor) and _is_expert(key):
+        return _expert_view(tree, ep_mesh)
+    return tree
+
+
+def _localise(saved: Any, live: Any, ep_mesh, key: str = "") -> None:
+    """Copy the loaded expert views back into the live (FSDP-sharded) expert tensors."""
+    if isinstance(saved, dict):
+        for k, v in saved.items():
+            _localise(v, live[k], ep_mesh, f"{key}.{k}" if key else str(k))
+    elif ep_mesh is not None and isinstance(live, DTensor) and _is_expert(key):
+        _copy_expert(live, saved.to_local())
 
 
 def _state(pm: ParallelModel, optims: Optimizers, step: int) -> dict[str, Any]:
@@ -31,12 +73,24 @@ def _state(pm: ParallelModel, optims: Optimizers, step: int) -> dict[str, Any]:
         for name, p in zip(optims.dp_names, params):
             tables[name] = dict(optims.tables.state[p])
     return {
-        "model": pm.dmp.state_dict(),
-        "dense_optim": get_optimizer_state_dict(pm.model.dense, optims.dense),
-        "fused_optim": pm.dmp.fused_optimizer.state_dict(),
+        "model": _globalise(pm.dmp.state_dict(), pm.ep_mesh),
+        "dense_optim": _globalise(get_optimizer_state_dict(pm.model.dense, optims.dense), pm.ep_mesh),
         "table_optim": tables,
         "step": torch.tensor(step, dtype=torch.int64),
     }
+
+
+def _fused_local(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    """This rank's shards of the fused optimizer state, as views of the live buffers."""
+    out: dict[str, torch.Tensor] = {}
+    for pkey, st in pm.dmp.fused_optimizer.state_dict()["state"].items():
+        for skey, v in st.items():
+            if hasattr(v, "local_shards"):
+                for i, shard in enumerate(v.local_shards()):
+                    out[f"{pkey}/{skey}/{i}"] = shard.tensor
+            elif isinstance(v, torch.Tensor):
+                out[f"{pkey}/{skey}"] = v
+    return out
 
 
 def save(run_dir: Path, pm: ParallelModel, optims: Optimizers, step: int, keep: int = 2) -> Path:
@@ -44,6 +98,8 @@ def save(run_dir: Path, pm: ParallelModel, optims: Optimizers, step: int, keep: 
     root = run_dir / "checkpoints"
     path = root / f"{STEP_PREFIX}{step:08d}"
     dcp.save(_state(pm, optims, step), checkpoint_id=str(path))
+    (path / "fused").mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().cpu() for k, v in _fused_local(pm).items()}, path / "fused" / f"rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
         olds = sorted(root.glob(f"{STEP_PREFIX}*"))[:-keep] if keep > 0 else []
         for old in olds:
@@ -62,10 +118,29 @@ def load(path: Path, pm: ParallelModel, optims: Optimizers) -> int:
     if not (path / ".metadata").is_file():
         raise CoplanError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata)")
     state = _state(pm, optims, -1)
-    dcp.load(state, checkpoint_id=str(path))
+    # ShardedTensors of tables with no shard on this rank must stay in the state: flattening drops
+    # them, and DCP then mistakes the checkpoint for a pre-2.4 one.
+    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+    model_sd = pm.dmp.state_dict()
+    _localise(state["model"], model_sd, pm.ep_mesh)
+    state["model"] = {k: (model_sd[k] if pm.ep_mesh is not None and _is_expert(k) else v) for k, v in state["model"].items()}
     pm.dmp.load_state_dict(state["model"])
+    optim_sd = get_optimizer_state_dict(pm.model.dense, optims.dense)
+    _localise(state["dense_optim"], optim_sd, pm.ep_mesh)
+    if pm.ep_mesh is not None:
+        for fqn, st in state["dense_optim"]["state"].items():
+            if _is_expert(fqn):
+                st.update({k: optim_sd["state"][fqn][k] for k, v in st.items() if isinstance(v, DTensor)})
     set_optimizer_state_dict(pm.model.dense, optims.dense, state["dense_optim"])
-    pm.dmp.fused_optimizer.load_state_dict(state["fused_optim"])
+    fused_file = path / "fused" / f"rank{dist.get_rank()}.pt"
+    saved = torch.load(fused_file, map_location="cpu") if fused_file.is_file() else {}
+    live = _fused_local(pm)
+    if set(saved) != set(live):
+        raise CoplanError(f"{fused_file}: the fused optimizer state does not match this rank's table shards "
+                          "(was the checkpoint written by another plan or world size?)")
+    with torch.no_grad():
+        for k, v in live.items():
+            v.copy_(saved[k])
     if optims.tables is not None:
         params = [p for g in optims.tables.param_groups for p in g["params"]]
         for name, p in zip(optims.dp_names, params):

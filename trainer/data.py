@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from coplan.costmodel.jagged import balance
 from coplan.errors import CoplanError, MismatchError
-from coplan.spec import Workload, spec_sha256
+from coplan.spec import Workload
 from coplan.spec.workload import sample_lengths
 from coplan.trainer.features import FeatureLayout, feature_layout
 
@@ -145,6 +145,22 @@ def _table_shift(seed: int, table: str) -> int:
     return (zlib.crc32(table.encode()) * 31 + seed) % (1 << 31)
 
 
+def data_sha256(workload: Workload) -> str:
+    """Hash of what the data depends on (tables, sequences, dense features, tasks), not of the rest of
+    the model: the same files serve any workload with the same inputs."""
+    import hashlib
+
+    layout = feature_layout(workload)
+    key = {
+        "tables": [t.model_dump(mode="json") for t in workload.all_tables],
+        "sequences": [s.model_dump(mode="json") for s in workload.sequences],
+        "num_dense": layout.num_dense,
+        "tasks": list(layout.tasks),
+        "generator_version": GENERATOR_VERSION,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
 def generate_dataset(
     workload: Workload, out_dir: str | Path, num_samples: int, *, seed: int = 0, rows_per_file: int = 65_536,
     row_group_size: int | None = None, progress: bool = False,
@@ -174,7 +190,7 @@ def generate_dataset(
         pq.write_table(table, path, row_group_size=row_group_size, compression="zstd")
         files.append(path.name)
     meta = {
-        "generator_version": GENERATOR_VERSION, "workload": workload.name, "workload_sha256": spec_sha256(workload),
+        "generator_version": GENERATOR_VERSION, "workload": workload.name, "data_sha256": data_sha256(workload),
         "num_samples": num_samples, "seed": seed, "rows_per_file": rows_per_file, "files": files,
         "features": layout.pooled_names, "sequences": list(layout.sequences), "tasks": list(layout.tasks),
     }
@@ -427,13 +443,13 @@ def check_dataset(path: str | Path, workload: Workload) -> dict:
     if not meta_path.is_file():
         raise DataError(f"{path}: no {DATASET_META}; not a coplan dataset")
     meta = json.loads(meta_path.read_text())
-    if meta.get("workload_sha256") != spec_sha256(workload):
-        raise MismatchError(f"{path}: written for workload '{meta.get('workload')}' (a different spec than "
-                            f"'{workload.name}' in the plan); generate data for this plan")
+    if meta.get("data_sha256") != data_sha256(workload):
+        raise MismatchError(f"{path}: written for workload '{meta.get('workload')}', whose inputs (tables, sequences, "
+                            f"dense features, tasks) differ from those of '{workload.name}'; generate data for this plan")
     return meta
 
 
 __all__ = [
-    "BatchReader", "DataError", "HostBatch", "ParquetSource", "Prefetcher", "check_dataset", "equalize_counts",
+    "BatchReader", "DataError", "HostBatch", "ParquetSource", "Prefetcher", "check_dataset", "data_sha256", "equalize_counts",
     "generate_dataset", "sample_costs", "split_global_batch", "teacher_score", "zipf_ids",
 ]

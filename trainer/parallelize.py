@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from coplan.spec import Plan
@@ -45,6 +46,9 @@ class ParallelModel:
     recomputed: list[str]
     """Layers under activation checkpointing."""
 
+    ep_mesh: DeviceMesh | None = None
+    """The EP group's mesh when experts are split (None without expert parallelism)."""
+
 
 def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
                 local_size: int, seed: int) -> ParallelModel:
@@ -54,7 +58,8 @@ def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes
     apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
     recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
     apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision)
-    return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed)
+    return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed,
+                         ep_mesh=meshes.ep_mesh if dims.ep_enabled else None)
 
 
 __all__ = ["ParallelModel", "parallelize"]

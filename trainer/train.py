@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     from coplan.trainer import checkpoint as ckpt
     from coplan.trainer.batch import to_batch
-    from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, generate_dataset
+    from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, generate_dataset
     from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
     from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
     from coplan.trainer.model.gem import GEMModel
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             dump_spec(plan, run_dir / "plan.json")
 
     # data: rank 0 generates it when missing
-    data_dir = Path(args.data) if args.data else Path(args.runs_root) / "data" / f"{workload.name}-{spec_sha256(workload)[:8]}-seed{args.seed}"
+    data_dir = Path(args.data) if args.data else Path(args.runs_root) / "data" / f"{workload.name}-{data_sha256(workload)[:8]}-seed{args.seed}"
     if rank == 0 and not (data_dir / "dataset.json").is_file():
         n = args.data_samples or global_batch * 32
         print(f"generating {n:,} samples of '{workload.name}' into {data_dir}", file=sys.stderr, flush=True)

@@ -168,7 +168,10 @@ def apply_embedding_sharding(model: nn.Module, plan: Plan, *, device: torch.devi
         sharders=[EBCSharder(fused_params=fp), ECSharder(fused_params=fp)],
         init_data_parallel=False,
     )
-    sum_data_parallel_grads(dmp, group)
+    changed = sum_data_parallel_grads(dmp, group)
+    if changed == 0 and any(t.sharding_type == "data_parallel" for t in plan.tables):
+        raise RuntimeError("data-parallel tables but no DDP wrapper found in the sharded modules: TorchRec's internals "
+                           "changed, and their gradients would be averaged instead of summed")
     return dmp
 
 
@@ -200,7 +203,7 @@ def data_parallel_tables(dmp: nn.Module, plan: Plan, prefix: str = "sparse.") ->
     return [(n, p) for n, p in dmp.named_parameters() if n.startswith(prefix) and _table_of(n) in dp]
 
 
-def _allreduce_sum_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _allreduce_sum_hook(group, bucket):  # unannotated: DDP rejects string annotations (future import)
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
@@ -212,9 +215,11 @@ def sum_data_parallel_grads(dmp: nn.Module, group: dist.ProcessGroup) -> int:
 
     n = 0
     for m in dmp.modules():
-        if isinstance(m, DistributedDataParallel):
-            m.register_comm_hook(group, _allreduce_sum_hook)
-            n += 1
+        # TorchRec keeps the lookups in a plain list (not a ModuleList), so look there too
+        for lookup in [m, *getattr(m, "_lookups", [])]:
+            if isinstance(lookup, DistributedDataParallel):
+                lookup.register_comm_hook(group, _allreduce_sum_hook)
+                n += 1
     return n
 
 

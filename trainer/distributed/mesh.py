@@ -92,6 +92,9 @@ class Meshes:
     ep_rank: int
     """This rank's index in its EP group."""
 
+    ep_mesh: DeviceMesh
+    """The 1-D ``ep`` mesh of this rank's EP group (checkpoints describe the experts over it)."""
+
     sparse_group: dist.ProcessGroup
     """The group one copy of the embedding tables is sharded over."""
 
@@ -108,6 +111,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         expert=expert_fsdp,
         ep_group=ep_mesh.get_group() if dims.ep_enabled else None,
         ep_rank=ep_mesh.get_local_rank(),
+        ep_mesh=ep_mesh,
         sparse_group=dist.group.WORLD,
     )
 
