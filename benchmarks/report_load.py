@@ -7,7 +7,10 @@ at a phone width, through the DevTools protocol (:mod:`coplan.reports.browser`).
 
 - ``first_paint_ms``: navigation start → first contentful paint (the summary is readable);
 - ``plotly_ready_ms``: navigation start → plotly.js evaluated (the same for every report);
+- ``first_figure_ms``: navigation start → the first figure (the MFU waterfall) drawn;
 - ``figures_done_ms``: navigation start → every figure drawn (the "loaded" the issue's < 2 s is about);
+- ``main_thread_busy_ms``: the renderer main thread's busy time over the load (DevTools
+  ``Performance.getMetrics`` TaskDuration, thread time): what the load costs without waiting for a CPU;
 - per-figure draw times, JavaScript errors, figures drawn.
 
 A baseline page holding plotly.js and no figure separates the fixed cost of plotly.js from the cost of
@@ -107,14 +110,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = load_report(path, width_px=w, timeout_s=120)
                 loads[key].append({
                     "figures_done_ms": r.figures_done_ms, "plotly_ready_ms": r.plotly_ready_ms, "first_paint_ms": r.first_paint_ms,
+                    "first_figure_ms": r.first_figure_ms,
                     "load_event_ms": r.load_event_ms, "render_ms": r.render_ms, "wall_ms": r.wall_ms, "figure_ms": r.figure_ms,
                     "expected": r.expected, "rendered": r.rendered, "errors": r.errors, "overflow_px": r.overflow_px,
-                    "timed_out": r.timed_out, "loadavg_1m": os.getloadavg()[0],
+                    "timed_out": r.timed_out, "loadavg_1m": os.getloadavg()[0], "main_thread_ms": r.main_thread_ms,
                 })
     load_after = os.getloadavg()
     summary = {}
     for key, rows in loads.items():
-        summary[key] = {m: _stats([r[m] for r in rows]) for m in ("figures_done_ms", "plotly_ready_ms", "first_paint_ms", "render_ms")}
+        summary[key] = {m: _stats([r[m] for r in rows]) for m in ("figures_done_ms", "first_figure_ms", "plotly_ready_ms", "first_paint_ms", "render_ms")}
+        summary[key]["main_thread_busy_ms"] = _stats([r["main_thread_ms"].get("TaskDuration") for r in rows])
+        summary[key]["main_thread_script_ms"] = _stats([r["main_thread_ms"].get("ScriptDuration") for r in rows])
         summary[key]["all_ok"] = all(not r["errors"] and not r["timed_out"] and r["rendered"] == r["expected"] for r in rows)
         if key.startswith("report"):
             figs = sorted({k for r in rows for k in r["figure_ms"]})

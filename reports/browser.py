@@ -98,6 +98,14 @@ class PageLoad:
     first_paint_ms: float | None = None
     """Navigation start → first contentful paint (the summary text is visible)."""
 
+    first_figure_ms: float | None = None
+    """Navigation start → the first figure (the MFU waterfall, at the top) drawn: the page is readable."""
+
+    main_thread_ms: dict[str, float] = field(default_factory=dict)
+    """The renderer main thread's busy time for the whole load (DevTools ``Performance.getMetrics``:
+    TaskDuration = all tasks, ScriptDuration = JavaScript, LayoutDuration, RecalcStyleDuration). On a
+    loaded machine wall time includes waiting for a CPU; busy time does not."""
+
     @property
     def ok(self) -> bool:
         return not self.errors and not self.timed_out and self.rendered == self.expected and self.expected > 0
@@ -237,6 +245,10 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
         session = pipe.send("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log"):
             pipe.send(f"{domain}.enable", session=session)
+        try:
+            pipe.send("Performance.enable", {"timeDomain": "threadTicks"}, session=session)
+        except RuntimeError:  # older browsers: no thread-time domain
+            pipe.send("Performance.enable", session=session)
         pipe.send("Emulation.setDeviceMetricsOverride",
                   {"width": width_px, "height": height_px, "deviceScaleFactor": 1, "mobile": False}, session=session)
         t0 = time.monotonic()
@@ -266,7 +278,7 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
             var nav = performance.getEntriesByType('navigation')[0];
             return {expected: s.expected || 0, rendered: s.rendered || 0, errors: s.errors || [],
                     render_ms: s.render_ms, done_at_ms: s.done_at_ms, figure_ms: s.figure_ms || {},
-                    script_ms: s.script_ms, first_paint_ms: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime,
+                    script_ms: s.script_ms, first_figure_ms: s.first_figure_at_ms, first_paint_ms: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime,
                     load_ms: nav && nav.loadEventEnd > 0 ? nav.loadEventEnd : null,
                     overflow: Math.max(0, document.documentElement.scrollWidth - window.innerWidth)};
         })())"""
@@ -286,6 +298,12 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
                 err = _event_error(ev)
                 if err:
                     errors.append(err)
+        try:
+            metrics = {m["name"]: m["value"] for m in pipe.send("Performance.getMetrics", session=session)["metrics"]}
+            result.main_thread_ms = {k: metrics[k] * 1e3 for k in ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
+                                     if k in metrics}
+        except (RuntimeError, TimeoutError):
+            pass
         if screenshot is not None:
             import base64
 
@@ -300,6 +318,7 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
         result.figure_ms = {k: float(v) for k, v in (info.get("figure_ms") or {}).items()}
         result.plotly_ready_ms = info.get("script_ms")
         result.first_paint_ms = info.get("first_paint_ms")
+        result.first_figure_ms = info.get("first_figure_ms")
         errors = [f"page: {e}" for e in info["errors"]] + errors
     finally:
         pipe.close()

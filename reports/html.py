@@ -159,6 +159,7 @@ _LOADER = """
       p = Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
         div.dataset.rendered = '1';
         state.figure_ms[id] = performance.now() - t1;
+        if (state.first_figure_at_ms === undefined) { state.first_figure_at_ms = performance.now(); }
       }, function (err) { __coplanError(id + ': ' + err); });
     } catch (err) {
       __coplanError(id + ': ' + err);

@@ -30,6 +30,9 @@ MAX_RANK_BARS = 256
 MAX_BAR_RANKS = 48
 """Up to this many ranks the top panel draws bars; beyond, a stacked step area."""
 
+MAX_MARKERS = 300
+"""Up to this many single-rank shards are dots sized by bytes; beyond, dashes whose thickness is the bytes."""
+
 
 @dataclass(frozen=True, slots=True)
 class ShardRow:
@@ -161,11 +164,22 @@ def sharding_map(plan: Plan) -> go.Figure:
     points: dict[str, list] = defaultdict(lambda: [[], [], [], []])  # x, y, size, customdata
     segs: dict[tuple[str, int], list] = defaultdict(lambda: [[], [], []])  # x, y, customdata (None-separated)
     blank = ["", "", "", "", "", ""]
-    for yi, r in enumerate(rows):
-        runs = _runs(r.ranks)
+    all_runs = [_runs(r.ranks) for r in rows]
+    singles = sum(1 for runs in all_runs for a, b in runs if a == b)
+    # Past a few hundred, one SVG marker per shard is what makes the page slow to draw; a line trace is
+    # one path whatever its segment count, so single-rank shards become short dashes instead.
+    dash = singles > MAX_MARKERS
+    half = max(0.4, G / 300.0)
+    for yi, (r, runs) in enumerate(zip(rows, all_runs)):
         cd = [r.table, f"{r.rows:,}", str(r.dim), fmt_bytes(r.shard_bytes), fmt_bytes(r.total_bytes), _ranks_text(runs)]
         for a, b in runs:
-            if a == b:
+            if a == b and dash:
+                bucket = int(min(3, np.sqrt(r.shard_bytes / smax) * 4))
+                sg = segs[(r.sharding_type, bucket)]
+                sg[0] += [a - half, a + half, None]
+                sg[1] += [yi, yi, None]
+                sg[2] += [cd, cd, blank]
+            elif a == b:
                 p = points[r.sharding_type]
                 p[0].append(a)
                 p[1].append(yi)
@@ -206,6 +220,7 @@ def sharding_map(plan: Plan) -> go.Figure:
     sub = f"{n:,} tables over a sparse shard group of {G:,} ranks ({plan.mesh.sparse_replicate}× replicated): {mix}"
     if binned:
         sub += f"; top: ranks binned by ~{G / MAX_RANK_BARS:.0f}"
+    sub += "; line thickness (and dot size) = bytes per shard"
     fig.update_yaxes(title_text="GiB / rank", row=1, col=1, rangemode="tozero")
     tick_idx = list(range(n)) if n <= 40 else []
     fig.update_yaxes(
