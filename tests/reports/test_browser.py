@@ -61,3 +61,22 @@ def test_full_report_with_run_and_calibration_renders(tmp_path, tiny_run, tiny_c
     r = load_report(out, timeout_s=TIMEOUT_S)
     assert r.errors == [] and not r.timed_out
     assert r.rendered == r.expected == len(drawn)
+
+
+@pytest.mark.slow
+def test_gem_1t_at_16k_report_renders(tmp_path):
+    """The issue's large case: gem-1t on 16,384 GPUs of meta-roce-24k, every figure, in the browser.
+    (Its load time is measured by benchmarks/report_load.py, not asserted here: CI machines vary.)"""
+    chromium_or_skip()
+    from coplan.spec import dump_spec
+
+    from tests.reports.plans import real_plan
+
+    plan = real_plan("gem-1t", "meta-roce-24k", 16384)
+    dump_spec(plan, tmp_path / "plan.json")
+    out, report, _ = write_report(tmp_path / "plan.json", tmp_path / "report.html")
+    assert not [s.key for s in report.sections if s.figure is None]
+    assert out.stat().st_size < 8_000_000, "the page stays small: plotly.js (~4.8 MB) and a few hundred KB of figures"
+    r = load_report(out, timeout_s=TIMEOUT_S)
+    assert r.errors == [] and not r.timed_out
+    assert r.rendered == r.expected == 7

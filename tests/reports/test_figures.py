@@ -178,6 +178,17 @@ def test_sharding_map_bins_large_groups():
     assert any(tr.name == "fullest rank of the bin" for tr in fig.data)
 
 
+def test_sharding_map_dashes_for_many_shards(h200_plan, monkeypatch):
+    """Past MAX_MARKERS single-rank shards, every shard is still drawn (as a dash), none as a marker."""
+    monkeypatch.setattr(sharding, "MAX_MARKERS", 0)
+    fig = sharding.sharding_map(h200_plan)
+    rows = sharding.shard_rows(h200_plan)
+    n_runs = sum(len(sharding._runs(r.ranks)) for r in rows)
+    segs = sum(sum(1 for v in tr.x if v is None) for tr in fig.data if tr.type == "scatter" and tr.mode == "lines" and tr.yaxis == "y2")
+    assert segs == n_runs
+    assert not [tr for tr in fig.data if tr.type == "scatter" and tr.mode == "markers" and tr.yaxis == "y2"]
+
+
 def test_jagged_balance(h200_plan):
     pp = price_plan(h200_plan)
     bs = balance.sample_balance(h200_plan, pp.context, seed=0)
