@@ -74,26 +74,26 @@ def cross_lengths(draw):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("op", OPS)
 @HYPOTHESIS
-@given(q_lens=lengths, causal=st.booleans(), seed=st.integers(0, 2**16))
-@example(q_lens=[0, 0, 0], causal=True, seed=0)  # every sequence empty
-@example(q_lens=[1], causal=False, seed=1)  # one token
-@example(q_lens=[MAX_LEN, MAX_LEN], causal=True, seed=2)  # max length
-@example(q_lens=[7, 7, 7, 7], causal=False, seed=3)  # all equal
-@example(q_lens=[MAX_LEN, 1, 0, 2, 3, 1], causal=True, seed=4)  # one long, many short
-def test_self_attention_matches_reference(op, q_lens, causal, seed):
-    check_against_reference(op, q_lens, None, causal, seed=seed)
+@given(q_lens=lengths, causal=st.booleans(), heads=st.integers(1, 2), seed=st.integers(0, 2**16))
+@example(q_lens=[0, 0, 0], causal=True, heads=2, seed=0)  # every sequence empty
+@example(q_lens=[1], causal=False, heads=2, seed=1)  # one token
+@example(q_lens=[MAX_LEN, MAX_LEN], causal=True, heads=2, seed=2)  # max length
+@example(q_lens=[7, 7, 7, 7], causal=False, heads=1, seed=3)  # all equal
+@example(q_lens=[MAX_LEN, 1, 0, 2, 3, 1], causal=True, heads=2, seed=4)  # one long, many short
+def test_self_attention_matches_reference(op, q_lens, causal, heads, seed):
+    check_against_reference(op, q_lens, None, causal, heads=heads, seed=seed)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("op", OPS)
 @HYPOTHESIS
-@given(lens=cross_lengths(), causal=st.booleans(), seed=st.integers(0, 2**16))
-@example(lens=([2, 1, 0, 3], [MAX_LEN, 0, 5, 1]), causal=True, seed=0)  # zero keys; fewer keys than queries
-@example(lens=([5, 4], [2, MAX_LEN]), causal=True, seed=1)  # early queries see no key (bottom-right)
-@example(lens=([3, 3], [0, 0]), causal=False, seed=2)  # no keys at all
-def test_cross_attention_matches_reference(op, lens, causal, seed):
+@given(lens=cross_lengths(), causal=st.booleans(), heads=st.integers(1, 2), seed=st.integers(0, 2**16))
+@example(lens=([2, 1, 0, 3], [MAX_LEN, 0, 5, 1]), causal=True, heads=2, seed=0)  # zero keys; fewer keys than queries
+@example(lens=([5, 4], [2, MAX_LEN]), causal=True, heads=2, seed=1)  # early queries see no key (bottom-right)
+@example(lens=([3, 3], [0, 0]), causal=False, heads=1, seed=2)  # no keys at all
+def test_cross_attention_matches_reference(op, lens, causal, heads, seed):
     q_lens, k_lens = lens
-    check_against_reference(op, q_lens, k_lens, causal, seed=seed)
+    check_against_reference(op, q_lens, k_lens, causal, heads=heads, seed=seed)
 
 
 @pytest.mark.timeout(300)
