@@ -63,9 +63,9 @@ def make_plan(
 ) -> Plan:
     """A plan with the given degrees and table placement.
 
-    ``tables``: one sharding type for every table, ``"mixed"`` (cycles table-wise, row-wise and
-    data-parallel so a small workload exercises all three; table-wise tables go round-robin over
-    the ranks), or a ``{table: sharding_type}`` mapping. Row-wise tables span the whole sparse
+    ``tables``: one sharding type for every table, ``"mixed"`` (pooled tables cycle table-wise,
+    row-wise and data-parallel, sequence tables row-wise and table-wise, so a small workload exercises
+    all of them; table-wise tables go round-robin over the ranks), or a ``{table: sharding_type}`` mapping. Row-wise tables span the whole sparse
     group (TorchRec's row-wise sharding puts block ``i`` of the rows on rank ``i``).
     ``recompute``: layer names (``interformer.1``) whose activations are recomputed.
     """
@@ -79,9 +79,14 @@ def make_plan(
         )
     sparse_shard = world_size  # one copy of the tables over every rank (sparse_replicate = 1)
     all_tables = workload.all_tables
-    if isinstance(tables, str):
-        cycle = ("table_wise", "row_wise", "data_parallel") if tables == "mixed" else (tables,)
-        kinds = {t.name: cycle[i % len(cycle)] for i, t in enumerate(all_tables)}
+    if isinstance(tables, str) and tables == "mixed":
+        # sequence tables stay sharded: TorchRec's dense (data-parallel) sequence kernel does not run on CPU
+        pooled = [t for t in all_tables if t.feature_kind == "pooled"]
+        seq = [t for t in all_tables if t.feature_kind == "sequence"]
+        kinds = {t.name: ("table_wise", "row_wise", "data_parallel")[i % 3] for i, t in enumerate(pooled)}
+        kinds |= {t.name: ("row_wise", "table_wise")[i % 2] for i, t in enumerate(seq)}
+    elif isinstance(tables, str):
+        kinds = {t.name: tables for t in all_tables}
     else:
         unknown = sorted(set(tables) - {t.name for t in all_tables})
         if unknown:
@@ -104,7 +109,9 @@ def make_plan(
             ranks = tuple(range(per_node))
         else:
             ranks = ()
-        shards.append(TableShard(table=t.name, sharding_type=kind, ranks=ranks))
+        # replicated tables run TorchRec's dense kernel (FBGEMM's fused one is for sharded tables)
+        shards.append(TableShard(table=t.name, sharding_type=kind, ranks=ranks,
+                                 compute_kernel="dense" if kind == "data_parallel" else "fused"))
     names = layer_names(workload)
     recompute = set(recompute)
     unknown = sorted(recompute - set(names))

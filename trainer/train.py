@@ -101,6 +101,14 @@ def _trace_window(spec: str, warmup: int, steps: int) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    # refuse a wrong launch before the heavy imports (TorchRec alone takes seconds)
+    check_launch(plan, world_size=world, local_world_size=local_world, device_type="cpu", device_name="cpu")
+
     import torch
     import torch.distributed as dist
 
@@ -109,17 +117,12 @@ def run(args: argparse.Namespace) -> int:
     from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, generate_dataset
     from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
     from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
-    from coplan.trainer.model.gem import GEMModel
+    from coplan.trainer.model.gem import GEMModel, bce_loss_sum
     from coplan.trainer.model.layers import resolve_backend
     from coplan.trainer.optim import Optimizers
     from coplan.trainer.parallelize import parallelize
     from coplan.trainer.profiling import TraceWindow
 
-    plan = load_plan(args.plan)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if args.device == "auto":
         if not torch.cuda.is_available():
             raise MismatchError(
@@ -177,7 +180,6 @@ def run(args: argparse.Namespace) -> int:
     model = GEMModel(workload, attention_backend=backend, seed=args.seed, device=device)
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed)
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan)
-    from coplan.trainer.model.gem import bce_loss_sum
 
     start = 0
     if args.resume:

@@ -1,0 +1,133 @@
+"""The Parquet generator and reader, and the per-rank split of a global batch."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coplan.costmodel.jagged import balance, bin_loads
+from coplan.errors import CoplanError
+from coplan.spec import load_workload
+from coplan.trainer.data import (
+    BatchReader,
+    check_dataset,
+    data_sha256,
+    equalize_counts,
+    generate_dataset,
+    sample_costs,
+    split_global_batch,
+    teacher_score,
+    zipf_ids,
+)
+from coplan.trainer.features import feature_layout
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_workload("gem-tiny")
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny, tmp_path_factory):
+    return generate_dataset(tiny, tmp_path_factory.mktemp("data"), 640, seed=3, rows_per_file=256)
+
+
+def test_files_have_jagged_list_columns(tiny, dataset):
+    files = sorted(dataset.glob("*.parquet"))
+    assert len(files) == 3  # 256 + 256 + 128 rows
+    table = pq.read_table(files[0])
+    lay = feature_layout(tiny)
+    import pyarrow as pa
+
+    for f in lay.pooled_names + ["hist_item", "hist_action"]:
+        typ = table.schema.field(f).type
+        assert pa.types.is_list(typ) and typ.value_type == pa.int64()
+    lengths = table.column("len_history").to_numpy()
+    assert np.array_equal(table.column("hist_item").combine_chunks().value_lengths().to_numpy(), lengths)
+    assert lengths.min() >= 0 and lengths.max() <= 64
+    meta = json.loads((dataset / "dataset.json").read_text())
+    assert meta["num_samples"] == 640 and meta["data_sha256"] == data_sha256(tiny)
+
+
+def test_generation_is_deterministic(tiny, tmp_path):
+    a = generate_dataset(tiny, tmp_path / "a", 100, seed=5)
+    b = generate_dataset(tiny, tmp_path / "b", 100, seed=5)
+    c = generate_dataset(tiny, tmp_path / "c", 100, seed=6)
+    ta, tb, tc = (pq.read_table(d / "part-00000.parquet") for d in (a, b, c))
+    assert ta.equals(tb)
+    assert not ta.equals(tc)
+
+
+def test_lengths_are_long_tailed_and_ids_skewed():
+    rng = np.random.default_rng(0)
+    ids = zipf_ids(rng, 200_000, 10_000, 1.1, shift=17)
+    counts = np.bincount(ids, minlength=10_000)
+    top = np.sort(counts)[::-1]
+    assert top[:100].sum() > 0.3 * ids.size  # the hottest 1% of rows take a large share
+    assert ids.min() >= 0 and ids.max() < 10_000
+    uniform = np.bincount(zipf_ids(rng, 200_000, 10_000, 0.0, shift=0), minlength=10_000)
+    assert np.sort(uniform)[::-1][:100].sum() < 0.02 * 200_000
+
+
+def test_labels_follow_the_teacher(tiny, dataset):
+    """The labels carry signal a model can learn: the teacher's pooled-id score predicts the CTR label."""
+    t = pq.read_table(dataset / "part-00000.parquet")
+    user = t.column("user_id").combine_chunks().flatten().to_numpy()  # one id per sample
+    score = teacher_score(user, 0)
+    y = t.column("label_ctr").to_numpy()
+    assert 0.05 < y.mean() < 0.95
+    assert np.corrcoef(score, y)[0, 1] > 0.05
+
+
+def test_reader_shares_partition_the_global_batch(tiny, dataset):
+    shares = [BatchReader(tiny, dataset, world_size=4, rank=r, policy="greedy", global_batch=64).read(7) for r in range(4)]
+    idx = np.sort(np.concatenate([s.indices for s in shares]))
+    assert np.array_equal(idx, np.arange(64))
+    assert {s.size for s in shares} == {16}
+    whole = BatchReader(tiny, dataset, world_size=1, rank=0, policy="greedy", global_batch=64).read(7)
+    assert sum(int(s.seq_lengths["history"].sum()) for s in shares) == int(whole.seq_lengths["history"].sum())
+    assert np.array_equal(shares[0].global_lengths["history"], whole.global_lengths["history"])
+    # the same step reads the same rows on every rank, and steps wrap around the 640 rows
+    again = BatchReader(tiny, dataset, world_size=4, rank=2, policy="greedy", global_batch=64).read(7)
+    assert np.array_equal(again.pooled_values, shares[2].pooled_values)
+    wrapped = BatchReader(tiny, dataset, world_size=1, rank=0, policy="none", global_batch=64).read(10)
+    first = BatchReader(tiny, dataset, world_size=1, rank=0, policy="none", global_batch=64).read(0)
+    assert np.array_equal(wrapped.labels, first.labels)
+
+
+def test_dataset_of_another_workload_is_refused(dataset):
+    other = load_workload("gem-h200")
+    with pytest.raises(CoplanError, match="differ"):
+        check_dataset(dataset, other)
+
+
+def test_balanced_split_beats_a_plain_one(tiny):
+    rng = np.random.default_rng(1)
+    lengths = {"history": rng.lognormal(np.log(16) - 0.32, 0.8, size=256).clip(0, 64).round().astype(np.int64)}
+    costs = sample_costs(tiny, lengths, 256)
+    loads = lambda shares: np.array([costs[s].sum() for s in shares])  # noqa: E731
+    plain = loads(split_global_batch(costs, 8, "none"))
+    kk = loads(split_global_batch(costs, 8, "karmarkar_karp"))
+    greedy = loads(split_global_batch(costs, 8, "greedy"))
+    assert kk.max() / kk.mean() < plain.max() / plain.mean()
+    assert greedy.max() / greedy.mean() < plain.max() / plain.mean()
+
+
+@given(
+    costs=st.lists(st.floats(min_value=0.0, max_value=1e6, allow_nan=False), min_size=1, max_size=200),
+    k=st.integers(min_value=1, max_value=9),
+)
+def test_equalize_counts_gives_equal_counts_and_keeps_items(costs, k):
+    c = np.asarray(costs)
+    bins = balance(c, k, "greedy")
+    out = equalize_counts(bins, c, k)
+    sizes = np.bincount(out, minlength=k)
+    assert sizes.max() - sizes.min() <= 1
+    assert sizes.sum() == c.size
+    # deterministic, and a no-op on a split that is already even
+    assert np.array_equal(out, equalize_counts(bins, c, k))
+    assert np.array_equal(equalize_counts(out, c, k), out)
+    assert np.isclose(bin_loads(c, out, k).sum(), c.sum())

@@ -1,0 +1,131 @@
+"""The dense arch is the model costmodel.flops counts, trains every weight, and treats samples independently."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from coplan.costmodel.flops import workload_ops
+from coplan.errors import MismatchError
+from coplan.spec import load_workload
+from coplan.spec.workload import InterFormerBlock, KunlunBlock
+from coplan.trainer.features import feature_layout
+from coplan.trainer.model import layers as layers_mod
+from coplan.trainer.model.gem import DenseArch, token_layout
+from coplan.trainer.model.moe import MoELayer
+
+
+def _inputs(workload, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lay = feature_layout(workload)
+    b = len(lengths)
+    keys = tuple(lay.pooled_names)
+    widths = [f.table.dim for f in lay.pooled]
+    pooled = torch.randn(b, sum(widths), generator=g)
+    total = int(sum(lengths))
+    seq = {t.name: torch.randn(total, t.dim, generator=g) for s in lay.sequences for t in lay.sequence_tables[s]}
+    offsets = {s: torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64) for s in lay.sequences}
+    dense = torch.randn(b, lay.num_dense, generator=g) if lay.num_dense else None
+    return pooled, keys, widths, seq, offsets, dense
+
+
+def _no_attention(monkeypatch):
+    monkeypatch.setattr(layers_mod, "jagged_attention", lambda q, k, v, *a, **kw: q * 0.0)
+    monkeypatch.setattr(layers_mod, "dense_attention", lambda q, k, v, **kw: q * 0.0)
+
+
+def _extra_gemm_flops(workload, batch):
+    """Forward FLOPs of the small per-sample GEMMs the formula leaves out (documented in gem.py)."""
+    tok = token_layout(workload)
+    extra = 0.0
+    for b in workload.blocks:
+        if isinstance(b, InterFormerBlock):
+            extra += b.num_layers * 2 * batch * tok.width * 2 * b.model_dim  # FiLM
+            extra += 2 * batch * tok.width * b.num_summary_tokens * b.model_dim  # initial summaries from the context
+    return extra
+
+
+def _padding_flops(arch, batch):
+    """The pooled projection runs zero-padded groups: hardware FLOPs beyond the model's 2·Σdims·d."""
+    p = arch.pooled
+    real = sum(d for _, d in p.features)
+    return 2.0 * batch * (len(p.groups) * p.group_width - real) * arch.tokens.width
+
+
+@pytest.mark.parametrize("name, lengths", [("gem-tiny", [0, 3, 17, 64]), ("gem-h200", [16, 40])])
+def test_gemm_flops_are_the_formulas(name, lengths, monkeypatch):
+    w = load_workload(name)
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    _no_attention(monkeypatch)
+    with FlopCounterMode(display=False) as fc:
+        arch(*_inputs(w, lengths))
+    measured = fc.get_total_flops()
+    L = np.asarray(lengths, dtype=float)
+    want = 0.0
+    for op in workload_ops(w):
+        if op.op_class != "gemm":
+            continue
+        if op.sequence is None:
+            want += op.fwd_flops.const * len(lengths)
+        else:
+            want += float(np.sum(op.fwd_flops.at(L)))
+    want += _extra_gemm_flops(w, len(lengths)) + _padding_flops(arch, len(lengths))
+    assert measured == pytest.approx(want, rel=1e-9)
+
+
+def test_every_weight_gets_a_gradient():
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    arch(*_inputs(w, [5, 0, 9, 30])).sum().backward()
+    missing = [n for n, p in arch.named_parameters() if p.grad is None]
+    assert missing == []
+
+
+def test_a_sample_does_not_depend_on_its_batch():
+    """What lets a sharded run reproduce the unsharded one: no batch-dependent normalisation or length bound."""
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    lengths = [7, 0, 33, 12]
+    pooled, keys, widths, seq, offsets, dense = _inputs(w, lengths)
+    together = arch(pooled, keys, widths, seq, offsets, dense)
+    start = 0
+    for i, n in enumerate(lengths):
+        one_seq = {k: v[start : start + n] for k, v in seq.items()}
+        one_off = {s: torch.tensor([0, n]) for s in offsets}
+        alone = arch(pooled[i : i + 1], keys, widths, one_seq, one_off, dense[i : i + 1])
+        torch.testing.assert_close(alone, together[i : i + 1], rtol=1e-5, atol=1e-6)
+        start += n
+
+
+def test_moe_matches_a_per_token_loop():
+    w = load_workload("gem-tiny")
+    block = next(b for b in w.blocks if b.type == "moe")
+    torch.manual_seed(0)
+    layer = MoELayer("moe.0", block)
+    z = torch.randn(3, block.tokens_per_sample + 2, block.model_dim)
+    out = layer(z)
+    x = layer.norm(z[:, : block.tokens_per_sample]).reshape(-1, block.model_dim)
+    probs = torch.softmax(layer.router(x), -1)
+    gates, idx = torch.topk(probs, block.top_k, -1)
+    gates = gates / gates.sum(-1, keepdim=True)
+    ref = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(block.top_k):
+            e = int(idx[t, j])
+            gate_up = x[t] @ layer.experts.w13[e]
+            g, u = gate_up.chunk(2)
+            ref[t] += gates[t, j] * (torch.nn.functional.silu(g) * u) @ layer.experts.w2[e]
+    torch.testing.assert_close(out[:, : block.tokens_per_sample].reshape(-1, block.model_dim), z[:, : block.tokens_per_sample].reshape(-1, block.model_dim) + ref)
+    torch.testing.assert_close(out[:, block.tokens_per_sample :], z[:, block.tokens_per_sample :])  # untouched tokens
+
+
+def test_inconsistent_shapes_are_refused():
+    w = load_workload("gem-tiny")
+    blocks = tuple(b.model_copy(update={"model_dim": 48}) if isinstance(b, KunlunBlock) else b for b in w.blocks)
+    with pytest.raises(MismatchError, match="one width"):
+        token_layout(w.model_copy(update={"blocks": blocks}))
+    with pytest.raises(MismatchError, match="GEM-shaped"):
+        feature_layout(load_workload("dense-decoder-8b"))
