@@ -79,6 +79,9 @@ class PlannerConfig:
     gap_tolerance: float = 1e-4
     """Candidates whose bound is within this relative gap of the best plan are not solved."""
 
+    relative_gap: float = 1e-4
+    """A CP-SAT solve stops once proven within this relative gap."""
+
 
 @dataclass(slots=True)
 class CandidateRecord:
@@ -198,7 +201,8 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     feasible = sorted((r for r in records if r.feasible), key=lambda r: (r.lower_bound_s, r.mesh.key))
     if not feasible:
         raise explain_infeasible(workload, topology, world, pricer, records, pricings)
-    settings = SolverSettings(time_limit_s=cfg.solve_dtime, num_workers=1, seed=cfg.seed, flat_max_vars=cfg.flat_max_vars)
+    settings = SolverSettings(time_limit_s=cfg.solve_dtime, num_workers=1, seed=cfg.seed, flat_max_vars=cfg.flat_max_vars,
+                              relative_gap=cfg.relative_gap)
     best: tuple[float, CandidateRecord, SolveResult] | None = None
     i = 0
     solved = 0
@@ -288,7 +292,11 @@ def build_plan(workload: Workload, topology: Topology, calibration: Calibration 
     pred = cost.to_prediction()
     objective = result.solve.step_time_s
     bound = min(result.bound_s, objective)
-    status = "OPTIMAL" if result.solve.status == "OPTIMAL" and bound >= objective * (1 - 1e-6) else "FEASIBLE"
+    # proven optimal when the chosen candidate is, and nothing else can beat it beyond integer rounding
+    from coplan.planner.solver import _rounding_slack
+
+    slack = 2 * _rounding_slack(p) + 1e-12
+    status = "OPTIMAL" if result.solve.status == "OPTIMAL" and bound >= objective - slack else "FEASIBLE"
     report = SolverReport(
         status=status, objective_us=objective * 1e6, best_bound_us=max(0.0, bound * 1e6),
         gap=max(0.0, (objective - bound) / objective) if objective > 0 else 0.0, wall_s=result.wall_s,
