@@ -2,8 +2,10 @@
 
 Each table becomes a ``ParameterSharding`` (sharding type, compute kernel, ranks, and an
 ``EnumerableShardingSpec`` of ``ShardMetadata`` with the shard sizes, offsets and placements), grouped
-in one ``EmbeddingModuleShardingPlan`` per module: pooled tables in an ``EmbeddingBagCollection``,
-sequence tables in an ``EmbeddingCollection``, at the module paths the trainer uses (arguments).
+in one ``EmbeddingModuleShardingPlan`` per module: pooled tables in one ``EmbeddingBagCollection``,
+sequence tables in one ``EmbeddingCollection`` per embedding dimension (an EmbeddingCollection holds
+one dimension only), at the module paths coplan's trainer uses (``sparse.ebc``, ``sparse.ecs.ec_d<dim>``;
+arguments, for other models).
 
 Ranks: a Plan names ranks within its sparse shard group (``0 .. sparse_shard-1``). With
 ``replica=None`` the export keeps them so: that is the plan TorchRec's ``DMPCollection`` takes
@@ -31,8 +33,8 @@ from coplan.spec.workload import EmbeddingTable
 POOLED_MODULE = "sparse.ebc"
 """Module path of the EmbeddingBagCollection holding pooled tables (the trainer's name for it)."""
 
-SEQUENCE_MODULE = "sparse.ec"
-"""Module path of the EmbeddingCollection holding sequence tables."""
+SEQUENCE_MODULE = "sparse.ecs.ec_d{dim}"
+"""Module path of the EmbeddingCollection holding the sequence tables of one dimension (``{dim}`` is filled in)."""
 
 
 def row_blocks(rows: int, shards: int) -> list[int]:
@@ -104,7 +106,7 @@ def to_torchrec(
             spec = EnumerableShardingSpec(
                 [ShardMetadata(shard_offsets=off, shard_sizes=size, placement=placement(compute_device, r, local)) for (size, off, _), r in zip(layout, ranks)]
             )
-        path = sequence_module if table.feature_kind == "sequence" else pooled_module
+        path = sequence_module.format(dim=table.dim) if table.feature_kind == "sequence" else pooled_module
         modules.setdefault(path, EmbeddingModuleShardingPlan())[table.name] = ParameterSharding(
             sharding_type=shard.sharding_type,
             compute_kernel=_kernel(shard),
