@@ -458,7 +458,8 @@ def kernel_rates(entry: dict, fwd_flops: float) -> tuple[float, float] | None:
     """TFLOP/s on the device time of our own kernels alone (profiler), forward and forward+backward.
 
     The benchmark's own gradient accumulation (an `add` per input) and host launch gaps are left
-    out; the block-count kernel runs once in the forward and once in the backward.
+    out; the block-count kernel runs at most once per batch (its tables are kept on the offsets tensor
+    and handed from the forward to the backward).
     """
     kernels = entry.get("kernel_us_per_forward_backward")
     if not kernels:

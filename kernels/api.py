@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .common import Activation, Backend, JaggedInputError, parse_activation, parse_backend
+from .ops import eager_gdpa, eager_softmax_attention
 from .reference import gdpa_reference, jagged_attention_reference
 from .triton_attention import interpreting
 
@@ -121,6 +122,16 @@ def _check(q, k, v, q_offsets, k_offsets, max_len, validate: bool) -> _Checked:
     return _Checked(k_offsets, max_q, max_k)
 
 
+def _eager(q: torch.Tensor) -> bool:
+    """Whether the Triton kernels may be called directly instead of through the custom ops.
+
+    The custom ops are what torch.compile, FX tracing, fake and subclass tensors and functorch
+    transforms understand; a plain eager call on plain tensors needs none of their dispatch.
+    """
+    return (type(q) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())
+
+
 def _resolve_backend(backend: Backend, q: torch.Tensor, op: str, tensors=()) -> Backend:
     if backend is Backend.AUTO:
         return Backend.TRITON if q.is_cuda else Backend.REFERENCE
@@ -169,6 +180,9 @@ def jagged_attention(
         raise JaggedInputError(f"scale must be a positive finite number for softmax attention; got {scale}")
     backend = _resolve_backend(backend, q, "jagged_attention", (q, k, v))
     if backend is Backend.TRITON:
+        if _eager(q):
+            return eager_softmax_attention(q, k, v, q_offsets, checked.k_offsets, checked.max_q_len, checked.max_k_len,
+                                           bool(causal), scale)
         out, _ = torch.ops.coplan.jagged_softmax_attention(
             q, k, v, q_offsets, checked.k_offsets, checked.max_q_len, checked.max_k_len, bool(causal), scale)
         return out
@@ -212,6 +226,9 @@ def gdpa(
         raise JaggedInputError(f"scale and out_scale must be finite; got scale={scale}, out_scale={out_scale}")
     backend = _resolve_backend(backend, q, "gdpa")
     if backend is Backend.TRITON:
+        if _eager(q):
+            return eager_gdpa(q, k, v, q_offsets, checked.k_offsets, checked.max_q_len, checked.max_k_len,
+                              bool(causal), scale, out_scale, act)
         return torch.ops.coplan.jagged_gdpa(q, k, v, q_offsets, checked.k_offsets, checked.max_q_len,
                                             checked.max_k_len, bool(causal), scale, out_scale, act.value)
     return gdpa_reference(q, k, v, q_offsets, checked.k_offsets, activation=act, causal=bool(causal),

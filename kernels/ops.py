@@ -1,8 +1,13 @@
-"""The Triton attention kernels as PyTorch custom ops, with fake implementations and autograd.
+"""The Triton attention kernels as PyTorch custom ops, with fake implementations and autograd,
+and the same kernels behind plain `torch.autograd.Function`s for eager calls.
 
-Registering them (`torch.library.custom_op` + `register_fake` + `register_autograd`) lets
-`torch.compile` trace through a call without running or reading the kernels, and keeps the
-backward in one place. The ops take checked inputs: the dispatcher in `api.py` does the checking.
+Registering the ops (`torch.library.custom_op` + `register_fake` + `register_autograd`) lets
+`torch.compile` trace through a call without running or reading the kernels. Outside tracing the
+dispatcher calls `eager_softmax_attention` / `eager_gdpa` instead: same launchers, same saved
+tensors, but without the custom op's dispatch and autograd wrapper, which on a small batch cost
+more host time than the kernels take on the GPU. The block-count tables of the forward are kept
+for the backward there (the custom op cannot return them). The ops take checked inputs: the
+dispatcher in `api.py` does the checking.
 """
 
 from __future__ import annotations
@@ -10,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import parse_activation
-from .triton_attention import attention_backward, attention_forward
+from .common import Activation, parse_activation
+from .triton_attention import attention_backward, attention_forward, block_counts
 
 # ---- softmax -------------------------------------------------------------------------------
 
@@ -111,3 +116,78 @@ def _gdpa_backward(ctx, grad_out):
 
 
 jagged_gdpa.register_autograd(_gdpa_backward, setup_context=_gdpa_setup_context)
+
+
+# ---- eager (no custom-op dispatch) ---------------------------------------------------------
+
+
+class _SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale):
+        counts = block_counts(q_offsets, k_offsets)
+        out, lse = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
+                                     causal=causal, scale=scale, activation=None, counts=counts)
+        # The same tensors as the custom op saves; the block counts (int32 [4, batch + 1]) are
+        # the forward's own intermediates and ride on ctx.
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
+        ctx.params = (max_q_len, max_k_len, causal, scale)
+        ctx.counts = counts
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, q_offsets, k_offsets = ctx.saved_tensors
+        max_q_len, max_k_len, causal, scale = ctx.params
+        dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, q_offsets, k_offsets, max_q_len=max_q_len,
+                                        max_k_len=max_k_len, causal=causal, scale=scale, activation=None,
+                                        counts=ctx.counts)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+class _GdpaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale, activation):
+        counts = block_counts(q_offsets, k_offsets)
+        out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
+                                   causal=causal, scale=scale, activation=activation, out_scale=out_scale,
+                                   counts=counts)
+        ctx.save_for_backward(q, k, v, q_offsets, k_offsets)
+        ctx.params = (max_q_len, max_k_len, causal, scale, out_scale, activation)
+        ctx.counts = counts
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, q_offsets, k_offsets = ctx.saved_tensors
+        max_q_len, max_k_len, causal, scale, out_scale, activation = ctx.params
+        dq, dk, dv = attention_backward(grad_out, q, k, v, None, None, q_offsets, k_offsets, max_q_len=max_q_len,
+                                        max_k_len=max_k_len, causal=causal, scale=scale, activation=activation,
+                                        out_scale=out_scale, counts=ctx.counts)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def eager_softmax_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Tensor,
+                            max_q_len: int, max_k_len: int, causal: bool, scale: float) -> Tensor:
+    """What ``torch.ops.coplan.jagged_softmax_attention(...)[0]`` computes, with its gradients, for eager calls."""
+    if _needs_grad(q, k, v):
+        return _SoftmaxFunction.apply(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale)
+    out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
+                               causal=causal, scale=scale, activation=None)
+    return out
+
+
+def eager_gdpa(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Tensor, max_q_len: int,
+               max_k_len: int, causal: bool, scale: float, out_scale: float, activation: Activation) -> Tensor:
+    """What ``torch.ops.coplan.jagged_gdpa(...)`` computes, with its gradients, for eager calls."""
+    if _needs_grad(q, k, v):
+        return _GdpaFunction.apply(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale,
+                                   activation)
+    out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
+                               causal=causal, scale=scale, activation=activation, out_scale=out_scale)
+    return out

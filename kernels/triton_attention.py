@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 import triton
@@ -495,7 +496,10 @@ _AUTOTUNE_KEY = ["BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET", "MODE", "ACT", 
 # out, and a d=256 tile must fit in 227 KiB of shared memory.
 _CONFIG_TABLE = {
     "fwd": {
-        64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3)],
+        # 64-row query blocks suit batches of short samples (a sample's last block is mostly
+        # padding at 128 rows); fewer stages leave shared memory for two programs per SM.
+        64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3),
+             (64, 64, 4, 2), (64, 128, 4, 2)],
         128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
               (64, 32, 4, 2)],
         256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
@@ -560,7 +564,13 @@ def _fixed_config(kind: str, head_dim: int) -> tuple[int, int, int, int] | None:
     return None
 
 
-def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: list, consts: dict) -> None:
+# The autotuner's choice per (kernel, bucket, compile-time constants, dtypes), read back after its
+# first run: later calls launch the plain kernel with that config and skip the autotuner's
+# per-call argument hashing. Its own cache still decides (and is the one tests count).
+_CHOSEN: dict[tuple, dict] = {}
+
+
+def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: list, consts: dict, dtypes: tuple) -> None:
     """Launch one kernel over every block of ``rows`` jagged rows: at most cdiv(rows, block) + batch
     blocks per head (a sample's last block may be partial); programs past the real count exit."""
     fixed = _fixed_config(kind, consts["HEAD_DIM"])
@@ -570,7 +580,13 @@ def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: li
         plain[(n_blocks * heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         return
     block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
-    tuned[lambda meta: ((triton.cdiv(rows, meta[block]) + batch) * heads,)](*args, **consts)
+    key = (kind, *args[-3:], *consts.values(), *dtypes)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        tuned[lambda meta: ((triton.cdiv(rows, meta[block]) + batch) * heads,)](*args, **consts)
+        _CHOSEN[key] = tuned.best_config.all_kwargs()
+        return
+    plain[((triton.cdiv(rows, chosen[block]) + batch) * heads,)](*args, **consts, **chosen)
 
 
 # --------------------------------------------------------------------------------------------
@@ -599,11 +615,25 @@ def _prepare(x: torch.Tensor, d_pad: int) -> torch.Tensor:
     return x
 
 
-def _block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cumulative block counts [4, batch + 1] of queries and keys for blocks of 16, 32, 64, 128 rows."""
+def block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cumulative block counts [4, batch + 1] of queries and keys for blocks of 16, 32, 64, 128 rows.
+
+    Kept on ``q_offsets`` (keyed by ``k_offsets`` and both version counters) so that the layers of a
+    model called on one batch launch the counting kernel once. Not while a CUDA graph is captured:
+    a graph's replays may see new offsets copied into the same tensor, so the count must be in it.
+    Writes that bypass the version counter (through ``.data``) are not seen.
+    """
+    capturing = q_offsets.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        hit = getattr(q_offsets, "_coplan_block_counts", None)
+        if hit is not None and hit[0]() is k_offsets and hit[1] == q_offsets._version and hit[2] == k_offsets._version:
+            return hit[3], hit[4]
     batch = q_offsets.numel() - 1
     cum = torch.empty((2, 4, batch + 1), dtype=torch.int32, device=q_offsets.device)
     _block_counts_kernel[(1,)](q_offsets, k_offsets, cum[0], cum[1], batch, CHUNK=1024)
+    if not capturing:
+        # A weak reference: q_offsets must not keep k_offsets (or, for self-attention, itself) alive.
+        q_offsets._coplan_block_counts = (weakref.ref(k_offsets), q_offsets._version, k_offsets._version, cum[0], cum[1])
     return cum[0], cum[1]
 
 
@@ -614,9 +644,12 @@ def _keys(batch: int, max_q_len: int, max_k_len: int) -> list[int]:
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     *, max_q_len: int, max_k_len: int, causal: bool, scale: float,
-    activation: Activation | None, out_scale: float = 1.0,
+    activation: Activation | None, out_scale: float = 1.0, counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [total_q, H, D] and, for softmax (``activation is None``), the base-2 log-sum-exp [H, total_q]."""
+    """Output [total_q, H, D] and, for softmax (``activation is None``), the base-2 log-sum-exp [H, total_q].
+
+    ``counts``: the :func:`block_counts` of these offsets, when the caller already has them.
+    """
     total_q, heads, d = q.shape
     batch = q_offsets.numel() - 1
     softmax = activation is None
@@ -627,7 +660,7 @@ def attention_forward(
     d_pad = _head_dim_padded(d)
     qp, kp, vp = (_prepare(x, d_pad) for x in (q, k, v))
     op = out if d_pad == d else torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=q.device)
-    cum_q, _ = _block_counts(q_offsets, k_offsets)
+    cum_q, _ = counts if counts is not None else block_counts(q_offsets, k_offsets)
     args = [
         qp, kp, vp, op, lse, q_offsets, k_offsets, cum_q,
         qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), op.stride(0), op.stride(1),
@@ -636,7 +669,8 @@ def attention_forward(
     ]
     consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
                   HEAD_DIM=d_pad, FAST=not interpreting(), PRECISION=_dot_precision(q.dtype))
-    _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts)
+    dtypes = (q.dtype, q_offsets.dtype, k_offsets.dtype)
+    _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts, dtypes)
     if op is not out:
         out.copy_(op[..., :d])
     return out, lse
@@ -646,7 +680,7 @@ def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None, lse: torch.Tensor | None,
     q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     *, max_q_len: int, max_k_len: int, causal: bool, scale: float,
-    activation: Activation | None, out_scale: float = 1.0,
+    activation: Activation | None, out_scale: float = 1.0, counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV. Softmax needs the forward's output ``o`` and ``lse``; GDPA needs neither."""
     total_q, heads, d = q.shape
@@ -671,7 +705,7 @@ def attention_backward(
     else:
         op = qp  # unread when MODE is ACTIVATION
         delta = lse_t = torch.empty((0, 0), dtype=torch.float32, device=q.device)
-    cum_q, cum_k = _block_counts(q_offsets, k_offsets)
+    cum_q, cum_k = counts if counts is not None else block_counts(q_offsets, k_offsets)
     keys = _keys(batch, max_q_len, max_k_len)
     consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
                   HEAD_DIM=d_pad, FAST=not interpreting(), PRECISION=_dot_precision(q.dtype))
@@ -683,14 +717,15 @@ def attention_backward(
         dop.stride(0), dop.stride(1), dqp.stride(0), dqp.stride(1), total_q,
         batch, heads, qk_scale, ds_scale, *keys,
     ]
-    _launch("dq", _dq_tuned, _bwd_dq_kernel, total_q, batch, heads, dq_args, consts)
+    dtypes = (q.dtype, q_offsets.dtype, k_offsets.dtype)
+    _launch("dq", _dq_tuned, _bwd_dq_kernel, total_q, batch, heads, dq_args, consts, dtypes)
     dkdv_args = [
         qp, kp, vp, dop, dk, dv, lse_t, delta, q_offsets, k_offsets, cum_k,
         qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         dop.stride(0), dop.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), total_q,
         batch, heads, qk_scale, ds_scale, 1.0 if softmax else out_scale, *keys,
     ]
-    _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, total_k, batch, heads, dkdv_args, consts)
+    _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, total_k, batch, heads, dkdv_args, consts, dtypes)
     if padded:
         dq.copy_(dqp[..., :d])
         dk, dv = dk[..., :d].contiguous(), dv[..., :d].contiguous()
