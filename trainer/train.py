@@ -141,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     check_launch(plan, world_size=world, local_world_size=local_world, device_type=device_type,
                  device_name=device_name, allow_device_mismatch=args.allow_device_mismatch)
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        # fp32 matmuls that remain (router softmax inputs, reference attention) may use TF32, as is usual
+        torch.set_float32_matmul_precision("high")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     workload = plan.workload
@@ -273,8 +276,11 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint_every >= 0 and steps > start:
         ckpt.save(run_dir, pm, optims, steps - 1)
 
-    # summary
-    measured = [r for r in records if r.step >= max(warmup, start)]
+    # summary: warm-up steps and profiled steps (the profiler slows the host) are left out
+    traced = set(range(trace_first, trace_first + trace_count))
+    measured = [r for r in records if r.step >= max(warmup, start) and r.step not in traced]
+    if not measured:
+        measured = [r for r in records if r.step >= max(warmup, start)]
     times = [r.step_time_s for r in measured]
     if device_type == "cuda":
         mem = float(torch.cuda.max_memory_allocated(device))
@@ -285,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         total_t = sum(times)
         flops_mean = float(np.mean([r.model_flops for r in measured])) if measured else 0.0
-        notes = [f"attention backend '{backend}'", f"balancing '{plan.balancing.policy}' with equal per-rank counts"]
+        notes = [f"attention backend '{backend}'", f"balancing '{plan.balancing.policy}' with equal per-rank counts",
+                 f"statistics over {len(measured)} steps (warm-up and profiled steps left out)"]
         if device_type == "cpu":
             notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")
         result = RunResult(

@@ -1,0 +1,176 @@
+"""Trainer benchmark (issue 6): gem-h200 on one H200, once with the Triton attention kernels and once
+with the PyTorch reference attention, in one invocation.
+
+Each backend is a real ``coplan.trainer.train`` run under torchrun (one process): the workload's
+plan on ``h200-1gpu`` (every table table-wise on rank 0, FBGEMM fused TBE, FSDP2 on one rank for
+bf16 mixed precision), step time from CUDA events, model FLOPs from ``coplan.costmodel.flops`` on
+the real history lengths. Statistics leave out the warm-up steps and the last ``--trace-steps``
+steps, which run under the profiler. The reference backend pads every sample to
+the batch's longest history (up to 4,096) and holds fp32 ``[batch, heads, L, L]`` scores: at 64
+samples one such tensor is 34 GB per layer, so its run uses ``--reference-batch`` samples per step
+(default 8); MFU and tokens/s are per-step rates and stay comparable.
+
+Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per backend the measured local MFU,
+tokens/s, step-time p50/p90, peak memory, and where the time went in the profiled steps (the
+Kineto trace attributed to the cost model's ops by ``coplan.costmodel.traces``).
+
+    python benchmarks/train_h200.py                          # on the H200
+    python benchmarks/train_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from coplan.spec import dump_spec, load_run_result, load_topology, load_workload
+from coplan.spec.workload import InterFormerBlock, KunlunBlock, MoEBlock
+from coplan.trainer.data import data_sha256, generate_dataset
+from coplan.trainer.plans import single_process_plan
+
+
+def workload_dims(w) -> dict:
+    """The dimensions to state beside the figures."""
+    from coplan.costmodel.flops import dense_params
+    from coplan.costmodel.jagged import length_moments
+
+    inter = next(b for b in w.blocks if isinstance(b, InterFormerBlock))
+    kun = next(b for b in w.blocks if isinstance(b, KunlunBlock))
+    moe = next(b for b in w.blocks if isinstance(b, MoEBlock))
+    seq = w.sequence(inter.sequence).length
+    mom = length_moments(seq)
+    dense, expert = dense_params(w)
+    tables = w.all_tables
+    return {
+        "model_dim": inter.model_dim, "heads": inter.num_heads, "head_dim": inter.head_dim,
+        "interformer_layers": inter.num_layers, "kunlun_layers": kun.num_layers, "kunlun_tokens": kun.num_tokens,
+        "moe_experts": moe.num_experts, "moe_top_k": moe.top_k, "moe_hidden": moe.expert_hidden_dim,
+        "history": seq.model_dump(mode="json"), "history_mean": mom.mean, "history_max": mom.max_len,
+        "tables": len(tables), "sequence_tables": sum(t.feature_kind == "sequence" for t in tables),
+        "embedding_params": w.sparse_params, "dense_params": dense, "expert_params": expert,
+        "attention": inter.attention.model_dump(mode="json"),
+    }
+
+
+def trace_breakdown(path: Path, top: int = 20) -> dict:
+    """Where the profiled steps' time went, per op class and per op (cost-model names)."""
+    from coplan.costmodel.traces import attribute_file
+
+    a = attribute_file(path)
+    steps = max(1, a.steps)
+    ops = sorted(a.ops, key=lambda o: -o.time_s)
+    return {
+        "on_device": a.on_device, "profiled_steps": a.steps,
+        "total_ms_per_step": a.total_s / steps * 1e3,
+        "unattributed_ms_per_step": a.unattributed_s / steps * 1e3,
+        "by_class_ms_per_step": {k: v / steps * 1e3 for k, v in sorted(a.by_class_s.items(), key=lambda kv: -kv[1])},
+        "top_ops_ms_per_step": [{"op": o.name, "phase": o.phase, "ms": o.time_s / steps * 1e3} for o in ops[:top]],
+        "by_block_ms_per_step": _by_block(a.ops, steps),
+    }
+
+
+def _by_block(ops, steps: int) -> dict:
+    out: dict[str, float] = {}
+    for o in ops:
+        key = o.name.split(".")[0]
+        out[key] = out.get(key, 0.0) + o.time_s / steps * 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def run_backend(plan_path: Path, args, run_id: str, data: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
+           str(plan_path), "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--runs-root", str(args.runs_root), "--run-id", run_id, "--data", str(data), "--no-progress",
+           "--trace", f"{args.steps - args.trace_steps}:{args.steps}", "--checkpoint-every", "-1",
+           "--log-every", str(args.steps)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.monotonic() - t0
+    run_dir = args.runs_root / run_id
+    if proc.returncode != 0:
+        return {"ok": False, "returncode": proc.returncode, "wall_s": wall, "log_tail": (proc.stdout + proc.stderr)[-5000:]}
+    s = load_run_result(run_dir / "summary.json")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    measured = [x for x in lines if args.warmup <= x["step"] < args.steps - args.trace_steps]
+    out = {
+        "ok": True, "wall_s": wall, "run_dir": str(run_dir), "attention_backend": s.attention_backend,
+        "local_batch": s.samples_per_s and round(sum(x["samples"] for x in measured) / max(1, len(measured))),
+        "measured_local_mfu": s.measured_mfu,
+        "tokens_per_s": s.tokens_per_s, "samples_per_s": s.samples_per_s,
+        "step_time_ms": {k.removesuffix("_s"): v * 1e3 for k, v in s.step_time.model_dump().items()} if s.step_time else None,
+        "measured_steps": [x["step"] for x in measured],
+        "peak_memory_gib": [m / 2**30 for m in s.peak_memory_bytes],
+        "model_tflop_per_step": s.model_flops_per_step / 1e12,
+        "tokens_per_step": sum(x["tokens"] for x in measured) / max(1, len(measured)),
+        "loss_first_last": [s.first_loss, s.final_loss],
+        "mfu_per_step": [x["mfu"] for x in measured],
+        "versions": s.versions, "device": s.device, "notes": s.notes,
+    }
+    trace = run_dir / "traces" / "rank0.json"
+    if trace.is_file():
+        try:
+            out["trace"] = trace_breakdown(trace)
+        except Exception as e:  # the figures stand without the breakdown
+            out["trace"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="gem-h200")
+    p.add_argument("--topology", default="h200-1gpu")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--trace-steps", type=int, default=2)
+    p.add_argument("--reference-batch", type=int, default=8, help="samples per step of the reference-attention run")
+    p.add_argument("--data-batches", type=int, default=12, help="distinct global batches generated (steps cycle over them)")
+    p.add_argument("--backends", default="triton,reference")
+    p.add_argument("--runs-root", type=Path, default=Path("runs/bench"))
+    p.add_argument("--timeout", type=int, default=420)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
+    args = p.parse_args(argv)
+
+    w = load_workload(args.workload)
+    topo = load_topology(args.topology)
+    args.runs_root.mkdir(parents=True, exist_ok=True)
+    data = args.runs_root / "data" / f"{w.name}-{data_sha256(w)[:8]}"
+    t0 = time.monotonic()
+    if not (data / "dataset.json").is_file():
+        gb = w.batch.global_(1)
+        generate_dataset(w, data, gb * args.data_batches, seed=0, rows_per_file=gb * args.data_batches)
+    gen_s = time.monotonic() - t0
+    results = {}
+    for backend in args.backends.split(","):
+        wb = w
+        if backend == "reference":
+            wb = w.model_copy(update={"batch": w.batch.model_copy(update={"local_batch_size": args.reference_batch, "global_batch_size": None})})
+        plan = single_process_plan(wb, topo, attention_backend=backend)
+        plan_path = dump_spec(plan, args.runs_root / f"plan-{backend}.json")
+        results[backend] = run_backend(plan_path, args, f"{w.name}-{backend}", data)
+        print(json.dumps({backend: {k: v for k, v in results[backend].items() if k in ("ok", "measured_local_mfu", "tokens_per_s", "step_time_ms", "peak_memory_gib", "log_tail")}}, default=str), flush=True)
+    out = {
+        "benchmark": "trainer (issue 6)",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/train_h200.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
+        "workload": w.name, "topology": topo.name, "dims": workload_dims(w),
+        "peak_bf16_flops_per_s": topo.gpu.peak_flops_per_s.get("bf16"),
+        "steps": args.steps, "warmup_steps": args.warmup, "data_generation_s": gen_s,
+        "backends": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
