@@ -148,10 +148,10 @@ def sharding_map(plan: Plan) -> go.Figure:
         if binned:
             mx = np.maximum.reduceat(total, lo)
             arg = [int(lo[i] + np.argmax(total[lo[i]:hi[i] + 1])) for i in range(len(lo))]
+            cd = np.stack([[f"rank {a}" for a in arg], [fmt_bytes(v) for v in mx]], axis=-1)
             fig.add_trace(go.Scatter(
-                x=(lo + hi) / 2.0, y=mx / 2**30, mode="markers", name="fullest rank of the bin",
-                marker={"symbol": "line-ew-open", "size": 8, "color": "#222"},
-                customdata=np.stack([[f"rank {a}" for a in arg], [fmt_bytes(v) for v in mx]], axis=-1),
+                x=xs, y=np.append(mx, mx[-1]) / 2**30, mode="lines", name="fullest rank of the bin",
+                line={"shape": "hv", "width": 1, "color": "#222", "dash": "dot"}, customdata=np.vstack([cd, cd[-1:]]),
                 hovertemplate="%{customdata[0]}: %{customdata[1]} of embeddings (fullest in its bin)<extra></extra>",
             ), row=1, col=1)
 
@@ -163,7 +163,7 @@ def sharding_map(plan: Plan) -> go.Figure:
 
     points: dict[str, list] = defaultdict(lambda: [[], [], [], []])  # x, y, size, customdata
     segs: dict[tuple[str, int], list] = defaultdict(lambda: [[], [], []])  # x, y, customdata (None-separated)
-    blank = ["", "", "", "", "", ""]
+    blank = None  # the gap between two segments carries no hover
     all_runs = [_runs(r.ranks) for r in rows]
     singles = sum(1 for runs in all_runs for a, b in runs if a == b)
     # Past a few hundred, one SVG marker per shard is what makes the page slow to draw; a line trace is

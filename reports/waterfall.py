@@ -45,39 +45,43 @@ def mfu_waterfall(ledger: Ledger, *, title: str = "MFU waterfall: where the peak
         s = sum(x.seconds for x in small)
         listing = "<br>".join(f"{x.label}: {ledger.points(x.seconds):.4f} pts" for x in small[:12])
         at = next((i for i, b in enumerate(bars) if b[4] == "other"), len(bars))
-        bars.insert(at, (f"{len(small)} small items", ledger.points(s), "#CCCCCC", listing, "small"))
+        bars.insert(at, (f"{len(small)} small item{'s' if len(small) > 1 else ''}", ledger.points(s), "#CCCCCC", listing, "small"))
     biggest = ledger.biggest()
-    fig = go.Figure()
+    # One bar trace for the whole waterfall (per-bar colours, bases, texts and hovers): a trace per bar
+    # costs the browser far more to draw than the bars themselves.
     labels = ["100% of peak"]
-    fig.add_trace(go.Bar(
-        y=[labels[0]], x=[100.0], base=[0.0], orientation="h", marker_color=loss_colour("peak"), name="peak",
-        showlegend=False, hovertemplate=(
-            f"dense peak {ledger.peak_flops_per_s / 1e12:,.0f} TFLOP/s × {ledger.world_size:,} GPUs × "
-            f"{fmt_s(ledger.wall_step_s)} of wall time per step<extra></extra>"),
-    ))
+    xs, bases, colours, lines, texts, hovers = [100.0], [0.0], [loss_colour("peak")], [loss_colour("peak")], [""], [
+        f"dense peak {ledger.peak_flops_per_s / 1e12:,.0f} TFLOP/s × {ledger.world_size:,} GPUs × "
+        f"{fmt_s(ledger.wall_step_s)} of wall time per step"]
     level = 100.0
     for label, pts, colour, hover, key in bars:
         start = level - pts
         is_big = biggest is not None and key == biggest.key
-        shown = f"<b>{_wrap(label)}<br>(biggest loss)</b>" if is_big else _wrap(label)
-        labels.append(shown)
+        labels.append(f"<b>{_wrap(label)}<br>(biggest loss)</b>" if is_big else _wrap(label))
         secs = pts / 100.0 * ledger.wall_step_s
-        fig.add_trace(go.Bar(
-            y=[shown], x=[pts], base=[start], orientation="h", name=label, showlegend=False,
-            marker={"color": colour, "line": {"color": "#333" if key == "other" else colour, "width": 1}},
-            text=[f"−{pts:.2f}" if pts >= 0 else f"+{-pts:.2f}"], textposition="outside", cliponaxis=False,
-            hovertemplate=(f"<b>{label}</b><br>−{pts:.3f} MFU points<br>{fmt_s(secs)} per step "
-                           f"({100 * secs / ledger.step_time_s:.2f}% of the step)" if ledger.step_time_s > 0 else "")
-            + (f"<br>{hover}" if hover else "") + "<extra></extra>",
-        ))
+        xs.append(pts)
+        bases.append(start)
+        colours.append(colour)
+        lines.append("#333" if key == "other" else colour)
+        texts.append(f"−{pts:.2f}" if pts >= 0 else f"+{-pts:.2f}")
+        hovers.append(f"<b>{label}</b><br>−{pts:.3f} MFU points<br>{fmt_s(secs)} per step"
+                      + (f" ({100 * secs / ledger.step_time_s:.2f}% of the step)" if ledger.step_time_s > 0 else "")
+                      + (f"<br>{hover}" if hover else ""))
         level = start
     final = ledger.final_points
     labels.append("<b>goodput MFU</b>")
-    fig.add_trace(go.Bar(
-        y=["<b>goodput MFU</b>"], x=[final], base=[0.0], orientation="h", marker_color=loss_colour("model"), showlegend=False,
-        text=[f"{final:.2f}%"], textposition="outside", cliponaxis=False,
-        hovertemplate=(f"<b>goodput MFU {final:.3f}%</b><br>model FLOPs {ledger.model_flops:.4g} per step at peak take "
-                       f"{fmt_s(ledger.useful_s)}<br>E2E MFU (no checkpoints or failures) {100 * ledger.e2e_mfu:.3f}%<extra></extra>"),
+    xs.append(final)
+    bases.append(0.0)
+    colours.append(loss_colour("model"))
+    lines.append(loss_colour("model"))
+    texts.append(f"{final:.2f}%")
+    hovers.append(f"<b>goodput MFU {final:.3f}%</b><br>model FLOPs {ledger.model_flops:.4g} per step at peak take "
+                  f"{fmt_s(ledger.useful_s)}<br>E2E MFU (no checkpoints or failures) {100 * ledger.e2e_mfu:.3f}%")
+    texts[0] = ""
+    fig = go.Figure(go.Bar(
+        y=labels, x=xs, base=bases, orientation="h", name="MFU waterfall", showlegend=False,
+        marker={"color": colours, "line": {"color": lines, "width": 1}},
+        text=texts, textposition="outside", cliponaxis=False, hovertext=hovers, hoverinfo="text",
     ))
     fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels, automargin=True, tickfont={"size": 11})
     fig.update_xaxes(title_text="% of peak FLOPs", range=[0, 108], ticksuffix="%", dtick=20)

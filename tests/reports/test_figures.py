@@ -59,8 +59,10 @@ def test_waterfall_adds_up_exactly(plan_case):
     other = next(x for x in led.losses if x.key == "other")
     assert abs(led.points(other.seconds)) < 2.0
     fig = waterfall.mfu_waterfall(led)
-    _check_common(fig, min_traces=len(led.losses))
-    bars = [(tr.name, tr.base[0], tr.x[0]) for tr in fig.data]
+    _check_common(fig)
+    tr = fig.data[0]
+    bars = list(zip(tr.y, tr.base, tr.x))
+    assert len(bars) >= len([x for x in led.losses if abs(led.points(x.seconds)) >= waterfall.MIN_POINTS]) + 2
     assert bars[0][2] == 100.0 and bars[-1][2] == pytest.approx(led.final_points)
     # each loss bar starts where the previous one ended
     level = 100.0
@@ -95,7 +97,7 @@ def test_waterfall_biggest_loss_is_marked(h200_plan):
     led = build_ledger(h200_plan, h200_plan.predicted)
     big = led.biggest()
     fig = waterfall.mfu_waterfall(led)
-    labels = [str(tr.y[0]).replace("<br>", " ") for tr in fig.data]
+    labels = [str(y).replace("<br>", " ") for y in fig.data[0].y]
     assert sum("biggest loss" in y for y in labels) == 1
     assert any(big.label in y and "biggest" in y for y in labels)
 
@@ -243,10 +245,11 @@ def test_colours_are_consistent_across_figures(h200_plan):
     pp = price_plan(h200_plan)
     seen: dict[str, set[str]] = {}
     led = build_ledger(h200_plan, h200_plan.predicted)
-    for tr in waterfall.mfu_waterfall(led).data:
+    wf = waterfall.mfu_waterfall(led).data[0]
+    for y, colour in zip(wf.y, wf.marker.color):
         for c in OP_CLASS_COLOURS:
-            if str(tr.name).startswith(f"{c} kernels"):
-                seen.setdefault(c, set()).add(tr.marker.color)
+            if str(y).startswith(f"{c} kernels"):
+                seen.setdefault(c, set()).add(colour)
     for tr in timeline.step_timeline(pp.schedule, pp.cost).data:
         if tr.name in OP_CLASS_COLOURS:
             seen.setdefault(tr.name, set()).add(tr.marker.color)
