@@ -125,7 +125,8 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
         _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost) if cost is not None else (None, "needs the cost model's breakdown"), log),
         _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
         _section("sharding", "Embedding sharding map", lambda: sharding.sharding_map(plan) if plan.tables else (None, "the plan shards no embedding tables"), log),
-        _section("balance", "Jagged balance", lambda: balance.jagged_balance(plan, inputs.context)
+        _section("balance", "Jagged balance", lambda: (balance.jagged_balance(plan, inputs.context)
+                 or (None, "the workload has no jagged sequence: every sample costs the same, there is nothing to balance"))
                  if plan.world_size > 1 else (None, "one rank: nothing to balance"), log),
     ]
     if scaling:

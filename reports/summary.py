@@ -84,8 +84,13 @@ def lever(loss: Loss, plan: Plan, pred: Prediction) -> str:
     if k == "optimizer":
         return "a fused (foreach) optimizer step"
     if k.startswith("comm."):
-        base = k.split(".")[1]
-        if "all_to_all" in base and base.startswith("sparse") or base in ("sparse",):
+        base = k[len("comm."):].rsplit(".", 1)[0]  # comm.<collective name>.<tiers>; tier names hold no dots
+        if base == "sparse.replica_sync":
+            return ("syncing the sparse replicas less often (the cost model amortises one all-reduce of every shard's weights and "
+                    "optimizer state over its sync interval) or fewer replicas: a larger sparse shard group")
+        if base == "sparse.dp_all_reduce":
+            return "sharding the data-parallel tables (table- or row-wise) so their gradients stop being all-reduced over the world"
+        if base.startswith("sparse.") and "all_to_all" in base:
             return ("fewer bytes in the embedding all-to-all: a smaller sparse shard group kept inside the faster tiers "
                     "(more sparse replicas), lower-precision embedding communication, or overlapping it with the previous batch's compute")
         if base.startswith("expert_"):
@@ -96,11 +101,6 @@ def lever(loss: Loss, plan: Plan, pred: Prediction) -> str:
             return "fewer HSDP replicas (a larger shard group) or more micro-batches per step to amortise the gradient all-reduce"
         if base.startswith("ep_"):
             return "a smaller expert-parallel group inside NVLink or overlapping dispatch with shared-expert compute"
-        if base == "sparse.replica_sync":
-            return "syncing sparse replicas less often"
-        if "all_to_all" in base:
-            return ("fewer bytes in the embedding all-to-all: a smaller sparse shard group kept inside the faster tiers "
-                    "(more sparse replicas), lower-precision embedding communication")
         return "more overlap of this collective with compute"
     if k == "checkpoint":
         return f"asynchronous checkpointing (the write blocks {fmt_s(pred.checkpoint_write_s)} every {fmt_s(pred.checkpoint_interval_s)}) or faster storage"

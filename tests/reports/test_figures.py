@@ -261,3 +261,14 @@ def test_colours_are_consistent_across_figures(h200_plan):
     assert seen
     for c, colours in seen.items():
         assert colours == {OP_CLASS_COLOURS[c]}, f"{c} drawn in {colours}"
+
+
+def test_every_collective_has_a_lever(h200_plan):
+    """The summary's advice for an exposed collective is specific to it (not the generic fallback)."""
+    from coplan.reports.ledger import COMM_LABELS, Loss
+    from coplan.reports.summary import lever
+
+    generic = "more overlap of this collective with compute"
+    for base in COMM_LABELS:
+        loss = Loss(f"comm.{base}.nvlink+rack", base, "collective", "all_to_all", 1.0)
+        assert lever(loss, h200_plan, h200_plan.predicted) != generic, base

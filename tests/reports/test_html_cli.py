@@ -99,3 +99,16 @@ def test_plan_without_prediction_is_repriced(tmp_path, h200_plan):
     out, report, _ = write_report(p, tmp_path / "r.html", scaling=False, what_if=False)
     assert not [s for s in report.sections if s.figure is None]
     assert "goodput MFU" in report.summary[1]
+
+
+def test_reports_never_import_torch(tmp_path, plan_file):
+    """The planning half installs light: writing a report (re-pricing, simulate sweep, what-if) loads no torch."""
+    code = (
+        "import sys\n"
+        "from coplan.reports.build import write_report\n"
+        f"write_report({str(plan_file)!r}, {str(tmp_path / 'r.html')!r})\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'coplan.trainer', 'coplan.planner')))\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
