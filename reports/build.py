@@ -36,8 +36,9 @@ CAPTIONS = {
         "end, size and exposed time."
     ),
     "ranks": (
-        "The step of the critical rank, then the ranks the cost model sampled at the extremes of the embedding load. A rank that finishes "
-        "early idles until the slowest one reaches the next collective."
+        "Each rank's step: compute per op class, exposed communication, and idle time waiting for the slowest rank at the next "
+        "collective. Ranks differ by the embedding lookups their shards serve (from the cost model's per-rank loads, checked against "
+        "the ranks it samples); the dense work is the critical rank's on every rank."
     ),
     "memory": (
         "Bytes per rank by kind against the GPU's HBM (dashed). Dense state is the same on every rank; embedding shards, their optimizer "
@@ -122,7 +123,7 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
         _section("waterfall", "MFU waterfall", lambda: waterfall.mfu_waterfall(led), log),
         _section("timeline", "Predicted step timeline", lambda: timeline.step_timeline(inputs.priced.schedule, cost, tiers=tuple(t.name for t in plan.topology.tiers))
                  if inputs.priced is not None and inputs.priced.schedule is not None else (None, "the cost model did not expose its schedule"), log),
-        _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost) if cost is not None else (None, "needs the cost model's breakdown"), log),
+        _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost, plan, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
         _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
         _section("sharding", "Embedding sharding map", lambda: sharding.sharding_map(plan) if plan.tables else (None, "the plan shards no embedding tables"), log),
         _section("balance", "Jagged balance", lambda: (balance.jagged_balance(plan, inputs.context)

@@ -28,6 +28,9 @@ from coplan.spec import Plan
 MAX_RANKS = 96
 """Most ranks drawn one bar each; beyond, the extremes and a few around the median are sampled."""
 
+MAX_TIME_RANKS = 256
+"""Most ranks in the per-rank time figure before sampling."""
+
 MAX_MEMORY_RANKS = 256
 """Most ranks in the memory figure before sampling."""
 
@@ -67,8 +70,10 @@ class RankTime:
     step_s: float
 
 
-def rank_times(cost) -> tuple[list[RankTime], list[str]]:
-    """The critical rank and each sampled rank, split by op class / exposed comm / idle."""
+def rank_times(cost, emb_all: np.ndarray | None = None) -> tuple[list[RankTime], list[str]]:
+    """The critical rank, then each sampled rank (or, with ``emb_all`` from :func:`all_rank_embedding_s`,
+    every rank of the sparse shard group, extremes sampled beyond ``MAX_TIME_RANKS``), split by op
+    class / exposed comm / idle, slowest first."""
     notes: list[str] = []
     cls = {c: 0.0 for c in CLASS_ORDER}
     rec = opt = emb_crit = 0.0
@@ -95,6 +100,16 @@ def rank_times(cost) -> tuple[list[RankTime], list[str]]:
         return p
 
     out = [RankTime("critical rank (the step)", parts(cls["embedding"]), step)]
+    if emb_all is not None:
+        base = perf.total - sum(o.time_s for o in cost.ops if o.phase in ("fwd", "bwd") and o.name.startswith("sparse."))
+        busy = base + emb_all
+        idx, how = sample_extremes(busy, MAX_TIME_RANKS)
+        notes.append(f"ranks shown: {how} of the sparse shard group")
+        for r in sorted(idx, key=lambda j: -busy[j]):
+            p = parts(float(emb_all[r]))
+            p["idle"] = max(0.0, step - float(busy[r]))
+            out.append(RankTime(f"rank {int(r)}", p, step))
+        return out, notes
     ids = list(cost.rank_ids)
     times = np.asarray(cost.rank_time_s, dtype=float)
     mems = np.asarray(cost.rank_memory_bytes, dtype=float) if len(cost.rank_memory_bytes) == len(ids) else None
@@ -141,10 +156,14 @@ def _part_colour(key: str) -> str:
     return "#999999"
 
 
-def rank_time_breakdown(cost, *, title: str = "Per-rank step time") -> go.Figure:
-    """Stacked horizontal bars: the critical rank, then the sampled ranks, slowest first."""
-    rows, notes = rank_times(cost)
-    unit, scale = best_time_unit(max(r.step_s for r in rows))
+def rank_time_breakdown(cost, plan: Plan | None = None, context=None, *, title: str = "Per-rank step time") -> go.Figure:
+    """Each rank's step split into compute per op class, exposed communication and idle time: every rank
+    of the sparse shard group when the cost model's per-rank loads reproduce its sampled ranks (stacked
+    bars for a few ranks, a stacked step area, slowest first, for many), else the sampled ranks."""
+    emb_all = all_rank_embedding_s(plan, cost, context) if plan is not None and context is not None else None
+    rows, notes = rank_times(cost, emb_all)
+    step = rows[0].step_s
+    unit, scale = best_time_unit(step)
     keys: list[str] = []
     for r in rows:
         for k in r.parts:
@@ -153,25 +172,53 @@ def rank_time_breakdown(cost, *, title: str = "Per-rank step time") -> go.Figure
     order = [f"class:{c}" for c in CLASS_ORDER] + ["loss:recompute", "loss:optimizer", "loss:other", "busy", "comm:exposed", "idle"]
     keys.sort(key=lambda k: order.index(k) if k in order else 50)
     fig = go.Figure()
-    labels = [r.label for r in rows]
+    area = len(rows) - 1 > MAX_BAR_RANKS
+    shown = rows[1:] if area else rows
+    labels = [r.label for r in shown]
+    n = len(shown)
     for k in keys:
-        vals = [r.parts.get(k, 0.0) for r in rows]
-        if not any(v > 0 for v in vals):
+        vals = np.array([r.parts.get(k, 0.0) for r in shown])
+        if not np.any(vals > 0):
             continue
         name = _PART_LABELS.get(k, k.partition(":")[2])
-        fig.add_trace(go.Bar(
-            y=labels, x=[v / scale for v in vals], orientation="h", name=name, marker_color=_part_colour(k),
-            marker_pattern={"shape": "/", "fgcolor": "#999"} if k == "idle" else None,
-            customdata=[[fmt_s(v), 100 * v / r.step_s if r.step_s else 0] for v, r in zip(vals, rows)],
-            hovertemplate=f"%{{y}}<br>{name}: %{{customdata[0]}} (%{{customdata[1]:.1f}}% of the step)<extra></extra>",
-        ))
-    fig.update_layout(barmode="stack", bargap=0.3)
-    fig.update_yaxes(autorange="reversed", automargin=True)
-    fig.update_xaxes(title_text=f"time per step ({unit})")
-    n = len(rows) - 1
-    sub = (f"{n} rank{'s' if n != 1 else ''} sampled by the cost model (extremes of the embedding load); every rank carries the critical rank's dense work"
-           + (f"; {'; '.join(notes)}" if notes else ""))
-    return base_layout(fig, title, subtitle=sub, height=max(300, 150 + 34 * len(rows)))
+        custom = np.stack([labels, [fmt_s(v) for v in vals], [f"{100 * v / step:.1f}" if step else "0" for v in vals]], axis=-1)
+        marker_pattern = {"shape": "/", "fgcolor": "#999"} if k == "idle" else None
+        if area:
+            fig.add_trace(go.Scatter(
+                x=np.arange(n + 1), y=np.append(vals, vals[-1]) / scale, name=name, mode="lines", stackgroup="time",
+                line={"shape": "hv", "width": 0.5, "color": _part_colour(k)}, fillcolor=_part_colour(k),
+                fillpattern=marker_pattern, customdata=np.vstack([custom, custom[-1:]]),
+                hovertemplate=f"{name}: %{{customdata[1]}} (%{{customdata[2]}}%)<extra></extra>",
+            ))
+        else:
+            fig.add_trace(go.Bar(
+                y=labels, x=vals / scale, orientation="h", name=name, marker_color=_part_colour(k), marker_pattern=marker_pattern,
+                customdata=custom, hovertemplate=f"%{{y}}<br>{name}: %{{customdata[1]}} (%{{customdata[2]}}% of the step)<extra></extra>",
+            ))
+    if area:
+        ticks = sorted(set(np.linspace(0, n - 1, min(n, 12)).round().astype(int).tolist()))
+        fig.update_xaxes(title_text="ranks, slowest first (ticks: rank ids)", range=[0, n], tickvals=[t + 0.5 for t in ticks],
+                         ticktext=[labels[t].removeprefix("rank ") for t in ticks], unifiedhovertitle={"text": "%{customdata[0]}"})
+        fig.update_yaxes(title_text=f"time per step ({unit})", rangemode="tozero")
+        fig.update_layout(hovermode="x unified")
+        fig.add_hline(y=step / scale, line={"color": "#333", "width": 1, "dash": "dot"}, annotation_text=f"step {fmt_s(step)}",
+                      annotation_position="top left")
+        height = 460
+    else:
+        fig.update_layout(barmode="stack", bargap=0.3)
+        fig.update_yaxes(autorange="reversed", automargin=True)
+        fig.update_xaxes(title_text=f"time per step ({unit})")
+        height = max(300, 150 + (34 if len(rows) < 12 else 16) * len(rows))
+    if emb_all is not None:
+        sub = ("every rank carries the critical rank's dense work (the jagged spread is in the jagged-balance figure); "
+               "ranks differ by their embedding lookups")
+    else:
+        k = len(rows) - 1
+        sub = (f"{k} rank{'s' if k != 1 else ''} sampled by the cost model (extremes of the embedding load); every rank carries the "
+               "critical rank's dense work")
+    if notes:
+        sub += "; " + "; ".join(notes)
+    return base_layout(fig, title, subtitle=sub, height=height)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,21 +241,45 @@ class RankMemory:
     """True when the per-rank totals reproduce the cost model's sampled ranks."""
 
 
-def rank_memory(plan: Plan, cost, context) -> RankMemory:
-    """Memory by kind per rank of the sparse shard group (see the module docstring)."""
+def _embedding_loads(plan: Plan, context):
+    """The cost model's per-rank lookup loads of the plan's table placement (None without tables)."""
     from coplan.costmodel.embedding import TableAssignment
     from coplan.costmodel.pricer import default_assignment, embedding_loads
 
+    if not context.tables.num:
+        return None
+    a = TableAssignment.from_shards(context.tables, plan.tables) if plan.tables else default_assignment(context)
+    return embedding_loads(context, a)
+
+
+def all_rank_embedding_s(plan: Plan, cost, context) -> np.ndarray | None:
+    """Embedding time per step of every rank of the sparse shard group, or None when it cannot be
+    reproduced. The cost model's per-rank lookup loads (forward + backward) plus one rank-independent
+    term (launches, intra-node reduction) fitted on the sampled ranks; used only if that one term
+    reproduces every sampled rank's busy time to 1e-9 of the step."""
+    loads = _embedding_loads(plan, context)
+    ids = np.asarray(cost.rank_ids, dtype=np.int64)
+    times = np.asarray(cost.rank_time_s, dtype=float)
+    if loads is None or ids.size < 2 or times.size != ids.size:
+        return None
+    emb = np.asarray(loads["fwd_s"], dtype=float) + np.asarray(loads["bwd_s"], dtype=float)
+    emb_crit = sum(o.time_s for o in cost.ops if o.phase in ("fwd", "bwd") and o.name.startswith("sparse."))
+    base = cost.perf.total - emb_crit
+    offsets = (times - base) - emb[ids]
+    if np.ptp(offsets) > 1e-9 * max(cost.step_time_s, 1e-12):
+        return None
+    return emb + float(offsets.mean())
+
+
+def rank_memory(plan: Plan, cost, context) -> RankMemory:
+    """Memory by kind per rank of the sparse shard group (see the module docstring)."""
     mem = cost.memory.as_dict()
     cap = float(cost.hbm_capacity_bytes)
     G = plan.mesh.sparse_shard
     ids = np.asarray(cost.rank_ids, dtype=np.int64)
     totals = np.asarray(cost.rank_memory_bytes, dtype=float)
     common = {k: v for k, v in mem.items() if k not in EMBEDDING_KINDS}
-    loads = None
-    if context.tables.num:
-        a = TableAssignment.from_shards(context.tables, plan.tables) if plan.tables else default_assignment(context)
-        loads = embedding_loads(context, a)
+    loads = _embedding_loads(plan, context)
     if loads is not None:
         w = np.asarray(loads["weight_bytes"], dtype=float)
         o = np.asarray(loads["optimizer_bytes"], dtype=float)

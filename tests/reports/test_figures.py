@@ -135,6 +135,28 @@ def test_rank_time_breakdown(plan_case):
     _check_common(ranks.rank_time_breakdown(pp.cost))
 
 
+def test_rank_time_every_rank_of_the_sparse_group():
+    """With a sparse shard group, every rank's time comes from the cost model's per-rank loads, and it
+    reproduces the busy time of each rank the cost model sampled."""
+    from tests.reports.plans import real_plan
+
+    plan = real_plan("dlrm-856", "h200-superpod-1k", 64)
+    pp = price_plan(plan)
+    G = plan.mesh.sparse_shard
+    if G < 2:
+        pytest.skip(f"the planner chose a sparse shard group of {G} rank(s) for this case")
+    emb = ranks.all_rank_embedding_s(plan, pp.cost, pp.context)
+    assert emb is not None and emb.size == G
+    rows, notes = ranks.rank_times(pp.cost, emb)
+    assert len(rows) == 1 + min(G, ranks.MAX_TIME_RANKS)
+    busy = {r.label: sum(v for k, v in r.parts.items() if k != "idle") for r in rows[1:]}
+    for rid, t in zip(pp.cost.rank_ids, pp.cost.rank_time_s):
+        assert busy[f"rank {rid}"] == pytest.approx(t, rel=1e-9)
+    for r in rows[1:]:
+        assert sum(r.parts.values()) == pytest.approx(pp.cost.step_time_s, rel=1e-9)
+    _check_common(ranks.rank_time_breakdown(pp.cost, plan, pp.context))
+
+
 def test_memory_per_rank_reproduces_the_cost_model(plan_case):
     _, plan = plan_case
     pp = price_plan(plan)
