@@ -32,7 +32,7 @@ from coplan.errors import MismatchError
 from coplan.spec import Workload
 from coplan.spec.workload import DenseMLPBlock, InterFormerBlock, KunlunBlock, MoEBlock, TaskHeads
 from coplan.trainer.features import FeatureLayout, feature_layout
-from coplan.trainer.model.layers import MLP, InterFormerLayer, KunlunLayer, segment_ids
+from coplan.trainer.model.layers import MLP, InterFormerLayer, KunlunLayer, segment_ids, segment_sum
 from coplan.trainer.model.moe import MoELayer
 from coplan.trainer.model.sparse import SparseArch
 
@@ -191,8 +191,8 @@ class InterFormerStack(nn.Module):
             h, summary = layer(h, offsets, summary, ctx)
         with record_function(f"{n}.{len(self.layers) - 1}.norm_act"):
             # mean of the final history tokens (an empty history gives zeros) joins every summary token
-            lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(h.dtype)
-            pooled = torch.zeros(batch, h.shape[1], dtype=h.dtype, device=h.device).index_add_(0, seg, h) / lengths[:, None]
+            lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)
+            pooled = (segment_sum(h, offsets) / lengths[:, None]).to(h.dtype)
             summary = summary + pooled[:, None, :]
             return self.to_tokens(self.out_norm(summary))
 

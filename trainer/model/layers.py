@@ -91,6 +91,34 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn: 
     return torch.matmul(a, v) * out_scale
 
 
+class _ExpandSegments(torch.autograd.Function):
+    """``x[seg]``: one row of ``x`` per token of its sample, whose backward sums each sample's rows with
+    a segment reduction. Plain indexing's backward is a sort-and-scatter-add into ``B`` rows from
+    ``T`` tokens: on the H200 at 65k tokens it took 4.6 ms a call, a third of the step's device time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seg: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(offsets)
+        ctx.dtype = x.dtype
+        return x.index_select(0, seg)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (offsets,) = ctx.saved_tensors
+        return segment_sum(grad, offsets).to(ctx.dtype), None, None
+
+
+def expand_segments(x: torch.Tensor, seg: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-sample rows ``x [B, D]`` repeated over each sample's tokens ``[T, D]``."""
+    return _ExpandSegments.apply(x, seg, offsets)
+
+
+def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Sum of each sample's rows, ``[T, D] -> [B, D]`` in fp32 (an empty sample sums to zero); no atomics,
+    no host sync, differentiable."""
+    return torch.segment_reduce(values.float(), "sum", offsets=offsets.long(), axis=0, unsafe=True)
+
+
 def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """Sample index of every row of a jagged tensor with ``total`` rows (no host sync)."""
     lengths = offsets[1:] - offsets[:-1]
@@ -174,7 +202,7 @@ class InterFormerLayer(nn.Module):
         seg = segment_ids(offsets, total)
         with record_function(f"{n}.norm_act"):
             gamma, beta = self.film(ctx).chunk(2, dim=-1)
-            x = torch.addcmul(beta[seg], self.norm1(h), 1.0 + gamma[seg])
+            x = torch.addcmul(expand_segments(beta, seg, offsets), self.norm1(h), expand_segments(1.0 + gamma, seg, offsets))
         with record_function(f"{n}.qkv"):
             q, k, v = self.qkv(x).view(total, 3, self.heads, self.head_dim).unbind(1)
         with record_function(f"{n}.gdpa"):
@@ -232,6 +260,6 @@ class KunlunLayer(nn.Module):
 
 
 __all__ = [
-    "FFN", "InterFormerLayer", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "jagged_attention",
-    "resolve_backend", "segment_ids",
+    "FFN", "InterFormerLayer", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "expand_segments",
+    "jagged_attention", "resolve_backend", "segment_ids", "segment_sum",
 ]
