@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -76,6 +77,47 @@ def trace_breakdown(path: Path, top: int = 20) -> dict:
     }
 
 
+KERNEL_FAMILIES = (  # first match wins
+    ("indexing backward (scatter-add)", r"indexing_backward_kernel"),
+    ("GEMM (cuBLAS)", r"nvjet|gemm|cutlass|xmma"),
+    ("jagged attention (Triton)", r"^_fwd_kernel|^_bwd_dq_kernel|^_bwd_dkdv_kernel|_block_counts_kernel"),
+    ("embedding (FBGEMM TBE)", r"split_embedding|embedding|linearize_index|bounds_check|radix_sort|fbgemm"),
+    ("optimizer (AdamW foreach)", r"multi_tensor_apply"),
+    ("layer norm", r"layer_norm|GammaBeta"),
+    ("collective / copy", r"nccl|Memcpy|memcpy|CatArrayBatchedCopy|chunk_cat|copy_kernel"),
+)
+
+
+def kernel_table(path: Path, top: int = 25) -> dict:
+    """Device time per kernel name over the profiled steps, and the GPU's idle share of them."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    n = max(1, len({e["name"] for e in steps}))
+    per: dict[str, list[float]] = {}
+    for e in kernels:
+        acc = per.setdefault(e["name"][:100], [0.0, 0])
+        acc[0] += e["dur"]
+        acc[1] += 1
+    step_us = sum(e["dur"] for e in steps) / max(1, len(steps)) if steps else 0.0
+    busy_us = sum(e["dur"] for e in kernels) / n
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+    families: dict[str, float] = {}
+    for name, (us, _) in per.items():
+        fam = next((f for f, pat in KERNEL_FAMILIES if re.search(pat, name)), "other elementwise")
+        families[fam] = families.get(fam, 0.0) + us / n / 1e3
+    return {
+        "by_family_ms_per_step": dict(sorted(families.items(), key=lambda kv: -kv[1])),
+        "profiled_steps": n, "step_ms_under_profiler": step_us / 1e3, "kernel_busy_ms_per_step": busy_us / 1e3,
+        "gpu_idle_share": 1.0 - busy_us / step_us if step_us else None,
+        "top_kernels": [{"kernel": k, "ms_per_step": v[0] / n / 1e3, "calls_per_step": v[1] / n} for k, v in rows],
+    }
+
+
 def _by_block(ops, steps: int) -> dict:
     out: dict[str, float] = {}
     for o in ops:
@@ -117,6 +159,7 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path) -> dict:
     if trace.is_file():
         try:
             out["trace"] = trace_breakdown(trace)
+            out["kernels"] = kernel_table(trace)
         except Exception as e:  # the figures stand without the breakdown
             out["trace"] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -136,7 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-root", type=Path, default=Path("runs/bench"))
     p.add_argument("--timeout", type=int, default=420)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
+    p.add_argument("--reanalyze", nargs=2, metavar=("BACKEND", "TRACE"), default=None,
+                   help="add the per-kernel table of a saved trace (.json or .json.gz) to --out's BACKEND entry, then stop")
     args = p.parse_args(argv)
+    if args.reanalyze:
+        backend, trace = args.reanalyze
+        res = json.loads(args.out.read_text())
+        res["backends"][backend]["kernels"] = kernel_table(Path(trace))
+        res["backends"][backend]["kernels_from"] = str(trace)
+        args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        print(json.dumps(res["backends"][backend]["kernels"], indent=1)[:3000])
+        return 0
 
     w = load_workload(args.workload)
     topo = load_topology(args.topology)
