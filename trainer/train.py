@@ -46,7 +46,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="override the plan's attention backend (recorded in the summary)")
     p.add_argument("--trace", default="auto", help="'A:B' profiles steps A..B-1, 'none' disables, 'auto' = the 3 steps after warm-up")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: at the end only; -1: never)")
-    p.add_argument("--log-every", type=int, default=1, help="read metrics back every N steps")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="read metrics back every N steps (default: 1 on CPU, 10 on CUDA, where reading back waits for the GPU)")
     p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
                     kept = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start]
                     mp.write_text("".join(k + "\n" for k in kept))
     steps = args.steps
+    log_every = max(1, args.log_every or (10 if device_type == "cuda" else 1))
     warmup = args.warmup if args.warmup is not None else min(5, steps // 4)
     reader = BatchReader(workload, data_dir, world_size=world, rank=rank, policy=plan.balancing.policy, global_batch=global_batch)
     layout = model.layout
@@ -239,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         with TraceWindow(run_dir / "traces", rank, trace_first, trace_count, start, device) as tw:
             for step in range(start, steps):
                 timer.mark(step)  # a step runs from its start to the next step's start: data stalls count
-                if step > start and step % max(1, args.log_every) == 0:
+                if step > start and step % log_every == 0:
                     flush()
                 hb = next(prefetch)
                 batch = to_batch(hb, layout, device)

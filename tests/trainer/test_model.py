@@ -129,3 +129,17 @@ def test_inconsistent_shapes_are_refused():
         token_layout(w.model_copy(update={"blocks": blocks}))
     with pytest.raises(MismatchError, match="GEM-shaped"):
         feature_layout(load_workload("dense-decoder-8b"))
+
+
+def test_segment_expansion_matches_indexing():
+    from coplan.trainer.model.layers import expand_segments, segment_ids, segment_sum
+
+    offsets = torch.tensor([0, 3, 3, 7, 12])
+    x = torch.randn(4, 5, requires_grad=True)
+    seg = segment_ids(offsets, 12)
+    g = torch.randn(12, 5)
+    (expand_segments(x, seg, offsets) * g).sum().backward()
+    want = torch.zeros(4, 5).index_add_(0, seg, g)
+    torch.testing.assert_close(x.grad, want)
+    torch.testing.assert_close(expand_segments(x, seg, offsets), x[seg])
+    torch.testing.assert_close(segment_sum(g, offsets), want)
