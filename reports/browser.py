@@ -224,9 +224,10 @@ def _event_error(ev: dict) -> str | None:
 
 
 def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900, timeout_s: float = 60.0, binary: str | None = None,
-                screenshot: str | Path | None = None) -> PageLoad:
+                screenshot: str | Path | None = None, resize_to_px: int | None = None) -> PageLoad:
     """Open ``path`` in a fresh headless browser at ``width_px`` and wait until every figure is drawn.
-    With ``screenshot``, a PNG of the whole page at that width is written there.
+    With ``screenshot``, a PNG of the whole page at that width is written there. With ``resize_to_px``,
+    the window is resized once every figure is drawn, and errors and overflow are read after that.
 
     Raises FileNotFoundError when no browser is installed (callers decide whether that skips).
     """
@@ -273,6 +274,12 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
             time.sleep(0.01)
         result.wall_ms = (time.monotonic() - t0) * 1e3
         result.timed_out = not done
+        if resize_to_px is not None and done:
+            pipe.send("Emulation.setDeviceMetricsOverride",
+                      {"width": resize_to_px, "height": height_px, "deviceScaleFactor": 1, "mobile": False}, session=session)
+            result.width_px = resize_to_px
+            time.sleep(1.5)  # the page re-wraps titles 250 ms after the last resize event; Plotly redraws
+            pipe.send("Runtime.evaluate", {"expression": "1", "returnByValue": True}, session=session)
         probe = """JSON.stringify((function () {
             var s = window.__coplan || {};
             var nav = performance.getEntriesByType('navigation')[0];

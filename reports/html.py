@@ -154,6 +154,8 @@ _LOADER = """
     var p;
     try {
       var spec = JSON.parse(block.textContent);
+      originals[id] = {title: spec.layout.title && spec.layout.title.text, t: spec.layout.margin && spec.layout.margin.t,
+                       height: spec.layout.height, width: div.clientWidth || window.innerWidth};
       fitToWidth(spec.layout, div.clientWidth || window.innerWidth);
       var cfg = Object.assign({}, config, {toImageButtonOptions: {format: 'svg', filename: id}});
       p = Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
@@ -167,6 +169,23 @@ _LOADER = """
     }
     p.then(function () { setTimeout(function () { drawNext(i + 1); }, 0); });
   }
+  // On a resize, re-wrap each title to the new width (Plotly itself resizes the plot).
+  var originals = {};
+  var resizeTimer = null;
+  window.addEventListener('resize', function () {
+    clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(function () {
+      Object.keys(originals).forEach(function (id) {
+        var o = originals[id], div = document.getElementById(id);
+        var w = div && div.clientWidth;
+        if (!w || !o.title || Math.abs(w - o.width) < 40 || !div.dataset.rendered) { return; }
+        o.width = w;
+        var lay = {title: {text: o.title}, margin: {t: o.t}, height: o.height};
+        fitToWidth(lay, w);
+        Plotly.relayout(div, {'title.text': lay.title.text, 'margin.t': lay.margin.t, height: lay.height});
+      });
+    }, 250);
+  });
   function finish() {
     state.render_ms = performance.now() - t0;
     state.done_at_ms = performance.now();

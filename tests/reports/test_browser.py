@@ -33,6 +33,16 @@ def test_every_figure_renders_without_errors(report_html, width):
     assert r.overflow_px == 0, f"page is {r.overflow_px}px wider than a {width}px window"
 
 
+def test_resizing_to_a_narrow_window(report_html):
+    """Drawn wide, then narrowed: titles re-wrap, nothing throws, nothing sticks out."""
+    chromium_or_skip()
+    out, _ = report_html
+    r = load_report(out, width_px=1280, resize_to_px=390, timeout_s=TIMEOUT_S)
+    assert r.errors == [] and not r.timed_out
+    assert r.rendered == r.expected
+    assert r.overflow_px == 0
+
+
 def test_harness_sees_javascript_errors(tmp_path):
     """The check is not vacuous: a thrown error and a figure Plotly cannot draw are both reported."""
     chromium_or_skip()
