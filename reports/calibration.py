@@ -40,6 +40,8 @@ class CalibrationPoints:
     runs: list[str]
     skipped: list[str]
     """Source runs that could not be read, with the reason."""
+    held_out: bool = False
+    """The samples come from a run the calibration was not fitted on (none of its source runs was readable)."""
 
     def class_error(self, which: str) -> dict[str, float]:
         """|Σ predicted − Σ measured| / Σ measured per class (the calibration's own definition)."""
@@ -65,7 +67,9 @@ def _resolve_run(path: str, base: Path | None) -> Path | None:
 
 
 def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, extra_runs: list[Path] = ()) -> CalibrationPoints:
-    """Read the calibration's source runs (and ``extra_runs``) and price every sample both ways."""
+    """Read the calibration's source runs and price every sample both ways. ``extra_runs`` (the report's
+    ``--run``) stand in, flagged as held out, only when none of the source runs can be read: mixing
+    fitted and unseen samples in one error figure would blur both."""
     from coplan.costmodel.calibrate import predict, run_samples
     from coplan.costmodel.efficiency import resolve_efficiencies
 
@@ -78,9 +82,11 @@ def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, 
             skipped.append(f"{s}: not found")
         elif d.resolve() not in [x.resolve() for x in dirs]:
             dirs.append(d)
-    for d in extra_runs:
-        if d.resolve() not in [x.resolve() for x in dirs]:
-            dirs.append(d)
+    held_out = False
+    if not dirs and extra_runs:
+        # none of the runs the fit read is here: show the given run instead, as data the fit never saw
+        dirs = [d for d in extra_runs]
+        held_out = True
     names: list[str] = []
     cls: list[str] = []
     meas: list[float] = []
@@ -105,7 +111,7 @@ def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, 
             meas.append(s.measured_s)
             before.append(float(pb))
             after.append(float(pa))
-    return CalibrationPoints(names, cls, np.asarray(meas), np.asarray(before), np.asarray(after), runs, skipped)
+    return CalibrationPoints(names, cls, np.asarray(meas), np.asarray(before), np.asarray(after), runs, skipped, held_out)
 
 
 def calibration_scatter(cal: Calibration, points: CalibrationPoints | None, *,
@@ -150,7 +156,8 @@ def calibration_scatter(cal: Calibration, points: CalibrationPoints | None, *,
     rng = [float(np.log10(lo)) - 0.15, float(np.log10(hi)) + 0.15]
     fig.update_xaxes(type="log", title_text="predicted seconds per micro-batch", exponentformat="power", range=rng)
     fig.update_yaxes(type="log", title_text="measured seconds per micro-batch", exponentformat="power", range=rng)
-    sub = (f"{points.measured.size} samples from {len(points.runs)} run(s) on {cal.device}; median |error| "
+    sub = (f"{points.measured.size} samples from {len(points.runs)} run(s) on {cal.device}"
+           + (" (HELD OUT: the fit never saw them; its source runs are not here)" if points.held_out else "") + "; median |error| "
            f"{100 * points.median_error('before'):.1f}% with defaults → {100 * points.median_error('after'):.1f}% calibrated"
            + (f" (the file reports {100 * fe.median_abs_rel_error:.1f}%)" if fe else "")
            + "; hollow markers (defaults) are hidden: click the legend"

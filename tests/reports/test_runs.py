@@ -62,3 +62,14 @@ def test_calibration_figure_matches_the_fit(tiny_calibration):
     fallback = calibration_scatter(cal.model_copy(update={"source_runs": ("/no/such/run",)}),
                                    calibration_points(cal.model_copy(update={"source_runs": ("/no/such/run",)})))
     assert "not available" in fallback.layout.title.text
+
+
+def test_calibration_held_out_run(tiny_run, tiny_calibration):
+    """When the fit's own runs are gone, the report's --run stands in, flagged as held out."""
+    _, run_dir = tiny_run
+    _, cal = tiny_calibration
+    moved = cal.model_copy(update={"source_runs": ("/no/such/run",)})
+    pts = calibration_points(moved, extra_runs=[run_dir])
+    assert pts.held_out and pts.measured.size > 0
+    assert "HELD OUT" in calibration_scatter(moved, pts).layout.title.text
+    assert not calibration_points(cal, extra_runs=[run_dir]).held_out
