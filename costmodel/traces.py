@@ -3,8 +3,8 @@
 Attribution, per trace (one rank):
 
 1. *Work units* are what took device time: GPU kernels (``cat: kernel``), linked to the CPU call that
-   launched them through their ``correlation`` id; on a CPU-only trace, the top-level ``cpu_op``
-   events (an op not nested in another op of its thread) stand in for kernels.
+   launched them through their ``correlation`` id; on a CPU-only trace, each ``cpu_op``'s self time
+   (its duration less its children's) stands in for kernels.
 2. A unit launched inside a ``record_function`` range named like a cost-model op
    (``<block>.<layer>.<op>``, ``sparse.tbe``...) belongs to that op's forward. If that range itself
    runs inside an autograd backward node, it is activation-checkpoint *recompute*.
@@ -44,7 +44,8 @@ KERNEL_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"nccl.*(AllReduce|all_reduce)", "collective:all_reduce"),
         (r"nccl.*(SendRecv|Send|Recv|AllToAll|all_to_all)", "collective:all_to_all"),
         (r"nccl", "collective:other"),
-        (r"(gdpa|jagged_attn|_attn_fwd|_attn_bwd|flash|fmha|attention|sdpa|flex_attention)", "attention"),
+        # coplan's own Triton kernels (kernels/triton_attention.py) and the usual fused-attention names
+        (r"(^_fwd_kernel|^_bwd_dq_kernel|^_bwd_dkdv_kernel|_block_counts_kernel|gdpa|jagged_attn|_attn_fwd|_attn_bwd|flash|fmha|attention|sdpa|flex_attention)", "attention"),
         (r"(split_embedding|embedding_bag|tbe|batched_embedding|bounds_check_indices|linearize_cache|embedding)", "embedding"),
         (r"(gemm|cutlass|xmma|nvjet|sm90_|sm80_|cublas|matmul|_mm_|addmm|\bmm\b|bmm|linear|scaled_mm)", "gemm"),
     )
@@ -191,16 +192,26 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
             tid, ts = launches.get(corr, (None, float(k.get("ts", 0.0))))
             units.append((tid, ts, float(k.get("dur", 0.0)), str(k.get("name", ""))))
     else:
+        # CPU: every op's *self* time (its duration less its direct children's) is a unit at its own
+        # start, so nested work (a checkpoint's recompute inside a backward node) is attributed to
+        # the innermost range it ran in, and the units add up to the busy time exactly.
         for tid, ops in cpu_ops.items():
             ops.sort(key=lambda x: (x[0], -x[1]))
-            end = -1.0
-            for s, e_, ev in ops:
-                if s >= end:  # not nested in the previous top-level op
-                    name = str(ev.get("name", ""))
-                    if not name.startswith("autograd::engine::evaluate_function") and not name.startswith("ProfilerStep"):
-                        units.append((tid, s, e_ - s, name))
-                        end = e_
-                    # an evaluate_function wrapper is not work itself: its children are the units
+            child_time = [0.0] * len(ops)
+            stack: list[int] = []
+            for i, (s_, e_, _) in enumerate(ops):
+                while stack and ops[stack[-1]][1] < s_:
+                    stack.pop()
+                if stack:
+                    child_time[stack[-1]] += e_ - s_
+                stack.append(i)
+            for (s_, e_, ev), kids in zip(ops, child_time):
+                name = str(ev.get("name", ""))
+                if name.startswith("ProfilerStep"):
+                    continue
+                self_us = max(0.0, (e_ - s_) - kids)
+                if self_us > 0:
+                    units.append((tid, s_, self_us, name))
 
     acc: dict[tuple[str, str], list] = {}
     by_class: dict[str, float] = defaultdict(float)

@@ -143,3 +143,24 @@ def test_kernel_rules():
     assert classify_kernel("split_embedding_codegen_forward_unweighted_kernel") == "embedding"
     assert classify_kernel("_gdpa_fwd_kernel") == "attention"
     assert classify_kernel("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
+
+
+def test_cpu_recompute_is_its_own_phase(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(32, 32)
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def layer(t):
+        with record_function("interformer.1.ffn_up"):
+            return torch.relu(lin(t))
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    att = attribute(json.loads((tmp_path / "t.json").read_text()))
+    phases = {o.phase for o in att.ops if o.name == "interformer.1.ffn_up"}
+    assert phases == {"fwd", "recompute", "bwd"}, att.ops
+    assert att.unattributed_s + sum(o.time_s for o in att.ops) == pytest.approx(att.total_s)
