@@ -1,0 +1,267 @@
+"""coplan's sparse plan against TorchRec's EmbeddingShardingPlanner, judged by TorchRec's own estimator.
+
+For each workload's tables (dlrm-856, gem-1t) and world size (64, 512, 4,096 ranks):
+
+1. TorchRec plans the tables with ``EmbeddingShardingPlanner`` (its default enumerator, proposers,
+   greedy partitioner, perf and storage estimators) on a ``Topology(world_size, compute_device="cuda")``
+   built from the coplan topology's figures (HBM, NVLink and NIC bandwidth, GPUs per node), on CPU
+   (planning needs no GPU), with the per-rank batch and each table's ids per sample as constraints.
+2. coplan plans the same tables over one shard group of all ranks (as TorchRec does), with its own
+   cost model and CP-SAT (the decomposed model at these sizes), and exports them as a ShardingPlan.
+3. Both ShardingPlans are turned into TorchRec ShardingOptions (TorchRec's enumerator, constrained to
+   each plan's own sharding types and column-wise widths; the shards put on the plan's ranks) and
+   rated by TorchRec's ``EmbeddingPerfEstimator`` (per-shard fwd/bwd compute and comms) and its
+   ``NoopPerfModel``: the maximum over ranks of the summed shard perf, the figure TorchRec's planner
+   itself minimises; ``EmbeddingStorageEstimator`` checks the HBM of each.
+
+Both planners' wall time is reported. Run: ``python benchmarks/planner_torchrec.py [--quick]``;
+results go to ``benchmarks/results/planner_torchrec.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+logging.getLogger("torchrec").setLevel(logging.ERROR)
+logging.disable(logging.WARNING)
+
+
+def build_module(workload):
+    """The tables as the trainer lays them out: ``sparse.ebc`` (pooled) and ``sparse.ecs.ec_d<dim>``."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    dt = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16, "int8": DataType.INT8}
+    pooled = [t for t in workload.all_tables if t.feature_kind == "pooled"]
+    seq = [t for t in workload.all_tables if t.feature_kind == "sequence"]
+
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows, feature_names=[t.name],
+                                           data_type=dt[t.dtype]) for t in pooled],
+                device=torch.device("meta"),
+            )
+            groups: dict[int, list] = {}
+            for t in seq:
+                groups.setdefault(t.dim, []).append(t)
+            self.ecs = nn.ModuleDict({
+                f"ec_d{d}": EmbeddingCollection(
+                    tables=[EmbeddingConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows, feature_names=[t.name],
+                                            data_type=dt[t.dtype]) for t in ts],
+                    device=torch.device("meta"),
+                )
+                for d, ts in sorted(groups.items())
+            })
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sparse = Sparse()
+
+    return Root()
+
+
+def lookups_per_sample(workload) -> dict[str, float]:
+    from coplan.costmodel.jagged import length_moments
+
+    means = {s.name: length_moments(s.length).mean for s in workload.sequences}
+    return {t.name: (means[t.sequence] if t.feature_kind == "sequence" else t.pooling_factor) * t.num_features for t in workload.all_tables}
+
+
+def torchrec_topology(topology, world: int, batch: int):
+    from torchrec.distributed.planner.types import Topology as TRTopology
+
+    t0 = topology.tiers[0]
+    net = topology.tiers[1] if len(topology.tiers) > 1 else t0
+    return TRTopology(
+        world_size=world, compute_device="cuda", hbm_cap=int(topology.gpu.hbm_bytes), local_world_size=topology.gpus_per_node,
+        hbm_mem_bw=topology.gpu.hbm_bw_bytes_per_s / 1000.0,  # bytes/ms
+        intra_host_bw=t0.bw_bytes_per_s / 1000.0, inter_host_bw=net.bw_bytes_per_s / 1000.0,
+    )
+
+
+def constraints_for(workload, *, kinds: dict[str, str] | None = None, cw_width: dict[str, int] | None = None):
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    lam = lookups_per_sample(workload)
+    out = {}
+    for t in workload.all_tables:
+        # the sharding types both planners may use (TorchRec's planner also knows table-column-wise
+        # and grid sharding; leaving them out gives both the same search space and saves TorchRec time)
+        kw = {"sharding_types": ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]}
+        if t.feature_kind == "sequence":
+            kw["sharding_types"] = ["table_wise", "row_wise", "column_wise", "data_parallel"]
+        if kinds is not None:
+            kw["sharding_types"] = [kinds[t.name]]
+        if cw_width and t.name in cw_width:
+            kw["min_partition"] = cw_width[t.name]
+        kern = ["dense"] if kinds is not None and kinds[t.name] == "data_parallel" else ["fused"]
+        if kinds is None:
+            kern = ["fused", "dense"]  # dense only applies to data-parallel options in TorchRec
+        out[t.name] = ParameterConstraints(pooling_factors=[max(lam[t.name], 1e-3)], compute_kernels=kern, **kw)
+    return out
+
+
+def sharders():
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+
+
+def rate_plan(sharding_plan, workload, topology, world: int, batch: int) -> dict:
+    """TorchRec's estimate of a ShardingPlan: max over ranks of summed shard perf, and HBM."""
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+
+    kinds, cw_width, ranks = {}, {}, {}
+    for mod in sharding_plan.plan.values():
+        for name, ps in mod.items():
+            kinds[name] = ps.sharding_type
+            ranks[name] = list(ps.ranks or [])
+            if ps.sharding_type == "column_wise":
+                cw_width[name] = int(ps.sharding_spec.shards[0].shard_sizes[1])
+    topo = torchrec_topology(topology, world, batch)
+    cons = constraints_for(workload, kinds=kinds, cw_width=cw_width)
+    enum = EmbeddingEnumerator(topology=topo, batch_size=batch, constraints=cons,
+                               estimator=[EmbeddingPerfEstimator(topo, cons), EmbeddingStorageEstimator(topo, cons)])
+    options = enum.enumerate(build_module(workload), sharders())
+    by_table: dict[str, list] = {}
+    for o in options:
+        by_table.setdefault(o.name, []).append(o)
+    perf = [0.0] * world
+    hbm = [0.0] * world
+    for name, opts in by_table.items():
+        want = kinds[name]
+        cand = [o for o in opts if o.sharding_type == want]
+        if want == "column_wise":
+            cand = [o for o in cand if len(o.shards) == len(ranks[name])]
+        if not cand:
+            raise RuntimeError(f"TorchRec enumerates no {want} option with {len(ranks[name])} shards for {name}")
+        o = copy.deepcopy(cand[0])
+        rr = ranks[name] if want != "data_parallel" else list(range(world))
+        if want == "table_row_wise":
+            rr = ranks[name]
+        if len(rr) != len(o.shards):
+            raise RuntimeError(f"{name}: {len(rr)} ranks for {len(o.shards)} shards")
+        for s, r in zip(o.shards, rr):
+            perf[r] += s.perf.total
+            hbm[r] += s.storage.hbm
+    return {"max_rank_perf_ms": max(perf), "mean_rank_perf_ms": sum(perf) / world, "max_rank_hbm_bytes": max(hbm),
+            "fits": max(hbm) <= topology.gpu.hbm_bytes}
+
+
+def torchrec_plan(workload, topology, world: int, batch: int, timeout_s: int):
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+
+    topo = torchrec_topology(topology, world, batch)
+    planner = EmbeddingShardingPlanner(topology=topo, batch_size=batch, constraints=constraints_for(workload), debug=False,
+                                       timeout_seconds=timeout_s)
+    t0 = time.perf_counter()
+    plan = planner.plan(build_module(workload), sharders())
+    return plan, time.perf_counter() - t0
+
+
+def coplan_plan(workload, topology, world: int, dtime: float):
+    """coplan's sparse plan over one group of all ranks (CP-SAT on coplan's cost model), as a ShardingPlan."""
+    from coplan.planner.costs import Pricer
+    from coplan.planner.mesh import MeshCandidate
+    from coplan.planner.search import table_shards
+    from coplan.planner.solver import SolverSettings, solve_candidate
+    from coplan.planner.torchrec_export import to_torchrec
+    from coplan.spec import MeshPlan, Plan
+
+    t0 = time.perf_counter()
+    pr = Pricer(workload, topology, world)
+    cand = MeshCandidate(world, world, 1, world)
+    p = pr.candidate(cand)
+    res = solve_candidate(p, SolverSettings(time_limit_s=dtime, num_workers=1))
+    if res.assignment is None:
+        raise RuntimeError(f"coplan found no sparse plan at {world} ranks: {res.status}")
+    shards = table_shards(p, res.assignment)
+    plan = Plan(topology=topology, workload=workload, world_size=world, mesh=MeshPlan(dense_shard=world, sparse_shard=world), tables=shards)
+    return to_torchrec(plan), time.perf_counter() - t0, res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="dlrm-856,gem-1t")
+    ap.add_argument("--worlds", default="64,512,4096")
+    ap.add_argument("--topology", default="h200-superpod-4k")
+    ap.add_argument("--dtime", type=float, default=2.0, help="coplan CP-SAT deterministic time")
+    ap.add_argument("--torchrec-timeout", type=int, default=300, help="TorchRec planner timeout_seconds (its proposal loop)")
+    ap.add_argument("-o", "--output", default=str(RESULTS / "planner_torchrec.json"))
+    args = ap.parse_args()
+    from coplan.spec import load_topology, load_workload
+
+    topology = load_topology(args.topology)
+    rows = []
+    for wname in args.workloads.split(","):
+        w = load_workload(wname)
+        for world in (int(x) for x in args.worlds.split(",")):
+            batch = w.batch.local(world)
+            row = {"workload": wname, "world_size": world, "batch_per_rank": batch, "tables": len(w.all_tables)}
+            print(f"{wname} @ {world}: TorchRec planning...", file=sys.stderr, flush=True)
+            try:
+                tr, tr_s = torchrec_plan(w, topology, world, batch, args.torchrec_timeout)
+                row["torchrec"] = {"wall_s": tr_s, **rate_plan(tr, w, topology, world, batch), "kinds": _kinds(tr)}
+            except Exception as e:  # TorchRec raises PlannerError when nothing fits
+                row["torchrec"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            print(f"{wname} @ {world}: coplan planning...", file=sys.stderr, flush=True)
+            cp, cp_s, res = coplan_plan(w, topology, world, args.dtime)
+            row["coplan"] = {"wall_s": cp_s, **rate_plan(cp, w, topology, world, batch), "kinds": _kinds(cp),
+                             "cp_sat_status": res.status, "coplan_gap": res.gap}
+            if "max_rank_perf_ms" in row["torchrec"]:
+                row["coplan_vs_torchrec"] = row["torchrec"]["max_rank_perf_ms"] / row["coplan"]["max_rank_perf_ms"] - 1.0
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    out = {
+        "benchmark": "planner_torchrec", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "versions": _versions(), "topology": args.topology, "rows": rows,
+        "metric": "TorchRec EmbeddingPerfEstimator + NoopPerfModel: max over ranks of summed shard perf (ms); lower is better",
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def _kinds(sp) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for mod in sp.plan.values():
+        for ps in mod.values():
+            out[ps.sharding_type] = out.get(ps.sharding_type, 0) + 1
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for p in ("torch", "torchrec", "fbgemm-gpu-cpu", "ortools", "coplan"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
