@@ -91,10 +91,14 @@ class StepRecord:
     imbalance: float
     """max / mean of the ranks' model FLOPs this step (1.0 = perfectly balanced)."""
     task_loss: dict[str, float] = field(default_factory=dict)
+    seq_stats: dict[str, list[float]] = field(default_factory=dict)
+    """This rank's jagged lengths per sequence, ``[n, ΣL, ΣL²]``: what calibration prices the
+    profiled steps with (their real length moments, not the distribution's)."""
 
     def as_json(self) -> dict:
         d = {k: getattr(self, k) for k in ("step", "loss", "step_time_s", "tokens", "samples", "model_flops", "mfu", "imbalance")}
         d["task_loss"] = self.task_loss
+        d["seq_stats"] = self.seq_stats
         for k, v in list(d.items()):
             if isinstance(v, float) and not math.isfinite(v):
                 d[k] = None

@@ -7,6 +7,7 @@ The model's ``record_function`` ranges carry the cost model's op names, and ever
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+import json
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ class TraceWindow(AbstractContextManager):
 
     def __init__(self, out_dir: Path, rank: int, first: int, count: int, start_step: int, device: torch.device) -> None:
         self.path = out_dir / f"rank{rank}.json"
+        self.steps = list(range(first, first + count))
         self.enabled = count > 0 and first >= start_step
         self._prof = None
         if self.enabled:
@@ -36,6 +38,8 @@ class TraceWindow(AbstractContextManager):
 
     def _write(self, prof) -> None:
         prof.export_chrome_trace(str(self.path))
+        # which steps the trace holds: calibration prices them with those steps' own lengths
+        (self.path.parent / "steps.json").write_text(json.dumps(self.steps))
 
     def __enter__(self) -> "TraceWindow":
         if self._prof is not None:

@@ -223,12 +223,13 @@ def run(args: argparse.Namespace) -> int:
         done = [p for p in pending if p[0] in durs]
         for item in done:
             pending.remove(item)
-            step, loss_t, task_t, tokens, samples, flops, imb = item
+            step, loss_t, task_t, tokens, samples, flops, imb, seq_stats = item
             loss = float(loss_t.item())  # type: ignore[union-attr]
             tl = task_t.tolist()  # type: ignore[union-attr]
             dt = durs[step]
             rec = StepRecord(step=step, loss=loss, step_time_s=dt, tokens=tokens, samples=samples, model_flops=flops,
-                             mfu=mfu(flops, dt, world, peak), imbalance=imb, task_loss=dict(zip(tasks, tl)))
+                             mfu=mfu(flops, dt, world, peak), imbalance=imb, task_loss=dict(zip(tasks, tl)),
+                             seq_stats=seq_stats)
             records.append(rec)
             if rank == 0:
                 with metrics_path.open("a") as f:
@@ -260,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
                 flops = step_flops(workload, hb.global_lengths, global_batch)
                 rc = hb.rank_costs
                 imb = float(rc.max() / rc.mean()) if rc is not None and rc.mean() > 0 else 1.0
-                pending.append((step, parts[0], parts[1:], g_tokens, global_batch, flops, imb))
+                seq_stats = {k: [float(v.size), float(v.sum()), float((v.astype(np.float64) ** 2).sum())]
+                             for k, v in hb.seq_lengths.items()}
+                pending.append((step, parts[0], parts[1:], g_tokens, global_batch, flops, imb, seq_stats))
                 tw.step()
                 if bar is not None:
                     bar.update(1)

@@ -205,3 +205,21 @@ def test_trainer_refuses_a_launch_that_does_not_match(workspace, tmp_path):
     r = torchrun(1, [str(path), "--device", "cpu", "--steps", "2", "--runs-root", str(tmp_path), "--no-progress"], timeout=120)
     assert r.returncode != 0
     assert "the plan is for 2 ranks" in r.stdout and "1 processes were launched" in r.stdout
+
+
+def test_calibrate_from_trainer_traces(fsdp_ep_stock):
+    """Issue 8: the trainer's own CPU traces parse, attribute to the cost model's ops and fit."""
+    from coplan.costmodel.calibrate import calibrate
+    from coplan.costmodel.efficiency import resolve_efficiencies
+    from coplan.errors import MismatchError
+
+    cal, res, runs = calibrate([fsdp_ep_stock["sharded"]])
+    run = runs[0]
+    assert cal.device == "cpu"
+    assert set(run.moments) == {"history"}  # the profiled steps' own lengths, from metrics.jsonl
+    assert run.attributed_share > 0.5, run.attributed_share
+    classes = {s.op_class for s in res.samples}
+    assert {"gemm", "attention", "embedding", "elementwise"} <= classes, classes
+    assert cal.fit_error is not None and cal.fit_error.num_samples == len(res.samples)
+    with pytest.raises(MismatchError):
+        resolve_efficiencies(load_topology("h200-1gpu"), cal)  # a CPU calibration is no H200's
