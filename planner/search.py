@@ -206,6 +206,8 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     best: tuple[float, CandidateRecord, SolveResult] | None = None
     i = 0
     solved = 0
+    import ortools.sat.python.cp_model  # noqa: F401  (imported once, before the workers fork)
+
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx) if workers > 1 else None
     try:

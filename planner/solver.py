@@ -267,18 +267,30 @@ def place(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, .
 
 def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, ...]) -> Assignment | None:
     """:func:`place`, then memory-first placement, then recomputing more layers (cheapest per byte
-    freed first) one at a time until the shards fit; None when nothing fits."""
+    freed first) one at a time until the shards fit; then drop any recompute the placed plan does not
+    need (most expensive first). None when nothing fits."""
     rc = list(recompute)
     order = sorted(range(len(p.layers)), key=lambda i: (p.layers[i].recompute_s / max(p.layers[i].saved_bytes, 1.0), i))
     while True:
         for by_memory in (False, True):
             a = place(p, choice, tuple(rc), by_memory=by_memory)
             if a is not None and evaluate(p, a).peak_bytes <= p.capacity_bytes:
-                return a
+                return trim_recompute(p, a)
         nxt = next((i for i in order if not rc[i] and p.layers[i].saved_bytes > 0), None)
         if nxt is None:
             return None
         rc[nxt] = True
+
+
+def trim_recompute(p: CandidatePricing, a: Assignment) -> Assignment:
+    """Stop recomputing layers, most expensive first, while the placed plan still fits."""
+    rc = list(a.recompute)
+    for i in sorted((i for i, on in enumerate(rc) if on), key=lambda i: (-p.layers[i].recompute_s, i)):
+        rc[i] = False
+        trial = Assignment(a.choice, a.ranks, tuple(rc))
+        if evaluate(p, trial).peak_bytes > p.capacity_bytes:
+            rc[i] = True
+    return Assignment(a.choice, a.ranks, tuple(rc))
 
 
 def _improve(p: CandidatePricing, a: Assignment, load: list[float], mem: list[float], budget: float, max_moves: int = 400) -> Assignment:
@@ -459,7 +471,7 @@ def heuristic_any(p: CandidatePricing) -> Assignment | None:
     recompute, and at last every layer recomputed."""
     a = heuristic(p)
     if a is not None:
-        return a
+        return trim_recompute(p, a) if evaluate(p, a).peak_bytes <= p.capacity_bytes else a
     if not p.layers:
         return None
     full = tuple(True for _ in p.layers)
