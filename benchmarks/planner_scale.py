@@ -33,7 +33,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--time-limit", type=float, default=40.0)
+    ap.add_argument("--time-limit", type=float, default=300.0)
+    ap.add_argument("--max-solves", type=int, default=12)
     ap.add_argument("--solve-dtime", type=float, default=0.5)
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "planner_scale.json"))
     args = ap.parse_args()
@@ -44,7 +45,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cpu0 = os.times()
         plan, res = make_plan(w, t, None, PlannerConfig(world_size=gpus, num_workers=args.workers, time_limit_s=args.time_limit,
-                                                        solve_dtime=args.solve_dtime),
+                                                        solve_dtime=args.solve_dtime, max_solves=args.max_solves),
                               progress=lambda m: print(m, file=sys.stderr, flush=True))
         wall = time.perf_counter() - t0
         cpu1 = os.times()

@@ -87,8 +87,10 @@ def run_plan(args: argparse.Namespace) -> int:
     calibration = load_calibration(args.calibration) if args.calibration else None
     if args.time_limit <= 0:
         raise CoplanError(f"--time-limit must be positive (got {args.time_limit})")
+    if args.max_solves < 1:
+        raise CoplanError(f"--max-solves must be at least 1 (got {args.max_solves})")
     cfg = PlannerConfig(world_size=args.gpus, time_limit_s=args.time_limit, num_workers=args.workers, seed=args.seed,
-                        policy=args.policy, solve_dtime=args.solve_dtime)
+                        policy=args.policy, solve_dtime=args.solve_dtime, max_solves=args.max_solves)
     progress = None if (args.json or args.quiet) else (lambda msg: print(msg, file=sys.stderr, flush=True))
     plan, _ = make_plan(workload, topology, calibration, cfg, progress=progress)
     out = Path(args.output)
@@ -116,7 +118,8 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--calibration", "-c", help="calibration.json from coplan calibrate")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--gpus", type=int, help="plan for the first N GPUs of the topology (default: all)")
-    p.add_argument("--time-limit", type=float, default=40.0, help="wall-clock budget of the search, seconds (default 40)")
+    p.add_argument("--max-solves", type=int, default=12, help="mesh candidates solved with CP-SAT at most (default 12)")
+    p.add_argument("--time-limit", type=float, default=300.0, help="wall-clock guard: no new batch of solves after this many seconds (default 300)")
     p.add_argument("--solve-dtime", type=float, default=0.5, help="CP-SAT deterministic-time limit per candidate (default 0.5)")
     p.add_argument("--workers", type=int, default=0, help="parallel solves (default: the machine's cores)")
     p.add_argument("--seed", type=int, default=0, help="CP-SAT seed (plans are deterministic for a seed)")

@@ -52,8 +52,11 @@ class PlannerConfig:
     world_size: int | None = None
     """GPUs to plan for (the first ones of the topology); None: all of them."""
 
-    time_limit_s: float = 40.0
-    """Wall-clock budget of the search; solves already running finish (each is bounded by ``solve_dtime``)."""
+    time_limit_s: float = 300.0
+    """Wall-clock guard of the search (no new batch starts after it). The search is budgeted in
+    deterministic terms (``max_solves``, ``batch_size``, ``solve_dtime``) so that a plan does not depend
+    on the machine's speed or load; this guard only matters on a machine far slower than planned for,
+    and then the plan says how many candidates it solved."""
 
     solve_dtime: float = 0.5
     """Deterministic-time limit of one CP-SAT solve (OR-Tools deterministic seconds)."""
@@ -64,8 +67,12 @@ class PlannerConfig:
     seed: int = 0
     """CP-SAT seed: a plan is deterministic for a seed."""
 
-    max_solves: int = 64
-    """At most this many candidates are solved."""
+    max_solves: int = 12
+    """At most this many candidates are solved (CP-SAT), in batches of ``batch_size``."""
+
+    batch_size: int = 4
+    """Candidates solved per batch before the best plan is updated; fixed, whatever the number of
+    workers, so the candidates solved (and the plan) are the same on any machine."""
 
     flat_max_vars: int = 20_000
     """Placement booleans above which a candidate is solved in the decomposed formulation."""
@@ -181,7 +188,7 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     cfg = config or PlannerConfig()
     t0 = time.perf_counter()
     world = check_world_size(topology, cfg.world_size)
-    workers = cfg.num_workers or available_cores()
+    workers = min(cfg.num_workers or available_cores(), max(1, cfg.batch_size))
     pricer = Pricer(workload, topology, world, calibration, min_cw_dim=cfg.min_cw_dim, policy=cfg.policy)
     cands = list(enumerate_candidates(topology, workload, world))
     floors: dict[int, _SparseFloor] = {}
@@ -217,7 +224,7 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
             if best is not None and time.perf_counter() - t0 > cfg.time_limit_s:
                 break
             batch = []
-            while i < len(feasible) and len(batch) < workers and solved + len(batch) < cfg.max_solves:
+            while i < len(feasible) and len(batch) < cfg.batch_size and solved + len(batch) < cfg.max_solves:
                 r = feasible[i]
                 if best is not None and r.lower_bound_s >= best[0] * (1 - cfg.gap_tolerance):
                     break
