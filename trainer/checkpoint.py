@@ -7,14 +7,26 @@ the step; and, one file per rank, the fused embedding optimizer's local shards (
 The fused state is kept apart because TorchRec lists a table's optimizer state only on the ranks
 holding a shard of it, and DCP takes keys that differ between ranks for a pre-2.4 checkpoint and
 refuses to load. A resumed run has the same plan (checked), hence the same shards on each rank.
+Each rank's RNG states (torch, numpy, python) go in ``rng/rank<k>.pt``: the model draws no random
+numbers while training today, but a resumed run must not depend on that staying true.
+
+Atomicity: a checkpoint is written into ``step_<n>.tmp/``; once every rank has written its part
+(barrier), rank 0 writes the ``COMPLETE`` marker last and renames the folder to ``step_<n>/``. A
+folder that is still ``.tmp`` or has no marker was interrupted (a killed rank, a full disk) and is
+never loaded: :func:`scan` lists it as incomplete and the previous complete one is used.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import random
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -27,6 +39,8 @@ from coplan.trainer.optim import Optimizers
 from coplan.trainer.parallelize import ParallelModel
 
 STEP_PREFIX = "step_"
+TMP_SUFFIX = ".tmp"
+MARKER = "COMPLETE"
 
 
 def _is_expert(key: str) -> bool:
@@ -93,30 +107,92 @@ def _fused_local(pm: ParallelModel) -> dict[str, torch.Tensor]:
     return out
 
 
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name.removesuffix(TMP_SUFFIX)
+    try:
+        return int(name[len(STEP_PREFIX):])
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Scan:
+    """The checkpoints of a run directory, oldest first."""
+
+    complete: list[Path] = field(default_factory=list)
+    incomplete: list[Path] = field(default_factory=list)
+    """Interrupted while being written (``.tmp`` or no ``COMPLETE`` marker): never loaded."""
+
+    @property
+    def latest(self) -> Path | None:
+        return self.complete[-1] if self.complete else None
+
+
+def scan(run_dir: Path) -> Scan:
+    complete, incomplete = [], []
+    root = run_dir / "checkpoints"
+    found = [p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p) is not None] if root.is_dir() else []
+    for p in sorted(found, key=lambda q: (_step_of(q), q.name)):
+        ok = not p.name.endswith(TMP_SUFFIX) and (p / MARKER).is_file() and (p / ".metadata").is_file()
+        (complete if ok else incomplete).append(p)
+    return Scan(complete, incomplete)
+
+
 def save(run_dir: Path, pm: ParallelModel, optims: Optimizers, step: int, keep: int = 2) -> Path:
-    """Write ``checkpoints/step_<step>`` (after ``step`` has run); keeps the ``keep`` newest."""
+    """Write ``checkpoints/step_<step>`` (after ``step`` has run), atomically; keeps the ``keep``
+    newest complete ones (0: all). Every rank calls it."""
     root = run_dir / "checkpoints"
     path = root / f"{STEP_PREFIX}{step:08d}"
-    dcp.save(_state(pm, optims, step), checkpoint_id=str(path))
-    (path / "fused").mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in _fused_local(pm).items()}, path / "fused" / f"rank{dist.get_rank()}.pt")
-    if dist.get_rank() == 0:
-        olds = sorted(root.glob(f"{STEP_PREFIX}*"))[:-keep] if keep > 0 else []
-        for old in olds:
-            shutil.rmtree(old, ignore_errors=True)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    rank = dist.get_rank()
+    if rank == 0:  # a leftover of an interrupted save of the same step
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_state(pm, optims, step), checkpoint_id=str(tmp))
+    (tmp / "fused").mkdir(parents=True, exist_ok=True)
+    (tmp / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().cpu() for k, v in _fused_local(pm).items()}, tmp / "fused" / f"rank{rank}.pt")
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    dist.barrier()  # every rank's part is on disk before the marker says so
+    if rank == 0:
+        (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": dist.get_world_size()}) + "\n")
+        if path.exists():  # an older incomplete folder of this step (no marker): replaced
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        if keep > 0:
+            for old in scan(run_dir).complete[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
 
 
 def latest(run_dir: Path) -> Path | None:
-    found = sorted((run_dir / "checkpoints").glob(f"{STEP_PREFIX}*"))
-    return found[-1] if found else None
+    """The newest complete checkpoint (incomplete ones are skipped; see :func:`scan`)."""
+    return scan(run_dir).latest
 
 
 def load(path: Path, pm: ParallelModel, optims: Optimizers) -> int:
     """Restore everything from ``path``; returns the step it was taken after."""
     if not (path / ".metadata").is_file():
         raise CoplanError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata)")
+    if not (path / MARKER).is_file():
+        raise CoplanError(f"{path}: incomplete checkpoint (no {MARKER} marker: interrupted while being written)")
     state = _state(pm, optims, -1)
     # ShardedTensors of tables with no shard on this rank must stay in the state: flattening drops
     # them, and DCP then mistakes the checkpoint for a pre-2.4 one.
@@ -147,7 +223,10 @@ def load(path: Path, pm: ParallelModel, optims: Optimizers) -> int:
             for k, v in state["table_optim"].get(name, {}).items():
                 if isinstance(v, torch.Tensor) and isinstance(optims.tables.state[p].get(k), torch.Tensor):
                     optims.tables.state[p][k].copy_(v)
+    rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
     return int(state["step"])
 
 
-__all__ = ["latest", "load", "save"]
+__all__ = ["MARKER", "Scan", "latest", "load", "save", "scan"]

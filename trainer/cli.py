@@ -17,7 +17,7 @@ from coplan.errors import MismatchError
 from coplan.spec import load_plan
 
 _PASS = ("steps", "warmup", "runs_root", "run_id", "resume", "data", "data_samples", "seed", "device", "attention",
-         "trace", "checkpoint_every", "log_every")
+         "trace", "checkpoint_every", "keep_last_n", "log_every")
 _FLAGS = ("allow_device_mismatch", "no_progress")
 
 
@@ -74,7 +74,8 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the statistics")
     p.add_argument("--runs-root", default=None, help="folder of run directories (default runs/)")
     p.add_argument("--run-id", default=None, help="run directory name")
-    p.add_argument("--resume", default=None, help="continue this run directory from its latest checkpoint")
+    p.add_argument("--resume", default=None,
+                   help="continue this run directory from its latest complete checkpoint ('auto': <runs-root>/<run-id> if it has one)")
     p.add_argument("--data", default=None, help="Parquet dataset folder (generated when missing)")
     p.add_argument("--data-samples", type=int, default=None, help="samples to generate when the dataset is missing")
     p.add_argument("--seed", type=int, default=None)
@@ -82,6 +83,7 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--attention", choices=["triton", "reference", "flex"], default=None, help="override the attention backend")
     p.add_argument("--trace", default=None, help="'A:B' steps to profile, 'none', or 'auto'")
     p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--keep-last-n", type=int, default=None, help="complete checkpoints to keep (default 2; 0: all)")
     p.add_argument("--log-every", type=int, default=None)
     p.add_argument("--allow-device-mismatch", action="store_true")
     p.add_argument("--no-progress", action="store_true")

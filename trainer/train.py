@@ -8,12 +8,19 @@ from the statistics; metrics are read back from the device only every ``--log-ev
 
 Run directory (``runs/<id>/``): ``plan.json``, ``metrics.jsonl``, ``summary.json``,
 ``traces/rank<k>.json``, ``checkpoints/step_<n>/``.
+
+Reliability (docs/reliability.md): ``--resume auto`` with a fixed ``--run-id`` continues the run
+directory from its newest complete checkpoint when it has one, so that ``torchrun --max-restarts``
+restarts a job where it stopped; metrics lines of steps after the checkpoint are dropped, since
+those steps run again. A non-finite loss or dense gradient stops the run before any later
+checkpoint is written (:class:`NumericalError`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -36,7 +43,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="leading steps left out of the statistics (default: min(5, steps/4))")
     p.add_argument("--runs-root", default="runs", help="folder holding run directories")
     p.add_argument("--run-id", default=None, help="run directory name (default: <workload>-<ranks>r-<UTC time>)")
-    p.add_argument("--resume", default=None, help="a run directory: continue it from its latest checkpoint")
+    p.add_argument("--resume", default=None,
+                   help="a run directory: continue it from its latest complete checkpoint; 'auto': continue "
+                        "<runs-root>/<run-id> when it has one, else start it (what a torchrun restart needs)")
     p.add_argument("--data", default=None, help="dataset folder (Parquet); generated there by rank 0 when missing")
     p.add_argument("--data-samples", type=int, default=None, help="samples to generate (default: 32 global batches)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of generated data")
@@ -46,11 +55,49 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="override the plan's attention backend (recorded in the summary)")
     p.add_argument("--trace", default="auto", help="'A:B' profiles steps A..B-1, 'none' disables, 'auto' = the 3 steps after warm-up")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: at the end only; -1: never)")
+    p.add_argument("--keep-last-n", type=int, default=2, help="complete checkpoints to keep (0: all)")
     p.add_argument("--log-every", type=int, default=None,
                    help="read metrics back every N steps (default: 1 on CPU, 10 on CUDA, where reading back waits for the GPU)")
     p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+class NumericalError(CoplanError):
+    """The loss or a gradient became NaN or infinite; the run stops without checkpointing."""
+
+    exit_code = 5
+
+
+# Test-only fault injection (tests/reliability/test_faults.py): "loss@K" or "grad@K" makes rank 0's
+# loss, or one of its dense gradients, non-finite at step K. Read once; unset in any real run.
+_POISON_ENV = "COPLAN_TEST_POISON"
+
+
+def _poison() -> tuple[str, int] | None:
+    v = os.environ.get(_POISON_ENV)
+    if not v:
+        return None
+    what, _, at = v.partition("@")
+    if what not in ("loss", "grad") or not at.isdigit():
+        raise CoplanError(f"{_POISON_ENV}={v!r}: expected 'loss@<step>' or 'grad@<step>'")
+    return what, int(at)
+
+
+def _init_process_group(backend: str, rank: int, world: int) -> None:
+    """Under a torchrun restart, keys of the dead attempt (its ranks' gloo addresses) are still in
+    the agent's store, and a new rank would try to connect to them: each attempt gets its own prefix."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(minutes=5))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"coplan/attempt_{attempt}", store), rank=rank, world_size=world)
 
 
 def _versions() -> dict[str, str]:
@@ -146,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         # fp32 matmuls that remain (router softmax inputs, reference attention) may use TF32, as is usual
         torch.set_float32_matmul_precision("high")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        _init_process_group("nccl" if device_type == "cuda" else "gloo", rank, world)
     workload = plan.workload
     global_batch = workload.batch.global_(plan.world_size)
     if global_batch % world:
@@ -154,6 +201,12 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_backend(args.attention or plan.kernels.attention, device)
 
     # run directory: rank 0 names it, everyone agrees
+    if args.resume == "auto":
+        if not args.run_id:
+            raise CoplanError("--resume auto needs --run-id: a restarted job must find the same run directory")
+        args.resume = str(Path(args.runs_root) / args.run_id)
+        if not (Path(args.resume) / "plan.json").is_file():
+            args.resume = None  # first start: a new run of that name
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "plan.json").is_file():
@@ -187,15 +240,27 @@ def run(args: argparse.Namespace) -> int:
 
     start = 0
     if args.resume:
-        last = ckpt.latest(run_dir)
+        found = ckpt.scan(run_dir)
+        # every rank loads what rank 0 saw (a rank must never load another step than its peers)
+        choice = [str(found.latest) if found.latest else None]
+        dist.broadcast_object_list(choice, src=0)
+        last = Path(choice[0]) if choice[0] else None
+        if rank == 0:
+            for bad in found.incomplete:
+                print(f"warning: skipping incomplete checkpoint {bad} (interrupted while being written); "
+                      f"using {last or 'none: starting from step 0'}", file=sys.stderr, flush=True)
         if last is not None:
             start = ckpt.load(last, pm, optims) + 1
-            if rank == 0:
-                print(f"resumed from {last} at step {start}", file=sys.stderr, flush=True)
-                mp = run_dir / "metrics.jsonl"
-                if mp.is_file():  # steps after the checkpoint will run again: drop their old lines
-                    kept = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start]
-                    mp.write_text("".join(k + "\n" for k in kept))
+        if rank == 0:
+            print(f"resumed from {last} at step {start}" if last else f"resuming {run_dir}: no complete checkpoint, "
+                  "starting from step 0", file=sys.stderr, flush=True)
+            mp = run_dir / "metrics.jsonl"
+            if mp.is_file():  # steps after the checkpoint will run again: drop their old lines
+                kept = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start]
+                tmp = mp.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(k + "\n" for k in kept))
+                os.replace(tmp, mp)
+        dist.barrier()
     steps = args.steps
     log_every = max(1, args.log_every or (10 if device_type == "cuda" else 1))
     warmup = args.warmup if args.warmup is not None else min(5, steps // 4)
@@ -205,7 +270,11 @@ def run(args: argparse.Namespace) -> int:
     peak = plan.topology.gpu.peak_flops_per_s.get("bf16", 0.0)
     tasks = layout.tasks
     metrics_path = run_dir / "metrics.jsonl"
-    pending: list[tuple[int, object, object, int, int, float, float]] = []
+    pending: list[tuple] = []
+    poison = _poison()
+    grad_params = [p for g in optims.dense.param_groups for p in g["params"]]
+    if optims.tables is not None:
+        grad_params += [p for g in optims.tables.param_groups for p in g["params"]]
     records: list[StepRecord] = []
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     trace_first, trace_count = _trace_window(args.trace, warmup, steps)
@@ -223,8 +292,17 @@ def run(args: argparse.Namespace) -> int:
         done = [p for p in pending if p[0] in durs]
         for item in done:
             pending.remove(item)
-            step, loss_t, task_t, tokens, samples, flops, imb, seq_stats = item
+            step, loss_t, bad_t, task_t, tokens, samples, flops, imb, seq_stats = item
             loss = float(loss_t.item())  # type: ignore[union-attr]
+            bad = float(bad_t.item())  # type: ignore[union-attr]
+            if not math.isfinite(loss) or bad != 0:
+                # every rank sees the same all-reduced values, so all stop here together, before
+                # this step's metrics line and before any checkpoint after it
+                what = f"loss is {loss}" if not math.isfinite(loss) else f"{bad:.0f} dense gradient elements are NaN/Inf"
+                kept = ckpt.latest(run_dir)
+                raise NumericalError(
+                    f"step {step}: {what}; stopped without checkpointing. Last good checkpoint: "
+                    f"{kept or 'none'} (resume from it with a lower learning rate, or check the data of step {step})")
             tl = task_t.tolist()  # type: ignore[union-attr]
             dt = durs[step]
             rec = StepRecord(step=step, loss=loss, step_time_s=dt, tokens=tokens, samples=samples, model_flops=flops,
@@ -249,13 +327,23 @@ def run(args: argparse.Namespace) -> int:
                 logits = pm.dmp(batch)
                 # this rank's share of the global mean: gradients then sum over ranks (see distributed/embedding.py)
                 loss = bce_loss_sum(logits, batch.labels) / global_batch
+                if poison == ("loss", step) and rank == 0:
+                    loss = loss * float("nan")
                 loss.backward()
+                grads = [g.to_local() if hasattr(g, "to_local") else g for p in grad_params if (g := p.grad) is not None]
+                if poison == ("grad", step) and rank == 0 and grads:
+                    grads[0].fill_(float("inf"))
+                # count of non-finite dense gradient elements, summed over ranks with the loss below
+                # (no host sync here; checked when metrics are read back, and always before a checkpoint)
+                with torch.no_grad():
+                    n_bad = (torch.stack([(~torch.isfinite(g)).sum() for g in grads]).sum().float().reshape(1)
+                             if grads else torch.zeros(1, device=device))
                 optims.step()
                 optims.zero_grad()
                 with torch.no_grad():
                     per_task = torch.nn.functional.binary_cross_entropy_with_logits(
                         logits.detach(), batch.labels, reduction="none").sum(0) / global_batch
-                    parts = torch.cat([loss.detach().reshape(1), per_task])
+                    parts = torch.cat([loss.detach().reshape(1), n_bad.to(loss.dtype), per_task])
                     dist.all_reduce(parts)
                 g_tokens = int(sum(int(v.sum()) for v in hb.global_lengths.values()))
                 flops = step_flops(workload, hb.global_lengths, global_batch)
@@ -263,14 +351,14 @@ def run(args: argparse.Namespace) -> int:
                 imb = float(rc.max() / rc.mean()) if rc is not None and rc.mean() > 0 else 1.0
                 seq_stats = {k: [float(v.size), float(v.sum()), float((v.astype(np.float64) ** 2).sum())]
                              for k, v in hb.seq_lengths.items()}
-                pending.append((step, parts[0], parts[1:], g_tokens, global_batch, flops, imb, seq_stats))
+                pending.append((step, parts[0], parts[1], parts[2:], g_tokens, global_batch, flops, imb, seq_stats))
                 tw.step()
                 if bar is not None:
                     bar.update(1)
                 if args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0 and step + 1 < steps:
                     timer.mark(step + 1)
                     flush()
-                    ckpt.save(run_dir, pm, optims, step)
+                    ckpt.save(run_dir, pm, optims, step, keep=args.keep_last_n)
                     timer.reset()  # the checkpoint's time is no step's
             timer.mark(steps)
             flush()
@@ -279,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     if args.checkpoint_every >= 0 and steps > start:
-        ckpt.save(run_dir, pm, optims, steps - 1)
+        ckpt.save(run_dir, pm, optims, steps - 1, keep=args.keep_last_n)
 
     # summary: warm-up steps and profiled steps (the profiler slows the host) are left out
     traced = set(range(trace_first, trace_first + trace_count))
