@@ -16,14 +16,13 @@ Dominated options (no better in any figure, no fewer shards) are dropped before 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from coplan.planner.mesh import MeshCandidate
 from coplan.planner.pricing import CandidatePricing, LayerOption, ShardOption
-from coplan.spec import BalancingPlan, Calibration, LayerPlan, MeshPlan, Topology, Workload
+from coplan.spec import BalancingPlan, Calibration, MeshPlan, Topology, Workload
 from coplan.spec.workload import FixedLength
 
 POLICY_ORDER = ("greedy", "karmarkar_karp", "none")
@@ -261,36 +260,3 @@ def _prune(opts: list[ShardOption]) -> list[ShardOption]:
         if not dominated:
             keep.append(b)
     return keep
-
-
-def lower_bound(p: CandidatePricing) -> tuple[float, float]:
-    """(step-time, memory) lower bounds of a candidate from per-table minima, without solving.
-
-    Time: the base, plus the larger of the average rank's lookups and the biggest unavoidable shard,
-    plus the all-to-all floor and the cheapest all-reduce. Memory: the base with every layer
-    recomputed, plus the average rank's smallest possible share of the tables.
-    """
-    s = p.group_size
-    wa, rf = p.a2a_s_per_byte, p.recv_factor
-    work = item = send = recv = ar = mem = recv_mem = 0.0
-    for opts in p.options:
-        work += min((o.fwd_s + o.bwd_s) * (1 if o.placement == "all" else o.num_shards / s) for o in opts)
-        item = max(item, min(0.0 if o.placement == "all" else o.fwd_s + o.bwd_s for o in opts))
-        send += min(o.send_bytes * (1 if o.placement == "all" else o.num_shards / s) for o in opts)
-        recv += min(o.recv_bytes for o in opts)
-        ar += min(o.allreduce_bytes for o in opts)
-        mem += min(o.mem_bytes * (1 if o.placement == "all" else o.num_shards / s) for o in opts)
-        recv_mem += min(o.recv_bytes for o in opts)
-    t = p.base_time_s + max(work, item) + wa * max(send, rf * recv) + p.dp_s_per_byte * ar
-    saved = sum(l.saved_bytes for l in p.layers)
-    peak = max((l.peak_bytes for l in p.layers), default=0.0)
-    m = p.base_bytes - saved + peak + mem + p.recv_mem_factor * recv_mem
-    return t, m
-
-
-def layer_plans(p: CandidatePricing, recompute: tuple[bool, ...]) -> tuple[LayerPlan, ...]:
-    return tuple(LayerPlan(name=l.name, recompute=bool(on)) for l, on in zip(p.layers, recompute))
-
-
-def finite_or(x: float, default: float = 0.0) -> float:
-    return x if math.isfinite(x) else default

@@ -1,5 +1,6 @@
 """Mesh candidates: every factorisation of the world into dense (HSDP × EP) and sparse (shard group ×
-replica) degrees, with each mesh axis mapped onto the topology tiers its process groups cross.
+replica) degrees. Each axis's tier mapping (which tiers its process groups cross) is the cost
+model's placement of the group (``coplan.costmodel.place_group``), so plans and prices agree.
 
 Ranks are laid out innermost-axis-fastest and fill the topology innermost-tier-first, so rank ``r``
 sits in NVLink domain ``r // tiers[0].size``. The shard axes are the inner ones (``dp_shard`` inside
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from coplan.errors import CoplanError
-from coplan.spec import MeshAxis, MeshPlan, Topology, Workload
+from coplan.spec import Topology, Workload
 from coplan.spec.workload import MoEBlock
 
 
@@ -29,35 +30,6 @@ def divisors(n: int) -> list[int]:
             if d != n // d:
                 out.append(n // d)
     return sorted(out)
-
-
-def tiers_crossed(topology: Topology, world_size: int, size: int, stride: int) -> tuple[str, ...]:
-    """Names of the tiers the traffic of one process group of ``size`` ranks, ``stride`` apart, uses.
-
-    Tier ``i`` is used when two members meet first in a tier-``i`` group: the members occupy more
-    units of the tier below ``i`` than groups of tier ``i``. A strided group with one rank per NVLink
-    domain therefore uses only network tiers. Groups are laid out alike, so the first one (ranks 0,
-    stride, 2·stride, ...) stands for all. A group of one is reported as the innermost tier.
-    """
-    if size <= 1:
-        return (topology.tiers[0].name,)
-    members = [j * stride for j in range(size)]
-    if members[-1] >= world_size:  # pragma: no cover - callers pass divisors
-        raise ValueError("group does not fit in the world")
-    used = []
-    below = len(members)  # distinct GPUs
-    for i, tier in enumerate(topology.tiers):
-        here = len({m // topology.gpus_within(i) for m in members})
-        if here < below:
-            used.append(tier.name)
-        below = here
-    return tuple(used)
-
-
-def innermost_tier_span(topology: Topology, size: int, stride: int) -> str:
-    """The outermost tier a group crosses (its slowest link)."""
-    crossed = tiers_crossed(topology, size * stride, size, stride)
-    return crossed[-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,30 +59,6 @@ class MeshCandidate:
     @property
     def key(self) -> str:
         return f"fsdp{self.dense_shard}x{self.dense_replicate}-ep{self.expert_parallel}-sp{self.sparse_shard}x{self.sparse_replicate}"
-
-    def axes(self, topology: Topology) -> tuple[MeshAxis, ...]:
-        w = self.world_size
-        spec = [
-            ("dp_replicate", self.dense_replicate, self.dense_shard),
-            ("dp_shard", self.dense_shard, 1),
-            ("ep", self.expert_parallel, 1),
-            ("sparse_replicate", self.sparse_replicate, self.sparse_shard),
-            ("sparse_shard", self.sparse_shard, 1),
-        ]
-        return tuple(
-            MeshAxis(name=name, size=size, tiers=tiers_crossed(topology, w, size, stride))  # type: ignore[arg-type]
-            for name, size, stride in spec
-        )
-
-    def to_mesh_plan(self, topology: Topology) -> MeshPlan:
-        return MeshPlan(
-            dense_shard=self.dense_shard,
-            dense_replicate=self.dense_replicate,
-            expert_parallel=self.expert_parallel,
-            sparse_shard=self.sparse_shard,
-            sparse_replicate=self.sparse_replicate,
-            axes=self.axes(topology),
-        )
 
 
 def check_world_size(topology: Topology, world_size: int | None) -> int:

@@ -26,7 +26,6 @@ group (row-wise; data-parallel holds a full copy on every rank).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -173,10 +172,6 @@ class Evaluation:
     dense_bytes: float
     """Memory of the dense part (base with recompute applied)."""
 
-    @property
-    def fits(self) -> bool:
-        return True
-
 
 def evaluate(p: CandidatePricing, a: Assignment) -> Evaluation:
     """Step time and memory of a solution under the candidate's surrogate (floats, see the module docstring)."""
@@ -222,7 +217,3 @@ def shard_weight(o: ShardOption, a2a_s_per_byte: float) -> float:
 def copies(o: ShardOption) -> int:
     """Shards the solver places (0 for options on every rank)."""
     return 0 if o.placement == "all" else o.num_shards
-
-
-def finite(x: float) -> float:
-    return x if math.isfinite(x) else 0.0

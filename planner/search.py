@@ -25,15 +25,14 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 import multiprocessing as mp
 
 from coplan import __version__
-from coplan.errors import InfeasibleError
 from coplan.planner.costs import Pricer
 from coplan.planner.mesh import MeshCandidate, check_world_size, enumerate_candidates
-from coplan.planner.pricing import Assignment, CandidatePricing, evaluate
+from coplan.planner.pricing import Assignment, CandidatePricing
 from coplan.planner.solver import SolveResult, SolverSettings, solve_candidate
 from coplan.spec import Calibration, LayerPlan, Plan, SolverReport, TableShard, Topology, Workload, spec_sha256
 
