@@ -295,10 +295,10 @@ def run(args: argparse.Namespace) -> int:
             step, loss_t, bad_t, task_t, tokens, samples, flops, imb, seq_stats = item
             loss = float(loss_t.item())  # type: ignore[union-attr]
             bad = float(bad_t.item())  # type: ignore[union-attr]
-            if not math.isfinite(loss) or bad != 0:
+            if not math.isfinite(loss) or not math.isfinite(bad):
                 # every rank sees the same all-reduced values, so all stop here together, before
                 # this step's metrics line and before any checkpoint after it
-                what = f"loss is {loss}" if not math.isfinite(loss) else f"{bad:.0f} dense gradient elements are NaN/Inf"
+                what = f"loss is {loss}" if not math.isfinite(loss) else f"the dense gradient norm is {math.sqrt(bad)} (NaN/Inf elements)"
                 kept = ckpt.latest(run_dir)
                 raise NumericalError(
                     f"step {step}: {what}; stopped without checkpointing. Last good checkpoint: "
@@ -333,10 +333,11 @@ def run(args: argparse.Namespace) -> int:
                 grads = [g.to_local() if hasattr(g, "to_local") else g for p in grad_params if (g := p.grad) is not None]
                 if poison == ("grad", step) and rank == 0 and grads:
                     grads[0].fill_(float("inf"))
-                # count of non-finite dense gradient elements, summed over ranks with the loss below
-                # (no host sync here; checked when metrics are read back, and always before a checkpoint)
+                # squared norm of the dense gradients, summed over ranks with the loss below: NaN/Inf
+                # when any element is (no host sync here; checked when metrics are read back, and
+                # always before a checkpoint). One foreach op: per-tensor ops would clutter the traces.
                 with torch.no_grad():
-                    n_bad = (torch.stack([(~torch.isfinite(g)).sum() for g in grads]).sum().float().reshape(1)
+                    n_bad = (torch.stack(torch._foreach_norm(grads)).float().square().sum().reshape(1)
                              if grads else torch.zeros(1, device=device))
                 optims.step()
                 optims.zero_grad()

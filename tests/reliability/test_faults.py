@@ -103,8 +103,8 @@ def runs(tmp_path_factory) -> dict:
     procs = {
         "ref": _launch(4, _args(p4, root, data, "ref")),
         "killed": _launch(4, _args(p4, root, data, "killed", "--resume", "auto"), restarts=1),
-        "nan_loss": _launch(2, _args(p2, root, data, "nan_loss"), env={"COPLAN_TEST_POISON": "loss@4"}),
-        "nan_grad": _launch(2, _args(p2, root, data, "nan_grad"), env={"COPLAN_TEST_POISON": "grad@4"}),
+        "nan_loss": _launch(2, _args(p2, root, data, "nan_loss"), env={"COPLAN_TEST_POISON": "loss@2"}),
+        "nan_grad": _launch(2, _args(p2, root, data, "nan_grad"), env={"COPLAN_TEST_POISON": "grad@2"}),
     }
     out: dict = {"root": root, "data": data, "p4": p4}
     try:
@@ -183,10 +183,10 @@ def test_non_finite_stops_run_and_keeps_last_good_checkpoint(runs, what):
     root = runs["root"]
     rc, out = runs[f"nan_{what}_rc"], runs[f"nan_{what}_out"]
     assert rc != 0, out[-4000:]
-    assert "error: step 4:" in out and "stopped without checkpointing" in out, out[-4000:]
-    assert ("loss is nan" if what == "loss" else "dense gradient elements are NaN/Inf") in out
+    assert "error: step 2:" in out and "stopped without checkpointing" in out, out[-4000:]
+    assert ("loss is nan" if what == "loss" else "the dense gradient norm is") in out
     assert 'trainer/train.py", line' not in out  # a message, not a trainer traceback (torchrun adds its own)
     ck = root / f"nan_{what}" / "checkpoints"
-    assert sorted(p.name for p in ck.iterdir()) == ["step_00000001", "step_00000003"]
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000001"]
     assert all((p / "COMPLETE").is_file() for p in ck.iterdir())
-    assert _steps(root / f"nan_{what}") == [0, 1, 2, 3]  # the poisoned step is not logged as if it were fine
+    assert _steps(root / f"nan_{what}") == [0, 1]  # the poisoned step is not logged as if it were fine
