@@ -119,7 +119,7 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     if calibration is not None and not force and calibration.device.strip().lower() not in gpu.name.lower() and gpu.name.lower() not in calibration.device.lower():
         raise MismatchError(
             f"calibration was fitted on '{calibration.device}' but topology '{topology.name}' has '{gpu.name}'; "
-            "re-calibrate on this GPU or pass force=True to use it anyway"
+            "re-calibrate on this GPU, or force it (`coplan plan --force`, `force=True` in Python)"
         )
     sources: dict[str, str] = {}
     compute: dict[tuple[str, str], float] = {}

@@ -85,6 +85,19 @@ def run_plan(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     workload = load_workload(args.workload)
     calibration = load_calibration(args.calibration) if args.calibration else None
+    if calibration is not None:
+        from coplan.costmodel.efficiency import resolve_efficiencies
+
+        if args.force:
+            # Say so in the calibration itself, so the plan (and whoever re-prices it) carries the choice.
+            orig = calibration.device
+            if resolve_efficiencies(topology, calibration, force=True) and orig != topology.gpu.name:
+                calibration = calibration.model_copy(update={
+                    "device": topology.gpu.name,
+                    "notes": (calibration.notes + " " if calibration.notes else "") + f"[forced: fitted on '{orig}', used for '{topology.gpu.name}']",
+                })
+        else:
+            resolve_efficiencies(topology, calibration)  # refuses a calibration from another GPU, before any search
     if args.time_limit <= 0:
         raise CoplanError(f"--time-limit must be positive (got {args.time_limit})")
     if args.max_solves < 1:
@@ -116,6 +129,7 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology preset or file (default {DEFAULT_TOPOLOGY})")
     p.add_argument("--workload", "-w", default=DEFAULT_WORKLOAD, help=f"workload preset or file (default {DEFAULT_WORKLOAD})")
     p.add_argument("--calibration", "-c", help="calibration.json from coplan calibrate")
+    p.add_argument("--force", action="store_true", help="use a calibration fitted on another GPU than the topology's")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--gpus", type=int, help="plan for the first N GPUs of the topology (default: all)")
     p.add_argument("--max-solves", type=int, default=12, help="mesh candidates solved with CP-SAT at most (default 12)")
