@@ -42,3 +42,10 @@ def field_error(path: str, message: str) -> ValueError:
     ``path`` is relative to the model being validated, e.g. ``tiers[1].gpus_per_nic``.
     """
     return ValueError(f"@{path}@ {message}")
+
+
+def check_schema_version(v: int, hint: str = "") -> int:
+    """The ``schema_version`` validator every top-level spec shares."""
+    if v != SCHEMA_VERSION:
+        raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION}){hint}")
+    return v

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from coplan.spec.base import SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.spec.base import check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
 
 Fraction = Annotated[float, Field(gt=0, le=1)]
 ComputeOpClass = Literal["gemm", "attention", "embedding", "elementwise"]
@@ -74,6 +74,4 @@ class Calibration(Spec):
     @field_validator("schema_version")
     @classmethod
     def _schema(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION})")
-        return v
+        return check_schema_version(v)

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from coplan.spec.base import SCHEMA_VERSION, Collective, OpClass, Spec, field_error
+from coplan.spec.base import check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
 from coplan.spec.calibration import Calibration
 from coplan.spec.hashing import spec_sha256
 from coplan.spec.topology import Topology
@@ -355,9 +355,7 @@ class Plan(Spec):
     @field_validator("schema_version")
     @classmethod
     def _schema(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION}); re-plan")
-        return v
+        return check_schema_version(v, '; re-plan')
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from coplan.spec.base import COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
+from coplan.spec.base import check_schema_version, COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
@@ -130,9 +130,7 @@ class Topology(Spec):
     @field_validator("schema_version")
     @classmethod
     def _schema(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION})")
-        return v
+        return check_schema_version(v)
 
     @model_validator(mode="after")
     def _tiers_consistent(self) -> "Topology":

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from coplan.spec.base import SCHEMA_VERSION, Spec, field_error
+from coplan.spec.base import check_schema_version, SCHEMA_VERSION, Spec, field_error
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
 PosInt = Annotated[int, Field(gt=0)]
@@ -669,9 +669,7 @@ class Workload(Spec):
     @field_validator("schema_version")
     @classmethod
     def _schema(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported by this coplan (expects {SCHEMA_VERSION})")
-        return v
+        return check_schema_version(v)
 
     @model_validator(mode="after")
     def _references(self) -> "Workload":
