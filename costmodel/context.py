@@ -33,6 +33,7 @@ from coplan.spec.workload import (
     KunlunBlock,
     LognormalLength,
     MoEBlock,
+    TaskHeads,
     Workload,
 )
 
@@ -91,6 +92,17 @@ class Options:
 
     sm_contention: float | None = None
     """Override of the SM-contention slowdown (None: the efficiencies' value)."""
+
+    fp8_quant_reads_rowwise: float = 1.0
+    """HBM reads of the high-precision tensor per FP8 quantisation whose scale runs along the row the
+    GEMM reduces over (activations and output gradients scaled per row, weights per output row): one
+    fused amax-and-cast kernel, the row fits on chip (assumption, as torchao's compiled casts and
+    FP8 part 1's Triton casts do)."""
+
+    fp8_quant_reads_colwise: float = 2.0
+    """The same for the transposed copies the weight gradient and the input gradient need (scales
+    along the token dimension, or a weight's input dimension): an amax reduction pass, then a
+    scale-cast-transpose pass (assumption: the reduction runs over a dimension that does not fit on chip)."""
 
 
 @dataclass(slots=True)
@@ -299,12 +311,59 @@ class OpArrays:
     bwd_bytes: np.ndarray
     act_bytes: np.ndarray
     """Saved activations per micro-batch."""
+    fp8: np.ndarray
+    """1 where the op runs as an FP8 GEMM, else 0."""
+    fwd_quant_s: np.ndarray
+    """FP8 quantisation passes of the forward's activations (memory-bound kernels beside the GEMM,
+    added to it, not overlapped): the per-sample part."""
+    fwd_quant_fixed_s: np.ndarray
+    """The forward's weight quantisation (once per call)."""
+    bwd_quant_s: np.ndarray
+    bwd_quant_fixed_s: np.ndarray
 
     def times(self, rho: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds per op per micro-batch when the per-sample work is scaled by ``rho``."""
         f = np.maximum(rho * self.fwd_flop_s, rho * self.fwd_mem_s + self.fwd_fixed_mem_s) + self.fwd_launch_s
         b = np.maximum(rho * self.bwd_flop_s, rho * self.bwd_mem_s + self.bwd_fixed_mem_s) + self.bwd_launch_s
+        f = f + rho * self.fwd_quant_s + self.fwd_quant_fixed_s
+        b = b + rho * self.bwd_quant_s + self.bwd_quant_fixed_s
         return f, b
+
+
+def fp8_capable(op: F.Op, workload: Workload) -> bool:
+    """Whether the FP8 recipe can run the op: a GEMM against its own dense weight (a linear layer).
+
+    GEMMs between activations (DLRM's dot interaction), the routed experts' grouped matmuls and
+    Kunlun's block-diagonal input projection (batched einsums, not linear layers) stay in the
+    compute dtype: the trainer's recipe swaps ``nn.Linear`` modules and nothing else.
+    """
+    if op.op_class != "gemm" or op.params <= 0:
+        return False
+    try:
+        block = workload.block(op.block)
+    except KeyError:
+        return False
+    return not (isinstance(block, KunlunBlock) and op.name.endswith(".input_proj"))
+
+
+def fp8_guard(op: F.Op, workload: Workload) -> str | None:
+    """Why the numerics guard keeps a capable op in the compute dtype unless fp8 is forced, or None."""
+    try:
+        block = workload.block(op.block)
+    except KeyError:
+        block = None
+    if isinstance(block, TaskHeads):
+        return "guard: task head"
+    if op.min_dim < workload.precision.fp8_min_dim:
+        return f"guard: GEMM dim {op.min_dim} < fp8_min_dim {workload.precision.fp8_min_dim}"
+    return None
+
+
+def fp8_allowed(op: F.Op, workload: Workload) -> bool:
+    """Capable, and past the numerics guard (or fp8 forced): the op runs in fp8 when its layer does."""
+    if not fp8_capable(op, workload):
+        return False
+    return workload.precision.fp8 == "force" or fp8_guard(op, workload) is None
 
 
 def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozenset[str] = frozenset()) -> OpArrays:
@@ -338,7 +397,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
                 m1 = m1 + 64.0
                 flops_eff = 0.8
         dt = o.dtype
-        if o.op_class == "gemm" and o.layer in fp8_layers and (o.min_dim >= w.precision.fp8_min_dim or w.precision.fp8 == "force"):
+        if o.layer in fp8_layers and fp8_allowed(o, w):
             dt = "fp8"
         peak = gpu.peak_flops_per_s.get(dt) or gpu.peak_flops_per_s["bf16"]
         ce = eff.compute_eff(o.op_class, dt) * flops_eff
@@ -370,10 +429,46 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         out["fwd_bytes"][i] = fb + fixed_f
         out["bwd_bytes"][i] = bb + fixed_b
         out["act_bytes"][i] = n * o.act_bytes.expect(m1, m2)
+        if dt == "fp8":
+            _price_fp8_quantisation(out, i, o, n * load * o.fwd_bytes.expect(m1, m2), fixed_f, ctx)
     out["fwd_var_s"] = np.maximum(out["fwd_flop_s"], out["fwd_mem_s"])
     arr = OpArrays(**out)
     ctx.cache[key] = arr
     return arr
+
+
+def _price_fp8_quantisation(out: dict[str, np.ndarray], i: int, o: F.Op, act_bytes: float, weight_bytes: float, ctx: Context) -> None:
+    """Add the quantisation passes of one FP8 GEMM op (row ``i`` of ``out``).
+
+    A rowwise-scaled FP8 linear layer quantises, in forward, its input ``x`` and its weight ``W``
+    (scales along the reduced dimension); in backward, the output gradient ``dY`` for ``dX = dY·W``
+    (rowwise), and for ``dW = dYᵀ·x`` the transposed ``dYᵀ`` and ``xᵀ`` (scales along the tokens), and
+    ``W`` again along its other dimension. Each pass reads the high-precision tensor ``reads`` times
+    (:class:`Options`) and writes one byte per element, at the elementwise HBM bandwidth, one kernel
+    per read. ``act_bytes`` (the op's forward bytes) holds ``x`` and ``Y``; they are taken as half each
+    (the op does not record ``k`` and ``n`` apart), which is exact in total over forward + backward
+    (``x`` is quantised twice, ``dY`` twice) and moves a little time between the two phases.
+    The GEMM's own bytes stay those of the compute dtype (it is compute-bound at the sizes that gain).
+    """
+    b = F.DTYPE_BYTES[o.dtype]
+    r_row, r_col = ctx.options.fp8_quant_reads_rowwise, ctx.options.fp8_quant_reads_colwise
+    per_row, per_col = r_row * b + 1.0, r_col * b + 1.0
+    half = act_bytes / b / 2.0
+    w_elems = weight_bytes / b
+    bw = ctx.topology.gpu.hbm_bw_bytes_per_s * ctx.eff.memory.get("elementwise", 0.85)
+    launch = ctx.eff.launch_s.get("elementwise", 2e-6)
+    k_row, k_col = math.ceil(r_row), math.ceil(r_col)
+    fq, fw = half * per_row, w_elems * per_row
+    bq, bwq = half * per_row + 2.0 * half * per_col, w_elems * per_col
+    out["fp8"][i] = 1.0
+    out["fwd_quant_s"][i] = fq / bw
+    out["fwd_quant_fixed_s"][i] = fw / bw
+    out["bwd_quant_s"][i] = bq / bw
+    out["bwd_quant_fixed_s"][i] = bwq / bw
+    out["fwd_launch_s"][i] += o.fwd_launches * 2 * k_row * launch
+    out["bwd_launch_s"][i] += o.fwd_launches * (k_row + 3 * k_col) * launch
+    out["fwd_bytes"][i] += fq + fw
+    out["bwd_bytes"][i] += bq + bwq
 
 
 def seq_cost(ctx: Context, kernels: Kernels | None = None):
@@ -640,5 +735,5 @@ def table_option_cost(ctx: Context, table: str, sharding_type: str, num_shards: 
 
 __all__ = [
     "Context", "DenseFixedCosts", "LayerCost", "OpArrays", "Options", "TableOptionCost", "build_context",
-    "dense_fixed_costs", "imbalance", "layer_costs", "op_arrays", "seq_cost", "table_option_cost", "table_option_costs",
+    "dense_fixed_costs", "fp8_allowed", "fp8_capable", "fp8_guard", "imbalance", "layer_costs", "op_arrays", "seq_cost", "table_option_cost", "table_option_costs",
 ]

@@ -136,6 +136,9 @@ def price(
     notes: list[str] = []
     if fp8_layers and w.precision.fp8 == "off":
         notes.append("fp8 layers requested while the workload's precision.fp8 is 'off'; priced as asked")
+    if fp8_layers:
+        notes.append("fp8 GEMMs priced at the fp8 peak plus their quantisation passes (memory-bound casts of inputs, "
+                     "output gradients and weights, kept apart from the GEMM); memory unchanged (activations saved in the compute dtype)")
     if kernels.attention == "reference" and any(o.op_class == "attention" and o.sequence for o in ctx.ops):
         notes.append("attention backend 'reference' pads each micro-batch to its expected longest sequence")
     if kernels.attention == "flex":

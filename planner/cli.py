@@ -43,6 +43,10 @@ def summary(plan: Plan, result=None) -> dict:
             "e2e_mfu": pred.e2e_mfu, "goodput": pred.goodput, "goodput_mfu": pred.goodput_mfu,
             "peak_memory_bytes": pred.peak_memory_bytes, "hbm_capacity_bytes": pred.hbm_capacity_bytes,
         }
+    if plan.precision_report is not None:
+        r = plan.precision_report
+        out["fp8"] = {"mode": r.mode, "recipe": r.recipe, "layers": list(r.fp8_layers), "step_time_s": r.step_time_s,
+                      "bf16_step_time_s": r.bf16_step_time_s, "predicted_gain": r.gain}
     if plan.solver is not None:
         out["solver"] = plan.solver.model_dump()
     return out
@@ -66,6 +70,10 @@ def print_summary(plan: Plan, out=sys.stdout) -> None:
     w(f"recompute: {len(rc)} of {len(plan.layers)} layers" + (f" ({', '.join(rc[:8])}{', ...' if len(rc) > 8 else ''})" if rc else ""))
     b = plan.balancing
     w(f"jagged balancing: {b.policy} (expected max/mean rank work {b.expected_imbalance:.4f})")
+    if plan.precision_report is not None:
+        from coplan.planner.precision import precision_line
+
+        w(precision_line(plan.precision_report))
     if p is not None:
         w(f"predicted step time  {human_seconds(p.step_time_s)}")
         w(f"local MFU            {p.local_mfu:6.1%}")

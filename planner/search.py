@@ -296,8 +296,15 @@ def build_plan(workload: Workload, topology: Topology, calibration: Calibration 
         rc[nxt] = True
         layers = tuple(LayerPlan(name=l.name, recompute=on) for l, on in zip(p.layers, rc))
         cost = price(ctx, tables if tables else None, layers, pr.balancing, workload.kernels, detail=False)
+    # Per-layer bf16/fp8 after the solve: precision changes no memory in this recipe (see planner/precision.py).
+    from coplan.planner.precision import choose_layer_precision, precision_line
+
+    layers, precision_report = choose_layer_precision(ctx, layers, tables=tables if tables else None, balancing=pr.balancing,
+                                                      kernels=workload.kernels)
     cost = price(ctx, tables if tables else None, layers, pr.balancing, workload.kernels, detail=True)
     pred = cost.to_prediction()
+    if precision_report is not None:
+        pred = pred.model_copy(update={"notes": pred.notes + (precision_line(precision_report),)})
     objective = result.solve.step_time_s
     bound = min(result.bound_s, objective)
     # proven optimal when the chosen candidate is, and nothing else can beat it beyond integer rounding
@@ -316,6 +323,7 @@ def build_plan(workload: Workload, topology: Topology, calibration: Calibration 
         topology=topology, workload=workload, calibration=calibration, topology_sha256=spec_sha256(topology),
         workload_sha256=spec_sha256(workload), world_size=p.mesh.world_size, mesh=mesh, tables=tables, layers=layers,
         balancing=pr.balancing, kernels=workload.kernels, precision=workload.precision, predicted=pred, solver=report,
+        precision_report=precision_report,
     )
 
 

@@ -587,6 +587,10 @@ class Precision(Spec):
     fp8_min_dim: PosInt = 1024
     """Numerics guard: linear layers with a dimension under this stay in bf16 unless forced."""
 
+    fp8_recipe: Literal["rowwise", "blockwise"] = "rowwise"
+    """Scaling of the FP8 GEMMs: one scale per row of each operand (e4m3, ``torch._scaled_mm``), or
+    per 1×128 activation tile and 128×128 weight block (DeepSeek-V3 style, a Triton GEMM)."""
+
 
 class Optimizer(Spec):
     """Optimizers of the dense and the sparse parameters."""
