@@ -1,24 +1,66 @@
-"""``coplan calibrate``: fit the cost model to the traces of runs and write a Calibration."""
+"""``coplan calibrate``: fit the cost model to the traces of runs and/or a collective sweep, and write a
+Calibration."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from coplan.errors import CoplanError
 from coplan.spec import dump_spec
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from coplan.costmodel.calibrate import calibrate
+    if not args.runs and not args.collectives:
+        raise CoplanError("coplan calibrate: give run directories (runs/<id>/), --collectives SWEEP.json, or both")
+    cal = None
+    report: dict = {"output": args.output}
+    if args.runs:
+        from coplan.costmodel.calibrate import calibrate
 
-    cal, res, runs = calibrate(args.runs, rank=args.rank, force=args.force)
+        cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force)
+        report["runs"] = [{"run": r.run, "attributed_share": r.attributed_share, "unattributed_s": r.unattributed_s,
+                           "samples": len(r.samples)} for r in runs]
+        if not args.json:
+            _print_runs(cal, runs)
+    elif args.base:
+        from coplan.spec import load_calibration
+
+        cal = load_calibration(args.base)
+    if args.collectives:
+        from coplan.costmodel.collective_fit import apply_to_topology, fit_sweep, load_sweep, merge_into_calibration
+        from coplan.spec import load_topology
+
+        sweep = load_sweep(args.collectives)
+        topo = load_topology(args.topology)
+        dtypes = args.dtypes.split(",") if args.dtypes else None
+        fit = fit_sweep(sweep, topo, args.tier, dtypes=dtypes)
+        cal = merge_into_calibration(fit, cal, tier=args.tier)
+        report["collectives"] = fit.to_dict()
+        if not args.json:
+            _print_fit(fit)
+        if args.apply_to:
+            target = load_topology(args.apply_to)
+            applied = apply_to_topology(target, fit, args.tier)
+            out = Path(args.topology_out or f"{target.name}-calibrated.yaml")
+            applied = applied.model_copy(update={"name": out.stem, "description": (
+                f"{target.description} Tier '{fit.tier}' calibrated from {fit.source} ({fit.device}).").strip()})
+            dump_spec(applied, out)
+            report["topology_out"] = str(out)
+            if not args.json:
+                print(f"wrote {out} ({target.name} with tier '{fit.tier}' from the sweep)")
     dump_spec(cal, args.output)
-    fe = cal.fit_error
     if args.json:
-        print(json.dumps({"output": args.output, "calibration": cal.model_dump(mode="json"),
-                          "runs": [{"run": r.run, "attributed_share": r.attributed_share, "unattributed_s": r.unattributed_s,
-                                    "samples": len(r.samples)} for r in runs]}, indent=1))
-        return 0
+        report["calibration"] = cal.model_dump(mode="json")
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _print_runs(cal, runs) -> None:
+    fe = cal.fit_error
     print(f"calibrated '{cal.device}' from {len(runs)} run(s), {fe.num_samples} (op, phase) samples")
     for r in runs:
         print(f"  {r.run}: {r.attributed_share:.1%} of traced time attributed to cost-model ops "
@@ -31,15 +73,37 @@ def run_calibrate(args: argparse.Namespace) -> int:
         err = fe.per_op_class.get(cls)
         print(f"{cls:<12} {ce:>12} {me:>11} {la:>10} {('%.1f%%' % (100 * err)) if err is not None else '-':>7}")
     print(f"per-op error: median {fe.median_abs_rel_error:.1%}, max {fe.max_abs_rel_error:.1%}")
-    print(f"wrote {args.output}")
-    return 0
+
+
+def _print_fit(fit) -> None:
+    print(f"collectives: tier '{fit.tier}' of '{fit.topology}' from {fit.source} ({fit.device}, {fit.world_size} GPUs, "
+          f"{fit.num_points} points): latency {fit.latency_s * 1e6:.2f} us")
+    print(f"{'collective':<16} {'efficiency':>10} {'peak busbw GB/s':>16} {'own latency us':>15} {'median err':>11} {'max err':>8}")
+    for k, f in fit.kinds.items():
+        print(f"{k:<16} {f.efficiency:>10.3f} {f.peak_busbw_bytes_per_s / 1e9:>16.1f} {f.own_latency_s * 1e6:>15.2f} "
+              f"{f.median_abs_rel_error:>10.1%} {f.max_abs_rel_error:>8.1%}")
+    print(f"time error: median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%} "
+          f"(topology's own figures: median {fit.default_median_abs_rel_error:.1%}, max {fit.default_max_abs_rel_error:.1%})")
+    for n in fit.notes:
+        print(f"note: {n}")
 
 
 def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("calibrate", help=help_text, description=help_text + ".")
-    p.add_argument("runs", nargs="+", help="run directories written by `coplan train` (runs/<id>/)")
+    p.add_argument("runs", nargs="*", help="run directories written by `coplan train` (runs/<id>/)")
     p.add_argument("-o", "--output", default="calibration.json", help="where to write the Calibration (default: calibration.json)")
     p.add_argument("--rank", type=int, default=0, help="whose trace to fit (default: 0)")
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    g = p.add_argument_group("collectives", "fit a tier's latency and per-collective efficiency to a sweep "
+                             "(benchmarks/collectives_h200.py)")
+    g.add_argument("--collectives", metavar="SWEEP.json", help="collective sweep JSON to fit")
+    g.add_argument("--topology", default="h200-hgx-2gpu",
+                   help="topology the sweep ran on (preset or path; default: h200-hgx-2gpu)")
+    g.add_argument("--tier", default=None, help="tier to calibrate (default: the one the sweep's group crosses)")
+    g.add_argument("--dtypes", default=None, help="comma list of dtypes to fit (default: all in the sweep)")
+    g.add_argument("--base", default=None, help="calibration to merge the collective fit into (when no runs are given)")
+    g.add_argument("--apply-to", default=None, metavar="TOPOLOGY",
+                   help="also write this topology (e.g. h200-superpod-4k) with the fitted tier's latency and efficiencies")
+    g.add_argument("--topology-out", default=None, help="where --apply-to writes (default: <name>-calibrated.yaml)")
     p.set_defaults(func=run_calibrate)
