@@ -14,6 +14,16 @@ HBM bandwidth) and ``λ_c`` (seconds per launch) are fitted by ``scipy.optimize.
 log-ratio residuals (every op counts by its relative error, whatever its size), with a weak prior
 pulling parameters that the data cannot identify (a class whose ops are all memory-bound says
 nothing of its compute efficiency) towards the defaults. The fit error is reported, not hidden.
+
+Host-bound steps. On a GPU trace each op's measured time includes the GPU idle time that ended with
+its kernels (:mod:`coplan.costmodel.traces`: the device was waiting for that launch), so ``λ_c`` is
+a *per-launch cost on the device timeline*: kernel ramp plus, where the host issues launches slower
+than the GPU runs them, the host's issue time. This is what lets the cost model's additive
+``roofline + launches · λ`` reproduce a step that is half idle; it is an approximation (where the
+host runs ahead of a long kernel the gaps vanish, and a host sync is a fixed stall, not a per-launch
+cost), and both are fitted as one figure per class. ``host_gaps=False`` fits kernel time only.
+The fit also matches each run's per-class *sums* (the figure the step time is made of), beside each
+sample's log-ratio.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ from coplan.spec.calibration import ComputeOpClass
 
 CLASSES: tuple[str, ...] = ("gemm", "attention", "embedding", "elementwise")
 PRIOR_WEIGHT = 0.05
+CLASS_SUM_WEIGHT = 2.0
+"""Weight of each (run, op class) summed-time residual against 1 per sample: per-op ratios alone let
+a few large, well-fitted ops and many tiny badly-fitted ones balance to a biased class total."""
 """Weight of the pull towards defaults, against 1 per sample: small enough that any parameter the
 samples constrain is set by them."""
 
@@ -75,6 +88,13 @@ class RunSamples:
     unattributed_s: float
     total_s: float
     moments: dict[str, tuple[float, float]] = field(default_factory=dict)
+    idle_s: float = 0.0
+    """GPU idle time of the profiled steps, per step (0 on CPU traces)."""
+    window_s: float = 0.0
+    """Device-side length of a profiled step (0 on CPU traces)."""
+    unpriced_s: dict[str, float] = field(default_factory=dict)
+    """Per step: measured time (with the idle it ended) the cost model has no op for, by name and phase
+    (FSDP hooks, TorchRec distribution, 'unattributed')."""
 
 
 def _unit_calibration(device: str) -> Calibration:
@@ -117,8 +137,11 @@ def measured_moments(metrics: Sequence[dict], steps: Iterable[int] | None = None
     return {s: (a[1] / a[0], a[2] / a[0]) for s, a in acc.items() if a[0] > 0}
 
 
-def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False) -> RunSamples:
-    """Attribute one run's trace (of ``rank``) and pair each measured op with its roofline terms."""
+def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host_gaps: bool = True) -> RunSamples:
+    """Attribute one run's trace (of ``rank``) and pair each measured op with its roofline terms.
+
+    ``host_gaps``: count the GPU idle time each op ended as part of its time (see the module docstring).
+    """
     d = Path(run_dir)
     if not d.is_dir():
         raise CalibrationError(f"{d}: not a run directory (expected runs/<id>/ with plan.json, metrics.jsonl, traces/)")
@@ -135,21 +158,25 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False) -> R
     metrics = _read_metrics(d)
     moments = measured_moments(metrics, _profiled_steps(d, metrics))
 
-    per_step = att.per_step()
+    per_step = att.per_step(with_idle=host_gaps)
     out: list[Sample] = []
+    priced: set[tuple[str, str]] = set()
     for t in unit_terms(plan, moments, rank=rank):
-        if t.name == "sparse":
-            meas = sum(per_step.get((n, t.phase), 0.0) for n in t.members)
-        else:
-            meas = per_step.get((t.name, t.phase), 0.0) / t.micro_batches
+        members = t.members or (t.name,)
+        priced.update((n, t.phase) for n in members)
+        meas = sum(per_step.get((n, t.phase), 0.0) for n in members) / t.micro_batches
         if meas > 0:
             out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches))
+    unpriced = {f"{n}:{ph}": v for (n, ph), v in sorted(per_step.items()) if (n, ph) not in priced and v > 0}
+    steps = max(1, att.steps)
+    unpriced["unattributed"] = (att.unattributed_s + (att.unattributed_idle_s if host_gaps else 0.0)) / steps
     if not out:
         raise CalibrationError(
             f"{traces[0]}: no op of the cost model could be attributed ({att.unattributed_s * 1e3:.1f} ms unattributed); "
             "the trainer names its record_function ranges '<block>.<layer>.<op>'"
         )
-    return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments)
+    return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
+                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, unpriced_s=unpriced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +227,17 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         r = rank % ctx.mesh.sparse_shard
         for phase, key in (("fwd", "fwd_s"), ("bwd", "bwd_s")):
             out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, float(loads[key][r]), float(len(sparse)), 1, sparse))
+    # the dense optimizer, once per step, as the pricer prices it (memory-bound elementwise, 20 launches)
+    from coplan.costmodel.context import dense_fixed_costs
+
+    opt = dense_fixed_costs(ctx).optimizer_step_s  # unit efficiencies: bytes / HBM bandwidth exactly
+    if opt > 0:
+        out.append(UnitTerm("optimizer.step", "optimizer", "elementwise", "fp32", 0.0, float(opt), OPTIMIZER_LAUNCHES, 1))
     return out
+
+
+OPTIMIZER_LAUNCHES = 20.0
+"""Launches the pricer charges the dense optimizer step (``context.dense_fixed_costs``)."""
 
 
 def _profiled_steps(run_dir: Path, metrics: Sequence[dict]) -> list[int] | None:
@@ -282,10 +319,17 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
         lau = {k: math.exp(v) for k, v in zip(keys_l, x[nc + nm :])}
         return comp, mem, lau
 
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.run, s.op_class), []).append(i)
+    gidx = [np.array(v) for v in groups.values()]
+    gmeas = np.array([meas[g].sum() for g in gidx])
+
     def residuals(x):
         comp, mem, lau = unpack(x)
         pred = predict(samples, comp, mem, lau)
-        return np.concatenate([np.log(pred / meas), PRIOR_WEIGHT * (x - prior0)])
+        gpred = np.array([pred[g].sum() for g in gidx])
+        return np.concatenate([np.log(pred / meas), CLASS_SUM_WEIGHT * np.log(gpred / gmeas), PRIOR_WEIGHT * (x - prior0)])
 
     best = None
     # a few starts: the roofline's max() makes the problem non-smooth, so start from the defaults and
@@ -300,11 +344,12 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
     return FitResult(comp, mem, lau, pred, meas, samples)
 
 
-def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False) -> tuple[Calibration, FitResult, list[RunSamples]]:
+def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False,
+              host_gaps: bool = True) -> tuple[Calibration, FitResult, list[RunSamples]]:
     """Fit a Calibration to the runs; all must come from one device unless ``force``."""
     if not run_dirs:
         raise CalibrationError("give at least one run directory")
-    runs = [run_samples(d, rank=rank, force=force) for d in run_dirs]
+    runs = [run_samples(d, rank=rank, force=force, host_gaps=host_gaps) for d in run_dirs]
     devices = sorted({r.device for r in runs})
     if len(devices) > 1 and not force:
         raise CalibrationError(f"the runs come from different devices {devices}; calibrate each device separately (or --force)")
@@ -339,7 +384,24 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         notes=(
             f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; "
             f"trace time attributed: {min(r.attributed_share for r in runs):.1%} (worst run); "
-            "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
+            + ("launch overheads include the GPU idle time each launch ended (host-bound time as a per-launch cost); "
+               if host_gaps and any(r.window_s > 0 for r in runs) else "")
+            + "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
         ),
     )
     return cal, res, runs
+
+
+def predict_step_time(plan: Plan, calibration: Calibration | None = None,
+                      moments: dict[str, tuple[float, float]] | None = None) -> float:
+    """The pricer's step time for ``plan`` (as ``coplan plan`` prices it), under ``calibration`` (None:
+    the topology's defaults) and, when given, the measured length moments of the steps it is compared
+    with. A calibration from another GPU is used as given (the caller chose it)."""
+    from coplan.costmodel.pricer import price
+
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, calibration, force_calibration=True)
+    for seq, m in (moments or {}).items():
+        if seq in ctx.moments:
+            ctx.moments[seq] = m
+    ctx.cache.clear()
+    return float(price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False).step_time_s)

@@ -13,6 +13,18 @@ Attribution, per trace (one rank):
    ``Sequence number``, and forward ops are found inside their op range.
 4. Kernel-name rules give each unit an op class (GEMM, attention, embedding TBE, elementwise, NCCL
    collective with its kind); NCCL kernels are always communication, whatever range they sit in.
+5. Work the cost model prices outside its dense ops has names of its own: the optimizer's
+   ``Optimizer.step#...`` range is ``optimizer.step`` (phase ``optimizer``); FSDP2's hooks
+   (``FSDP::...``: parameter casts, gradient copies) are ``fsdp.hooks`` and TorchRec's input and output
+   distribution ranges are ``sparse.dist``; the cost model does not price these two on one GPU, so they
+   stay visible as their own rows instead of vanishing into "unattributed".
+
+On a GPU trace only the profiled steps count (the device-side ``ProfilerStep#N`` windows; kernels the
+previous step left queued when the profiler started fall outside them), memory copies and sets count as
+device work, and the GPU's *idle* time is attributed too: each gap on the device timeline (no kernel
+running) goes to the unit that ended it, i.e. the launch the GPU was waiting for, as that op's
+``idle_s``. A host-bound step is mostly such gaps; the calibration can then fit a per-launch cost
+that includes the host's issue time instead of pretending the step is its kernels.
 
 What cannot be attributed is reported as ``unattributed_s``, never dropped.
 """
@@ -39,6 +51,9 @@ _BWD_NODE = re.compile(r"^autograd::engine::evaluate_function: (\w+)")
 KERNEL_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p, re.I), c)
     for p, c in (
+        # host<->device copies (input batches, metric read-backs) are transfers, not compute of an op
+        (r"^Memcpy (HtoD|DtoH|HtoH|PtoP)", "transfer"),
+        (r"^(Memcpy|Memset)", "elementwise"),
         (r"nccl.*(AllGather|all_gather)", "collective:all_gather"),
         (r"nccl.*(ReduceScatter|reduce_scatter)", "collective:reduce_scatter"),
         (r"nccl.*(AllReduce|all_reduce)", "collective:all_reduce"),
@@ -73,6 +88,8 @@ class MeasuredOp:
     time_s: float
     launches: int
     by_class: dict[str, float] = field(default_factory=dict)
+    idle_s: float = 0.0
+    """GPU idle time that ended with one of this op's units (the device waited for its launch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +108,22 @@ class TraceAttribution:
     """All work-unit time in the trace."""
     unattributed_s: float
     """Work-unit time no op range or backward node claimed."""
+    idle_s: float = 0.0
+    """GPU idle time inside the profiled steps' device windows (0 on CPU traces or without windows)."""
+    unattributed_idle_s: float = 0.0
+    """Idle time ended by an unattributed unit, or left at the end of a step window."""
+    window_s: float = 0.0
+    """Summed length of the device-side profiled step windows (0 when the trace has none)."""
+    unattributed_by_name: dict[str, float] = field(default_factory=dict)
+    """Unattributed time per kernel (or CPU op) name, largest first (top 30): what to name next."""
 
     @property
     def attributed_share(self) -> float:
         return 1.0 - self.unattributed_s / self.total_s if self.total_s > 0 else 0.0
 
-    def per_step(self) -> dict[tuple[str, str], float]:
-        return {(o.name, o.phase): o.time_s / self.steps for o in self.ops}
+    def per_step(self, *, with_idle: bool = False) -> dict[tuple[str, str], float]:
+        """Seconds per profiled step of each (op, phase); ``with_idle`` adds the GPU idle time each op ended."""
+        return {(o.name, o.phase): (o.time_s + (o.idle_s if with_idle else 0.0)) / self.steps for o in self.ops}
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
@@ -142,9 +168,31 @@ class _Ranges:
         return None
 
 
+_TORCHREC_RANGE = re.compile(r"^(\[[a-z_]+\]_\[sparse|## .* ##$)")
+
+
+def named_range(name: str) -> tuple[str, str] | None:
+    """(op name, phase rule) for a ``record_function`` range that names work, else None.
+
+    The rule is ``"op"`` for cost-model op ranges (forward, or recompute inside a backward node),
+    ``"hook"`` for the step's other named work (FSDP2's hooks, TorchRec's distribution: forward or
+    backward by where it ran) and ``"optimizer"`` for the optimizer (see the module docstring).
+    """
+    if OP_NAME.match(name):
+        return name, "op"
+    if name.startswith("Optimizer.step#") or name.startswith("Optimizer.zero_grad#"):
+        return "optimizer.step", "optimizer"
+    if name.startswith("FSDP::"):
+        return "fsdp.hooks", "hook"
+    if _TORCHREC_RANGE.match(name):
+        return "sparse.dist", "hook"
+    return None
+
+
 def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
     """Attribute a loaded trace's work to op names and phases (see module docstring)."""
     events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
+    windows: list[tuple[float, float]] = []
     op_ranges: dict[Any, list] = defaultdict(list)
     bwd_nodes: dict[Any, list] = defaultdict(list)
     cpu_ops: dict[Any, list] = defaultdict(list)
@@ -159,8 +207,12 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
         if cat == "user_annotation":
             if name.startswith("ProfilerStep#"):
                 steps += 1
-            elif OP_NAME.match(name):
-                op_ranges[tid].append((ts, ts + dur, name))
+            else:
+                owner = named_range(name)
+                if owner is not None:
+                    op_ranges[tid].append((ts, ts + dur, owner))
+        elif cat == "gpu_user_annotation" and name.startswith("ProfilerStep#"):
+            windows.append((ts, ts + dur))
         elif cat == "cpu_op":
             cpu_ops[tid].append((ts, ts + dur, e))
             m = _BWD_NODE.match(name)
@@ -170,27 +222,33 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
                 fwd_seq_ops.append((tid, ts, int(args["Sequence number"])))
         elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
             launches[args["correlation"]] = (tid, ts)
-        elif cat == "kernel":
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append(e)
-    on_device = bool(kernels)
-    op_index = {tid: _Ranges(r) for tid, r in op_ranges.items()}
+    on_device = any(k.get("cat") == "kernel" for k in kernels)
+    windows = _merge(windows) if on_device else []
+    # cost-model op ranges win over hook ranges (TorchRec's "[lookup]" sits inside "sparse.tbe")
+    op_index = {tid: _Ranges([x for x in r if x[2][1] != "hook"]) for tid, r in op_ranges.items()}
+    hook_index = {tid: _Ranges([x for x in r if x[2][1] == "hook"]) for tid, r in op_ranges.items()}
     bwd_index = {tid: _Ranges(r) for tid, r in bwd_nodes.items()}
 
     # forward sequence numbers -> the op range they ran in
     seq_name: dict[int, str] = {}
     for tid, ts, seq in fwd_seq_ops:
         idx = op_index.get(tid)
-        name = idx.innermost(ts) if idx else None
-        if name is not None and seq not in seq_name:
-            seq_name[seq] = name
+        owner = idx.innermost(ts) if idx else None
+        if owner is not None and owner[1] == "op" and seq not in seq_name:
+            seq_name[seq] = owner[0]
 
-    # work units: (tid, launch time, duration, kernel name)
-    units: list[tuple[Any, float, float, str]] = []
+    # work units: (tid, launch time, duration, kernel name, device start or None)
+    units: list[tuple[Any, float, float, str, float | None]] = []
     if on_device:
         for k in kernels:
+            start = float(k.get("ts", 0.0))
+            if windows and not _inside(windows, start):
+                continue  # queued by a step outside the profiled ones
             corr = (k.get("args") or {}).get("correlation")
-            tid, ts = launches.get(corr, (None, float(k.get("ts", 0.0))))
-            units.append((tid, ts, float(k.get("dur", 0.0)), str(k.get("name", ""))))
+            tid, ts = launches.get(corr, (None, start))
+            units.append((tid, ts, float(k.get("dur", 0.0)), str(k.get("name", "")), start))
     else:
         # CPU: every op's *self* time (its duration less its direct children's) is a unit at its own
         # start, so nested work (a checkpoint's recompute inside a backward node) is attributed to
@@ -211,43 +269,103 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
                     continue
                 self_us = max(0.0, (e_ - s_) - kids)
                 if self_us > 0:
-                    units.append((tid, s_, self_us, name))
+                    units.append((tid, s_, self_us, name, None))
+
+    # GPU idle gaps: each ends with the unit that starts after it (device order), inside a window
+    gap_before = [0.0] * len(units)
+    tail_idle = 0.0
+    if windows:
+        order = sorted(range(len(units)), key=lambda i: units[i][4])
+        w, busy_to = -1, 0.0
+        for i in order:
+            start, dur = units[i][4], units[i][2]
+            wi = _window_of(windows, start)
+            if wi != w:
+                if w >= 0:
+                    tail_idle += max(0.0, windows[w][1] - busy_to)
+                w, busy_to = wi, windows[wi][0]
+            gap_before[i] = max(0.0, start - busy_to)
+            busy_to = max(busy_to, start + dur)
+        if w >= 0:
+            tail_idle += max(0.0, windows[w][1] - busy_to)
+        seen = {_window_of(windows, units[i][4]) for i in order}
+        tail_idle += sum(b - a for j, (a, b) in enumerate(windows) if j not in seen)
 
     acc: dict[tuple[str, str], list] = {}
     by_class: dict[str, float] = defaultdict(float)
-    total = unattributed = 0.0
-    for tid, ts, dur, kname in units:
+    lost: dict[str, float] = defaultdict(float)
+    total = unattributed = un_idle = 0.0
+    for (tid, ts, dur, kname, _), gap in zip(units, gap_before):
         cls = classify_kernel(kname)
         by_class[cls] += dur
         total += dur
         owner: tuple[str, str] | None = None
-        name = op_index[tid].innermost(ts) if tid in op_index else None
+        rng = op_index[tid].innermost(ts) if tid in op_index else None
+        if rng is None and tid in hook_index:
+            rng = hook_index[tid].innermost(ts)
         bwd = bwd_index[tid].innermost(ts) if tid in bwd_index else None
-        if name is not None:
-            phase = "recompute" if bwd is not None else "fwd"
+        if rng is not None:
+            name, rule = rng
+            if rule == "op":
+                # a cost-model op range inside a backward node is activation-checkpoint recompute
+                phase = "recompute" if bwd is not None else "fwd"
+            elif rule == "hook":
+                phase = "bwd" if bwd is not None else "fwd"
+            else:
+                phase = rule
             owner = (name, phase)
         elif bwd is not None and bwd in seq_name:
             owner = (seq_name[bwd], "bwd")
         if owner is None:
             unattributed += dur
+            un_idle += gap
+            lost[kname[:120]] += dur
             continue
-        slot = acc.setdefault(owner, [0.0, 0, defaultdict(float)])
+        slot = acc.setdefault(owner, [0.0, 0, defaultdict(float), 0.0])
         slot[0] += dur
         slot[1] += 1
         slot[2][cls] += dur
+        slot[3] += gap
     ops = tuple(
-        MeasuredOp(name=n, phase=p, time_s=v[0] * 1e-6, launches=v[1], by_class={k: t * 1e-6 for k, t in v[2].items()})
+        MeasuredOp(name=n, phase=p, time_s=v[0] * 1e-6, launches=v[1], by_class={k: t * 1e-6 for k, t in v[2].items()},
+                   idle_s=v[3] * 1e-6)
         for (n, p), v in sorted(acc.items())
     )
+    top_lost = dict(sorted(lost.items(), key=lambda kv: -kv[1])[:30])
     return TraceAttribution(
         path=path,
         on_device=on_device,
-        steps=max(steps, 1),
+        steps=max(len(windows) if windows else steps, 1),
         ops=ops,
         by_class_s={k: v * 1e-6 for k, v in sorted(by_class.items())},
         total_s=total * 1e-6,
         unattributed_s=unattributed * 1e-6,
+        idle_s=(sum(gap_before) + tail_idle) * 1e-6,
+        unattributed_idle_s=(un_idle + tail_idle) * 1e-6,
+        window_s=sum(b - a for a, b in windows) * 1e-6,
+        unattributed_by_name={k: v * 1e-6 for k, v in top_lost.items()},
     )
+
+
+def _merge(windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping windows (a step's device window can touch the next one's)."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(windows):
+        if out and a < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _window_of(windows: list[tuple[float, float]], t: float) -> int:
+    i = bisect.bisect_right(windows, (t, float("inf"))) - 1
+    return max(i, 0)
+
+
+def _inside(windows: list[tuple[float, float]], t: float) -> bool:
+    i = bisect.bisect_right(windows, (t, float("inf"))) - 1
+    return i >= 0 and windows[i][0] <= t <= windows[i][1]
 
 
 def attribute_file(path: str | Path) -> TraceAttribution:
