@@ -1,0 +1,225 @@
+"""FP8 (e4m3) linear layers for training: two scaling recipes behind one autograd op and a drop-in
+``nn.Linear``.
+
+A linear layer runs three GEMMs, each written ``A @ Bᵀ`` with both operands quantised along the
+contraction axis K, so that every scale is constant along K and factors out of the dot product:
+
+====================  ====================  =============================  ======================
+GEMM                  A (quantised along)   B (quantised along)            K
+====================  ====================  =============================  ======================
+forward  y = x Wᵀ     x      (features)     W      (input features)        in_features
+input grad dx = dY W  dY     (out features) Wᵀ     (out features)          out_features
+weight grad dW = dYᵀx dYᵀ    (tokens)       xᵀ     (tokens)                tokens
+====================  ====================  =============================  ======================
+
+**rowwise**: one fp32 scale per row of each operand (``amax / 448``), e4m3 everywhere, the GEMM by
+``torch._scaled_mm`` with row-wise scales, bf16 out; fast (fp8-precision) accumulation in the
+forward only, full fp32 accumulation in the two gradient GEMMs, whose K (tokens, for the weight
+gradient) is long. Gradients are e4m3, not e5m2: e5m2 exists for per-*tensor* scaling, where one
+scale must cover a gradient's whole dynamic range; with a scale per row the range inside a row is
+what e4m3 must hold, and its extra mantissa bit halves the rounding error. (Hopper's row-wise
+``_scaled_mm`` also takes e4m3 operands only.)
+
+**blockwise** (DeepSeek-V3): activations and gradients in 1x128 tiles, weights in 128x128 blocks
+(one block's scale serves W and Wᵀ alike, so the input gradient reuses the forward's layout); the
+weight gradient's operands, dYᵀ and xᵀ, in 1x128 tiles along tokens. All three GEMMs run the same
+Triton kernel (:func:`~coplan.kernels.fp8_triton.block_scaled_mm`), which applies the scales at
+every 128-wide K step in fp32. Its backward is thus fp8 too.
+
+Both recipes: the weight stays a plain high-precision parameter (FSDP2 all-gathers it in its
+``param_dtype``, bf16, and the weight gradient comes back in the weight's dtype for FSDP2 to
+reduce in its ``reduce_dtype``); quantisation happens inside the op, every call, from the current
+values (dynamic scaling, no amax history). The op saves x and W as given (the memory of
+``nn.Linear``), so activation checkpointing and FSDP2 see an ordinary op. Any shape works: K and N
+are zero-padded by the quantisation kernels (zeros change no amax and no product), M is masked.
+
+Without an FP8 GPU (``fp8_supported`` False), both recipes are *emulated*: the same quantisation,
+values really rounded to e4m3, then dequantised and multiplied in fp32 (:mod:`.fp8_reference`),
+so the numerics can be tested and a model trained on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+from . import fp8_reference as ref
+
+Recipe = Literal["rowwise", "blockwise"]
+Backend = Literal["auto", "kernels", "emulate"]
+RECIPES: tuple[str, ...] = get_args(Recipe)
+SCALED_MM_ALIGN = 16
+"""``torch._scaled_mm`` needs K and N (and M where M is the contraction axis) multiples of 16."""
+
+
+class Fp8InputError(ValueError):
+    """An FP8 linear input is malformed: the message names the argument, the numbers and the fix."""
+
+
+def fp8_supported(device) -> bool:
+    """Whether ``device`` runs FP8 GEMMs natively: CUDA with compute capability ≥ 8.9 (Ada, Hopper
+    and later) and a PyTorch that has ``torch._scaled_mm``."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+# --------------------------------------------------------------------------------------------
+# One GEMM, A @ Bᵀ, in a recipe
+# --------------------------------------------------------------------------------------------
+
+
+def _gemm_nt(
+    a: Tensor, b: Tensor, recipe: str, *, b_square: bool, out_dtype: torch.dtype, kernels: bool, fast_accum: bool,
+) -> Tensor:
+    """``a [M, K] @ b [N, K]ᵀ`` → ``[M, N]`` in ``out_dtype``, both quantised along K by ``recipe``.
+
+    ``b_square``: blockwise B in 128x128 blocks (a weight) rather than 1x128 tiles. ``kernels``:
+    Triton quantisation (+ ``torch._scaled_mm`` or the block-scaled Triton GEMM) rather than the
+    emulation.
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        return a.new_zeros(M, N, dtype=out_dtype)
+    if recipe == "rowwise":
+        if kernels:
+            from .fp8_triton import quant_rows
+
+            qa, sa = quant_rows(a, SCALED_MM_ALIGN)
+            qb, sb = quant_rows(b, SCALED_MM_ALIGN, rows_granule=SCALED_MM_ALIGN)
+            if a.is_cuda:
+                out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16,
+                                       use_fast_accum=fast_accum)
+                out = out[:, :N]
+            else:  # the Triton interpreter's quantisation, the product emulated
+                out = ref.rowwise_mm_ref(qa, sa, qb, sb, N)
+        else:
+            qa, sa = ref.quant_rows_ref(a)
+            qb, sb = ref.quant_rows_ref(b)
+            out = ref.rowwise_mm_ref(qa, sa, qb, sb, N)
+    else:
+        if kernels:
+            from .fp8_triton import block_scaled_mm, quant_tiles
+
+            qa, sa = quant_tiles(a, square=False)
+            qb, sb = quant_tiles(b, square=b_square)
+            out = block_scaled_mm(qa, sa, qb, sb, b_square=b_square,
+                                  out_dtype=out_dtype if out_dtype != torch.float16 else torch.float32)
+        else:
+            qa, sa = ref.quant_tiles_ref(a, square=False)
+            qb, sb = ref.quant_tiles_ref(b, square=b_square)
+            out = ref.block_scaled_mm_ref(qa, sa, qb, sb, b_square=b_square, n=N)
+    return out.to(out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d: Tensor, weight: Tensor, bias: Tensor | None, recipe: str, kernels: bool) -> Tensor:
+        out = _gemm_nt(x2d, weight, recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=True)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.save_for_backward(x2d, weight)
+        ctx.recipe, ctx.kernels, ctx.has_bias = recipe, kernels, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x2d, weight = ctx.saved_tensors
+        recipe, kernels = ctx.recipe, ctx.kernels
+        dy = grad_out.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # dx = dY · W = dY @ (Wᵀ)ᵀ: W is read transposed in place by the quantisation kernel.
+            dx = _gemm_nt(dy, weight.t(), recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=False)
+        if ctx.needs_input_grad[1]:
+            # dW = dYᵀ · x = dYᵀ @ (xᵀ)ᵀ, contraction over tokens; both operands in 1x128 tiles (blockwise).
+            dw = _gemm_nt(dy.t(), x2d.t(), recipe, b_square=False, out_dtype=weight.dtype, kernels=kernels, fast_accum=False)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe = "rowwise", *, backend: Backend = "auto") -> Tensor:
+    """``F.linear(x, weight, bias)`` with its forward and backward GEMMs in FP8 (e4m3) by ``recipe``.
+
+    ``x [..., in]``, ``weight [out, in]``, ``bias [out]`` or None; the output has x's dtype (under
+    autocast, the autocast dtype). ``backend``: ``"kernels"`` (Triton quantisation and
+    ``torch._scaled_mm`` / the block-scaled Triton GEMM; on CPU only under ``TRITON_INTERPRET=1``,
+    with the row-wise product emulated), ``"emulate"`` (PyTorch quantisation, fp32 products), or
+    ``"auto"``: kernels where :func:`fp8_supported`, emulation elsewhere.
+    """
+    if recipe not in RECIPES:
+        raise Fp8InputError(f"recipe={recipe!r} is not an FP8 recipe; choose one of {', '.join(map(repr, RECIPES))}")
+    if backend not in ("auto", "kernels", "emulate"):
+        raise Fp8InputError(f"backend={backend!r}; choose 'auto', 'kernels' or 'emulate'")
+    if weight.dim() != 2:
+        raise Fp8InputError(f"weight: expected [out_features, in_features], got shape {tuple(weight.shape)}")
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise Fp8InputError(f"x: last dimension {tuple(x.shape)[-1:] or ()} does not match the weight's in_features "
+                            f"{weight.shape[1]} (weight shape {tuple(weight.shape)})")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise Fp8InputError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not (x.is_floating_point() and weight.is_floating_point()):
+        raise Fp8InputError(f"x and weight must be floating point, got {x.dtype} and {weight.dtype}")
+    kernels = backend == "kernels" or (backend == "auto" and fp8_supported(x.device))
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+    elif weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    with torch.autocast(dev, enabled=False):
+        out = _Fp8Linear.apply(x2d, weight, bias, recipe, kernels)
+    return out.view(*lead, weight.shape[0])
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 by ``recipe``; same parameters and ``state_dict``."""
+
+    recipe: Recipe
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 recipe: Recipe = "rowwise") -> None:
+        if recipe not in RECIPES:
+            raise Fp8InputError(f"recipe={recipe!r} is not an FP8 recipe; choose one of {', '.join(map(repr, RECIPES))}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe = "rowwise") -> "Float8Linear":
+        """A Float8Linear holding ``linear``'s own parameter objects (no copy): swapped in before
+        ``fully_shard``, FSDP2 shards the same parameters; an optimizer built on ``linear`` still
+        updates it."""
+        if not isinstance(linear, nn.Linear):
+            raise Fp8InputError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        if recipe not in RECIPES:
+            raise Fp8InputError(f"recipe={recipe!r} is not an FP8 recipe; choose one of {', '.join(map(repr, RECIPES))}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.register_parameter("bias", linear.bias)
+        new.recipe = recipe
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+__all__ = ["Float8Linear", "Fp8InputError", "RECIPES", "Recipe", "fp8_linear", "fp8_supported"]

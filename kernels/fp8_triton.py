@@ -1,0 +1,258 @@
+"""Triton kernels for FP8 (e4m3) training GEMMs: the quantisation passes of both recipes and the
+block-scaled GEMM of the DeepSeek-V3-style recipe.
+
+Every GEMM of a linear layer is written here in one "NT" form, ``A[M, K] @ B[N, K]ᵀ``, with both
+operands quantised along their contraction axis K: forward ``x · Wᵀ``, input gradient
+``dY · (Wᵀ)ᵀ``, weight gradient ``dYᵀ · (Xᵀ)ᵀ``. The quantisation kernels read any strided view (a
+transposed operand is read in place, never copied first) and write a row-major fp8 copy whose K is
+zero-padded to the kernel's granule, so the GEMM needs no K masks and a padded zero changes neither
+an amax nor a product.
+
+- :func:`quant_rows`: one scale per row over all of K (the row-wise recipe, for ``torch._scaled_mm``).
+- :func:`quant_tiles`: one scale per 1x128 tile (activations and gradients) or per 128x128 block
+  (weights) of the block-wise recipe.
+- :func:`block_scaled_mm`: ``A @ Bᵀ`` with A in 1x128 tiles and B in 128x128 blocks or 1x128
+  tiles; each 128-wide K step's fp32 product is scaled and added to an fp32 accumulator (the
+  "promotion" DeepSeek-V3 does to bound the tensor cores' limited accumulation precision).
+
+Scales are dequantisation scales (``x ≈ q · s``), fp32, ``s = amax / 448`` (e4m3's largest
+normal). Autotuning is keyed on the previous power of two of M, and on N and K.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+"""Side of a scaling tile / block, the GEMM's K step."""
+# An all-zero row or tile gets this amax so that its scale is positive and 0 / s stays 0.
+AMAX_FLOOR = 1e-12
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def prev_power_of_2(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def padded(n: int, granule: int) -> int:
+    return -(-n // granule) * granule
+
+
+# --------------------------------------------------------------------------------------------
+# Quantisation
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr, R, C, C_PAD, stride_xr, stride_xc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Rows [pid·BLOCK_R, +BLOCK_R) of x: amax over all C, then q = x / s written with zero padding
+    up to C_PAD. Two reads of the rows: a row of a GEMM operand (K ≤ tens of thousands) does not
+    fit in registers, and a second read hits L2 for the row block just read."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (cols[None, :] < C)
+        v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    scale = tl.maximum(amax, 1e-12) / 448.0
+    inv = 1.0 / scale
+    tl.store(s_ptr + rows, scale, mask=rmask)
+    for c0 in range(0, C_PAD, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (cols[None, :] < C)
+        v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0)
+        tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (cols[None, :] < C_PAD))
+
+
+@triton.jit
+def _quant_tiles_kernel(
+    x_ptr, q_ptr, s_ptr, R, C, C_PAD, stride_xr, stride_xc, stride_sr,
+    BLOCK_R: tl.constexpr, GROUP: tl.constexpr, SQUARE: tl.constexpr,
+):
+    """One [BLOCK_R, GROUP] tile of x: a scale per row of the tile (SQUARE=False, 1xGROUP tiles) or
+    one for the whole tile (SQUARE=True, BLOCK_R = GROUP, GROUPxGROUP blocks)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * GROUP + tl.arange(0, GROUP)
+    rmask = rows < R
+    m = rmask[:, None] & (cols[None, :] < C)
+    v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    if SQUARE:
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        q = tl.minimum(tl.maximum(v * (1.0 / scale), -448.0), 448.0)
+        tl.store(s_ptr + pid_r * stride_sr + pid_c, scale)
+    else:
+        scale = tl.maximum(amax, 1e-12) / 448.0
+        q = tl.minimum(tl.maximum(v * (1.0 / scale)[:, None], -448.0), 448.0)
+        tl.store(s_ptr + rows * stride_sr + pid_c, scale, mask=rmask)
+    tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """What the quantisation kernels store. Triton's CPU interpreter rounds fp32 -> e4m3 wrongly
+    when the rounding carries into the exponent (124.3 -> 64 instead of 128), so under the
+    interpreter the kernels store the scaled, clamped values in fp32 and PyTorch's cast rounds them
+    (`.to(e4m3)` below is a no-op on the GPU, where the kernels store e4m3 directly)."""
+    return torch.float32 if interpreting() else out_dtype
+
+
+def _check_2d(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+
+
+def quant_rows(
+    x: torch.Tensor, granule: int = 16, rows_granule: int = 1, out_dtype: torch.dtype = E4M3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise e4m3 quantisation of a 2-D view (any strides): ``q [R, C]`` row-major and fp32 scales
+    ``[R, 1]``, with C zero-padded to ``granule`` and R to ``rows_granule`` (padding rows: q = 0,
+    s = 1). ``granule=16`` is ``torch._scaled_mm``'s alignment of K (and of N, for the B operand)."""
+    _check_2d(x, "quant_rows")
+    R, C = x.shape
+    c_pad, r_pad = padded(C, granule), padded(R, rows_granule)
+    q = torch.empty(r_pad, c_pad, device=x.device, dtype=_store_dtype(out_dtype))
+    s = torch.empty(r_pad, 1, device=x.device, dtype=torch.float32)
+    if r_pad > R:
+        q[R:].view(torch.uint8).zero_()
+        s[R:] = 1.0
+    if R == 0:
+        return q.to(out_dtype), s
+    if interpreting():
+        block_r, block_c = 16, 32
+    elif x.stride(1) == 1:
+        block_r, block_c = 4, 512
+    else:  # a transposed view: tall tiles so that each column's read is a contiguous run
+        block_r, block_c = 64, 64
+    _quant_rows_kernel[(triton.cdiv(R, block_r),)](
+        x, q, s, R, C, c_pad, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return q.to(out_dtype), s
+
+
+def quant_tiles(x: torch.Tensor, square: bool, out_dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise e4m3 quantisation of a 2-D view (any strides) into ``q [R, C padded to 128]``
+    row-major and fp32 scales: ``[R, C/128]`` for 1x128 tiles (``square=False``) or
+    ``[R/128, C/128]`` (rounded up) for 128x128 blocks (``square=True``)."""
+    _check_2d(x, "quant_tiles")
+    R, C = x.shape
+    c_pad = padded(C, BLOCK)
+    kb = c_pad // BLOCK
+    q = torch.empty(R, c_pad, device=x.device, dtype=_store_dtype(out_dtype))
+    s_rows = triton.cdiv(R, BLOCK) if square else R
+    s = torch.empty(s_rows, kb, device=x.device, dtype=torch.float32)
+    if R == 0:
+        return q.to(out_dtype), s
+    block_r = BLOCK if square else (16 if interpreting() else (32 if x.stride(1) == 1 else 64))
+    grid = (triton.cdiv(R, block_r), kb)
+    _quant_tiles_kernel[grid](
+        x, q, s, R, C, c_pad, x.stride(0), x.stride(1), s.stride(0),
+        BLOCK_R=block_r, GROUP=BLOCK, SQUARE=square, num_warps=8 if square else 4)
+    return q.to(out_dtype), s
+
+
+# --------------------------------------------------------------------------------------------
+# Block-scaled GEMM
+# --------------------------------------------------------------------------------------------
+
+
+def _gemm_configs() -> list[triton.Config]:
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    # The K step is pinned to the 128-wide scaling granule; tiles and pipelining vary.
+    out = []
+    for bm, bn, warps, stages in [
+        (128, 128, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4),
+        (64, 64, 4, 4), (128, 256, 8, 3), (64, 256, 8, 3),
+    ]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return out
+
+
+@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K_PAD", "B_SQUARE", "HAS_BIAS"])
+@triton.jit
+def _block_scaled_mm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr,
+    M, N, K_PAD, M_BUCKET,  # M_BUCKET: autotune key only
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    B_SQUARE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    # B is [N, K] row-major; its tile is read as [BLOCK_K, BLOCK_N] with K contiguous (K-major),
+    # the operand layout Hopper's fp8 tensor-core instructions take.
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+    as_ptrs = as_ptr + offs_m * stride_asm
+    if B_SQUARE:
+        bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
+    else:
+        bs_ptrs = bs_ptr + offs_n * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, K_PAD // BLOCK_K):
+        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+        sa = tl.load(as_ptrs + kb, mask=mmask, other=0.0)
+        sb = tl.load(bs_ptrs + kb, mask=nmask, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def block_scaled_mm(
+    qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, *, n: int | None = None,
+    b_square: bool, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(qa·sa) @ (qb·sb)ᵀ`` → ``[M, n]`` in ``out_dtype``: qa ``[M, Kp]`` with 1x128 scales ``sa [M, Kp/128]``;
+    qb ``[N, Kp]`` with 128x128 scales ``sb [N/128, Kp/128]`` (``b_square``) or 1x128 ``[N, Kp/128]``.
+    ``n`` trims B's rows (default: all)."""
+    M, k_pad = qa.shape
+    N = qb.shape[0] if n is None else n
+    if qb.shape[1] != k_pad or k_pad % BLOCK:
+        raise ValueError(f"block_scaled_mm: K of A {k_pad} and of B {qb.shape[1]} must agree and be a multiple of {BLOCK}")
+    c = torch.empty(M, N, device=qa.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return c
+    if k_pad == 0:
+        return c.zero_() if bias is None else c.copy_(bias.to(out_dtype).expand(M, N))
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+
+    _block_scaled_mm_kernel[grid](
+        qa, qb, c, sa, sb, bias if bias is not None else c,
+        M, N, k_pad, prev_power_of_2(M),
+        qa.stride(0), qb.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
+        B_SQUARE=b_square, HAS_BIAS=bias is not None, BLOCK_K=BLOCK)
+    return c
+
+
+__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "block_scaled_mm", "padded", "quant_rows", "quant_tiles"]
