@@ -9,6 +9,8 @@ Order, and why:
 3. **Activation checkpointing** before FSDP: the checkpoint wrapper must sit *inside* the FSDP unit,
    so that FSDP's all-gather is outside the recomputed region (recompute then runs on the
    parameters FSDP has already gathered for backward), as in torchtitan.
+3b. **Compile** (optional, ``--compile layers``) after checkpointing and before FSDP, as in torchtitan:
+   it compiles the layers' own ``forward`` only, so both wrappers' hooks stay outside it.
 4. **FSDP2 / HSDP** last: it shards the parameters that are left, layer by layer, and registers the
    hooks that gather them around each layer's forward and backward.
 """
@@ -24,8 +26,10 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from coplan.spec import Plan
 from coplan.trainer.distributed.activation_checkpoint import apply_activation_checkpointing
+from coplan.trainer.distributed.compile import apply_compile
 from coplan.trainer.distributed.embedding import apply_embedding_sharding, data_parallel_tables, init_sharded_tables
 from coplan.trainer.distributed.expert_parallel import apply_expert_parallel
+from coplan.trainer.distributed.fp8 import apply_fp8
 from coplan.trainer.distributed.fsdp import apply_fsdp
 from coplan.trainer.distributed.mesh import Meshes, ParallelDims
 
@@ -51,12 +55,15 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
-                local_size: int, seed: int) -> ParallelModel:
+                local_size: int, seed: int, compile_layers: bool = False) -> ParallelModel:
     dmp = apply_embedding_sharding(model, plan, device=device, group=meshes.sparse_group, local_size=local_size)
     init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
     dense = model.dense
     apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
+    # FP8 swaps nn.Linear modules in place: before activation checkpointing (which wraps the layers) and FSDP2 (which shards the params it finds).
+    apply_fp8(dense, plan)
     recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
+    apply_compile(dense, compile_layers)
     apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision)
     return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed,
                          ep_mesh=meshes.ep_mesh if dims.ep_enabled else None)

@@ -1,0 +1,92 @@
+"""FP8 GEMM pricing: the fp8 peak plus the quantisation passes, the guard, and what never runs in fp8."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coplan.costmodel import price
+from coplan.costmodel.context import build_context, fp8_allowed, fp8_capable, layer_costs, op_arrays
+from coplan.spec import LayerPlan, MeshPlan, Workload, load_topology, load_workload
+
+H200 = load_topology("h200-1gpu")
+
+
+def mlp_workload(batch: int, width: int = 4096, fp8: str = "auto", min_dim: int = 1024) -> Workload:
+    """Three square GEMMs of ``width`` on ``batch`` rows, then CTR/CVR heads."""
+    return Workload.model_validate({
+        "name": "mlp", "tables": [{"name": "t", "num_rows": 1000, "dim": 64, "pooling_factor": 1}],
+        "blocks": [{"type": "dense_mlp", "num_dense_features": width, "hidden_dims": [width, width], "out_tokens": 1},
+                   {"type": "heads", "tasks": ["ctr", "cvr"], "input_dim": width, "hidden_dims": [width]}],
+        "batch": {"local_batch_size": batch},
+        "precision": {"compute_dtype": "bf16", "param_dtype": "fp32", "reduce_dtype": "fp32", "fp8": fp8, "fp8_min_dim": min_dim},
+    })
+
+
+def context(w: Workload):
+    return build_context(w, H200, MeshPlan(dense_shard=1, sparse_shard=1))
+
+
+def layer_times(w: Workload) -> dict[str, tuple[float, float]]:
+    return {c.name: (c.fwd_s + c.bwd_s, c.fp8_fwd_s + c.fp8_bwd_s) for c in layer_costs(context(w))}
+
+
+def test_large_gemms_gain_and_small_ones_lose():
+    big = layer_times(mlp_workload(16384))["dense_mlp.1"]
+    small_batch = layer_times(mlp_workload(64))["dense_mlp.1"]
+    narrow = layer_times(mlp_workload(16384, width=256, fp8="force"))["dense_mlp.1"]
+    assert big[1] < 0.85 * big[0], big  # 1,309 vs 806 TFLOP/s, less the casts
+    assert small_batch[1] > small_batch[0], small_batch  # 64 rows: the weight casts cost more than the GEMM saves
+    assert narrow[1] > narrow[0], narrow  # K = N = 256: the activation casts cost more than the GEMM saves
+
+
+def test_quantisation_passes_by_hand():
+    """dense_mlp.1 is one [B, 4096] @ [4096, 4096] GEMM in bf16 (2 bytes): forward casts x (half of the
+    x + Y elements) and W with one read each; backward casts dY rowwise (one read), dYᵀ and xᵀ (two
+    reads each) and W along its other axis (two reads); one byte written per element."""
+    B, d = 2048, 4096
+    ctx = context(mlp_workload(B, width=d))
+    arr = op_arrays(ctx, fp8_layers=frozenset({"dense_mlp.1"}))
+    k = [ctx.ops[int(i)].name for i in ctx.dense_idx].index("dense_mlp.1.gemm")
+    bw = H200.gpu.hbm_bw_bytes_per_s * ctx.eff.memory["elementwise"]
+    half = B * (d + d) / 2
+    assert arr.fp8[k] == 1.0
+    assert arr.fwd_quant_s[k] == pytest.approx(half * 3 / bw)
+    assert arr.fwd_quant_fixed_s[k] == pytest.approx(d * d * 3 / bw)
+    assert arr.bwd_quant_s[k] == pytest.approx((half * 3 + 2 * half * 5) / bw)
+    assert arr.bwd_quant_fixed_s[k] == pytest.approx(d * d * 5 / bw)
+    base = op_arrays(ctx)
+    peak8 = H200.gpu.peak_flops_per_s["fp8"] * ctx.eff.compute_eff("gemm", "fp8")
+    assert arr.fwd_flop_s[k] == pytest.approx(base.fwd_flops[k] / peak8)
+    # the casts are added to the GEMM (separate kernels), not hidden under its roofline
+    f8, _ = arr.times()
+    fb, _ = base.times()
+    assert f8[k] == pytest.approx(max(arr.fwd_flop_s[k], arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]) + arr.fwd_launch_s[k]
+                                  + arr.fwd_quant_s[k] + arr.fwd_quant_fixed_s[k])
+    # every other op is untouched
+    others = [i for i in range(len(fb)) if i != k]
+    np.testing.assert_allclose(f8[others], fb[others])
+
+
+def test_guard_heads_and_what_never_runs_in_fp8():
+    w = load_workload("gem-h200").model_copy(deep=True)
+    auto = w.model_copy(update={"precision": w.precision.model_copy(update={"fp8": "auto"})})
+    force = w.model_copy(update={"precision": w.precision.model_copy(update={"fp8": "force"})})
+    ops = {o.name: o for o in context(auto).ops}
+    assert fp8_allowed(ops["interformer.0.ffn_up"], auto)
+    assert not fp8_allowed(ops["moe.0.router"], auto) and fp8_allowed(ops["moe.0.router"], force)  # 8 experts < 1,024
+    assert not fp8_allowed(ops["heads.0.gemm"], auto) and fp8_allowed(ops["heads.0.gemm"], force)  # task heads
+    for name in ("moe.0.experts", "kunlun.0.input_proj", "interformer.0.gdpa"):
+        # grouped expert matmuls, Kunlun's block-diagonal einsum and attention are not linear layers
+        assert not fp8_capable(ops[name], force) and not fp8_allowed(ops[name], force)
+
+
+def test_fp8_layers_lower_the_priced_step_and_say_how():
+    w = mlp_workload(16384)
+    ctx = context(w)
+    names = list(ctx.layer_names)
+    bf16 = price(ctx, None, [LayerPlan(name=n) for n in names], detail=False)
+    fp8 = price(ctx, None, [LayerPlan(name=n, precision="fp8") for n in names], detail=False)
+    assert fp8.step_time_s < bf16.step_time_s
+    assert any("quantisation passes" in n for n in fp8.notes) and not any("quantisation" in n for n in bf16.notes)
+    assert fp8.memory.total == pytest.approx(bf16.memory.total)  # the recipe saves activations as given
