@@ -106,6 +106,24 @@ class PageLoad:
     TaskDuration = all tasks, ScriptDuration = JavaScript, LayoutDuration, RecalcStyleDuration). On a
     loaded machine wall time includes waiting for a CPU; busy time does not."""
 
+    settle_ms: float | None = None
+    """Time spent, before opening the page, waiting for the freshly started browser to go idle (see
+    :func:`_wait_idle`); not part of any page timing."""
+
+    first_screen_ms: float | None = None
+    """Navigation start → every figure that is on the first screen (the window's height at load) drawn;
+    the summary's paint time when no figure is on it."""
+
+    first_screen: list[str] = field(default_factory=list)
+    """Figure element ids on the first screen."""
+
+    draw_order: list[str] = field(default_factory=list)
+    """Figure element ids in the order they were drawn."""
+
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+    """With ``trace=True``: the renderer main thread's CPU (thread) time by what it was spent on, from a
+    Chromium trace of the load (see :func:`thread_time_breakdown`)."""
+
     @property
     def ok(self) -> bool:
         return not self.errors and not self.timed_out and self.rendered == self.expected and self.expected > 0
@@ -223,11 +241,132 @@ def _event_error(ev: dict) -> str | None:
     return None
 
 
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and all its descendants, from /proc (0 where unreadable)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (ValueError, OSError):
+        return 0.0
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(d))
+        cpu[int(d)] = (int(fields[11]) + int(fields[12])) / ticks
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
+def _wait_idle(pid: int, *, quiet_s: float = 0.3, max_cpu_share: float = 0.05, timeout_s: float = 8.0) -> float:
+    """Wait until the browser's processes use under ``max_cpu_share`` of a CPU for ``quiet_s``; returns the seconds waited.
+
+    A freshly started headless Chromium (156) spends about a second of CPU after start-up building its own
+    UI (the omnibox pop-up WebUI, in a renderer of its own). On a 2-CPU machine that work competes with the
+    page for the CPUs, and it is not the page's cost: a reader opens a report in a browser that is already
+    running. Without /proc (not Linux) this returns at once.
+    """
+    if not Path(f"/proc/{pid}/stat").exists():
+        return 0.0
+    t0 = time.monotonic()
+    last = _tree_cpu_s(pid)
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(quiet_s)
+        now = _tree_cpu_s(pid)
+        if now - last < max_cpu_share * quiet_s:
+            break
+        last = now
+    return time.monotonic() - t0
+
+
+TRACE_CATEGORIES = ",".join((
+    "devtools.timeline", "v8", "v8.execute", "disabled-by-default-devtools.timeline", "disabled-by-default-v8.compile",
+    "blink.user_timing", "loading",
+))
+
+
+def thread_time_breakdown(events: list[dict], page_url: str) -> dict[str, float]:
+    """The page renderer's main-thread CPU time (ms, from the trace's thread durations ``tdur``, so waiting
+    for a CPU on a loaded machine is not counted), split into:
+
+    - ``plotly_js_compile`` / ``plotly_js_run``: compiling and running the plotly.js script (the largest
+      ``EvaluateScript`` of the page);
+    - ``figure:<id>``: each figure's task (JSON parse of its block, title wrapping, ``Plotly.newPlot`` and the
+      forced style/layout inside it), found by the loader's ``coplan:figure:<id>`` user-timing measures;
+    - ``html_parse``: parsing the HTML outside scripts (the JSON blocks are parsed as text here);
+    - ``other_scripts``: the page's other scripts (error hook, loader set-up);
+    - ``style_layout_paint``: style, layout, paint and compositing outside the figures' tasks;
+    - ``other``: everything else (idle-time tasks, input, timers); ``total``: all main-thread tasks.
+    """
+    meta = [e for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"]
+    ours = {e["pid"] for e in events if e.get("name") == "EvaluateScript" and page_url in str(e.get("args", {}).get("data", {}).get("url", ""))}
+    mains = {(e["pid"], e["tid"]) for e in meta if e["pid"] in ours and e.get("args", {}).get("name") == "CrRendererMain"}
+    if not mains:
+        return {}
+    xs = sorted((e for e in events if e.get("ph") == "X" and (e["pid"], e["tid"]) in mains), key=lambda e: (e["ts"], -e.get("dur", 0)))
+    # top-level tasks: RunTask slices not nested in another
+    tops, end = [], -1.0
+    for e in xs:
+        if e["name"] in ("RunTask", "ThreadControllerImpl::RunTask") and e["ts"] >= end:
+            tops.append(e)
+            end = e["ts"] + e.get("dur", 0)
+    out: dict[str, float] = {"total": sum(e.get("tdur", e.get("dur", 0)) for e in tops) / 1e3}
+    # figures: user-timing measures (async begin/end pairs) mapped to the top-level task holding their start
+    measures: dict[str, float] = {}
+    for e in events:
+        n = str(e.get("name", ""))
+        if n.startswith("coplan:figure:") and e.get("ph") in ("b", "B", "S"):
+            measures[n.split(":", 2)[2]] = e["ts"]
+    fig_tasks: dict[int, str] = {}
+    for fid, ts in measures.items():
+        for i, t in enumerate(tops):
+            if t["ts"] <= ts <= t["ts"] + t.get("dur", 0):
+                fig_tasks[i] = fid
+                break
+    for i, fid in fig_tasks.items():
+        out[f"figure:{fid}"] = out.get(f"figure:{fid}", 0.0) + tops[i].get("tdur", tops[i].get("dur", 0)) / 1e3
+    evals = [e for e in xs if e["name"] == "EvaluateScript"]
+    plotly_eval = max(evals, key=lambda e: e.get("dur", 0), default=None)
+    if plotly_eval is not None:
+        a, b = plotly_eval["ts"], plotly_eval["ts"] + plotly_eval.get("dur", 0)
+        comp = sum(e.get("tdur", e.get("dur", 0)) for e in xs if e["name"] == "v8.compile" and a <= e["ts"] <= b)
+        out["plotly_js_compile"] = comp / 1e3
+        out["plotly_js_run"] = (plotly_eval.get("tdur", plotly_eval.get("dur", 0)) - comp) / 1e3
+    def td(e: dict) -> float:
+        return e.get("tdur", e.get("dur", 0))
+
+    def in_figure(e: dict) -> bool:
+        return any(tops[i]["ts"] <= e["ts"] <= tops[i]["ts"] + tops[i].get("dur", 0) for i in fig_tasks)
+
+    # Scripts run inside the parser's task, so parsing is ParseHTML less the scripts it ran.
+    parse = sum(td(e) for e in xs if e["name"] == "ParseHTML" and not in_figure(e))
+    scripts = sum(td(e) for e in evals if not in_figure(e))
+    out["html_parse"] = max(0.0, (parse - scripts) / 1e3)
+    out["other_scripts"] = max(0.0, (scripts - (td(plotly_eval) if plotly_eval is not None else 0)) / 1e3)
+    out["style_layout_paint"] = sum(td(e) for e in xs if e["name"] in {"UpdateLayoutTree", "Layout", "Paint", "PrePaint", "Layerize", "Commit"}
+                                    and not in_figure(e)) / 1e3
+    known = sum(v for k, v in out.items() if k != "total")
+    out["other"] = max(0.0, out["total"] - known)
+    return {k: round(v, 1) for k, v in out.items()}
+
+
 def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900, timeout_s: float = 60.0, binary: str | None = None,
-                screenshot: str | Path | None = None, resize_to_px: int | None = None) -> PageLoad:
+                screenshot: str | Path | None = None, resize_to_px: int | None = None, settle: bool = True, trace: bool = False) -> PageLoad:
     """Open ``path`` in a fresh headless browser at ``width_px`` and wait until every figure is drawn.
     With ``screenshot``, a PNG of the whole page at that width is written there. With ``resize_to_px``,
     the window is resized once every figure is drawn, and errors and overflow are read after that.
+    With ``settle`` (default), the page is opened once the new browser has gone idle (:func:`_wait_idle`).
+    With ``trace``, a Chromium trace of the load gives :attr:`PageLoad.breakdown_ms` (tracing itself slows
+    the page a little: use the untraced loads for timings).
 
     Raises FileNotFoundError when no browser is installed (callers decide whether that skips).
     """
@@ -252,6 +391,10 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
             pipe.send("Performance.enable", session=session)
         pipe.send("Emulation.setDeviceMetricsOverride",
                   {"width": width_px, "height": height_px, "deviceScaleFactor": 1, "mobile": False}, session=session)
+        if settle:
+            result.settle_ms = _wait_idle(pipe.proc.pid) * 1e3
+        if trace:
+            pipe.send("Tracing.start", {"categories": TRACE_CATEGORIES, "transferMode": "ReportEvents"})
         t0 = time.monotonic()
         pipe.send("Page.navigate", {"url": url}, session=session)
         deadline = t0 + timeout_s
@@ -271,7 +414,7 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
             if r.get("result", {}).get("value") is True:
                 done = True
                 break
-            time.sleep(0.01)
+            time.sleep(0.05)  # the page times itself; polling less often takes less of its CPU
         result.wall_ms = (time.monotonic() - t0) * 1e3
         result.timed_out = not done
         if resize_to_px is not None and done:
@@ -285,7 +428,8 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
             var nav = performance.getEntriesByType('navigation')[0];
             return {expected: s.expected || 0, rendered: s.rendered || 0, errors: s.errors || [],
                     render_ms: s.render_ms, done_at_ms: s.done_at_ms, figure_ms: s.figure_ms || {},
-                    script_ms: s.script_ms, first_figure_ms: s.first_figure_at_ms, first_paint_ms: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime,
+                    script_ms: s.script_ms, first_figure_ms: s.first_figure_at_ms, first_screen_ms: s.first_screen_at_ms,
+                    first_screen: s.first_screen || [], order: s.order || [], first_paint_ms: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime,
                     load_ms: nav && nav.loadEventEnd > 0 ? nav.loadEventEnd : null,
                     overflow: Math.max(0, document.documentElement.scrollWidth - window.innerWidth)};
         })())"""
@@ -311,6 +455,20 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
                                      if k in metrics}
         except (RuntimeError, TimeoutError):
             pass
+        if trace:
+            events: list[dict] = []
+            pipe.send("Tracing.end")
+            t_end = time.monotonic() + 60
+            while time.monotonic() < t_end:
+                try:
+                    ev = pipe.events.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if ev.get("method") == "Tracing.dataCollected":
+                    events += ev["params"]["value"]
+                elif ev.get("method") == "Tracing.tracingComplete":
+                    break
+            result.breakdown_ms = thread_time_breakdown(events, url)
         if screenshot is not None:
             import base64
 
@@ -326,6 +484,10 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
         result.plotly_ready_ms = info.get("script_ms")
         result.first_paint_ms = info.get("first_paint_ms")
         result.first_figure_ms = info.get("first_figure_ms")
+        # no figure on the first screen: it is complete once the summary is painted
+        result.first_screen_ms = info.get("first_screen_ms") if info.get("first_screen") else result.first_paint_ms
+        result.first_screen = list(info.get("first_screen") or [])
+        result.draw_order = list(info.get("order") or [])
         errors = [f"page: {e}" for e in info["errors"]] + errors
     finally:
         pipe.close()

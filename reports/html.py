@@ -1,11 +1,13 @@
 """The HTML assembler: one self-contained file, plotly.js embedded once, every figure as JSON.
 
-Nothing is loaded from the network: plotly.js is inlined from the installed ``plotly`` package
-(``plotly.offline.get_plotlyjs()``), fonts are the reader's system fonts, and figures carry their
-data as ``<script type="application/json">`` blocks that one small loader hands to
-``Plotly.newPlot`` with ``responsive: true``. The loader records what happened where a headless
-browser (the tests, ``benchmarks/report_load.py``) can read it: ``window.__coplan`` and the
-``data-rendered`` / ``data-expected`` / ``data-errors`` attributes of ``<body>``.
+Nothing is loaded from the network: plotly.js is inlined (the smallest bundle that draws every trace
+of the report: the vendored basic bundle or the installed ``plotly`` package's full one, see
+:mod:`coplan.reports.plotlyjs`), fonts are the reader's system fonts, and figures carry their data as
+``<script type="application/json">`` blocks (their shared Plotly template once) that one small loader
+hands to ``Plotly.newPlot`` with ``responsive: true``: the figures on the first screen first, the rest
+when the browser is idle, a figure scrolled into view before its turn first. The loader records what
+happened where a headless browser (the tests, ``benchmarks/report_load.py``) can read it:
+``window.__coplan`` and the ``data-rendered`` / ``data-expected`` / ``data-errors`` attributes of ``<body>``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import json
 from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
-import plotly.offline
 
 from coplan.reports.palette import FONT
+from coplan.reports.plotlyjs import choose_bundle
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +101,14 @@ _LOADER = """
 (function () {
   var state = window.__coplan;
   var blocks = Array.prototype.slice.call(document.querySelectorAll('script[type="application/json"][data-figure]'));
+  var tmplBlock = document.querySelector('script[type="application/json"][data-templates]');
+  // Template texts, parsed again for every figure: Plotly keeps the layout object it is given.
+  var templates = tmplBlock ? JSON.parse(tmplBlock.textContent).map(function (t) { return JSON.stringify(t); }) : [];
   state.expected = blocks.length;
   document.body.dataset.expected = String(blocks.length);
   document.body.dataset.errors = String(state.errors.length);
   var t0 = performance.now();
+  state.loader_at_ms = t0;
   var config = {responsive: true, displaylogo: false, scrollZoom: false};
   var NARROW_PX = 640;
   function wrapWords(text, maxChars) {
@@ -143,34 +149,69 @@ _LOADER = """
       if (layout.meta && layout.meta.narrow) { merge(layout, layout.meta.narrow); }
     }
   }
-  // One figure at a time, yielding to the browser in between, so the first figures paint while the
-  // later ones are still being drawn.
-  function drawNext(i) {
-    if (i >= blocks.length) { return finish(); }
-    var block = blocks[i];
+  var originals = {};
+  function draw(block) {
     var id = block.dataset.figure;
     var div = document.getElementById(id);
     var t1 = performance.now();
-    var p;
     try {
       var spec = JSON.parse(block.textContent);
+      var ti = block.dataset.template;
+      if (ti !== undefined && templates[+ti] !== undefined) { spec.layout.template = JSON.parse(templates[+ti]); }
+      var t2 = performance.now();
       originals[id] = {title: spec.layout.title && spec.layout.title.text, t: spec.layout.margin && spec.layout.margin.t,
                        height: spec.layout.height, width: div.clientWidth || window.innerWidth};
       fitToWidth(spec.layout, div.clientWidth || window.innerWidth);
       var cfg = Object.assign({}, config, {toImageButtonOptions: {format: 'svg', filename: id}});
-      p = Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
+      return Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
+        var t3 = performance.now();
+        // User-timing entries: a trace of the load (benchmarks/report_load.py --trace) finds each figure's work by them.
+        try { performance.measure('coplan:figure:' + id, {start: t1, end: t3}); } catch (e) { /* older browsers */ }
         div.dataset.rendered = '1';
-        state.figure_ms[id] = performance.now() - t1;
-        if (state.first_figure_at_ms === undefined) { state.first_figure_at_ms = performance.now(); }
+        state.figure_ms[id] = t3 - t1;
+        state.parse_ms[id] = t2 - t1;
+        state.drawn_at_ms[id] = t3;
+        state.order.push(id);
+        if (state.first_figure_at_ms === undefined) { state.first_figure_at_ms = t3; }
+        if (!state.first_screen_at_ms && firstScreen.every(function (f) { return state.drawn_at_ms[f] !== undefined; })) { state.first_screen_at_ms = t3; }
       }, function (err) { __coplanError(id + ': ' + err); });
     } catch (err) {
       __coplanError(id + ': ' + err);
-      p = Promise.resolve();
+      return Promise.resolve();
     }
-    p.then(function () { setTimeout(function () { drawNext(i + 1); }, 0); });
+  }
+  // Order: the figures on the first screen now, one per task; then the rest in reading order when the
+  // browser is idle, except that a figure scrolled near the window (a nav link, a fast scroll) jumps the
+  // queue. Every figure is drawn without the reader doing anything; the first screen is not kept waiting.
+  state.parse_ms = {}; state.drawn_at_ms = {}; state.order = [];
+  var near = {};
+  var firstScreen = blocks.filter(function (b) {
+    var r = document.getElementById(b.dataset.figure).getBoundingClientRect();
+    return r.top < window.innerHeight && r.bottom > 0;
+  }).map(function (b) { return b.dataset.figure; });
+  state.first_screen = firstScreen;
+  if (!firstScreen.length) { state.first_screen_at_ms = t0; }
+  firstScreen.forEach(function (id) { near[id] = true; });
+  if ('IntersectionObserver' in window) {
+    var io = new IntersectionObserver(function (entries) {
+      entries.forEach(function (e) { near[e.target.id] = e.isIntersecting; });
+    }, {rootMargin: '50% 0px 50% 0px'});
+    blocks.forEach(function (b) { io.observe(document.getElementById(b.dataset.figure)); });
+  }
+  var pending = blocks.slice();
+  var idle = window.requestIdleCallback || function (f) { return setTimeout(f, 1); };
+  function pump() {
+    if (!pending.length) { return finish(); }
+    var k = 0;
+    for (var j = 0; j < pending.length; j++) { if (near[pending[j].dataset.figure]) { k = j; break; } }
+    var block = pending.splice(k, 1)[0];
+    draw(block).then(function () {
+      var next = pending.some(function (b) { return near[b.dataset.figure]; });
+      // setTimeout lets the browser paint what was just drawn; idle waits for input and scrolling too.
+      if (next) { setTimeout(pump, 0); } else { idle(pump, {timeout: 100}); }
+    });
   }
   // On a resize, re-wrap each title to the new width (Plotly itself resizes the plot).
-  var originals = {};
   var resizeTimer = null;
   window.addEventListener('resize', function () {
     clearTimeout(resizeTimer);
@@ -200,7 +241,8 @@ _LOADER = """
     document.body.dataset.done = '1';
     state.done = true;
   }
-  drawNext(0);
+  // The first draw is a task of its own, so the summary paints before it and each figure's cost is one task.
+  setTimeout(pump, 0);
 })();
 """
 
@@ -216,16 +258,63 @@ def figure_json(fig: go.Figure) -> str:
     return json.dumps({"data": d.get("data", []), "layout": d.get("layout", {})}, separators=(",", ":"))
 
 
-def render(report: Report) -> str:
-    """The whole page as one string."""
+@dataclass(frozen=True, slots=True)
+class _Payload:
+    """Every figure's JSON with its template taken out: plotly.py writes the whole template (~8 KB, entries
+    for two dozen trace types) into every figure; the page carries each distinct one once, trimmed to the
+    trace types the report uses (entries for other types never apply)."""
+
+    figures: dict[str, tuple[str, int | None]]
+    """Section key → (figure JSON without ``layout.template``, index of its template or None)."""
+
+    templates: list[dict]
+    trace_types: set[str]
+
+
+def _payload(report: Report) -> _Payload:
+    dicts: dict[str, dict] = {}
+    types: set[str] = set()
+    for s in report.sections:
+        if s.figure is None:
+            continue
+        d = json.loads(s.figure.to_json())
+        d = {"data": d.get("data", []), "layout": d.get("layout", {})}
+        # A trace without a type is a scatter to Plotly.
+        types.update(t.get("type", "scatter") for t in d["data"])
+        dicts[s.key] = d
+    templates: list[dict] = []
+    seen: dict[str, int] = {}
+    figures: dict[str, tuple[str, int | None]] = {}
+    for key, d in dicts.items():
+        tmpl = d["layout"].pop("template", None)
+        idx = None
+        if isinstance(tmpl, dict):
+            tmpl = dict(tmpl)
+            if isinstance(tmpl.get("data"), dict):
+                tmpl["data"] = {k: v for k, v in tmpl["data"].items() if k in types}
+            sig = json.dumps(tmpl, sort_keys=True)
+            if sig not in seen:
+                seen[sig] = len(templates)
+                templates.append(tmpl)
+            idx = seen[sig]
+        figures[key] = (json.dumps(d, separators=(",", ":")), idx)
+    return _Payload(figures, templates, types)
+
+
+def render(report: Report, *, plotlyjs: str = "auto") -> str:
+    """The whole page as one string. ``plotlyjs``: ``"auto"`` (the smallest bundle that draws every
+    trace, see :mod:`coplan.reports.plotlyjs`) or ``"full"``."""
     esc = html.escape
+    payload = _payload(report)
+    bundle = choose_bundle(payload.trace_types, prefer=plotlyjs)
+    meta = {**report.meta, "coplan-plotlyjs": f"{bundle.name} {bundle.version}"}
     parts: list[str] = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{esc(report.title)}</title>",
     ]
-    for k, v in report.meta.items():
+    for k, v in meta.items():
         parts.append(f'<meta name="{esc(k)}" content="{esc(v)}">')
     parts += [f"<style>{_CSS}</style>", f"<script>{_ERROR_HOOK}</script>", "</head><body><main>"]
     parts.append(f"<h1>{esc(report.title)}</h1>")
@@ -235,6 +324,9 @@ def render(report: Report) -> str:
         parts.append(f'<table class="facts">{rows}</table>')
     parts.append("<nav>" + "".join(f'<a href="#{esc(s.key)}">{esc(s.title)}</a>' for s in report.sections) + "</nav>")
     blocks: list[str] = []
+    if payload.templates:
+        blocks.append(f'<script type="application/json" data-templates="{len(payload.templates)}">'
+                      f'{_json_for_script(json.dumps(payload.templates, separators=(",", ":")))}</script>')
     for s in report.sections:
         parts.append(f'<section id="{esc(s.key)}"><h2>{esc(s.title)}</h2>')
         if s.caption:
@@ -243,14 +335,21 @@ def render(report: Report) -> str:
             parts.append(f'<p class="note">{esc(s.note)}</p>')
         if s.figure is not None:
             fid = f"fig-{s.key}"
-            parts.append(f'<div class="fig" id="{esc(fid)}"></div>')
-            blocks.append(f'<script type="application/json" data-figure="{esc(fid)}">{_json_for_script(figure_json(s.figure))}</script>')
+            # Reserve the figure's height before it is drawn: the page does not jump as figures arrive,
+            # and the loader knows which figures are on the first screen.
+            h = s.figure.layout.height
+            style = f' style="min-height:{int(h)}px"' if isinstance(h, (int, float)) and h > 0 else ""
+            parts.append(f'<div class="fig" id="{esc(fid)}"{style}></div>')
+            fig_json, ti = payload.figures[s.key]
+            tattr = f' data-template="{ti}"' if ti is not None else ""
+            blocks.append(f'<script type="application/json" data-figure="{esc(fid)}"{tattr}>{_json_for_script(fig_json)}</script>')
         parts.append("</section>")
     if report.footer:
         parts.append(f"<footer>{esc(report.footer)}</footer>")
     parts.append("</main>")
     # plotly.js once, then the data, then the loader.
-    parts.append(f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>')
+    parts.append("<script>window.__coplan.plotly_start_ms = performance.now();</script>")
+    parts.append(f'<script type="text/javascript">{bundle.js}</script>')
     parts.append("<script>window.__coplan.script_ms = performance.now();</script>")
     parts += blocks
     parts.append(f"<script>{_LOADER}</script>")
