@@ -367,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     result["arms"] = arms
     try:
         result["comparison"] = compare(arms, args)
+        pl = result.get("planner") or {}
+        if pl.get("bf16_step_time_s"):
+            # the cost model's step (device work, no host overhead) against the measured end-to-end step
+            result["comparison"]["predicted_step_time_change"] = pl["step_time_s"] / pl["bf16_step_time_s"] - 1.0
     except Exception as e:
         errors["compare"] = f"{type(e).__name__}: {e}"
     c = result.get("comparison", {})
