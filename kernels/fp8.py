@@ -182,7 +182,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe = 
     x2d = x.reshape(-1, x.shape[-1])
     with torch.autocast(dev, enabled=False):
         out = _Fp8Linear.apply(x2d, weight, bias, recipe, kernels)
-    return out.view(*lead, weight.shape[0])
+    return out.reshape(*lead, weight.shape[0])
 
 
 class Float8Linear(nn.Linear):
