@@ -164,3 +164,41 @@ def test_cpu_recompute_is_its_own_phase(tmp_path):
     phases = {o.phase for o in att.ops if o.name == "interformer.1.ffn_up"}
     assert phases == {"fwd", "recompute", "bwd"}, att.ops
     assert att.unattributed_s + sum(o.time_s for o in att.ops) == pytest.approx(att.total_s)
+
+
+def test_host_cost_per_launch_is_recovered(tmp_path):
+    """Runs whose measured step is device + launches x h: the fit finds h and writes it into the
+    launch overheads, and the calibrated pricer then reproduces the steps."""
+    from coplan.costmodel.calibrate import fit_host_launch_cost, predict_step_time, step_launches
+    from coplan.spec import Calibration, OpClassCalibration, RunResult
+    from coplan.spec.run import StepTimeStats
+
+    rng = np.random.default_rng(3)
+    h_true = 40e-6
+    truth = Calibration(device="NVIDIA H200", op_classes={
+        c: OpClassCalibration(compute_efficiency={dt: v for (cc, dt), v in TRUE_COMPUTE.items() if cc == c},
+                              memory_efficiency=TRUE_MEMORY[c], launch_overhead_s=TRUE_LAUNCH[c] + h_true)
+        for c in TRUE_MEMORY})
+    dirs = []
+    for i, (b, L) in enumerate([(8, 256), (64, 1024), (32, 512)]):
+        plan = _plan(b, L)
+        d = _synth_run(tmp_path, f"r{i}", plan, rng, noise=0.02)
+        step = predict_step_time(plan, truth)
+        st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
+        dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
+                  d / "summary.json")
+        dirs.append(d)
+    cal, res, runs = calibrate(dirs)
+    hf = fit_host_launch_cost(runs, res)
+    assert hf is not None and hf.h_s == pytest.approx(h_true, rel=0.15)
+    assert hf.max_abs_error < 0.05
+    assert cal.op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"] + hf.h_s)
+    assert "host cost" in cal.notes
+    for r in runs:
+        meas = r.result.step_time.p50_s
+        assert predict_step_time(r.plan, cal) == pytest.approx(meas, rel=0.05)
+    # without measured steps there is nothing to fit it from, and the notes say so
+    cal0, _, _ = calibrate(dirs, host=False)
+    assert cal0.op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"])
+    _, n = step_launches(runs[0].plan, res)
+    assert n > 0

@@ -1,0 +1,600 @@
+"""Calibration accuracy on held-out runs (issue 8): 12 variants of gem-h200 on the H200, calibrate on
+half, predict the other half's step time and per-op-class time with the default and the calibrated
+cost model.
+
+Each variant is a real ``coplan.trainer.train`` run under ``torch.distributed.run`` (one process) with
+a short profiled window at its end. Variants differ in batch size, history length distribution, model
+width and depth, recompute, attention backend (Triton / the padded PyTorch reference at a small
+batch) and MoE on/off. With two GPUs, two variants run at a time (one per GPU: ``CUDA_VISIBLE_DEVICES``
+and distinct master ports); each pair is one calibration variant and one held-out variant, so a run
+cut short by the time budget loses both halves evenly.
+
+The split is fixed (``VARIANTS``, ``split`` field) and covers every factor on both sides:
+
+====  =========  ==============================================  ==========================
+pair  fit (T)    held out (H)                                    factors varied in T | H
+====  =========  ==============================================  ==========================
+1     base       b32                                             batch: T2,T6 | H1
+2     b32 h512   h512 d512                                       history: T2 | H2,H5
+3     d512 L6    L6                                              width: T3 | H2,H4; depth: T3,T6 | H3
+4     rc noMoE   rc d768                                         recompute: T4 | H4
+5     ref b8     ref b8 h512                                     attention: T5 | H5
+6     noMoE b32 L2  noMoE h1536                                  MoE off: T4,T6 | H6
+====  =========  ==============================================  ==========================
+
+What is compared. *Measured step*: the run's p50 step time from CUDA events over the steps between
+warm-up and the profiled window (``summary.json``). *Predicted step*: the pricer's step time for the
+variant's plan (``coplan.costmodel.calibrate.predict_step_time``: what ``coplan plan`` would say), on
+the measured length moments of those steps, (i) with the topology's default efficiencies, (ii) with the
+calibration fitted on the T half, and (iii) (ii) times one step-level factor fitted on the T half
+(median measured/predicted), which stands for the step's work the cost model has no op for on one GPU
+(FSDP2's hooks, TorchRec's input distribution, the data wait) and the profiler's own host cost in the
+traced steps the calibration is fitted from. Per op class: the held-out runs' traced time (kernels and
+the GPU idle time their launches ended, see ``coplan.costmodel.traces``) against the roofline under
+each set of efficiencies, summed per class.
+
+    python benchmarks/calibration_h200.py --budget-s 400                       # on the 2-GPU H200 host
+    python benchmarks/calibration_h200.py --analyze runs/calib                 # re-run the analysis only
+    python benchmarks/calibration_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2 \\
+        --trace-steps 2 --budget-s 600 --runs-root /tmp/calib-smoke            # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.now(timezone.utc).strftime('%H:%M:%S')} +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One trainer run: changes to the base workload and plan."""
+
+    name: str
+    split: str  # "fit" | "heldout"
+    batch: float = 1.0
+    """Local batch as a fraction of the base's (reference attention: see ``ref_batch``)."""
+    history_mean: float = 1.0
+    """History length mean as a fraction of the base's."""
+    history_sigma: float | None = None
+    width: float = 1.0
+    """Model dim as a fraction of the base's (heads of the base's head dim)."""
+    depth: float = 1.0
+    """InterFormer layers as a fraction of the base's."""
+    recompute: bool = False
+    """Activation checkpointing of every InterFormer layer."""
+    attention: str = "triton"
+    ref_batch: int | None = None
+    """Absolute local batch (the reference backend pads to the longest history: small batches only)."""
+    moe: bool = True
+    notes: str = ""
+
+
+VARIANTS: tuple[tuple[Variant, Variant], ...] = (
+    (Variant("base", "fit"), Variant("b32", "heldout", batch=0.5)),
+    (Variant("b32-h512", "fit", batch=0.5, history_mean=0.5, history_sigma=0.8),
+     Variant("h512-d512", "heldout", history_mean=0.5, history_sigma=0.8, width=0.5)),
+    (Variant("d512-L6", "fit", width=0.5, depth=1.5), Variant("L6", "heldout", depth=1.5)),
+    (Variant("rc-nomoe", "fit", recompute=True, moe=False), Variant("rc-d768", "heldout", recompute=True, width=0.75)),
+    (Variant("ref-b8", "fit", attention="reference", ref_batch=8),
+     Variant("ref-b8-h512", "heldout", attention="reference", ref_batch=8, history_mean=0.5, history_sigma=0.8)),
+    (Variant("nomoe-b32-L2", "fit", moe=False, batch=0.5, depth=0.5),
+     Variant("nomoe-h1536", "heldout", moe=False, history_mean=1.5, history_sigma=0.7)),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the variants
+# ---------------------------------------------------------------------------------------------
+
+
+def variant_workload(base, v: Variant, *, cpu: bool):
+    """The base workload with ``v``'s changes, validated like any workload file."""
+    from coplan.spec import Workload, parse_spec
+
+    doc = base.model_dump(mode="json")
+    doc["name"] = f"{base.name}-{v.name}"
+    b = doc["batch"]
+    lb = b.get("local_batch_size") or b.get("global_batch_size")
+    if v.ref_batch is not None and not cpu:
+        new_b = v.ref_batch
+    elif v.ref_batch is not None:
+        new_b = max(4, lb // 8)
+    else:
+        new_b = max(2, int(round(lb * v.batch)))
+    doc["batch"] = {"local_batch_size": new_b}
+    for s in doc["sequences"]:
+        ln = s["length"]
+        if "mean" in ln:
+            ln["mean"] = max(1.0, ln["mean"] * v.history_mean)
+            if v.history_sigma is not None and "sigma" in ln:
+                ln["sigma"] = v.history_sigma
+    blocks = []
+    for blk in doc["blocks"]:
+        t = blk["type"]
+        if t == "moe" and not v.moe:
+            continue
+        if t in ("interformer", "kunlun", "moe") and v.width != 1.0:
+            hd = blk.get("head_dim")
+            if hd:
+                heads = max(1, int(round(blk["model_dim"] * v.width / hd)))
+                blk["num_heads"] = heads
+                blk["model_dim"] = heads * hd
+            else:
+                blk["model_dim"] = max(8, int(round(blk["model_dim"] * v.width / 8)) * 8)
+            if t == "moe":
+                blk["expert_hidden_dim"] = max(8, int(round(blk["expert_hidden_dim"] * v.width / 8)) * 8)
+        if t == "interformer" and v.depth != 1.0:
+            blk["num_layers"] = max(1, int(round(blk["num_layers"] * v.depth)))
+        if t == "heads" and v.width != 1.0:
+            blk["input_dim"] = next(x["model_dim"] for x in blocks if x["type"] in ("interformer", "kunlun"))
+        blocks.append(blk)
+    # the trainer feeds MoE the interaction tokens: one width for kunlun and moe
+    kun = [x["model_dim"] for x in blocks if x["type"] == "kunlun"]
+    for blk in blocks:
+        if blk["type"] == "moe" and kun:
+            blk["model_dim"] = kun[0]
+    # the tower input is the last sequence/interaction block's width
+    widths = [x["model_dim"] for x in blocks if x["type"] in ("interformer", "kunlun", "moe")]
+    for blk in blocks:
+        if blk["type"] == "heads" and widths:
+            blk["input_dim"] = widths[-1]
+    doc["blocks"] = blocks
+    doc.setdefault("kernels", {})["attention"] = v.attention
+    return parse_spec(Workload, doc, f"variant {v.name}")
+
+
+def variant_plan(w, topo, v: Variant):
+    from coplan.spec.workload import InterFormerBlock
+    from coplan.trainer.plans import single_process_plan
+
+    rc = []
+    if v.recompute:
+        n = sum(b.num_layers for b in w.blocks if isinstance(b, InterFormerBlock))
+        rc = [f"interformer.{i}" for i in range(n)]
+    return single_process_plan(w, topo, recompute=rc, attention_backend=v.attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    variant: Variant
+    plan_path: Path
+    data: Path
+    run_dir: Path
+    gpu: int
+    port: int
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    log_path: Path | None = None
+    result: dict = field(default_factory=dict)
+
+
+def _env(args, gpu: int) -> dict:
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", OMP_NUM_THREADS="4")
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    else:
+        env.setdefault("TRITON_INTERPRET", "1")
+    return env
+
+
+def start(job: Job, args) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+           "--master-addr=127.0.0.1", f"--master-port={job.port}", "-m", "coplan.trainer.train", str(job.plan_path),
+           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--runs-root", str(job.run_dir.parent), "--run-id", job.run_dir.name, "--data", str(job.data), "--no-progress",
+           "--trace", f"{args.steps - args.trace_steps}:{args.steps}", "--checkpoint-every", "-1",
+           "--log-every", str(args.steps)]
+    if job.run_dir.exists():
+        shutil.rmtree(job.run_dir)
+    job.log_path = job.run_dir.parent / f"{job.run_dir.name}.log"
+    fh = open(job.log_path, "w")
+    # own session: a timed-out run is ended with its children (the torchrun agent and the worker)
+    job.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(args, job.gpu), start_new_session=True)
+    job.started = time.monotonic()
+    log(f"start {job.variant.name} ({job.variant.split}) on {'GPU ' + str(job.gpu) if args.device == 'cuda' else 'cpu'}, port {job.port}")
+
+
+def wait_pair(jobs: list[Job], deadline: float) -> None:
+    while any(j.proc and j.proc.poll() is None for j in jobs):
+        if time.monotonic() > deadline:
+            for j in jobs:
+                if j.proc and j.proc.poll() is None:
+                    log(f"timeout: ending {j.variant.name} (pid {j.proc.pid})")
+                    try:
+                        os.killpg(j.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    j.proc.wait()
+                    j.result["timed_out"] = True
+            break
+        time.sleep(0.5)
+    for j in jobs:
+        rc = j.proc.returncode if j.proc else None
+        j.result.update(returncode=rc, wall_s=time.monotonic() - j.started, ok=(rc == 0 and (j.run_dir / "summary.json").is_file()))
+        if not j.result["ok"]:
+            tail = j.log_path.read_text()[-4000:] if j.log_path and j.log_path.is_file() else ""
+            j.result["log_tail"] = tail
+        log(f"done {j.variant.name}: rc={rc} ok={j.result['ok']} wall {j.result['wall_s']:.1f}s")
+
+
+def shrink_run(run_dir: Path) -> None:
+    """Keep what the analysis reads (plan, metrics, summary, rank-0 trace gzipped); drop checkpoints."""
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    tr = run_dir / "traces"
+    if tr.is_dir():
+        for p in tr.glob("rank*.json"):
+            if p.name.startswith("rank0"):
+                with open(p, "rb") as f, gzip.open(str(p) + ".gz", "wb", compresslevel=6) as g:
+                    shutil.copyfileobj(f, g)
+            p.unlink()
+
+
+def run_all(args) -> Path:
+    from coplan.spec import dump_spec, load_topology, load_workload
+    from coplan.trainer.data import data_sha256, generate_dataset
+
+    base = load_workload(args.workload)
+    topo = load_topology(args.topology)
+    root = args.runs_root
+    root.mkdir(parents=True, exist_ok=True)
+    cpu = args.device == "cpu"
+    pairs = VARIANTS[: args.pairs] if args.pairs else VARIANTS
+    manifest = {"workload": base.name, "topology": topo.name, "device": args.device, "steps": args.steps,
+                "warmup": args.warmup, "trace_steps": args.trace_steps, "variants": []}
+    # plans and datasets first: variants with the same inputs and batch share one dataset
+    jobs: list[list[Job]] = []
+    datasets: dict[tuple[str, int], Path] = {}
+    port = args.port
+    for pi, pair in enumerate(pairs):
+        row = []
+        for gi, v in enumerate(pair):
+            try:
+                w = variant_workload(base, v, cpu=cpu)
+                plan = variant_plan(w, topo, v)
+                lb = w.batch.local_batch_size or w.batch.global_batch_size
+                key = (data_sha256(w)[:10], int(lb))
+                if key not in datasets:
+                    d = root / "data" / f"{key[0]}-b{key[1]}"
+                    if not (d / "dataset.json").is_file():
+                        t = time.monotonic()
+                        n = lb * args.data_batches
+                        generate_dataset(w, d, n, seed=0, rows_per_file=n)
+                        log(f"dataset {d.name}: {n} samples in {time.monotonic() - t:.1f}s")
+                    datasets[key] = d
+                (root / "plans").mkdir(exist_ok=True)
+                pp = dump_spec(plan, root / "plans" / f"{v.name}.json")
+            except Exception as e:  # a variant that does not build is recorded, the rest run
+                manifest["variants"].append({"name": v.name, "split": v.split, "ok": False, "error": f"{type(e).__name__}: {e}"})
+                log(f"variant {v.name} does not build: {e}")
+                continue
+            port += 1
+            row.append(Job(v, pp, datasets[key], root / v.name, gpu=gi % max(1, args.gpus), port=port))
+        jobs.append(row)
+
+    reserve = args.analysis_reserve_s
+    pair_walls: list[float] = []
+    for row in jobs:
+        elapsed = time.monotonic() - T0
+        left = args.budget_s - reserve - elapsed
+        need = max(pair_walls) * 1.05 if pair_walls else args.min_run_s
+        if left < need:
+            for j in row:
+                j.result.update(ok=False, skipped=f"time budget: {left:.0f}s left, a pair takes ~{need:.0f}s")
+                log(f"skip {j.variant.name}: {j.result['skipped']}")
+            continue
+        batch = [row] if args.gpus >= 2 or len(row) <= 1 else [[j] for j in row]
+        for group in batch:
+            left = args.budget_s - reserve - (time.monotonic() - T0)
+            t = time.monotonic()
+            for j in group:
+                start(j, args)
+            wait_pair(group, time.monotonic() + min(args.run_timeout_s, max(10.0, left)))
+            pair_walls.append(time.monotonic() - t)
+        for j in row:
+            if j.result.get("ok"):
+                shrink_run(j.run_dir)
+    for row in jobs:
+        for j in row:
+            manifest["variants"].append({"name": j.variant.name, "split": j.variant.split, "run_dir": j.run_dir.name,
+                                         "variant": j.variant.__dict__, **j.result})
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis (re-runnable from the run directories)
+# ---------------------------------------------------------------------------------------------
+
+
+STEP_KEYS = ("default", "calibrated", "device_only", "max_form", "device_factor")
+"""Step-time predictions compared: the cost model with default efficiencies; with the calibration
+(device fit + host cost per launch, what ``coplan plan --calibration`` prices); and three readings
+outside the cost model, for context: the device fit alone, max(device, launches x h'), and the device
+fit times a step factor fitted on the fit half."""
+
+
+def _err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas if meas > 0 else float("nan")
+
+
+def analyze(root: Path) -> dict:
+    import numpy as np
+
+    from coplan.costmodel.calibrate import (_device_calibration, _read_metrics, calibrate, fit_host_launch_cost, measured_moments,
+                                            predict, predict_step_time, run_samples, step_launches)
+    from coplan.costmodel.efficiency import resolve_efficiencies
+    from coplan.spec import load_run_result
+
+    manifest = json.loads((root / "manifest.json").read_text())
+    steps, warmup, trace_steps = manifest["steps"], manifest["warmup"], manifest["trace_steps"]
+    rows: dict[str, dict] = {}
+    runs = {}
+    for v in manifest["variants"]:
+        name = v["name"]
+        row = {k: v.get(k) for k in ("split", "ok", "wall_s", "returncode", "skipped", "error", "timed_out")}
+        row["variant"] = v.get("variant")
+        rows[name] = row
+        d = root / v.get("run_dir", name)
+        if not v.get("ok") or not (d / "summary.json").is_file():
+            continue
+        try:
+            rs = run_samples(d)
+            s = load_run_result(d / "summary.json")
+            metrics = _read_metrics(d)
+            meas_steps = [m["step"] for m in metrics if warmup <= m.get("step", -1) < steps - trace_steps]
+            mom = measured_moments(metrics, meas_steps) or rs.moments
+            runs[name] = (d, rs)
+            row.update(
+                measured_step_s=s.step_time.p50_s if s.step_time else None,
+                measured_step_mean_s=s.step_time.mean_s if s.step_time else None,
+                measured_mfu=s.measured_mfu, device=s.device, versions=s.versions,
+                traced_step_s=rs.window_s or None, traced_idle_s=rs.idle_s or None,
+                trace_attributed_share=rs.attributed_share,
+                unpriced_s_per_step=rs.unpriced_s, samples=len(rs.samples),
+                moments=mom, peak_memory_gib=[m / 2**30 for m in s.peak_memory_bytes],
+            )
+            row["_moments"] = mom
+        except Exception as e:  # one unreadable run does not sink the analysis
+            row["analysis_error"] = f"{type(e).__name__}: {e}"
+            runs.pop(name, None)
+    fit_names = [n for n, r in rows.items() if r["split"] == "fit" and n in runs]
+    held_names = [n for n, r in rows.items() if r["split"] == "heldout" and n in runs]
+    out: dict = {"variants": rows, "fit_runs": fit_names, "heldout_runs": held_names}
+    if not fit_names:
+        out["error"] = "no calibration run finished"
+        return out
+    cal, res, fit_rs = calibrate([runs[n][0] for n in fit_names], force=True)
+    out["calibration"] = cal.model_dump(mode="json")
+    hf = fit_host_launch_cost(fit_rs, res)
+    out["host_fit"] = None if hf is None else {
+        "host_s_per_launch": hf.h_s, "runs": hf.runs, "measured_step_s": hf.measured_s, "device_step_s": hf.device_s,
+        "launches_per_step_priced": hf.launches, "fit_median_abs_error": hf.median_abs_error, "fit_max_abs_error": hf.max_abs_error}
+    topo = runs[fit_names[0]][1].plan.topology
+    default = resolve_efficiencies(topo)
+
+    # step times: (i) default, (ii) calibrated = device fit + host cost per launch (what `coplan plan` uses),
+    # plus two readings that are not in the cost model: device fit alone, and max(device, launches x h')
+    for n in fit_names + held_names:
+        r = rows[n]
+        plan = runs[n][1].plan
+        try:
+            r["predicted_step_default_s"] = predict_step_time(plan, None, r["_moments"])
+            r["predicted_step_calibrated_s"] = predict_step_time(plan, cal, r["_moments"])
+            dev, nl = step_launches(plan, res, r["_moments"])
+            r["predicted_step_device_only_s"] = dev
+            r["priced_launches_per_step"] = nl
+        except Exception as e:
+            r["prediction_error"] = f"{type(e).__name__}: {e}"
+    # max form: the step is the longer of the device work and the host's launches (h' fitted on the fit half)
+    fit_ok = [n for n in fit_names if rows[n].get("measured_step_s") and rows[n].get("priced_launches_per_step")]
+    hmax = 0.0
+    if fit_ok:
+        from scipy.optimize import minimize_scalar
+
+        m = np.array([rows[n]["measured_step_s"] for n in fit_ok])
+        d = np.array([rows[n]["predicted_step_device_only_s"] for n in fit_ok])
+        nl = np.array([rows[n]["priced_launches_per_step"] for n in fit_ok])
+        hmax = float(minimize_scalar(lambda h: float(np.sum(np.log(np.maximum(d, h * nl) / m) ** 2)),
+                                     bounds=(0.0, float(np.max(m / np.maximum(nl, 1.0))) * 2), method="bounded").x)
+    out["host_max_form"] = {"host_s_per_launch": hmax, "fitted_on": fit_ok,
+                            "meaning": "step = max(device step under the device fit, priced launches x h'); not in the cost model"}
+    for n in fit_names + held_names:
+        r = rows[n]
+        if r.get("predicted_step_device_only_s") is not None:
+            r["predicted_step_max_form_s"] = max(r["predicted_step_device_only_s"], hmax * r["priced_launches_per_step"])
+    ratios = [rows[n]["measured_step_s"] / rows[n]["predicted_step_device_only_s"] for n in fit_names
+              if rows[n].get("measured_step_s") and rows[n].get("predicted_step_device_only_s")]
+    k = float(np.median(ratios)) if ratios else 1.0
+    out["step_factor"] = {"value": k, "fitted_on": fit_names, "ratios": ratios,
+                          "meaning": "median measured / device-fit step over the fit half; not in the cost model"}
+    for n in fit_names + held_names:
+        r = rows[n]
+        if r.get("predicted_step_device_only_s") is not None:
+            r["predicted_step_device_factor_s"] = k * r["predicted_step_device_only_s"]
+        for key in STEP_KEYS:
+            if r.get(f"predicted_step_{key}_s") is not None and r.get("measured_step_s"):
+                r[f"step_error_{key}"] = _err(r[f"predicted_step_{key}_s"], r["measured_step_s"])
+
+    def summary(names: list[str]) -> dict:
+        o: dict = {}
+        for key in STEP_KEYS:
+            e = [abs(rows[n][f"step_error_{key}"]) for n in names if rows[n].get(f"step_error_{key}") is not None]
+            o[f"step_{key}"] = {"median_abs": float(np.median(e)) if e else None, "max_abs": float(np.max(e)) if e else None, "n": len(e)}
+        # per op class: summed traced time vs summed roofline, over the runs' samples
+        samples = [s for n in names for s in runs[n][1].samples]
+        if samples:
+            meas = np.array([s.measured_s for s in samples])
+            for key, (ce, me, la) in (("default", (default.compute, default.memory, default.launch_s)),
+                                      ("calibrated", (res.compute, res.memory, {**default.launch_s, **res.launch_s}))):
+                pred = predict(samples, ce, me, la)
+                per = {}
+                for c in sorted({s.op_class for s in samples}):
+                    idx = [i for i, s in enumerate(samples) if s.op_class == c]
+                    per[c] = {"measured_ms": float(meas[idx].sum() * 1e3), "predicted_ms": float(pred[idx].sum() * 1e3),
+                              "error": _err(float(pred[idx].sum()), float(meas[idx].sum()))}
+                rel = np.abs(pred - meas) / meas
+                o[f"op_class_{key}"] = per
+                o[f"per_op_{key}"] = {"median_abs": float(np.median(rel)), "p90_abs": float(np.quantile(rel, 0.9)), "n": len(samples)}
+        return o
+
+    out["fit"] = summary(fit_names)
+    out["heldout"] = summary(held_names)
+    h = out["heldout"]
+    cal_cls = h.get("op_class_calibrated", {})
+    out["goals"] = {
+        "median_step_error_le_5pct": {k2: (h[f"step_{k2}"]["median_abs"] is not None and h[f"step_{k2}"]["median_abs"] <= 0.05)
+                                     for k2 in STEP_KEYS},
+        "max_step_error_le_12pct": {k2: (h[f"step_{k2}"]["max_abs"] is not None and h[f"step_{k2}"]["max_abs"] <= 0.12)
+                                    for k2 in STEP_KEYS},
+        "per_class_error_le_10pct_calibrated": bool(cal_cls) and all(abs(v["error"]) <= 0.10 for v in cal_cls.values()),
+    }
+    for r in rows.values():
+        r.pop("_moments", None)
+    return out
+
+
+def print_table(res: dict) -> None:
+    rows = res.get("variants", {})
+    cols = ("default", "calibrated", "device_only", "max_form", "device_factor")
+    print(f"{'variant':<14}{'split':<8}{'meas ms':>9}" + "".join(f"{c[:10]:>11}" for c in cols) + "   (ms, error)")
+    for n, r in rows.items():
+        if r.get("measured_step_s") is None:
+            print(f"{n:<14}{r.get('split', ''):<8} {r.get('skipped') or r.get('error') or r.get('analysis_error') or 'failed'}")
+            continue
+        cells = []
+        for c in cols:
+            v, e = r.get(f"predicted_step_{c}_s"), r.get(f"step_error_{c}")
+            cells.append(f"{v * 1e3:6.1f} {100 * e:+4.0f}%" if v is not None and e is not None else f"{'-':>11}")
+        print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
+    h = res.get("heldout", {})
+    for key in STEP_KEYS:
+        s = h.get(f"step_{key}")
+        if s and s["median_abs"] is not None:
+            print(f"held-out step error ({key}): median {s['median_abs']:.1%}, max {s['max_abs']:.1%} over {s['n']} runs")
+    for key in ("default", "calibrated"):
+        per = h.get(f"op_class_{key}", {})
+        if per:
+            print(f"held-out per-class device time ({key}): " + ", ".join(f"{c} {100 * v['error']:+.1f}%" for c, v in per.items()))
+    if res.get("host_fit"):
+        print(f"host cost per priced launch: {res['host_fit']['host_s_per_launch'] * 1e6:.1f} us")
+    print("goals:", json.dumps(res.get("goals", {})))
+    if res.get("error"):
+        print("error:", res["error"])
+
+
+def _provenance(args) -> dict:
+    info: dict = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            info["device"] = torch.cuda.get_device_name(0)
+            info["gpus"] = torch.cuda.device_count()
+    except Exception as e:
+        info["torch_error"] = str(e)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:
+        pass
+    commit = os.environ.get("COPLAN_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                    cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        except Exception:
+            commit = None
+    info["git_commit"] = commit or "unknown (set COPLAN_COMMIT)"
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="gem-h200")
+    p.add_argument("--topology", default="h200-1gpu")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--gpus", type=int, default=2, help="variants run at a time, one per GPU (1: one at a time)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--trace-steps", type=int, default=2, help="the last steps, run under the profiler")
+    p.add_argument("--data-batches", type=int, default=8, help="distinct batches generated per dataset (steps cycle)")
+    p.add_argument("--pairs", type=int, default=0, help="run only the first N pairs (0: all 6)")
+    p.add_argument("--runs-root", type=Path, default=Path("runs/calib"))
+    p.add_argument("--port", type=int, default=29610, help="master ports start above this")
+    p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole invocation")
+    p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
+    p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
+    p.add_argument("--analysis-reserve-s", type=float, default=60.0, help="budget kept for the analysis")
+    p.add_argument("--analyze", type=Path, default=None, metavar="DIR", help="only analyse the runs under DIR (its manifest.json)")
+    p.add_argument("--keep", type=Path, default=None, help="copy the compact run directories here (e.g. $OUT/runs)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration_h200.json"))
+    args = p.parse_args(argv)
+
+    if args.analyze is None and args.steps - args.trace_steps <= args.warmup:
+        p.error("--steps must leave measured steps between --warmup and the traced window")
+    root = args.analyze
+    if root is None:
+        log(f"running {2 * len(VARIANTS[: args.pairs] if args.pairs else VARIANTS)} variants of {args.workload}, budget {args.budget_s:.0f}s")
+        root = run_all(args)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for item in root.iterdir():
+                if item.name in ("data", "plans"):
+                    continue
+                dst = args.keep / item.name
+                if item.is_dir():
+                    shutil.copytree(item, dst, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(item, dst)
+    log(f"analysing {root}")
+    try:
+        res = analyze(root)
+    except Exception as e:
+        import traceback
+
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    out = {
+        "benchmark": "calibration accuracy on held-out runs (issue 8)",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/calibration_h200.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": _provenance(args),
+        "runs_root": str(root),
+        "split": {v.name: v.split for pair in VARIANTS for v in pair},
+        "wall_s": time.monotonic() - T0,
+        **res,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print_table(res)
+    log(f"wrote {args.out}")
+    return 0 if "error" not in res else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
