@@ -411,12 +411,17 @@ def main(argv: list[str] | None = None) -> int:
                                                        "or a comma list of planner, forced")
     p.add_argument("--collectives", type=Path, default=None, help="collective sweep JSON (benchmarks/collectives_h200.py) "
                                                                  "to fit the NVLink tier from")
+    p.add_argument("--plans", type=Path, default=None, help="folder of planner plans (plan-<key>.json): used when there, "
+                                                           "written there when made")
+    p.add_argument("--plan-only", action="store_true", help="make the planner's plans into --plans, then stop (no torch run)")
     p.add_argument("--runs-root", type=Path, default=Path("runs/multigpu"))
     p.add_argument("--reuse", action="store_true", help="analyse existing run directories instead of running again")
     p.add_argument("--save-traces", type=Path, default=None, help="copy each run's rank-0 trace here (gzip)")
     p.add_argument("--timeout", type=float, default=290.0, help="seconds for the whole benchmark")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/multigpu_h200.json"))
     args = p.parse_args(argv)
+    if args.plan_only and not args.plans:
+        p.error("--plan-only needs --plans DIR")
     if args.steps - args.trace_steps <= args.warmup:
         p.error("need --steps > --warmup + --trace-steps (some steps must be measured)")
     deadline = time.monotonic() + args.timeout
@@ -453,30 +458,42 @@ def main(argv: list[str] | None = None) -> int:
     res.update({"workload": w0.name, "local_batch": local, "topology_1": topo1.name, "topology_n": topoN.name})
     args.runs_root.mkdir(parents=True, exist_ok=True)
 
-    # data: one dataset serves both (the data hash ignores the batch size)
-    data = args.runs_root / "data" / f"{w0.name}-{data_sha256(w0)[:8]}"
-    t0 = time.monotonic()
-    if not (data / "dataset.json").is_file():
-        n = wN.batch.global_(N) * args.data_batches
-        generate_dataset(wN, data, n, seed=0, rows_per_file=n)
-    res["data_generation_s"] = time.monotonic() - t0
-    stamp(f"data ready in {res['data_generation_s']:.1f} s: {data}")
+    # plans: the planner needs OR-Tools, which the lent GPU machine may lack; --plans DIR takes the
+    # planner's plans made beforehand (--plan-only on any machine) and falls back to planning here
+    def planned(key: str, make):
+        from coplan.spec import load_plan
 
-    # plans
+        path = args.plans / f"plan-{key}.json" if args.plans else None
+        if path is not None and path.is_file():
+            plan = load_plan(path)
+            if plan.workload.name != w0.name or plan.world_size != (1 if key.startswith("1gpu") else N):
+                raise ValueError(f"{path} is a plan of '{plan.workload.name}' for {plan.world_size} GPU(s), not what this run needs")
+            stamp(f"plan {key}: loaded {path}")
+            return plan
+        plan = make()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            dump_spec(plan, path)
+            stamp(f"plan {key}: made and written to {path}")
+        return plan
+
     plans: dict[str, tuple[object, int]] = {}
     plans["1gpu"] = (single_process_plan(w1, topo1), 1)
     res["plans"]["1gpu"] = {"source": "coplan.trainer.plans.single_process_plan (the trainer benchmark's plan)", **plan_facts(plans["1gpu"][0])}
     try:
-        p1 = planner_plan(w1, topo1, 1, runnable_only=True)
+        p1 = planned("1gpu-planner-choice", lambda: planner_plan(w1, topo1, 1, runnable_only=True))
         res["plans"]["1gpu"]["planner_choice_not_run"] = plan_facts(p1)
     except Exception as e:
         record_error("planner (1 GPU)", e)
     want = args.variants.split(",") if args.variants != "auto" else ["planner"]
     lacks: list[str] = []
     try:
-        free = planner_plan(wN, topoN, N, runnable_only=False)
+        free = planned(f"{N}gpu-planner-unrestricted", lambda: planner_plan(wN, topoN, N, runnable_only=False))
         res["plans"]["planner_unrestricted_not_run"] = plan_facts(free)
-        pl = free if free.mesh.sparse_replicate == 1 else planner_plan(wN, topoN, N, runnable_only=True)
+    except Exception as e:
+        record_error("planner (N GPUs, unrestricted)", e)
+    try:
+        pl = planned(f"{N}gpu-planner", lambda: planner_plan(wN, topoN, N, runnable_only=True))
         if "planner" in want:
             plans[f"{N}gpu-planner"] = (pl, N)
             res["plans"][f"{N}gpu-planner"] = {"source": "coplan planner (candidates with sparse_replicate = 1)", **plan_facts(pl)}
@@ -484,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         record_error("planner (N GPUs)", e)
         lacks = ["a planner plan (the planner failed)"]
+    if args.plan_only:
+        save()
+        stamp(f"plans written to {args.plans}; --plan-only: stopping")
+        return 0 if not res["errors"] else 1
     if "forced" in want or (args.variants == "auto" and lacks):
         try:
             fp = forced_plan(wN, topoN, N)
@@ -500,6 +521,15 @@ def main(argv: list[str] | None = None) -> int:
                 res["plans"][name]["cpu_changes"] = f"data-parallel sequence tables {moved} run table-wise on rank 0 (CPU only)"
     stamp("plans: " + ", ".join(f"{k} {v['mesh']}" for k, v in res["plans"].items() if "mesh" in v))
     save()
+
+    # data: one dataset serves both (the data hash ignores the batch size)
+    data = args.runs_root / "data" / f"{w0.name}-{data_sha256(w0)[:8]}"
+    t0 = time.monotonic()
+    if not (data / "dataset.json").is_file():
+        n = wN.batch.global_(N) * args.data_batches
+        generate_dataset(wN, data, n, seed=0, rows_per_file=n)
+    res["data_generation_s"] = time.monotonic() - t0
+    stamp(f"data ready in {res['data_generation_s']:.1f} s: {data}")
 
     # runs, the one-GPU baseline first (calibration and scaling need it)
     for name, (plan, nproc) in plans.items():
