@@ -74,9 +74,9 @@ def versions() -> dict:
         import torch
 
         out["cuda"] = str(torch.version.cuda)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # no CUDA context here: the runs' summaries name the device
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-            out["device_name"] = torch.cuda.get_device_name(0)
+            out["cuda_devices"] = str(torch.cuda.device_count())
     except Exception:
         pass
     return out
@@ -172,10 +172,15 @@ def forced_plan(workload, topology, world: int):
 # ---------------------------------------------------------------------------------------------
 
 def launch(plan_path: Path, nproc: int, args, run_id: str, data: Path, timeout: float) -> dict:
+    from coplan.spec import load_plan
+
     run_dir = args.runs_root / run_id
     if args.reuse and (run_dir / "summary.json").is_file():
-        stamp(f"{run_id}: reusing {run_dir}")
-        return {"ok": True, "reused": True, "wall_s": 0.0, "run_dir": str(run_dir)}
+        same = [load_plan(x).model_dump(mode="json", exclude={"created_utc"}) for x in (run_dir / "plan.json", plan_path)]
+        if same[0] == same[1]:
+            stamp(f"{run_id}: reusing {run_dir}")
+            return {"ok": True, "reused": True, "wall_s": 0.0, "run_dir": str(run_dir)}
+        stamp(f"{run_id}: {run_dir} ran another plan; running again")
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "coplan.trainer.train",
@@ -184,7 +189,8 @@ def launch(plan_path: Path, nproc: int, args, run_id: str, data: Path, timeout: 
            "--trace", f"{args.steps - args.trace_steps}:{args.steps}", "--checkpoint-every", "-1",
            "--log-every", str(args.steps)]
     env = dict(os.environ, **NO_MULTICAST_ENV)
-    env.setdefault("OMP_NUM_THREADS", "1" if args.device == "cpu" else "4")
+    if args.device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")  # 2 gloo ranks on a small CPU box; on GPU torchrun's default, as train_h200.py
     stamp(f"{run_id}: launching {nproc} rank(s), timeout {timeout:.0f} s")
     t0 = time.monotonic()
     log = args.runs_root / f"{run_id}.log"
@@ -201,10 +207,15 @@ def launch(plan_path: Path, nproc: int, args, run_id: str, data: Path, timeout: 
                 proc.wait()
             rc = "timeout"
     wall = time.monotonic() - t0
-    tail = log.read_text(errors="replace")[-4000:]
+    text = log.read_text(errors="replace")
+    tail = text[-4000:]
+    # the first lines that say what went wrong, which torchrun's own traceback pushes out of the tail
+    errors = [ln for ln in text.splitlines() if ln.startswith(("error:", "Traceback", "RuntimeError", "torch.", "ValueError"))
+              or "Error:" in ln][:12]
     stamp(f"{run_id}: rc={rc} in {wall:.0f} s")
     if rc != 0:
-        return {"ok": False, "returncode": rc, "wall_s": wall, "run_dir": str(run_dir), "log_tail": tail, "command": " ".join(cmd)}
+        return {"ok": False, "returncode": rc, "wall_s": wall, "run_dir": str(run_dir), "error_lines": errors, "log_tail": tail,
+                "log": str(log), "command": " ".join(cmd)}
     return {"ok": True, "wall_s": wall, "run_dir": str(run_dir), "command": " ".join(cmd)}
 
 
@@ -418,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action="store_true", help="analyse existing run directories instead of running again")
     p.add_argument("--save-traces", type=Path, default=None, help="copy each run's rank-0 trace here (gzip)")
     p.add_argument("--timeout", type=float, default=290.0, help="seconds for the whole benchmark")
+    p.add_argument("--run-timeout", type=float, default=150.0, help="seconds for one training run (start-up included)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/multigpu_h200.json"))
     args = p.parse_args(argv)
     if args.plan_only and not args.plans:
@@ -532,15 +544,15 @@ def main(argv: list[str] | None = None) -> int:
     stamp(f"data ready in {res['data_generation_s']:.1f} s: {data}")
 
     # runs, the one-GPU baseline first (calibration and scaling need it)
-    for name, (plan, nproc) in plans.items():
+    def run_one(name: str, plan, nproc: int) -> None:
         left = deadline - time.monotonic()
         if left < 30:
             res["runs"][name] = {"ok": False, "skipped": f"time budget: {left:.0f} s left"}
             stamp(f"{name}: skipped, {left:.0f} s left")
-            continue
+            return
         try:
             path = dump_spec(plan, args.runs_root / f"plan-{name}.json")
-            run = launch(path, nproc, args, name, data, left - 10)
+            run = launch(path, nproc, args, name, data, min(args.run_timeout, left - 10))
             if run["ok"]:
                 run.update(measure(run, args, nproc))
                 st = run.get("step_time_ms") or {}
@@ -552,6 +564,22 @@ def main(argv: list[str] | None = None) -> int:
             res["runs"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             record_error(f"run {name}", e)
         save()
+
+    for name, (plan, nproc) in list(plans.items()):
+        run_one(name, plan, nproc)
+    forced_name = f"{N}gpu-forced"
+    if args.variants == "auto" and forced_name not in plans and not res["runs"].get(f"{N}gpu-planner", {}).get("ok"):
+        # the planner's plan did not run: the forced variant still gives a multi-GPU measurement
+        try:
+            fp = forced_plan(wN, topoN, N)
+            if args.device == "cpu":
+                fp, _ = cpu_runnable(fp)
+            plans[forced_name] = (fp, N)
+            res["plans"][forced_name] = {"source": "coplan.trainer.plans.make_plan (EP over every rank, tables table-wise "
+                                                   "round-robin)", "why": ["the planner's plan did not run"], **plan_facts(fp)}
+            run_one(forced_name, fp, N)
+        except Exception as e:
+            record_error("forced plan (fallback)", e)
 
     # scaling
     base = res["runs"].get("1gpu", {})
