@@ -98,7 +98,8 @@ def _gemm_nt(
             if a.is_cuda:
                 out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16,
                                        use_fast_accum=fast_accum)
-                out = out[:, :N]
+                # trimmed N padding: copied so that the op's output is not a view (FSDP2 warns on views)
+                out = out[:, :N].contiguous() if out.shape[1] != N else out
             else:  # the Triton interpreter's quantisation, the product emulated
                 out = ref.rowwise_mm_ref(qa, sa, qb, sb, N)
         else:
@@ -182,7 +183,8 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe = 
     x2d = x.reshape(-1, x.shape[-1])
     with torch.autocast(dev, enabled=False):
         out = _Fp8Linear.apply(x2d, weight, bias, recipe, kernels)
-    return out.reshape(*lead, weight.shape[0])
+    # A 2-D input (the trainer's jagged tokens) gets the op's own output back, not a view of it.
+    return out if x.dim() == 2 else out.reshape(*lead, weight.shape[0])
 
 
 class Float8Linear(nn.Linear):
