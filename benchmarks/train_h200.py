@@ -10,9 +10,21 @@ the batch's longest history (up to 4,096) and holds fp32 ``[batch, heads, L, L]`
 samples one such tensor is 34 GB per layer, so its run uses ``--reference-batch`` samples per step
 (default 8); MFU and tokens/s are per-step rates and stay comparable.
 
-Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per backend the measured local MFU,
-tokens/s, step-time p50/p90, peak memory, and where the time went in the profiled steps (the
-Kineto trace attributed to the cost model's ops by ``coplan.costmodel.traces``).
+Cases (``--cases``, run in this order, each skipped once the ``--timeout`` budget is spent):
+
+- ``triton``: the trainer as it runs by default (Triton attention; MoE experts as grouped GEMMs with
+  no host sync; fused AdamW);
+- ``triton-baseline``: the same with ``--moe-grouped off --fused-optimizer off`` (per-expert GEMMs
+  whose split sizes are read back to the host every step, foreach AdamW): the A/B of those switches;
+- ``reference``: the PyTorch reference attention;
+- ``triton-compile``: ``triton`` plus ``--compile layers`` (regional torch.compile of the InterFormer
+  and Kunlun layers, dynamic shapes), with more warm-up steps for the compilation.
+
+Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per case the measured local MFU,
+tokens/s, step-time p50/p90, peak memory, where the time went in the profiled steps (the Kineto
+trace attributed to the cost model's ops by ``coplan.costmodel.traces``), the per-kernel table and
+the host side of the profiled steps (kernel launches, blocking syncs and the time they waited, host
+busy time per thread, GPU idle share).
 
     python benchmarks/train_h200.py                          # on the H200
     python benchmarks/train_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2   # smoke test
@@ -118,6 +130,59 @@ def kernel_table(path: Path, top: int = 25) -> dict:
     }
 
 
+def host_table(path: Path) -> dict:
+    """The host side of the profiled steps: launches, blocking syncs (and how long they waited: a
+    sync drains the GPU's queue, which then idles while the host refills it), host busy time."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") == "user_annotation"]
+    if not steps:
+        return {"error": "no ProfilerStep ranges on the host"}
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
+    n = len(steps)
+
+    def inside(e) -> bool:
+        return any(a <= e["ts"] < b for a, b in windows)
+
+    rt = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and inside(e)]
+    launches = sum(1 for e in rt if "LaunchKernel" in e["name"])
+    syncs = [e for e in rt if e["name"] in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+             or (e["name"].startswith("cudaMemcpy") and e["dur"] > 100)]
+    # which op asked for each long wait (innermost host range around it)
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
+    waits: dict[str, list[float]] = {}
+    for e in syncs:
+        if e["dur"] < 100:
+            continue
+        around = [c for c in cpu if c["tid"] == e["tid"] and c["ts"] <= e["ts"] and c["ts"] + c["dur"] >= e["ts"] + e["dur"]
+                  and not c["name"].startswith("aten::") and not c["name"].startswith("ProfilerStep")]
+        who = min(around, key=lambda c: c["dur"])["name"][:80] if around else "?"
+        acc = waits.setdefault(who, [0.0, 0])
+        acc[0] += e["dur"] / n / 1e3
+        acc[1] += 1 / n
+    busy: dict[str, float] = {}
+    for tid in {e["tid"] for e in cpu}:
+        top, end = [], -1.0
+        for c in sorted((c for c in cpu if c["tid"] == tid and inside(c) and not c["name"].startswith("ProfilerStep")),
+                        key=lambda c: c["ts"]):
+            if c["ts"] >= end:
+                top.append(c)
+                end = c["ts"] + c["dur"]
+        ms = sum(c["dur"] for c in top) / n / 1e3
+        if ms > 0.5:
+            busy[str(tid)] = ms
+    return {
+        "launches_per_step": launches / n,
+        "blocking_syncs_per_step": len(syncs) / n,
+        "sync_wait_ms_per_step": sum(e["dur"] for e in syncs) / n / 1e3,
+        "long_waits_by_op": {k: {"ms_per_step": v[0], "per_step": v[1]} for k, v in sorted(waits.items(), key=lambda kv: -kv[1][0])},
+        "host_busy_ms_per_step_by_thread": busy,
+    }
+
+
 def _by_block(ops, steps: int) -> dict:
     out: dict[str, float] = {}
     for o in ops:
@@ -126,23 +191,44 @@ def _by_block(ops, steps: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def run_backend(plan_path: Path, args, run_id: str, data: Path) -> dict:
+CASES = {  # name -> (attention backend, extra trainer arguments, extra warm-up steps)
+    "triton": ("triton", [], 0),
+    "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off"], 0),
+    "reference": ("reference", [], 0),
+    "triton-compile": ("triton", ["--compile", "layers"], 2),
+}
+
+
+def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str] | None = None, *,
+                warmup: int | None = None, timeout: float | None = None) -> dict:
+    warmup = args.warmup if warmup is None else warmup
+    steps = args.steps + (warmup - args.warmup)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
-           str(plan_path), "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           str(plan_path), "--device", args.device, "--steps", str(steps), "--warmup", str(warmup),
            "--runs-root", str(args.runs_root), "--run-id", run_id, "--data", str(data), "--no-progress",
-           "--trace", f"{args.steps - args.trace_steps}:{args.steps}", "--checkpoint-every", "-1",
-           "--log-every", str(args.steps)]
+           "--trace", f"{steps - args.trace_steps}:{steps}", "--checkpoint-every", "-1",
+           "--log-every", str(steps), *(extra or [])]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or args.timeout, env=env,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        tail = out.decode(errors="replace") if isinstance(out, bytes) else str(out)
+        return {"ok": False, "error": f"timed out after {timeout or args.timeout:.0f} s", "wall_s": time.monotonic() - t0,
+                "command": cmd, "log_tail": tail[-5000:]}
     wall = time.monotonic() - t0
     run_dir = args.runs_root / run_id
     if proc.returncode != 0:
-        return {"ok": False, "returncode": proc.returncode, "wall_s": wall, "log_tail": (proc.stdout + proc.stderr)[-5000:]}
+        return {"ok": False, "returncode": proc.returncode, "wall_s": wall, "command": cmd,
+                "log_tail": (proc.stdout + proc.stderr)[-5000:]}
     s = load_run_result(run_dir / "summary.json")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    measured = [x for x in lines if args.warmup <= x["step"] < args.steps - args.trace_steps]
+    measured = [x for x in lines if warmup <= x["step"] < steps - args.trace_steps]
     out = {
         "ok": True, "wall_s": wall, "run_dir": str(run_dir), "attention_backend": s.attention_backend,
+        "trainer_args": extra or [], "steps": steps, "warmup_steps": warmup,
         "local_batch": s.samples_per_s and round(sum(x["samples"] for x in measured) / max(1, len(measured))),
         "measured_local_mfu": s.measured_mfu,
         "tokens_per_s": s.tokens_per_s, "samples_per_s": s.samples_per_s,
@@ -159,10 +245,26 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path) -> dict:
     if trace.is_file():
         try:
             out["trace"] = trace_breakdown(trace)
-            out["kernels"] = kernel_table(trace)
         except Exception as e:  # the figures stand without the breakdown
             out["trace"] = {"error": f"{type(e).__name__}: {e}"}
+        for key, fn in (("kernels", kernel_table), ("host", host_table)):
+            try:
+                out[key] = fn(trace)
+            except Exception as e:
+                out[key] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _log(msg: str) -> None:
+    print(f"[{datetime.now(timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,9 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-steps", type=int, default=2)
     p.add_argument("--reference-batch", type=int, default=8, help="samples per step of the reference-attention run")
     p.add_argument("--data-batches", type=int, default=12, help="distinct global batches generated (steps cycle over them)")
-    p.add_argument("--backends", default="triton,reference")
+    p.add_argument("--cases", "--backends", dest="cases", default="triton,triton-baseline,reference,triton-compile",
+                   help=f"comma-separated, from {sorted(CASES)}")
     p.add_argument("--runs-root", type=Path, default=Path("runs/bench"))
-    p.add_argument("--timeout", type=int, default=420)
+    p.add_argument("--timeout", type=int, default=230,
+                   help="seconds for all cases together (a case is skipped when under 25 s are left)")
+    p.add_argument("--case-timeout", type=int, default=120, help="seconds for one case at most")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
     p.add_argument("--reanalyze", nargs=2, metavar=("BACKEND", "TRACE"), default=None,
                    help="add the per-kernel table of a saved trace (.json or .json.gz) to --out's BACKEND entry, then stop")
@@ -200,28 +305,64 @@ def main(argv: list[str] | None = None) -> int:
         gb = w.batch.global_(1)
         generate_dataset(w, data, gb * args.data_batches, seed=0, rows_per_file=gb * args.data_batches)
     gen_s = time.monotonic() - t0
-    results = {}
-    for backend in args.backends.split(","):
-        wb = w
-        if backend == "reference":
-            wb = w.model_copy(update={"batch": w.batch.model_copy(update={"local_batch_size": args.reference_batch, "global_batch_size": None})})
-        plan = single_process_plan(wb, topo, attention_backend=backend)
-        plan_path = dump_spec(plan, args.runs_root / f"plan-{backend}.json")
-        results[backend] = run_backend(plan_path, args, f"{w.name}-{backend}", data)
-        print(json.dumps({backend: {k: v for k, v in results[backend].items() if k in ("ok", "measured_local_mfu", "tokens_per_s", "step_time_ms", "peak_memory_gib", "log_tail")}}, default=str), flush=True)
+    _log(f"data ready in {gen_s:.1f} s")
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; choose from {sorted(CASES)}")
+    results: dict = {}
     out = {
         "benchmark": "trainer (issue 6)",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/train_h200.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "git_commit": _git_commit(),
         "host": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
         "workload": w.name, "topology": topo.name, "dims": workload_dims(w),
         "peak_bf16_flops_per_s": topo.gpu.peak_flops_per_s.get("bf16"),
         "steps": args.steps, "warmup_steps": args.warmup, "data_generation_s": gen_s,
         "backends": results,
     }
+    try:
+        import torch
+
+        out["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+        import triton
+
+        out["versions"]["triton"] = triton.__version__
+    except Exception as e:
+        out.setdefault("versions", {})["error"] = str(e)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
-    print(f"wrote {args.out}")
+
+    def write() -> None:  # after every case: a later overrun keeps what was measured
+        args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+
+    for case in cases:
+        left = args.timeout - (time.monotonic() - t0)
+        if left < 25:
+            results[case] = {"ok": False, "skipped": f"time budget spent ({left:.0f} s left of --timeout {args.timeout})"}
+            _log(f"{case}: skipped, {left:.0f} s left")
+            write()
+            continue
+        backend, extra, more_warmup = CASES[case]
+        try:
+            wb = w
+            if backend == "reference":
+                wb = w.model_copy(update={"batch": w.batch.model_copy(update={"local_batch_size": args.reference_batch, "global_batch_size": None})})
+            plan = single_process_plan(wb, topo, attention_backend=backend)
+            plan_path = dump_spec(plan, args.runs_root / f"plan-{backend}.json")
+            _log(f"{case}: start ({min(left, args.case_timeout):.0f} s allowed)")
+            results[case] = run_backend(plan_path, args, f"{w.name}-{case}", data, extra, warmup=args.warmup + more_warmup,
+                                        timeout=min(left, args.case_timeout))
+        except Exception as e:  # one failing case must not lose the others
+            results[case] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        r = results[case]
+        _log(f"{case}: " + json.dumps({k: v for k, v in r.items() if k in ("ok", "measured_local_mfu", "tokens_per_s", "step_time_ms", "peak_memory_gib", "error", "skipped")}, default=str))
+        if not r.get("ok") and r.get("log_tail"):
+            print(r["log_tail"][-2000:], flush=True)
+        write()
+    write()
+    _log(f"wrote {args.out}")
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
 

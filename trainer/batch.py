@@ -51,19 +51,22 @@ def to_batch(hb: HostBatch, layout: FeatureLayout, device: torch.device) -> Batc
     def dev(a: np.ndarray) -> torch.Tensor:
         return _tensor(a, pin).to(device, non_blocking=nb)
 
+    def kjt(keys: list[str], values: np.ndarray, lengths: np.ndarray) -> KeyedJaggedTensor:
+        # The per-key totals are known here, on the host. Left out, TorchRec computes them from the
+        # device lengths (a read-back that waits for all the GPU work queued before it) on every step.
+        per_key = lengths.reshape(len(keys), hb.size).sum(axis=1).tolist() if keys else []
+        return KeyedJaggedTensor(keys=keys, values=dev(values), lengths=dev(lengths.astype(np.int32)), stride=hb.size,
+                                 length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
+
     pooled = None
     if layout.pooled:
-        pooled = KeyedJaggedTensor(
-            keys=layout.pooled_names,
-            values=dev(hb.pooled_values),
-            lengths=dev(hb.pooled_lengths.astype(np.int32)),
-        )
+        pooled = kjt(layout.pooled_names, hb.pooled_values, hb.pooled_lengths)
     seqs = {}
     t2s = layout.table_to_sequence
     for name, tables in layout.sequence_groups.items():
-        lengths = np.concatenate([hb.seq_lengths[t2s[t.name]] for t in tables]).astype(np.int32)
+        lengths = np.concatenate([hb.seq_lengths[t2s[t.name]] for t in tables])
         values = np.concatenate([hb.seq_values[t.name] for t in tables])
-        seqs[name] = KeyedJaggedTensor(keys=[t.name for t in tables], values=dev(values), lengths=dev(lengths))
+        seqs[name] = kjt([t.name for t in tables], values, lengths)
     offsets = {s: dev(np.concatenate([[0], np.cumsum(hb.seq_lengths[s])]).astype(np.int64)) for s in layout.sequences}
     return Batch(
         pooled=pooled,

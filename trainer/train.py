@@ -58,6 +58,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-last-n", type=int, default=2, help="complete checkpoints to keep (0: all)")
     p.add_argument("--log-every", type=int, default=None,
                    help="read metrics back every N steps (default: 1 on CPU, 10 on CUDA, where reading back waits for the GPU)")
+    p.add_argument("--moe-grouped", choices=["auto", "off"], default="auto",
+                   help="auto: on CUDA, experts run as grouped GEMMs with no host sync where torch supports it; "
+                        "off: one GEMM pair per expert, split sizes read back to the host (the CPU path)")
+    p.add_argument("--fused-optimizer", choices=["auto", "off"], default="auto",
+                   help="auto: the dense optimizer's fused kernel on CUDA (foreach on CPU); off: foreach everywhere")
+    p.add_argument("--compile", choices=["off", "layers"], default="off",
+                   help="layers: torch.compile each InterFormer and Kunlun layer (dynamic shapes); the compilation "
+                        "happens in the first steps, so keep them in --warmup")
     p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -148,6 +156,27 @@ def _trace_window(spec: str, warmup: int, steps: int) -> tuple[int, int]:
     return a, max(0, b - a)
 
 
+def _enable_grouped_experts(model, plan: Plan, device, mode: str) -> list[str]:
+    """Turn on the MoE layers' grouped GEMMs on CUDA where torch runs them correctly (checked once on
+    small tensors, forward and backward); returns notes for the summary."""
+    from coplan.trainer.distributed.fsdp import _DTYPES
+    from coplan.trainer.model.moe import MoELayer, grouped_mm_works
+
+    layers = [m for m in model.dense.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return []
+    if mode == "off" or device.type != "cuda":  # (under expert parallelism the layers loop whatever this says)
+        return ["MoE experts: per-expert loop"]
+    dtype = _DTYPES[plan.precision.compute_dtype]
+    ok = all(grouped_mm_works(device, dtype, m.experts.w2.shape[-1], m.experts.w2.shape[1], m.num_experts)
+             for m in layers)
+    for m in layers:
+        m.grouped_mm = ok
+    if not ok:
+        print("warning: torch._grouped_mm is unavailable or wrong here; MoE experts run one by one", file=sys.stderr)
+    return ["MoE experts: grouped GEMM" if ok else "MoE experts: per-expert loop (grouped GEMM failed its check)"]
+
+
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -235,8 +264,11 @@ def run(args: argparse.Namespace) -> int:
     dims = ParallelDims.from_plan(plan)
     meshes = build_meshes(dims, device_type)
     model = GEMModel(workload, attention_backend=backend, seed=args.seed, device=device)
-    pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed)
-    optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan)
+    step_notes = _enable_grouped_experts(model, plan, device, args.moe_grouped)
+    pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed,
+                     compile_layers=args.compile == "layers")
+    optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan,
+                        fused_dense=device_type == "cuda" and args.fused_optimizer == "auto")
 
     start = 0
     if args.resume:
@@ -386,7 +418,10 @@ def run(args: argparse.Namespace) -> int:
         total_t = sum(times)
         flops_mean = float(np.mean([r.model_flops for r in measured])) if measured else 0.0
         notes = [f"attention backend '{backend}'", f"balancing '{plan.balancing.policy}' with equal per-rank counts",
-                 f"statistics over {len(measured)} steps (warm-up and profiled steps left out)"]
+                 f"statistics over {len(measured)} steps (warm-up and profiled steps left out)", *step_notes,
+                 f"dense optimizer {'fused' if optims.fused_dense else 'foreach'}"
+                 + (f" (fused refused: {optims.fused_error})" if optims.fused_error else ""),
+                 f"compile {args.compile}"]
         if device_type == "cpu":
             notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")
         result = RunResult(

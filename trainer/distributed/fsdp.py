@@ -33,15 +33,22 @@ def _unwrap(m: nn.Module) -> nn.Module:
     return getattr(m, "_checkpoint_wrapped_module", m)
 
 
+def _reshard(mesh: DeviceMesh) -> bool:
+    """Free the gathered parameters after forward only where a rank holds a shard of them: with a
+    shard axis of 1 the "all-gather" is a local copy and cast, which resharding would redo in
+    backward, layer by layer, for no memory saved (the bf16 copy of the dense weights is small)."""
+    return mesh.size(mesh.ndim - 1) > 1
+
+
 def apply_fsdp(dense: nn.Module, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh, precision: Precision) -> None:
     mp = mixed_precision(precision)
     for _, holder, i in dense.iter_layers():
         layer = holder[i]
         inner = _unwrap(layer)
         if isinstance(inner, MoELayer):
-            fully_shard(inner.experts, mesh=expert_mesh, mp_policy=mp)
-        fully_shard(layer, mesh=dense_mesh, mp_policy=mp)
-    fully_shard(dense, mesh=dense_mesh, mp_policy=mp)
+            fully_shard(inner.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=_reshard(expert_mesh))
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=_reshard(dense_mesh))
+    fully_shard(dense, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=_reshard(dense_mesh))
     for m in dense.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

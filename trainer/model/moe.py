@@ -50,8 +50,15 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w13, std=dim**-0.5)
         nn.init.normal_(self.w2, std=hidden**-0.5)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x`` holds the tokens of expert 0, then of expert 1, ... (``counts`` rows each)."""
+    def forward(self, x: torch.Tensor, counts: list[int] | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` holds the tokens of expert 0, then of expert 1, ...: ``counts`` rows each (host sizes: a
+        per-expert loop), or up to ``ends[e]`` (int32 on the device: one grouped GEMM per matrix, no host
+        sync and one GEMM shape whatever the routing, so cuBLAS does not re-plan every step)."""
+        if ends is not None:
+            h = torch._grouped_mm(x, self.w13, offs=ends)
+            gate, up = h.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, self.w2, offs=ends)
+        assert counts is not None
         # Every expert runs, also on zero rows, so that its weights get a gradient on every rank
         # (FSDP reduce-scatters them whatever this rank's routing was).
         outs = []
@@ -59,6 +66,41 @@ class GroupedExperts(nn.Module):
             gate, up = torch.matmul(xe, self.w13[e]).chunk(2, dim=-1)
             outs.append(torch.matmul(F.silu(gate) * up, self.w2[e]))
         return torch.cat(outs)
+
+
+_GROUPED_OK: dict[tuple, bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden: int, experts: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs here for these shapes, forward and backward, and matches the
+    per-expert loop (checked once per process on small random tokens, an empty expert included). Its
+    support depends on the GPU, the dtype and the torch build; where it fails the loop is used."""
+    key = (str(device), dtype, dim, hidden, experts)
+    if key not in _GROUPED_OK:
+        ok = False
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                g = torch.Generator(device="cpu").manual_seed(0)
+                counts = [(3 * e + 5) % 11 for e in range(experts)]
+                counts[0] = 0
+                m = GroupedExperts(experts, dim, hidden).to(device=device, dtype=dtype)
+                x = torch.randn(sum(counts), dim, generator=g).to(device=device, dtype=dtype)
+                gy = torch.randn(sum(counts), dim, generator=g).to(device=device, dtype=dtype)
+                ends = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+                res = []
+                for kw in ({"counts": counts}, {"ends": ends}):
+                    xi = x.clone().requires_grad_(True)
+                    m.zero_grad(set_to_none=True)
+                    y = m(xi, **kw)
+                    y.backward(gy)
+                    res.append([t.float() for t in (y, xi.grad, m.w13.grad, m.w2.grad)])
+                tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+                ok = all(torch.allclose(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()))
+                         for a, b in zip(*res))
+            except Exception:  # unsupported device, dtype or layout: the loop it is
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
 
 
 class SwiGLU(nn.Module):
@@ -89,6 +131,9 @@ class MoELayer(nn.Module):
         self.shared = (
             SwiGLU(block.model_dim, block.expert_hidden_dim * block.num_shared_experts) if block.num_shared_experts else None
         )
+        self.grouped_mm = False
+        """One grouped GEMM per expert matrix (no host sync) on CUDA: the trainer turns it on where
+        :func:`grouped_mm_works`. Off: the per-expert loop (CPU runs; expert parallelism always loops)."""
         # set by apply_expert_parallel: this rank holds experts [expert_start, expert_start + local)
         self.ep_group = None
         self.ep_size = 1
@@ -112,8 +157,17 @@ class MoELayer(nn.Module):
             order = torch.argsort(flat, stable=True)
             token = order // self.top_k
             xs = x[token]
-            counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.ep_group is None:
+            grouped = self.grouped_mm and self.ep_group is None
+            if grouped:
+                # each expert's last row in the sorted assignment, found on the device: CUDA's bincount
+                # reads its input's maximum back to the host, which stalls the whole queue
+                ends = torch.searchsorted(flat[order], torch.arange(self.num_experts, device=x.device), right=True)
+            else:
+                counts = torch.bincount(flat, minlength=self.num_experts)
+        if grouped:
+            with record_function(f"{n}.experts"):
+                ys = self.experts(xs, ends=ends.to(torch.int32))
+        elif self.ep_group is None:
             with record_function(f"{n}.experts"):
                 ys = self.experts(xs, counts.tolist())
         else:
@@ -156,4 +210,4 @@ class MoELayer(nn.Module):
             return all_to_all(back, in_splits, out_splits, self.ep_group)
 
 
-__all__ = ["GroupedExperts", "MoELayer", "SwiGLU", "all_to_all"]
+__all__ = ["GroupedExperts", "MoELayer", "SwiGLU", "all_to_all", "grouped_mm_works"]
