@@ -29,6 +29,7 @@ from coplan.trainer.distributed.activation_checkpoint import apply_activation_ch
 from coplan.trainer.distributed.compile import apply_compile
 from coplan.trainer.distributed.embedding import apply_embedding_sharding, data_parallel_tables, init_sharded_tables
 from coplan.trainer.distributed.expert_parallel import apply_expert_parallel
+from coplan.trainer.distributed.fp8 import apply_fp8
 from coplan.trainer.distributed.fsdp import apply_fsdp
 from coplan.trainer.distributed.mesh import Meshes, ParallelDims
 
@@ -59,6 +60,8 @@ def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes
     init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
     dense = model.dense
     apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
+    # FP8 swaps nn.Linear modules in place: before activation checkpointing (which wraps the layers) and FSDP2 (which shards the params it finds).
+    apply_fp8(dense, plan)
     recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
     apply_compile(dense, compile_layers)
     apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision)
