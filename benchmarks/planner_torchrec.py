@@ -132,13 +132,13 @@ def rate_plan(sharding_plan, workload, topology, world: int, batch: int) -> dict
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
     from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 
+    summary = sharding_plan if isinstance(sharding_plan, dict) else plan_summary(sharding_plan)
     kinds, cw_width, ranks = {}, {}, {}
-    for mod in sharding_plan.plan.values():
-        for name, ps in mod.items():
-            kinds[name] = ps.sharding_type
-            ranks[name] = list(ps.ranks or [])
-            if ps.sharding_type == "column_wise":
-                cw_width[name] = int(ps.sharding_spec.shards[0].shard_sizes[1])
+    for name, (kind, rr, width) in summary.items():
+        kinds[name] = kind
+        ranks[name] = list(rr)
+        if kind == "column_wise":
+            cw_width[name] = int(width)
     topo = torchrec_topology(topology, world, batch)
     cons = constraints_for(workload, kinds=kinds, cw_width=cw_width)
     enum = EmbeddingEnumerator(topology=topo, batch_size=batch, constraints=cons,
@@ -157,9 +157,7 @@ def rate_plan(sharding_plan, workload, topology, world: int, batch: int) -> dict
         if not cand:
             raise RuntimeError(f"TorchRec enumerates no {want} option with {len(ranks[name])} shards for {name}")
         o = copy.deepcopy(cand[0])
-        rr = ranks[name] if want != "data_parallel" else list(range(world))
-        if want == "table_row_wise":
-            rr = ranks[name]
+        rr = ranks[name] if want not in ("data_parallel", "row_wise") else list(range(world))
         if len(rr) != len(o.shards):
             raise RuntimeError(f"{name}: {len(rr)} ranks for {len(o.shards)} shards")
         for s, r in zip(o.shards, rr):
@@ -178,6 +176,50 @@ def torchrec_plan(workload, topology, world: int, batch: int, timeout_s: int):
     t0 = time.perf_counter()
     plan = planner.plan(build_module(workload), sharders())
     return plan, time.perf_counter() - t0
+
+
+def plan_summary(sharding_plan) -> dict:
+    """What rating needs of a ShardingPlan, as JSON: per table its sharding type, ranks and column width."""
+    out = {}
+    for mod in sharding_plan.plan.values():
+        for name, ps in mod.items():
+            width = int(ps.sharding_spec.shards[0].shard_sizes[1]) if ps.sharding_type == "column_wise" else None
+            rr = [] if ps.sharding_type in ("row_wise", "data_parallel") else list(ps.ranks or [])
+            out[name] = [ps.sharding_type, rr, width]
+    return out
+
+
+def _torchrec_child(wname: str, topo_name: str, world: int, batch: int, timeout_s: int, path: str) -> None:
+    from coplan.spec import load_topology, load_workload
+
+    plan, wall = torchrec_plan(load_workload(wname), load_topology(topo_name), world, batch, timeout_s)
+    Path(path).write_text(json.dumps({"wall_s": wall, "plan": plan_summary(plan)}))
+
+
+def torchrec_plan_limited(wname: str, topo_name: str, world: int, batch: int, timeout_s: int, wall_limit_s: float, cache: Path) -> dict:
+    """TorchRec's plan in a child process killed after ``wall_limit_s`` (its ``timeout_seconds`` only
+    bounds the proposal loop, not the enumeration and estimation before it). The plan is cached as
+    JSON so that coplan's side can be re-run against the same TorchRec plan."""
+    import multiprocessing as mp
+
+    path = cache / f"{wname}@{world}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "cached": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)}
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    ctx = mp.get_context("fork")
+    proc = ctx.Process(target=_torchrec_child, args=(wname, topo_name, world, batch, timeout_s, str(tmp)))
+    t0 = time.perf_counter()
+    proc.start()
+    proc.join(wall_limit_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return {"error": f"did not finish in {wall_limit_s:.0f} s (killed)", "wall_s": time.perf_counter() - t0}
+    if proc.exitcode != 0 or not tmp.exists():
+        return {"error": f"TorchRec planner exited with code {proc.exitcode}", "wall_s": time.perf_counter() - t0}
+    tmp.replace(path)
+    return json.loads(path.read_text())
 
 
 def coplan_plan(workload, topology, world: int, dtime: float):
@@ -210,43 +252,92 @@ def main() -> int:
     ap.add_argument("--topology", default="h200-superpod-4k")
     ap.add_argument("--dtime", type=float, default=2.0, help="coplan CP-SAT deterministic time")
     ap.add_argument("--torchrec-timeout", type=int, default=300, help="TorchRec planner timeout_seconds (its proposal loop)")
+    ap.add_argument("--torchrec-wall-limit", type=float, default=1800.0,
+                    help="kill TorchRec's planner (enumeration and estimation included) after this many seconds")
+    ap.add_argument("--torchrec-cache", default=str(RESULTS / "planner_torchrec_plans"),
+                    help="folder of TorchRec's plans as JSON (reused when present)")
+    ap.add_argument("--skip-torchrec", action="store_true", help="coplan's side only (TorchRec's from the cache or --previous)")
+    ap.add_argument("--previous", default=None,
+                    help="a previous result JSON: TorchRec figures for points with no cached plan are taken from it (and marked so)")
     ap.add_argument("-o", "--output", default=str(RESULTS / "planner_torchrec.json"))
     args = ap.parse_args()
     from coplan.spec import load_topology, load_workload
 
     topology = load_topology(args.topology)
+    prev = {}
+    if args.previous:
+        for r in json.loads(Path(args.previous).read_text())["rows"]:
+            if "max_rank_perf_ms" in r.get("torchrec", {}):
+                prev[(r["workload"], r["world_size"])] = r["torchrec"]
     rows = []
+    if Path(args.output).exists():  # keep the points of an earlier run that this one does not redo
+        old = json.loads(Path(args.output).read_text()).get("rows", [])
+    else:
+        old = []
     points = [(wname, int(x)) for x in args.worlds.split(",") for wname in args.workloads.split(",")]
     for wname, world in points:
             w = load_workload(wname)
             batch = w.batch.local(world)
-            row = {"workload": wname, "world_size": world, "batch_per_rank": batch, "tables": len(w.all_tables)}
-            print(f"{wname} @ {world}: TorchRec planning...", file=sys.stderr, flush=True)
+            row = {"workload": wname, "world_size": world, "batch_per_rank": batch, "tables": len(w.all_tables),
+                   "load_average_before": os.getloadavg()}
+            _log(f"{wname} @ {world}: TorchRec planning...")
+            cache = Path(args.torchrec_cache)
+            cached = (cache / f"{wname}@{world}.json").exists()
             try:
-                tr, tr_s = torchrec_plan(w, topology, world, batch, args.torchrec_timeout)
-                row["torchrec"] = {"wall_s": tr_s, **rate_plan(tr, w, topology, world, batch), "kinds": _kinds(tr)}
+                if args.skip_torchrec and not cached:
+                    if (wname, world) not in prev:
+                        raise RuntimeError("no cached TorchRec plan and --skip-torchrec")
+                    row["torchrec"] = {**prev[(wname, world)], "from_previous_run": args.previous}
+                else:
+                    got = torchrec_plan_limited(wname, args.topology, world, batch, args.torchrec_timeout, args.torchrec_wall_limit, cache)
+                    if "error" in got:
+                        row["torchrec"] = got
+                    else:
+                        _log(f"{wname} @ {world}: rating TorchRec's plan...")
+                        t0 = time.perf_counter()
+                        rated = rate_plan(got["plan"], w, topology, world, batch)
+                        row["torchrec"] = {"wall_s": got["wall_s"], **rated, "kinds": _kinds(got["plan"]),
+                                           "rating_s": time.perf_counter() - t0, **({"cached": got["cached"]} if "cached" in got else {})}
             except Exception as e:  # TorchRec raises PlannerError when nothing fits
                 row["torchrec"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-            print(f"{wname} @ {world}: coplan planning...", file=sys.stderr, flush=True)
+            _log(f"{wname} @ {world}: coplan planning...")
             try:
+                c0 = time.process_time()
                 cp, cp_s, res = coplan_plan(w, topology, world, args.dtime)
-                row["coplan"] = {"wall_s": cp_s, **rate_plan(cp, w, topology, world, batch), "kinds": _kinds(cp),
+                cpu = time.process_time() - c0
+                _log(f"{wname} @ {world}: rating coplan's plan...")
+                t0 = time.perf_counter()
+                rated = rate_plan(cp, w, topology, world, batch)
+                row["coplan"] = {"wall_s": cp_s, "cpu_s": cpu, **rated, "kinds": _kinds(cp), "rating_s": time.perf_counter() - t0,
                                  "cp_sat_status": res.status, "coplan_gap": res.gap}
             except Exception as e:
                 row["coplan"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             if "max_rank_perf_ms" in row["torchrec"] and "max_rank_perf_ms" in row["coplan"]:
                 row["coplan_vs_torchrec"] = row["torchrec"]["max_rank_perf_ms"] / row["coplan"]["max_rank_perf_ms"] - 1.0
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items()}), flush=True)
             rows.append(row)
-            _write(args, rows)
-    _write(args, rows)
+            _write(args, _merge(old, rows))
+    _write(args, _merge(old, rows))
     return 0
+
+
+def _log(msg: str) -> None:
+    print(f"[{datetime.now(timezone.utc).strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _merge(old: list[dict], new: list[dict]) -> list[dict]:
+    done = {(r["workload"], r["world_size"]) for r in new}
+    keep = [r for r in old if (r["workload"], r["world_size"]) not in done]
+    order = {"dlrm-856": 0, "gem-1t": 1}
+    return sorted(keep + new, key=lambda r: (r["world_size"], order.get(r["workload"], 9), r["workload"]))
 
 
 def _write(args, rows) -> None:
     out = {
         "benchmark": "planner_torchrec", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_average": os.getloadavg()},
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "git_commit": _git_commit(),
         "versions": _versions(), "topology": args.topology, "rows": rows,
         "metric": "TorchRec EmbeddingPerfEstimator + NoopPerfModel: max over ranks of summed shard perf (ms); lower is better",
     }
@@ -256,10 +347,18 @@ def _write(args, rows) -> None:
 
 def _kinds(sp) -> dict[str, int]:
     out: dict[str, int] = {}
-    for mod in sp.plan.values():
-        for ps in mod.values():
-            out[ps.sharding_type] = out.get(ps.sharding_type, 0) + 1
+    for kind, _, _ in (sp if isinstance(sp, dict) else plan_summary(sp)).values():
+        out[kind] = out.get(kind, 0) + 1
     return out
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        return None
 
 
 def _versions() -> dict[str, str]:

@@ -64,9 +64,12 @@ class ShardOption:
     allreduce_bytes: float = 0.0
     """Data-parallel gradient all-reduce bytes."""
 
-    @property
-    def placement(self) -> Placement:
-        return PLACEMENT_OF[self.sharding_type]  # type: ignore[return-value]
+    placement: Placement = field(init=False, compare=False, repr=False)
+    """Where the solver puts the shards ('rank', 'node' or 'all'); derived from the sharding type, and
+    stored because the solver's inner loops read it millions of times."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", PLACEMENT_OF[self.sharding_type])
 
     @property
     def label(self) -> str:

@@ -33,6 +33,7 @@ from coplan import __version__
 from coplan.planner.costs import Pricer
 from coplan.planner.mesh import MeshCandidate, check_world_size, enumerate_candidates
 from coplan.planner.pricing import Assignment, CandidatePricing
+from coplan.planner.recompute import frontier
 from coplan.planner.solver import SolveResult, SolverSettings, solve_candidate
 from coplan.spec import Calibration, LayerPlan, Plan, SolverReport, TableShard, Topology, Workload, spec_sha256
 
@@ -118,11 +119,16 @@ class SearchResult:
 
 
 def recompute_floor(p: CandidatePricing, need_bytes: float) -> float:
-    """Least recompute time that frees ``need_bytes`` net of the recompute peak: for each possible
-    peak (the largest activation among recomputed layers), a fractional knapsack over the layers no
-    bigger than it. A valid lower bound; inf when even recomputing everything cannot free enough."""
+    """Least recompute time that frees ``need_bytes`` net of the recompute peak: exact, from the
+    recompute frontier (:mod:`coplan.planner.recompute`); when the frontier is too large to build,
+    for each possible peak (the largest activation among recomputed layers) a fractional knapsack
+    over the layers no bigger than it. A valid lower bound either way; inf when even recomputing
+    everything cannot free enough."""
     if need_bytes <= 0:
         return 0.0
+    front = frontier(p.layers)
+    if front is not None:
+        return front.least_time(need_bytes)
     layers = [l for l in p.layers if l.saved_bytes > 0]
     best = math.inf
     for peak in sorted({l.peak_bytes for l in layers}):

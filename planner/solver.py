@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 from coplan.planner.pricing import Assignment, CandidatePricing, copies, evaluate, shard_weight
+from coplan.planner.recompute import RecomputeFrontier, frontier
 
 TIME_UNIT_S = 1e-8
 """One CP-SAT time unit: 10 ns."""
@@ -91,6 +92,10 @@ class SolverSettings:
 
     relative_gap: float = 1e-4
     """Stop a solve once proven within this relative gap."""
+
+    placed_solutions: int = 3
+    """Decomposed model: the last this many improving relaxed solutions are each placed on ranks, and
+    the best placed plan kept."""
 
 
 def _t(x: float) -> int:
@@ -165,11 +170,15 @@ def solve_candidate(p: CandidatePricing, settings: SolverSettings, *, hint: Assi
 
 
 def _recompute_for(p: CandidatePricing, need_bytes: float) -> tuple[bool, ...]:
-    """A cheap recompute set freeing at least ``need_bytes`` net of the recompute peak (greedy by time
-    per byte freed)."""
+    """The cheapest recompute set freeing at least ``need_bytes`` net of the recompute peak (from the
+    frontier; greedy by time per byte freed when there is none)."""
     rc = [False] * len(p.layers)
     if need_bytes <= 0:
         return tuple(rc)
+    front = frontier(p.layers)
+    if front is not None:
+        pt = front.cheapest(need_bytes)
+        return pt.layers if pt is not None else tuple(l.saved_bytes > 0 for l in p.layers)
     order = sorted(range(len(p.layers)), key=lambda i: (p.layers[i].recompute_s / max(p.layers[i].saved_bytes, 1.0), i))
     freed, peak = 0.0, 0.0
     for i in order:
@@ -191,7 +200,8 @@ def _room(p: CandidatePricing, choice, recompute) -> float:
     return p.capacity_bytes - (p.base_bytes - saved + peak + p.recv_mem_factor * recv) - uni
 
 
-def place(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, ...], *, improve: bool = True, by_memory: bool = False) -> Assignment | None:
+def place(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, ...], *, improve: bool = True,
+          by_memory: bool | str = False) -> Assignment | None:
     """Put the shards of the chosen options on ranks: node options by LPT over nodes, then rank options
     by LPT over ranks (largest first, each shard to the least-loaded ranks with room), then local moves.
     The size of a shard is its time plus the all-to-all time of what it sends. None when a shard finds
@@ -229,7 +239,15 @@ def place(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, .
             for r in rr:
                 load[r] += w
                 mem[r] += o.mem_bytes
-    if by_memory:  # memory-first: biggest shards first, each to the emptiest ranks
+    if by_memory == "vector":
+        # both: largest first by the bigger of its time and memory shares of an average rank (the
+        # usual order for packing two resources), each to the least loaded ranks in time with room
+        items = [t for t, oi in enumerate(choice) if p.options[t][oi].placement == "rank"]
+        tw = sum(shard_weight(p.options[t][choice[t]], wa) * p.options[t][choice[t]].num_shards for t in items) / s or 1.0
+        tm = sum(p.options[t][choice[t]].mem_bytes * p.options[t][choice[t]].num_shards for t in items) / s or 1.0
+        rank_items = sorted(items, key=lambda t: (-max(shard_weight(p.options[t][choice[t]], wa) / tw, p.options[t][choice[t]].mem_bytes / tm), t))
+        key_of = load
+    elif by_memory:  # memory-first: biggest shards first, each to the emptiest ranks
         rank_items = sorted((t for t, oi in enumerate(choice) if p.options[t][oi].placement == "rank"),
                             key=lambda t: (-p.options[t][choice[t]].mem_bytes, t))
         key_of = mem
@@ -266,9 +284,40 @@ def place(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, .
 
 
 def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, ...]) -> Assignment | None:
-    """:func:`place`, then memory-first placement, then recomputing more layers (cheapest per byte
-    freed first) one at a time until the shards fit; then drop any recompute the placed plan does not
-    need (most expensive first). None when nothing fits."""
+    """:func:`place`, then memory-first placement, then more recompute until the shards fit (the next
+    frontier point that frees more memory; without a frontier, one more layer at a time, cheapest per
+    byte freed first); then the cheapest recompute the placed plan needs. None when nothing fits."""
+    front = frontier(p.layers)
+    if front is not None:
+        net = _net_freed(p, recompute)
+        pts = [pt for pt in front.points if pt.freed_bytes >= net - 1e-6]
+
+        def attempt(pt):
+            for by_memory in (False, "vector", True):
+                a = place(p, choice, pt.layers, by_memory=by_memory)
+                if a is not None and evaluate(p, a).peak_bytes <= p.capacity_bytes:
+                    return a
+            return None
+
+        if not pts:
+            return None
+        first = attempt(pts[0])
+        if first is not None:
+            return trim_recompute(p, first)
+        # more room makes placement succeed more easily (not strictly: it is a heuristic), so find
+        # the cheapest point that places by bisection rather than walking hundreds of points
+        lo, hi = 0, len(pts) - 1
+        found = attempt(pts[hi])
+        if found is None:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            a = attempt(pts[mid])
+            if a is not None:
+                hi, found = mid, a
+            else:
+                lo = mid
+        return trim_recompute(p, found)
     rc = list(recompute)
     order = sorted(range(len(p.layers)), key=lambda i: (p.layers[i].recompute_s / max(p.layers[i].saved_bytes, 1.0), i))
     while True:
@@ -282,8 +331,25 @@ def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: t
         rc[nxt] = True
 
 
+def _net_freed(p: CandidatePricing, recompute) -> float:
+    on = [l for l, o in zip(p.layers, recompute) if o]
+    return sum(l.saved_bytes for l in on) - max((l.peak_bytes for l in on), default=0.0)
+
+
 def trim_recompute(p: CandidatePricing, a: Assignment) -> Assignment:
-    """Stop recomputing layers, most expensive first, while the placed plan still fits."""
+    """The cheapest recompute with which the placed plan still fits: the frontier point that frees
+    what the plan needs; without a frontier, stop recomputing layers, most expensive first, while it
+    fits. Never more expensive than ``a``'s own recompute."""
+    front = frontier(p.layers)
+    if front is not None:
+        none = Assignment(a.choice, a.ranks, tuple(False for _ in p.layers))
+        pt = front.cheapest(evaluate(p, none).peak_bytes - p.capacity_bytes)
+        own = sum(l.recompute_s for l, on in zip(p.layers, a.recompute) if on)
+        if pt is not None and pt.time_s <= own:
+            trial = Assignment(a.choice, a.ranks, pt.layers)
+            if evaluate(p, trial).peak_bytes <= p.capacity_bytes:
+                return trial
+        return a
     rc = list(a.recompute)
     for i in sorted((i for i, on in enumerate(rc) if on), key=lambda i: (-p.layers[i].recompute_s, i)):
         rc[i] = False
@@ -487,32 +553,46 @@ def heuristic_any(p: CandidatePricing) -> Assignment | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _common(m, p: CandidatePricing, units, y, *, free=None, recv_mem_const: int = 0, recv_const: int = 0, dp_const: int = 0):
+def _common(m, p: CandidatePricing, units, y, *, free=None, recv_mem_const: int = 0, recv_const: int = 0, dp_const: int = 0,
+            points=None):
     """Recompute booleans and their time, the recompute peak, the receive and all-reduce sums, and
     ``room``: the memory per rank left for embeddings (capacity − dense part − receive buffers).
-    ``free`` lists the tables with choice variables (default all); the others enter as constants."""
+    ``free`` lists the tables with choice variables (default all); the others enter as constants.
+    With ``points`` (recompute frontier points) the recompute booleans are one per point, else one
+    per layer."""
     from ortools.sat.python import cp_model
 
     free = range(len(p.options)) if free is None else free
-    rc = [m.NewBoolVar(f"rc{l}") for l in range(len(p.layers))]
-    peak_hi = max((_m_up(l.peak_bytes) for l in p.layers), default=0)
-    peak = m.NewIntVar(0, peak_hi, "rc_peak")
-    for l, v in zip(p.layers, rc):
-        if l.peak_bytes > 0:
-            m.Add(peak >= _m_up(l.peak_bytes) * v)
     recv_terms = [(_recv_mem(p, p.options[t][i]), y[t][i]) for t in free for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0]
     recv_mem = cp_model.LinearExpr.WeightedSum([v for _, v in recv_terms], [c for c, _ in recv_terms]) if recv_terms else 0
     cap = _m_down(p.capacity_bytes) - _m_up(p.base_bytes) - recv_mem_const
-    freed = cp_model.LinearExpr.WeightedSum(rc, [_m_down(l.saved_bytes) for l in p.layers]) if rc else 0
-    room_lo = cap - peak_hi - sum(c for c, _ in recv_terms)
-    room_hi = cap + sum(_m_down(l.saved_bytes) for l in p.layers)
-    room = m.NewIntVar(min(room_lo, 0), max(room_hi, 0), "room")
-    m.Add(room == cap + freed - peak - recv_mem)
+    if points is not None:
+        # one choice among the recompute frontier's points: exact, and a far tighter relaxation than
+        # per-layer booleans under a max over peaks (see coplan.planner.recompute)
+        rc = [m.NewBoolVar(f"rcp{j}") for j in range(len(points))]
+        m.AddExactlyOne(rc)
+        freed_c = [_m_down(pt.freed_bytes) for pt in points]
+        room = m.NewIntVar(min(0, cap + min(freed_c) - sum(c for c, _ in recv_terms)), max(0, cap + max(freed_c)), "room")
+        m.Add(room == cap + cp_model.LinearExpr.WeightedSum(rc, freed_c) - recv_mem)
+        rc_cost = [_t(pt.time_s) for pt in points]
+    else:
+        rc = [m.NewBoolVar(f"rc{l}") for l in range(len(p.layers))]
+        peak_hi = max((_m_up(l.peak_bytes) for l in p.layers), default=0)
+        peak = m.NewIntVar(0, peak_hi, "rc_peak")
+        for l, v in zip(p.layers, rc):
+            if l.peak_bytes > 0:
+                m.Add(peak >= _m_up(l.peak_bytes) * v)
+        freed = cp_model.LinearExpr.WeightedSum(rc, [_m_down(l.saved_bytes) for l in p.layers]) if rc else 0
+        room_lo = cap - peak_hi - sum(c for c, _ in recv_terms)
+        room_hi = cap + sum(_m_down(l.saved_bytes) for l in p.layers)
+        room = m.NewIntVar(min(room_lo, 0), max(room_hi, 0), "room")
+        m.Add(room == cap + freed - peak - recv_mem)
+        rc_cost = [_t(l.recompute_s) for l in p.layers]
     recv_t = [(units[t][i].recv, y[t][i]) for t in free for i in range(len(p.options[t])) if units[t][i].recv]
     dp_t = [(units[t][i].dp, y[t][i]) for t in free for i in range(len(p.options[t])) if units[t][i].dp]
     recv = (cp_model.LinearExpr.WeightedSum([v for _, v in recv_t], [c for c, _ in recv_t]) if recv_t else 0) + recv_const
     dp = (cp_model.LinearExpr.WeightedSum([v for _, v in dp_t], [c for c, _ in dp_t]) if dp_t else 0) + dp_const
-    rc_time = cp_model.LinearExpr.WeightedSum(rc, [_t(l.recompute_s) for l in p.layers]) if rc else 0
+    rc_time = cp_model.LinearExpr.WeightedSum(rc, rc_cost) if rc else 0
     return rc, room, recv, dp, rc_time
 
 
@@ -663,6 +743,31 @@ def _sorted_hint(p: CandidatePricing, a: Assignment) -> Assignment:
     return Assignment(a.choice, ranks, a.recompute)
 
 
+class _Collector:
+    """CP-SAT callback keeping the values of some variables in the last ``keep`` solutions."""
+
+    def __new__(cls, variables, more, keep):
+        from ortools.sat.python import cp_model
+
+        class Impl(cp_model.CpSolverSolutionCallback):
+            def __init__(self):
+                super().__init__()
+                self.vars = list(variables) + list(more)
+                self.solutions: list[tuple[int, ...]] = []
+
+            def on_solution_callback(self):
+                self.solutions.append(tuple(int(self.Value(v)) for v in self.vars))
+                del self.solutions[:-keep]
+
+        return Impl()
+
+
+def _is_on(v, on: set[tuple[int, int]]) -> bool:
+    """Whether choice variable ``y{t}_{i}`` is set by the hint ``on`` (pairs (t, i))."""
+    t, i = v.Name()[1:].split("_")
+    return (int(t), int(i)) in on
+
+
 # ---------------------------------------------------------------------------------------------
 # Decomposed CP-SAT
 # ---------------------------------------------------------------------------------------------
@@ -723,7 +828,16 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
         recv_c += min(u.recv for u in us)
         dp_c += min(u.dp for u in us)
         recv_mem_c += min(_recv_mem(p, o) for o in p.options[t])
-    rc, room, recv, dp, rc_time = _common(m, p, units, y, free=free, recv_mem_const=recv_mem_c, recv_const=recv_c, dp_const=dp_c)
+    front = frontier(p.layers)
+    points = None
+    if front is not None:
+        # points costing more recompute than the whole sparse-and-recompute part of the heuristic
+        # plan cannot beat it: leaving them out keeps the bound valid (it is capped by that plan)
+        hint_ev = evaluate(p, hint) if hint is not None else None
+        cap_s = hint_ev.step_time_s - p.base_time_s if hint_ev is not None and hint_ev.peak_bytes <= p.capacity_bytes else math.inf
+        points = [pt for pt in front.points if pt.time_s <= cap_s + 2 * _rounding_slack(p)] or list(front.points[:1])
+    rc, room, recv, dp, rc_time = _common(m, p, units, y, free=free, recv_mem_const=recv_mem_c, recv_const=recv_c, dp_const=dp_c,
+                                          points=points)
     H = _horizon(units)
     uni = {k: [] for k in "fbsm"}
     pack = {k: [] for k in "fbsm"}
@@ -769,26 +883,69 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
         for t in free:
             for i, v in enumerate(y[t]):
                 m.AddHint(v, i == hint.choice[t])
-        for v, on in zip(rc, hint.recompute):
-            m.AddHint(v, on)
+        if points is None:
+            for v, on in zip(rc, hint.recompute):
+                m.AddHint(v, on)
+        else:
+            net = _net_freed(p, hint.recompute)
+            j = next((j for j, pt in enumerate(points) if pt.freed_bytes >= net - 1e-6), len(points) - 1)
+            for k, v in enumerate(rc):
+                m.AddHint(v, k == j)
+            # Hint the aggregates too: CP-SAT then starts from a complete solution instead of spending
+            # most of a short budget completing the hint by search.
+            on = {(t, hint.choice[t]) for t in free}
+            val = {k: sum(c for (c, v) in uni[k] if v.Name() and _is_on(v, on)) for k in "fbsm"}
+            packed = {k: sum(c for (c, v) in pack[k] if _is_on(v, on)) for k in "fbsm"}
+            items = {k: max([sum(c for (c, v) in item[k] if _is_on(v, on)) for item in per_table] or [0]) for k in "fbsm"}
+            recv_v = recv_c + sum(units[t][hint.choice[t]].recv for t in free)
+            recv_mem_v = sum(_recv_mem(p, p.options[t][hint.choice[t]]) for t in free if p.options[t][hint.choice[t]].recv_bytes > 0)
+            room_v = _m_down(p.capacity_bytes) - _m_up(p.base_bytes) - recv_mem_c + _m_down(points[j].freed_bytes) - recv_mem_v
+            hz = {k: max(val[k] + -(-(packed[k] + cw[k]) // s), val[k] + items[k]) for k in "fbs"}
+            hz["s"] = max(hz["s"], recv_v)
+            for var, x in ((uf, val["f"]), (ub, val["b"]), (us_, val["s"]), (um, val["m"]), (zf, hz["f"]), (zb, hz["b"]), (za, hz["s"]),
+                           (room, room_v)):
+                m.AddHint(var, int(x))
     solver = cp_model.CpSolver()
     _params(solver, settings, settings.time_limit_s)
-    status = solver.Solve(m)
+    # The relaxation ranks option choices by averaged loads; the placed plan pays for imbalance the
+    # relaxation does not see, so the best relaxed solution is not always the best placed one. Keep
+    # the last few improving solutions and place each (placement is cheap next to the solve).
+    keep = max(1, int(settings.placed_solutions))
+    collector = _Collector([v for t in free for v in y[t]], list(rc), keep)
+    status = solver.Solve(m, collector)
+    if status == cp_model.INFEASIBLE and points is not None and len(points) < len(front.points):
+        # only rounding can make the kept points infeasible (the heuristic plan fits one of them); that
+        # plan is then the best there is
+        return SolveResult(hint, "FEASIBLE", hint_ev.step_time_s, hint_ev.peak_bytes, hint_ev.step_time_s - 2 * _rounding_slack(p),
+                           time.perf_counter() - t0, "decomposed")
     if status == cp_model.INFEASIBLE:
         return SolveResult(None, "INFEASIBLE", math.inf, math.inf, math.inf, time.perf_counter() - t0, "decomposed")
     bound = p.base_time_s + solver.BestObjectiveBound() * TIME_UNIT_S - _rounding_slack(p)
     best: Assignment | None = hint if hint is not None and evaluate(p, hint).peak_bytes <= p.capacity_bytes else None
     relaxed_opt = status == cp_model.OPTIMAL and not fixed
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and hint is not None:
-        choice = list(hint.choice)
-        for t in free:
-            choice[t] = next(i for i, v in enumerate(y[t]) if solver.BooleanValue(v))
-        recompute = tuple(solver.BooleanValue(v) for v in rc)
-        placed = place_with_repair(p, tuple(choice), recompute)
-        if placed is not None:
-            ev = evaluate(p, placed)
-            if ev.peak_bytes <= p.capacity_bytes and (best is None or ev.step_time_s < evaluate(p, best).step_time_s):
-                best = placed
+        n_y = sum(len(y[t]) for t in free)
+        seen = set()
+        for values in reversed(collector.solutions):  # best (last) first
+            ys, rs = values[:n_y], values[n_y:]
+            choice = list(hint.choice)
+            k = 0
+            for t in free:
+                choice[t] = next(i for i in range(len(y[t])) if ys[k + i])
+                k += len(y[t])
+            if points is None:
+                recompute = tuple(bool(x) for x in rs)
+            else:
+                recompute = next(pt.layers for pt, x in zip(points, rs) if x)
+            key = (tuple(choice), recompute)
+            if key in seen:
+                continue
+            seen.add(key)
+            placed = place_with_repair(p, tuple(choice), recompute)
+            if placed is not None:
+                ev = evaluate(p, placed)
+                if ev.peak_bytes <= p.capacity_bytes and (best is None or ev.step_time_s < evaluate(p, best).step_time_s):
+                    best = placed
     wall = time.perf_counter() - t0
     if best is None:
         return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, wall, "decomposed")
