@@ -6,6 +6,8 @@ Order, and why:
    with sharded ones and must see the model before any wrapper, and FSDP must never own a table.
 2. **Expert parallelism** next: it changes which expert weights a rank holds, and FSDP shards
    whatever parameters exist when it is applied.
+2b. **FP8** (the plan's fp8 layers): swaps their ``nn.Linear`` modules for ``Float8Linear`` (same
+   parameters) before checkpointing and FSDP wrap or shard the modules they find.
 3. **Activation checkpointing** before FSDP: the checkpoint wrapper must sit *inside* the FSDP unit,
    so that FSDP's all-gather is outside the recomputed region (recompute then runs on the
    parameters FSDP has already gathered for backward), as in torchtitan.
