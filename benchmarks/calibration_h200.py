@@ -316,12 +316,19 @@ def run_all(args) -> Path:
         for j in row:
             if j.result.get("ok"):
                 shrink_run(j.run_dir)
+        _write_manifest(root, manifest, jobs)
+    _write_manifest(root, manifest, jobs)
+    return root
+
+
+def _write_manifest(root: Path, manifest: dict, jobs: list[list["Job"]]) -> None:
+    """After every pair: a run cut short from outside still leaves what finished analysable."""
+    manifest = {**manifest, "variants": list(manifest["variants"])}
     for row in jobs:
         for j in row:
             manifest["variants"].append({"name": j.variant.name, "split": j.variant.split, "run_dir": j.run_dir.name,
                                          "variant": j.variant.__dict__, **j.result})
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
-    return root
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,13 +350,11 @@ def _err(pred: float, meas: float) -> float:
 def analyze(root: Path) -> dict:
     import numpy as np
 
-    from coplan.costmodel.calibrate import (_device_calibration, _read_metrics, calibrate, fit_host_launch_cost, measured_moments,
-                                            predict, predict_step_time, run_samples, step_launches)
+    from coplan.costmodel.calibrate import calibrate, fit_host_launch_cost, predict, predict_step_time, run_samples, step_launches
     from coplan.costmodel.efficiency import resolve_efficiencies
     from coplan.spec import load_run_result
 
     manifest = json.loads((root / "manifest.json").read_text())
-    steps, warmup, trace_steps = manifest["steps"], manifest["warmup"], manifest["trace_steps"]
     rows: dict[str, dict] = {}
     runs = {}
     for v in manifest["variants"]:
@@ -363,9 +368,7 @@ def analyze(root: Path) -> dict:
         try:
             rs = run_samples(d)
             s = load_run_result(d / "summary.json")
-            metrics = _read_metrics(d)
-            meas_steps = [m["step"] for m in metrics if warmup <= m.get("step", -1) < steps - trace_steps]
-            mom = measured_moments(metrics, meas_steps) or rs.moments
+            mom = rs.step_moments or rs.moments
             runs[name] = (d, rs)
             row.update(
                 measured_step_s=s.step_time.p50_s if s.step_time else None,
@@ -386,7 +389,7 @@ def analyze(root: Path) -> dict:
     if not fit_names:
         out["error"] = "no calibration run finished"
         return out
-    cal, res, fit_rs = calibrate([runs[n][0] for n in fit_names], force=True)
+    cal, res, fit_rs = calibrate([runs[n][0] for n in fit_names], force=True, host=True)
     out["calibration"] = cal.model_dump(mode="json")
     hf = fit_host_launch_cost(fit_rs, res)
     out["host_fit"] = None if hf is None else {
@@ -540,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topology", default="h200-1gpu")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--gpus", type=int, default=2, help="variants run at a time, one per GPU (1: one at a time)")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--trace-steps", type=int, default=2, help="the last steps, run under the profiler")
     p.add_argument("--data-batches", type=int, default=8, help="distinct batches generated per dataset (steps cycle)")
@@ -559,6 +562,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.analyze is None and args.steps - args.trace_steps <= args.warmup:
         p.error("--steps must leave measured steps between --warmup and the traced window")
     root = args.analyze
+    if root is None and args.device == "cuda":
+        try:
+            import torch
+
+            n = torch.cuda.device_count()
+            if 0 < n < args.gpus:
+                log(f"only {n} GPU(s) visible: running {n} variant(s) at a time")
+                args.gpus = n
+        except Exception as e:
+            log(f"could not count GPUs ({e}); assuming --gpus {args.gpus}")
     if root is None:
         log(f"running {2 * len(VARIANTS[: args.pairs] if args.pairs else VARIANTS)} variants of {args.workload}, budget {args.budget_s:.0f}s")
         root = run_all(args)

@@ -21,8 +21,9 @@ the op classes' efficiencies mean. The step time then gets one more fitted figur
 per kernel launch the cost model prices: with ``N`` its launches per step (read off the pricer, which
 is linear in the launch cost) and ``P`` its step time under the device fit,
 ``step ≈ P + N · h``, fitted to the runs' measured step times (CUDA events, steps outside the profiled
-window) by least squares on log ratios. ``h`` is added to every class's launch overhead in the written
-Calibration, so ``coplan plan`` prices host-bound steps with it. It is an additive approximation of
+window) by least squares on log ratios. With ``calibrate(..., host=True)`` (``coplan calibrate --host-cost``)
+``h`` is added to every class's launch overhead in the written Calibration, so ``coplan plan`` prices
+host-bound steps with it. It is an additive approximation of
 what is really ``max(host, device)`` per stretch of the step: it overstates device-bound steps whose
 launches hide under long kernels, and a host sync (the MoE routing counts read back) is a fixed stall
 spread here over launches; both are stated in the calibration's notes and measured by the held-out
@@ -101,6 +102,9 @@ class RunSamples:
     """GPU idle time of the profiled steps, per step (0 on CPU traces)."""
     window_s: float = 0.0
     """Device-side length of a profiled step (0 on CPU traces)."""
+    step_moments: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Length moments of the steps the run's step-time statistics cover (after warm-up, outside the
+    profiled window): what its measured step time is compared with."""
     unpriced_s: dict[str, float] = field(default_factory=dict)
     """Per step: measured time (with the idle it ended) the cost model has no op for, by name and phase
     (FSDP hooks, TorchRec distribution, 'unattributed')."""
@@ -165,7 +169,11 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
     att: TraceAttribution = attribute_file(traces[0])
     device = (result.device if result and result.device else plan.topology.gpu.name)
     metrics = _read_metrics(d)
-    moments = measured_moments(metrics, _profiled_steps(d, metrics))
+    profiled = _profiled_steps(d, metrics)
+    moments = measured_moments(metrics, profiled)
+    warm = result.warmup_steps if result else 0
+    timed = [int(m["step"]) for m in metrics if "step" in m and m["step"] >= warm and m["step"] not in set(profiled or ())]
+    step_moments = measured_moments(metrics, timed) if timed else {}
 
     per_step = att.per_step(with_idle=host_gaps)
     out: list[Sample] = []
@@ -185,7 +193,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
             "the trainer names its record_function ranges '<block>.<layer>.<op>'"
         )
     return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
-                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, unpriced_s=unpriced)
+                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,11 +368,13 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
 
 
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host_gaps: bool = False,
-              host: bool = True) -> tuple[Calibration, FitResult, list[RunSamples]]:
+              host: bool = False) -> tuple[Calibration, FitResult, list[RunSamples]]:
     """Fit a Calibration to the runs; all must come from one device unless ``force``.
 
-    ``host``: fit the per-launch host cost ``h`` to the runs' measured step times (module docstring)
-    when their summaries have them; ``host_gaps``: per-op samples include the GPU idle time they ended.
+    ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times (module
+    docstring) when their summaries have them, and add it to every class's launch overhead; the
+    ``fit_error`` stays that of the device-time fit (per op, without ``h``). ``host_gaps``: per-op
+    samples include the GPU idle time they ended.
     """
     if not run_dirs:
         raise CalibrationError("give at least one run directory")
@@ -385,7 +395,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         me = res.memory.get(c)
         la = res.launch_s.get(c)
         if h > 0:
-            la = (la if la is not None else eff.launch_s.get(c, 0.0)) + h
+            la = min(1.0, (la if la is not None else eff.launch_s.get(c, 0.0)) + h)
         if ce or me is not None or la is not None:
             op_classes[c] = OpClassCalibration(
                 compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me), launch_overhead_s=la
@@ -410,8 +420,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             + ("per-op samples include the GPU idle time each op's launches ended; " if host_gaps else "")
             + (f"launch overheads include a host cost of {h * 1e6:.2f} us per launch fitted to {len(host_fit.runs)} measured "
                f"step time(s) (additive: step = device + launches x host; step-time error after it: median "
-               f"{host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}); " if host_fit else
-               "no host cost fitted (no measured step times); ")
+               f"{host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; fit_error is of device time, without it); "
+               if host_fit else ("no host cost fitted (no measured step times); " if host else ""))
             + "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
         ),
     )
@@ -489,7 +499,7 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult) -> HostFit 
         st = r.result.step_time if r.result else None
         if st is None or not st.p50_s or st.p50_s <= 0:
             continue
-        p0, n = step_launches(r.plan, res, r.moments or None)
+        p0, n = step_launches(r.plan, res, r.step_moments or r.moments or None)
         if p0 <= 0:
             continue
         names.append(r.run)

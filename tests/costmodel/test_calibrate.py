@@ -188,7 +188,7 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
         dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
                   d / "summary.json")
         dirs.append(d)
-    cal, res, runs = calibrate(dirs)
+    cal, res, runs = calibrate(dirs, host=True)
     hf = fit_host_launch_cost(runs, res)
     assert hf is not None and hf.h_s == pytest.approx(h_true, rel=0.15)
     assert hf.max_abs_error < 0.05
@@ -197,8 +197,8 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     for r in runs:
         meas = r.result.step_time.p50_s
         assert predict_step_time(r.plan, cal) == pytest.approx(meas, rel=0.05)
-    # without measured steps there is nothing to fit it from, and the notes say so
-    cal0, _, _ = calibrate(dirs, host=False)
+    # off by default: the launch overheads are the device fit's
+    cal0, _, _ = calibrate(dirs)
     assert cal0.op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"])
     _, n = step_launches(runs[0].plan, res)
     assert n > 0
