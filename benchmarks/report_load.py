@@ -1,23 +1,34 @@
 """Load time of a `coplan report` for gem-1t at 16,384 GPUs of meta-roce-24k, in headless Chromium.
 
 The plan is real: the planner's when it is built, else the cost model's heuristic plan priced by the
-full pricer (what `coplan simulate` uses). The report is written with every plan figure (scaling curve
-included), then opened ``--repeats`` times in a fresh headless Chromium per load, at a desktop width and
-at a phone width, through the DevTools protocol (:mod:`coplan.reports.browser`). Per load it records:
+full pricer (what `coplan simulate` uses); ``--plan`` reuses a plan file. The report is written with every
+plan figure (scaling curve included), then opened ``--repeats`` times in a fresh headless Chromium per load
+(once it has gone idle after start-up), at a desktop width and at a phone width, through the DevTools
+protocol (:mod:`coplan.reports.browser`), in three variants taken in turn so that a shared machine's
+changing load falls on all of them alike:
+
+- ``report``: the report as ``coplan report`` writes it (plotly.js basic bundle when it draws every trace);
+- ``report-full``: the same figures with the full plotly.js bundle (what reports embedded before);
+- ``baseline``: plotly.js (the bundle ``report`` embeds) and no figure: the fixed cost of plotly.js.
+
+Per load it records:
 
 - ``first_paint_ms``: navigation start → first contentful paint (the summary is readable);
-- ``plotly_ready_ms``: navigation start → plotly.js evaluated (the same for every report);
-- ``first_figure_ms``: navigation start → the first figure (the MFU waterfall) drawn;
-- ``figures_done_ms``: navigation start → every figure drawn (the "loaded" the issue's < 2 s is about);
+- ``plotly_ready_ms``: navigation start → plotly.js evaluated;
+- ``first_screen_ms``: navigation start → every figure on the first screen (the window's height at load)
+  drawn; the first paint where no figure is on the first screen (a phone shows only the summary);
+- ``figures_done_ms``: navigation start → every figure drawn (the loader draws the rest on idle, without
+  scrolling);
 - ``main_thread_busy_ms``: the renderer main thread's busy time over the load (DevTools
   ``Performance.getMetrics`` TaskDuration, thread time): what the load costs without waiting for a CPU;
-- per-figure draw times, JavaScript errors, figures drawn.
+- per-figure draw times, figures whose margins Plotly had to grow (drawn twice), JavaScript errors, figures drawn.
 
-A baseline page holding plotly.js and no figure separates the fixed cost of plotly.js from the cost of
-this report's figures. The machine, its load average before and after, and the browser version are
-recorded, because a shared machine's load moves these numbers by several times.
+With ``--trace N``, N more loads per variant at the desktop width run under a Chromium trace, which splits
+the main thread's CPU time into plotly.js compile/run, each figure, HTML parsing, style/layout/paint
+(:func:`coplan.reports.browser.thread_time_breakdown`). The machine, its load average per load, and the
+browser version are recorded, because a shared machine's load moves wall times by several times.
 
-    python benchmarks/report_load.py --out benchmarks/results/report_load.json
+    python benchmarks/report_load.py --trace 3 --out benchmarks/results/report_load.json
 """
 
 from __future__ import annotations
@@ -55,6 +66,13 @@ def _chromium_version(binary: str) -> str:
         return "?"
 
 
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
 def _stats(xs: list[float]) -> dict:
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -69,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=5, help="loads per width")
     ap.add_argument("--widths", default="1280,390", help="viewport widths (px)")
+    ap.add_argument("--plan", default=None, help="use this plan.json instead of planning (must be the case above)")
+    ap.add_argument("--trace", type=int, default=0, help="traced loads per variant (desktop width) for the CPU breakdown")
     ap.add_argument("--keep", default=None, help="also copy the report here")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "report_load.json"))
     args = ap.parse_args(argv)
@@ -78,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     from coplan import __version__
     from coplan.reports.browser import find_chromium, load_report
     from coplan.reports.build import write_report
-    from coplan.reports.html import Report, render
+    from coplan.reports.html import Report, _payload, render
+    from coplan.reports.plotlyjs import choose_bundle
     from coplan.spec import dump_spec
     from tests.reports.plans import planner_api, real_plan
 
@@ -88,7 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="coplan-report-load-"))
     t0 = time.perf_counter()
-    plan = real_plan(args.workload, args.topology, args.gpus)
+    if args.plan:
+        from coplan.spec import load_plan
+
+        plan = load_plan(args.plan)
+        plan_source = f"file {args.plan}"
+    else:
+        plan = real_plan(args.workload, args.topology, args.gpus)
+        plan_source = "planner" if planner_api() else "cost-model heuristic + pricer"
     plan_s = time.perf_counter() - t0
     dump_spec(plan, tmp / "plan.json")
     t0 = time.perf_counter()
@@ -96,54 +124,102 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - t0
     if args.keep:
         Path(args.keep).write_bytes(out.read_bytes())
+    full = tmp / "report-full.html"
+    full.write_text(render(report, plotlyjs="full"), encoding="utf-8")
     base = tmp / "baseline.html"
-    base.write_text(render(Report("plotly.js only", ("baseline: plotly.js and no figure",), ())))
-    sizes = {s.key: len(s.figure.to_json()) for s in report.sections if s.figure is not None}
+    base.write_text(render(Report("plotly.js only", ("baseline: plotly.js and no figure",), ())), encoding="utf-8")
+    payload = _payload(report)
+    sizes = {k: len(v[0]) for k, v in payload.figures.items()}
+    bundle = choose_bundle(payload.trace_types)
+    variants = (("report", out), ("report-full", full), ("baseline", base))
+
+    def row(r, w: int) -> dict:
+        return {
+            "width_px": w, "figures_done_ms": r.figures_done_ms, "plotly_ready_ms": r.plotly_ready_ms, "first_paint_ms": r.first_paint_ms,
+            "first_figure_ms": r.first_figure_ms, "first_screen_ms": r.first_screen_ms, "first_screen": r.first_screen,
+            "draw_order": r.draw_order, "margin_grown": r.margin_grown, "settle_ms": r.settle_ms,
+            "load_event_ms": r.load_event_ms, "render_ms": r.render_ms, "wall_ms": r.wall_ms, "figure_ms": r.figure_ms,
+            "expected": r.expected, "rendered": r.rendered, "errors": r.errors, "overflow_px": r.overflow_px,
+            "timed_out": r.timed_out, "loadavg_1m": os.getloadavg()[0], "main_thread_ms": r.main_thread_ms,
+            "breakdown_ms": r.breakdown_ms,
+        }
+
+    def log_line(key: str, r) -> None:
+        f = lambda x: "-" if x is None else f"{x / 1e3:.2f}s"  # noqa: E731
+        print(f"{datetime.datetime.now(datetime.timezone.utc):%H:%M:%S} {key:22s} ok={r.ok} plotly {f(r.plotly_ready_ms)} "
+              f"first screen {f(r.first_screen_ms)} all {f(r.figures_done_ms)} busy {f(r.main_thread_ms.get('TaskDuration'))} "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
 
     load_before = os.getloadavg()
     loads: dict[str, list] = {}
-    for w in (int(x) for x in args.widths.split(",")):
-        for name, path in (("report", out), ("baseline", base)):
-            key = f"{name}@{w}px"
-            loads[key] = []
-            for _ in range(args.repeats):
-                r = load_report(path, width_px=w, timeout_s=120)
-                loads[key].append({
-                    "figures_done_ms": r.figures_done_ms, "plotly_ready_ms": r.plotly_ready_ms, "first_paint_ms": r.first_paint_ms,
-                    "first_figure_ms": r.first_figure_ms,
-                    "load_event_ms": r.load_event_ms, "render_ms": r.render_ms, "wall_ms": r.wall_ms, "figure_ms": r.figure_ms,
-                    "expected": r.expected, "rendered": r.rendered, "errors": r.errors, "overflow_px": r.overflow_px,
-                    "timed_out": r.timed_out, "loadavg_1m": os.getloadavg()[0], "main_thread_ms": r.main_thread_ms,
-                })
+    widths = [int(x) for x in args.widths.split(",")]
+    for _ in range(args.repeats):
+        for w in widths:
+            for name, path in variants:
+                key = f"{name}@{w}px"
+                try:
+                    r = load_report(path, width_px=w, timeout_s=120)
+                except Exception as e:  # one failed load is recorded, not fatal
+                    loads.setdefault(key, []).append({"width_px": w, "error": f"{type(e).__name__}: {e}", "errors": [str(e)], "timed_out": True})
+                    continue
+                loads.setdefault(key, []).append(row(r, w))
+                log_line(key, r)
+    traces: dict[str, list] = {}
+    for _ in range(args.trace):
+        for name, path in variants:
+            try:
+                r = load_report(path, width_px=widths[0], timeout_s=120, trace=True)
+            except Exception as e:
+                traces.setdefault(name, []).append({"error": f"{type(e).__name__}: {e}"})
+                continue
+            traces.setdefault(name, []).append(row(r, widths[0]))
+            log_line(f"{name} (traced)", r)
     load_after = os.getloadavg()
     summary = {}
+    metrics = ("first_paint_ms", "plotly_ready_ms", "first_screen_ms", "first_figure_ms", "figures_done_ms", "render_ms")
     for key, rows in loads.items():
-        summary[key] = {m: _stats([r[m] for r in rows]) for m in ("figures_done_ms", "first_figure_ms", "plotly_ready_ms", "first_paint_ms", "render_ms")}
-        summary[key]["main_thread_busy_ms"] = _stats([r["main_thread_ms"].get("TaskDuration") for r in rows])
-        summary[key]["main_thread_script_ms"] = _stats([r["main_thread_ms"].get("ScriptDuration") for r in rows])
-        summary[key]["all_ok"] = all(not r["errors"] and not r["timed_out"] and r["rendered"] == r["expected"] for r in rows)
-        if key.startswith("report"):
-            figs = sorted({k for r in rows for k in r["figure_ms"]})
-            summary[key]["figure_ms_median"] = {k: statistics.median(r["figure_ms"][k] for r in rows if k in r["figure_ms"]) for k in figs}
+        good = [r for r in rows if "error" not in r]
+        summary[key] = {m: _stats([r[m] for r in good]) for m in metrics}
+        summary[key]["main_thread_busy_ms"] = _stats([r["main_thread_ms"].get("TaskDuration") for r in good])
+        summary[key]["main_thread_script_ms"] = _stats([r["main_thread_ms"].get("ScriptDuration") for r in good])
+        summary[key]["loadavg_1m"] = _stats([r["loadavg_1m"] for r in good])
+        summary[key]["all_ok"] = bool(rows) and all("error" not in r and not r["errors"] and not r["timed_out"] and r["rendered"] == r["expected"]
+                                                    for r in rows)
+        if not key.startswith("baseline"):
+            figs = sorted({k for r in good for k in r["figure_ms"]})
+            summary[key]["figure_ms_median"] = {k: statistics.median(r["figure_ms"][k] for r in good if k in r["figure_ms"]) for k in figs}
+            summary[key]["first_screen"] = good[0]["first_screen"] if good else []
+            summary[key]["margin_grown"] = sorted({k for r in good for k in r["margin_grown"]})
+    breakdown = {}
+    for name, rows in traces.items():
+        good = [r for r in rows if "error" not in r and r["breakdown_ms"]]
+        keys = sorted({k for r in good for k in r["breakdown_ms"]})
+        breakdown[name] = {"n": len(good), "median_ms": {k: statistics.median(r["breakdown_ms"].get(k, 0.0) for r in good) for k in keys}}
     result = {
         "benchmark": "report_load",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/report_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "git_commit": _git_commit(),
         "machine": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "loadavg_before": load_before, "loadavg_after": load_after},
         "versions": {"coplan": __version__, "plotly": plotly.__version__, "chromium": _chromium_version(binary), "python": platform.python_version()},
         "case": {"workload": args.workload, "topology": args.topology, "gpus": args.gpus,
-                 "plan_source": "planner" if planner_api() else "cost-model heuristic + pricer",
+                 "plan_source": plan_source,
                  "mesh": plan.mesh.model_dump(exclude={"axes"}), "tables": len(plan.tables)},
-        "report": {"bytes": out.stat().st_size, "figures": [s.key for s in report.sections if s.figure is not None],
-                   "figure_json_bytes": sizes, "plan_s": plan_s, "build_s": build_s, "build_s_by_figure": log.seconds},
+        "report": {"bytes": out.stat().st_size, "bytes_full_bundle": full.stat().st_size, "plotlyjs": f"{bundle.name} {bundle.version}",
+                   "plotlyjs_reason": bundle.reason, "plotlyjs_bytes": len(bundle.js.encode()), "figures": [s.key for s in report.sections if s.figure is not None],
+                   "figure_json_bytes": sizes, "template_json_bytes": len(json.dumps(payload.templates, separators=(",", ":"))),
+                   "plan_s": plan_s, "build_s": build_s, "build_s_by_figure": log.seconds},
         "summary": summary,
+        "thread_time_breakdown": breakdown,
         "loads": loads,
+        "traced_loads": traces,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"report_bytes": result["report"]["bytes"], "build_s": round(build_s, 2),
                       **{k: {m: v.get("median") for m, v in s.items() if isinstance(v, dict) and "median" in v} for k, s in summary.items()},
+                      "breakdown": {k: v["median_ms"] for k, v in breakdown.items()},
                       "loadavg": [load_before, load_after]}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -120,6 +120,10 @@ class PageLoad:
     draw_order: list[str] = field(default_factory=list)
     """Figure element ids in the order they were drawn."""
 
+    margin_grown: dict[str, dict] = field(default_factory=dict)
+    """Figures whose margins Plotly's automargin had to grow past the page's estimate (each such figure is
+    drawn twice): element id → the margins it ended with."""
+
     breakdown_ms: dict[str, float] = field(default_factory=dict)
     """With ``trace=True``: the renderer main thread's CPU (thread) time by what it was spent on, from a
     Chromium trace of the load (see :func:`thread_time_breakdown`)."""
@@ -307,6 +311,9 @@ def thread_time_breakdown(events: list[dict], page_url: str) -> dict[str, float]
     - ``style_layout_paint``: style, layout, paint and compositing outside the figures' tasks;
     - ``other``: everything else (idle-time tasks, input, timers); ``total``: all main-thread tasks.
     """
+    def td(e: dict) -> float:  # thread time where the trace has it, else wall time
+        return e.get("tdur", e.get("dur", 0))
+
     meta = [e for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"]
     ours = {e["pid"] for e in events if e.get("name") == "EvaluateScript" and page_url in str(e.get("args", {}).get("data", {}).get("url", ""))}
     mains = {(e["pid"], e["tid"]) for e in meta if e["pid"] in ours and e.get("args", {}).get("name") == "CrRendererMain"}
@@ -319,30 +326,33 @@ def thread_time_breakdown(events: list[dict], page_url: str) -> dict[str, float]
         if e["name"] in ("RunTask", "ThreadControllerImpl::RunTask") and e["ts"] >= end:
             tops.append(e)
             end = e["ts"] + e.get("dur", 0)
-    out: dict[str, float] = {"total": sum(e.get("tdur", e.get("dur", 0)) for e in tops) / 1e3}
-    # figures: user-timing measures (async begin/end pairs) mapped to the top-level task holding their start
-    measures: dict[str, float] = {}
+    out: dict[str, float] = {"total": sum(td(e) for e in tops) / 1e3}
+    # figures: the loader's user-timing measures (async begin/end pairs), each drawn in one task
+    spans: dict[str, list[float]] = {}
     for e in events:
         n = str(e.get("name", ""))
-        if n.startswith("coplan:figure:") and e.get("ph") in ("b", "B", "S"):
-            measures[n.split(":", 2)[2]] = e["ts"]
+        if n.startswith("coplan:figure:") and e.get("ph") in ("b", "e"):
+            spans.setdefault(n.split(":", 2)[2], [0.0, 0.0])[0 if e["ph"] == "b" else 1] = e["ts"]
+    # performance.now() is coarsened (100 µs), so a measure can start a hair before its task: take the task
+    # that overlaps the measure most.
     fig_tasks: dict[int, str] = {}
-    for fid, ts in measures.items():
+    for fid, (a, b) in spans.items():
+        best, best_ov = None, 0.0
         for i, t in enumerate(tops):
-            if t["ts"] <= ts <= t["ts"] + t.get("dur", 0):
-                fig_tasks[i] = fid
-                break
+            ov = min(b, t["ts"] + t.get("dur", 0)) - max(a, t["ts"])
+            if ov > best_ov:
+                best, best_ov = i, ov
+        if best is not None:
+            fig_tasks[best] = fid
     for i, fid in fig_tasks.items():
-        out[f"figure:{fid}"] = out.get(f"figure:{fid}", 0.0) + tops[i].get("tdur", tops[i].get("dur", 0)) / 1e3
+        out[f"figure:{fid}"] = out.get(f"figure:{fid}", 0.0) + td(tops[i]) / 1e3
     evals = [e for e in xs if e["name"] == "EvaluateScript"]
     plotly_eval = max(evals, key=lambda e: e.get("dur", 0), default=None)
     if plotly_eval is not None:
         a, b = plotly_eval["ts"], plotly_eval["ts"] + plotly_eval.get("dur", 0)
-        comp = sum(e.get("tdur", e.get("dur", 0)) for e in xs if e["name"] == "v8.compile" and a <= e["ts"] <= b)
+        comp = sum(td(e) for e in xs if e["name"] == "v8.compile" and a <= e["ts"] <= b)
         out["plotly_js_compile"] = comp / 1e3
-        out["plotly_js_run"] = (plotly_eval.get("tdur", plotly_eval.get("dur", 0)) - comp) / 1e3
-    def td(e: dict) -> float:
-        return e.get("tdur", e.get("dur", 0))
+        out["plotly_js_run"] = (td(plotly_eval) - comp) / 1e3
 
     def in_figure(e: dict) -> bool:
         return any(tops[i]["ts"] <= e["ts"] <= tops[i]["ts"] + tops[i].get("dur", 0) for i in fig_tasks)
@@ -360,11 +370,13 @@ def thread_time_breakdown(events: list[dict], page_url: str) -> dict[str, float]
 
 
 def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900, timeout_s: float = 60.0, binary: str | None = None,
-                screenshot: str | Path | None = None, resize_to_px: int | None = None, settle: bool = True, trace: bool = False) -> PageLoad:
+                screenshot: str | Path | None = None, resize_to_px: int | None = None, settle: bool = True, trace: bool = False,
+                fragment: str | None = None) -> PageLoad:
     """Open ``path`` in a fresh headless browser at ``width_px`` and wait until every figure is drawn.
     With ``screenshot``, a PNG of the whole page at that width is written there. With ``resize_to_px``,
     the window is resized once every figure is drawn, and errors and overflow are read after that.
     With ``settle`` (default), the page is opened once the new browser has gone idle (:func:`_wait_idle`).
+    With ``fragment``, the page is opened at that anchor (``#scaling``), as a link to one figure would.
     With ``trace``, a Chromium trace of the load gives :attr:`PageLoad.breakdown_ms` (tracing itself slows
     the page a little: use the untraced loads for timings).
 
@@ -375,6 +387,7 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
         raise FileNotFoundError("no chromium/chrome binary on PATH (set COPLAN_CHROMIUM to one)")
     url = Path(path).resolve().as_uri()
     result = PageLoad(url=url, width_px=width_px)
+    nav_url = f"{url}#{fragment}" if fragment else url
     pipe = _Pipe(binary, (f"--window-size={width_px},{height_px}",))
     errors: list[str] = []
     try:
@@ -396,7 +409,7 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
         if trace:
             pipe.send("Tracing.start", {"categories": TRACE_CATEGORIES, "transferMode": "ReportEvents"})
         t0 = time.monotonic()
-        pipe.send("Page.navigate", {"url": url}, session=session)
+        pipe.send("Page.navigate", {"url": nav_url}, session=session)
         deadline = t0 + timeout_s
         done = False
         while time.monotonic() < deadline:
@@ -429,7 +442,7 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
             return {expected: s.expected || 0, rendered: s.rendered || 0, errors: s.errors || [],
                     render_ms: s.render_ms, done_at_ms: s.done_at_ms, figure_ms: s.figure_ms || {},
                     script_ms: s.script_ms, first_figure_ms: s.first_figure_at_ms, first_screen_ms: s.first_screen_at_ms,
-                    first_screen: s.first_screen || [], order: s.order || [], first_paint_ms: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime,
+                    first_screen: s.first_screen || [], order: s.order || [], margin_grown: s.margin_grown || {}, first_paint_ms: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime,
                     load_ms: nav && nav.loadEventEnd > 0 ? nav.loadEventEnd : null,
                     overflow: Math.max(0, document.documentElement.scrollWidth - window.innerWidth)};
         })())"""
@@ -488,6 +501,7 @@ def load_report(path: str | Path, *, width_px: int = 1280, height_px: int = 900,
         result.first_screen_ms = info.get("first_screen_ms") if info.get("first_screen") else result.first_paint_ms
         result.first_screen = list(info.get("first_screen") or [])
         result.draw_order = list(info.get("order") or [])
+        result.margin_grown = dict(info.get("margin_grown") or {})
         errors = [f"page: {e}" for e in info["errors"]] + errors
     finally:
         pipe.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
@@ -145,7 +146,8 @@ _LOADER = """
     if (width < NARROW_PX) {
       layout.font = layout.font || {};
       layout.font.size = Math.min(layout.font.size || 12, 11);
-      if (layout.margin) { layout.margin.l = Math.min(layout.margin.l || 60, 44); layout.margin.r = 8; }
+      // a left margin above the default was sized for the labels (_hint_margins): keep it
+      if (layout.margin) { layout.margin.l = (layout.margin.l || 60) > 60 ? layout.margin.l : 44; layout.margin.r = 8; }
       if (layout.meta && layout.meta.narrow) { merge(layout, layout.meta.narrow); }
     }
   }
@@ -171,6 +173,11 @@ _LOADER = """
         state.figure_ms[id] = t3 - t1;
         state.parse_ms[id] = t2 - t1;
         state.drawn_at_ms[id] = t3;
+        // Did automargin grow a margin (and so draw the figure twice)? See _hint_margins.
+        var fs = div._fullLayout && div._fullLayout._size, lm = spec.layout.margin || {};
+        if (fs && ['l', 'r', 't', 'b'].some(function (k) { return lm[k] !== undefined && fs[k] > lm[k] + 1; })) {
+          state.margin_grown[id] = {l: fs.l, r: fs.r, t: fs.t, b: fs.b};
+        }
         state.order.push(id);
         if (state.first_figure_at_ms === undefined) { state.first_figure_at_ms = t3; }
         if (!state.first_screen_at_ms && firstScreen.every(function (f) { return state.drawn_at_ms[f] !== undefined; })) { state.first_screen_at_ms = t3; }
@@ -183,8 +190,12 @@ _LOADER = """
   // Order: the figures on the first screen now, one per task; then the rest in reading order when the
   // browser is idle, except that a figure scrolled near the window (a nav link, a fast scroll) jumps the
   // queue. Every figure is drawn without the reader doing anything; the first screen is not kept waiting.
-  state.parse_ms = {}; state.drawn_at_ms = {}; state.order = [];
+  state.parse_ms = {}; state.drawn_at_ms = {}; state.order = []; state.margin_grown = {};
   var near = {};
+  // Opened at a figure's anchor: scroll there now (the browser would only after the load), so that the first
+  // screen is the one the reader will see.
+  var anchor = location.hash && document.getElementById(decodeURIComponent(location.hash.slice(1)));
+  if (anchor) { anchor.scrollIntoView(); }
   var firstScreen = blocks.filter(function (b) {
     var r = document.getElementById(b.dataset.figure).getBoundingClientRect();
     return r.top < window.innerHeight && r.bottom > 0;
@@ -282,6 +293,8 @@ def _payload(report: Report) -> _Payload:
         # A trace without a type is a scatter to Plotly.
         types.update(t.get("type", "scatter") for t in d["data"])
         dicts[s.key] = d
+    for d in dicts.values():
+        _hint_margins(d["layout"], d["data"])
     templates: list[dict] = []
     seen: dict[str, int] = {}
     figures: dict[str, tuple[str, int | None]] = {}
@@ -299,6 +312,36 @@ def _payload(report: Report) -> _Payload:
             idx = seen[sig]
         figures[key] = (json.dumps(d, separators=(",", ":")), idx)
     return _Payload(figures, templates, types)
+
+
+_PX_PER_CHAR = 0.55
+"""Width of an average character of tick-label text, as a fraction of the font size (generous for the system
+UI fonts: DejaVu Sans, Segoe UI, San Francisco are 0.48-0.55)."""
+_X_TITLE_BOTTOM_PX = 84
+"""Bottom margin an x axis with one line of tick labels and a title needs at font size 12 (Plotly's
+automargin gives 82 in Chromium)."""
+
+
+def _hint_margins(layout: dict, data: list[dict]) -> None:
+    """Start the margins where Plotly's automargin would take them, so Plotly draws each figure once.
+
+    Automargin only grows margins, and every growth redraws the whole figure (in the 16,384-GPU report each
+    figure was drawn twice, a third of its drawing time). Horizontal category labels (bar names) and an
+    x-axis title are the pushes that can be estimated here; an estimate that falls short costs the same
+    redraw as before, one that is long some white space."""
+    m = dict(layout.get("margin") or {})
+    size = float((layout.get("font") or {}).get("size") or 12)
+    axes = {k: v for k, v in layout.items() if re.fullmatch(r"[xy]axis\d*", k) and isinstance(v, dict)}
+    labels = [str(v) for t in data if t.get("orientation") == "h" and isinstance(t.get("y"), list) for v in t["y"]]
+    labels += [str(v) for k, ax in axes.items() if k.startswith("y") and ax.get("side", "left") == "left" for v in (ax.get("ticktext") or [])]
+    if labels:
+        longest = max(len(html.unescape(re.sub(r"<[^>]+>", "", line))) for lab in labels for line in lab.split("<br>"))
+        y_title = any(k.startswith("y") and (ax.get("title") or {}).get("text") for k, ax in axes.items())
+        m["l"] = max(int(m.get("l", 0)), int(_PX_PER_CHAR * size * longest + 14 + (22 if y_title else 0)))
+    if any(k.startswith("x") and ax.get("side", "bottom") == "bottom" and (ax.get("title") or {}).get("text")
+           and ax.get("showticklabels", True) is not False for k, ax in axes.items()):
+        m["b"] = max(int(m.get("b", 0)), _X_TITLE_BOTTOM_PX)
+    layout["margin"] = m
 
 
 def render(report: Report, *, plotlyjs: str = "auto") -> str:
