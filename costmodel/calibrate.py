@@ -233,6 +233,8 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
     for k, i in enumerate(ctx.dense_idx):
         o = ctx.ops[int(i)]
         dt = "fp8" if (o.layer in fp8 and o.op_class == "gemm") else o.dtype
+        if plan.kernels.attention == "reference" and o.op_class == "attention" and o.sequence:
+            dt = REFERENCE_ATTENTION_DTYPE
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
                             float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(o.fwd_launches), mb))
         out.append(UnitTerm(o.name, "bwd", o.op_class, dt, float(arr.bwd_flop_s[k]),
@@ -252,6 +254,10 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         out.append(UnitTerm("optimizer.step", "optimizer", "elementwise", "fp32", 0.0, float(opt), OPTIMIZER_LAUNCHES, 1))
     return out
 
+
+REFERENCE_ATTENTION_DTYPE = "fp32"
+"""The PyTorch reference attention pads and computes its scores in fp32: its efficiency is fitted
+under this key, apart from the fused kernels' (one class, two very different implementations)."""
 
 OPTIMIZER_LAUNCHES = 20.0
 """Launches the pricer charges the dense optimizer step (``context.dense_fixed_costs``)."""
@@ -428,6 +434,20 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     return cal, res, runs
 
 
+def _for_backend(plan: Plan, calibration: Calibration | None) -> Calibration | None:
+    """The pricer prices attention at the compute dtype whatever the backend; a plan on the reference
+    backend gets the efficiency fitted to reference runs (:data:`REFERENCE_ATTENTION_DTYPE`) instead."""
+    if calibration is None or plan.kernels.attention != "reference":
+        return calibration
+    att = calibration.op_classes.get("attention")
+    ref = att.compute_efficiency.get(REFERENCE_ATTENTION_DTYPE) if att else None
+    if ref is None:
+        return calibration
+    dt = plan.workload.precision.compute_dtype
+    att = att.model_copy(update={"compute_efficiency": {**att.compute_efficiency, dt: ref}})
+    return calibration.model_copy(update={"op_classes": {**calibration.op_classes, "attention": att}})
+
+
 def predict_step_time(plan: Plan, calibration: Calibration | None = None,
                       moments: dict[str, tuple[float, float]] | None = None) -> float:
     """The pricer's step time for ``plan`` (as ``coplan plan`` prices it), under ``calibration`` (None:
@@ -435,6 +455,7 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
     with. A calibration from another GPU is used as given (the caller chose it)."""
     from coplan.costmodel.pricer import price
 
+    calibration = _for_backend(plan, calibration)
     ctx = build_context(plan.workload, plan.topology, plan.mesh, calibration, force_calibration=True)
     for seq, m in (moments or {}).items():
         if seq in ctx.moments:
