@@ -138,8 +138,12 @@ def sweep_from_dict(d: Mapping[str, Any], source: str = "<sweep>") -> Sweep:
     n = d.get("world_size")
     if not isinstance(n, int) or n < 2:
         raise CollectiveFitError(f"{source}: world_size must be an integer >= 2 to fit collectives (got {n!r})")
+    if not isinstance(d["cases"], list):
+        raise CollectiveFitError(f"{source}: 'cases' must be a list of measured cases")
     pts = []
     for i, c in enumerate(d["cases"]):
+        if not isinstance(c, Mapping):
+            raise CollectiveFitError(f"{source}: cases[{i}] is not an object")
         if "error" in c:
             continue
         try:
