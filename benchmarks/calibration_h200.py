@@ -187,6 +187,7 @@ class Job:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     log_path: Path | None = None
+    log_file: object = None
     result: dict = field(default_factory=dict)
 
 
@@ -210,7 +211,7 @@ def start(job: Job, args) -> None:
     if job.run_dir.exists():
         shutil.rmtree(job.run_dir)
     job.log_path = job.run_dir.parent / f"{job.run_dir.name}.log"
-    fh = open(job.log_path, "w")
+    job.log_file = fh = open(job.log_path, "w")
     # own session: a timed-out run is ended with its children (the torchrun agent and the worker)
     job.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(args, job.gpu), start_new_session=True)
     job.started = time.monotonic()
@@ -232,6 +233,8 @@ def wait_pair(jobs: list[Job], deadline: float) -> None:
             break
         time.sleep(0.5)
     for j in jobs:
+        if j.log_file is not None:
+            j.log_file.close()
         rc = j.proc.returncode if j.proc else None
         j.result.update(returncode=rc, wall_s=time.monotonic() - j.started, ok=(rc == 0 and (j.run_dir / "summary.json").is_file()))
         if not j.result["ok"]:
@@ -295,24 +298,23 @@ def run_all(args) -> Path:
         jobs.append(row)
 
     reserve = args.analysis_reserve_s
-    pair_walls: list[float] = []
+    walls: list[float] = []
     for row in jobs:
-        elapsed = time.monotonic() - T0
-        left = args.budget_s - reserve - elapsed
-        need = max(pair_walls) * 1.05 if pair_walls else args.min_run_s
-        if left < need:
-            for j in row:
-                j.result.update(ok=False, skipped=f"time budget: {left:.0f}s left, a pair takes ~{need:.0f}s")
-                log(f"skip {j.variant.name}: {j.result['skipped']}")
-            continue
-        batch = [row] if args.gpus >= 2 or len(row) <= 1 else [[j] for j in row]
-        for group in batch:
+        # two GPUs: the pair runs side by side; one GPU: its two runs one after the other
+        groups = [row] if args.gpus >= 2 or len(row) <= 1 else [[j] for j in row]
+        for group in groups:
             left = args.budget_s - reserve - (time.monotonic() - T0)
+            need = max(walls) * 1.05 if walls else args.min_run_s
+            if left < need:
+                for j in group:
+                    j.result.update(ok=False, skipped=f"time budget: {left:.0f}s left, a run takes ~{need:.0f}s")
+                    log(f"skip {j.variant.name}: {j.result['skipped']}")
+                continue
             t = time.monotonic()
             for j in group:
                 start(j, args)
             wait_pair(group, time.monotonic() + min(args.run_timeout_s, max(10.0, left)))
-            pair_walls.append(time.monotonic() - t)
+            walls.append(time.monotonic() - t)
         for j in row:
             if j.result.get("ok"):
                 shrink_run(j.run_dir)
@@ -327,7 +329,7 @@ def _write_manifest(root: Path, manifest: dict, jobs: list[list["Job"]]) -> None
     for row in jobs:
         for j in row:
             manifest["variants"].append({"name": j.variant.name, "split": j.variant.split, "run_dir": j.run_dir.name,
-                                         "variant": j.variant.__dict__, **j.result})
+                                         "variant": j.variant.__dict__, "gpu": j.gpu, **j.result})
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
 
 
@@ -341,6 +343,10 @@ STEP_KEYS = ("default", "calibrated", "device_only", "max_form", "device_factor"
 (device fit + host cost per launch, what ``coplan plan --calibration`` prices); and three readings
 outside the cost model, for context: the device fit alone, max(device, launches x h'), and the device
 fit times a step factor fitted on the fit half."""
+
+
+def topo_dtype(plan) -> str:
+    return plan.workload.precision.compute_dtype
 
 
 def _err(pred: float, meas: float) -> float:
@@ -375,6 +381,7 @@ def analyze(root: Path) -> dict:
                 measured_step_mean_s=s.step_time.mean_s if s.step_time else None,
                 measured_mfu=s.measured_mfu, device=s.device, versions=s.versions,
                 traced_step_s=rs.window_s or None, traced_idle_s=rs.idle_s or None,
+                traced_busy_s=(rs.window_s - rs.idle_s) if rs.window_s else None,
                 trace_attributed_share=rs.attributed_share,
                 unpriced_s_per_step=rs.unpriced_s, samples=len(rs.samples),
                 moments=mom, peak_memory_gib=[m / 2**30 for m in s.peak_memory_bytes],
@@ -397,6 +404,19 @@ def analyze(root: Path) -> dict:
         "launches_per_step_priced": hf.launches, "fit_median_abs_error": hf.median_abs_error, "fit_max_abs_error": hf.max_abs_error}
     topo = runs[fit_names[0]][1].plan.topology
     default = resolve_efficiencies(topo)
+    # the pricer prices the reference attention at the compute dtype's default: so does the default here
+    dflt_compute = dict(default.compute)
+    for (c, dt), v in list(default.compute.items()):
+        if c == "attention" and dt == topo_dtype(runs[fit_names[0]][1].plan):
+            dflt_compute.setdefault(("attention", "fp32"), v)
+    cal_launch = {**default.launch_s, **res.launch_s}
+    for n in fit_names + held_names:  # per run and class: traced device time vs the fitted roofline
+        smp = runs[n][1].samples
+        mm = np.array([x.measured_s for x in smp])
+        pp = predict(smp, res.compute, res.memory, cal_launch)
+        rows[n]["op_class_calibrated"] = {c: _err(float(pp[[i for i, x in enumerate(smp) if x.op_class == c]].sum()),
+                                                  float(mm[[i for i, x in enumerate(smp) if x.op_class == c]].sum()))
+                                          for c in sorted({x.op_class for x in smp})}
 
     # step times: (i) default, (ii) calibrated = device fit + host cost per launch (what `coplan plan` uses),
     # plus two readings that are not in the cost model: device fit alone, and max(device, launches x h')
@@ -450,8 +470,8 @@ def analyze(root: Path) -> dict:
         samples = [s for n in names for s in runs[n][1].samples]
         if samples:
             meas = np.array([s.measured_s for s in samples])
-            for key, (ce, me, la) in (("default", (default.compute, default.memory, default.launch_s)),
-                                      ("calibrated", (res.compute, res.memory, {**default.launch_s, **res.launch_s}))):
+            for key, (ce, me, la) in (("default", (dflt_compute, default.memory, default.launch_s)),
+                                      ("calibrated", (res.compute, res.memory, cal_launch))):
                 pred = predict(samples, ce, me, la)
                 per = {}
                 for c in sorted({s.op_class for s in samples}):
