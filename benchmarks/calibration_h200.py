@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole invocation")
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
-    p.add_argument("--analysis-reserve-s", type=float, default=60.0, help="budget kept for the analysis")
+    p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
     p.add_argument("--analyze", type=Path, default=None, metavar="DIR", help="only analyse the runs under DIR (its manifest.json)")
     p.add_argument("--keep", type=Path, default=None, help="copy the compact run directories here (e.g. $OUT/runs)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration_h200.json"))
