@@ -663,8 +663,28 @@ def main(argv: list[str] | None = None) -> int:
             out[label]["anchored_on_1gpu"] = {"predicted_step_ms": anchored, "measured_step_ms_p50": mN,
                                               "step_rel_error": (anchored - mN) / mN,
                                               "predicted_scaling_ratio": m1 / anchored, "measured_scaling_ratio": m1 / mN}
+    # the headline figures, against issue 11's goals (scaling ratio >= 0.9, step time within 10%)
+    summary: dict = {}
+    for name, r in res["runs"].items():
+        if not r.get("ok"):
+            summary[name] = {"ok": False, "why": r.get("skipped") or (r.get("error_lines") or [r.get("error", "")])[:2]}
+            continue
+        row = {"step_p50_ms": (r.get("step_time_ms") or {}).get("p50"), "local_mfu": r.get("measured_local_mfu"),
+               "samples_per_s_per_gpu": r.get("samples_per_s_per_gpu_p50")}
+        if name in res["scaling"]:
+            sc = res["scaling"][name]["samples_per_s_per_gpu_ratio"]
+            row.update({"scaling_ratio": sc, "scaling_goal_met": sc >= 0.9})
+        for label in ("default", "compute_calibrated", "calibrated"):
+            e = res["predictions"].get(name, {}).get(label, {})
+            if "vs_measured" in e:
+                row[f"{label}_step_error"] = e["vs_measured"]["step_rel_error"]
+            if "anchored_on_1gpu" in e:
+                row[f"{label}_anchored_step_error"] = e["anchored_on_1gpu"]["step_rel_error"]
+        summary[name] = row
+    res["summary"] = summary
     res["wall_s"] = time.monotonic() - T0
     save()
+    print(json.dumps(summary, indent=1, default=str), flush=True)
     stamp(f"wrote {args.out}")
     for name, s in res["scaling"].items():
         stamp(f"scaling {name}: {s['samples_per_s_per_gpu_ratio']:.3f} (samples/s per GPU), {s['model_flops_per_gpu_ratio']:.3f} (model FLOP/s per GPU)")

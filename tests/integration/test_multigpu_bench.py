@@ -104,6 +104,9 @@ def test_cpu_smoke_end_to_end(tmp_path):
         assert vm["predicted_step_ms"] > 0 and vm["measured_step_ms_p50"] == r2["step_time_ms"]["p50"]
         assert "all_to_all" in vm["by_kind"] and vm["by_kind"]["all_to_all"]["predicted_ms"] > 0
         assert "anchored_on_1gpu" in pred[label]
+    row = d["summary"]["2gpu-planner"]
+    assert row["scaling_ratio"] == s["samples_per_s_per_gpu_ratio"] and row["scaling_goal_met"] == (row["scaling_ratio"] >= 0.9)
+    assert row["calibrated_step_error"] == pred["calibrated"]["vs_measured"]["step_rel_error"]
     assert d["collective_fit"]["tier"] == "nvlink" and d["collective_fit"]["world_size"] == 2
     # the fitted (gloo-slow) tier must make the calibrated collectives dearer than the compute-only ones
     assert (pred["calibrated"]["prediction"]["by_kind"]["all_to_all"]["time_ms"]
