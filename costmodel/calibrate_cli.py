@@ -19,7 +19,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.runs:
         from coplan.costmodel.calibrate import calibrate
 
-        cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force)
+        cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force, host=args.host_cost)
         report["runs"] = [{"run": r.run, "attributed_share": r.attributed_share, "unattributed_s": r.unattributed_s,
                            "samples": len(r.samples)} for r in runs]
         if not args.json:
@@ -95,6 +95,9 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--rank", type=int, default=0, help="whose trace to fit (default: 0)")
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--host-cost", action="store_true",
+                   help="also fit a host cost per kernel launch to the runs' measured step times and add it to every "
+                        "class's launch overhead (host-bound steps; see coplan.costmodel.calibrate)")
     g = p.add_argument_group("collectives", "fit a tier's latency and per-collective efficiency to a sweep "
                              "(benchmarks/collectives_h200.py)")
     g.add_argument("--collectives", metavar="SWEEP.json", help="collective sweep JSON to fit")

@@ -202,3 +202,13 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     assert cal0.op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"])
     _, n = step_launches(runs[0].plan, res)
     assert n > 0
+    # the CLI writes the same host cost with --host-cost, and none without it
+    from coplan.cli import main
+    from coplan.spec import load_calibration
+
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *map(str, dirs), "-o", str(out), "--host-cost", "--json"]) == 0
+    written = load_calibration(out)
+    assert written.op_classes["gemm"].launch_overhead_s == pytest.approx(cal.op_classes["gemm"].launch_overhead_s, rel=1e-6)
+    assert main(["calibrate", *map(str, dirs), "-o", str(out), "--json"]) == 0
+    assert load_calibration(out).op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"], rel=1e-6)
