@@ -121,8 +121,8 @@ class PageLoad:
     """Figure element ids in the order they were drawn."""
 
     margin_grown: dict[str, dict] = field(default_factory=dict)
-    """Figures whose margins Plotly's automargin had to grow past the page's estimate (each such figure is
-    drawn twice): element id → the margins it ended with."""
+    """Figures whose margins ended larger than the page's estimate (automargin, or the room a legend below
+    the plot reserves; Plotly then draws the figure a second time): element id → the margins it ended with."""
 
     breakdown_ms: dict[str, float] = field(default_factory=dict)
     """With ``trace=True``: the renderer main thread's CPU (thread) time by what it was spent on, from a
