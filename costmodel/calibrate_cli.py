@@ -80,7 +80,7 @@ def _print_fit(fit) -> None:
           f"{fit.num_points} points): latency {fit.latency_s * 1e6:.2f} us")
     print(f"{'collective':<16} {'efficiency':>10} {'peak busbw GB/s':>16} {'own latency us':>15} {'median err':>11} {'max err':>8}")
     for k, f in fit.kinds.items():
-        print(f"{k:<16} {f.efficiency:>10.3f} {f.peak_busbw_bytes_per_s / 1e9:>16.1f} {f.own_latency_s * 1e6:>15.2f} "
+        print(f"{k:<16} {f.efficiency:>10.3g} {f.peak_busbw_bytes_per_s / 1e9:>16.1f} {f.own_latency_s * 1e6:>15.2f} "
               f"{f.median_abs_rel_error:>10.1%} {f.max_abs_rel_error:>8.1%}")
     print(f"time error: median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%} "
           f"(topology's own figures: median {fit.default_median_abs_rel_error:.1%}, max {fit.default_max_abs_rel_error:.1%})")

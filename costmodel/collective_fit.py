@@ -352,7 +352,7 @@ def merge_into_calibration(fit: CollectiveFit, base: Calibration | None = None, 
     name = tier or fit.tier
     note = (f"collectives: tier '{name}' fitted from {fit.source} ({fit.world_size} GPUs, {fit.num_points} points): "
             f"latency {fit.latency_s * 1e6:.2f} us, efficiency "
-            + ", ".join(f"{k} {v:.3f}" for k, v in fit.efficiencies.items())
+            + ", ".join(f"{k} {v:.3g}" for k, v in fit.efficiencies.items())
             + f"; error median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}"
             + (f" (topology defaults: median {fit.default_median_abs_rel_error:.1%}, max {fit.default_max_abs_rel_error:.1%})"))
     coll = {t: dict(d) for t, d in (base.collective_efficiency.items() if base else {})}
