@@ -207,11 +207,19 @@ def _block_scaled_mm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr,
     M, N, K_PAD, M_BUCKET,  # M_BUCKET: autotune key only
     stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
-    B_SQUARE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    B_SQUARE: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Programs go down GROUP_M row blocks before moving to the next column block, so that the
+    # B tiles (and A rows) a wave of programs reads stay in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -259,13 +267,13 @@ def block_scaled_mm(
         return c.zero_() if bias is None else c.copy_(bias.to(out_dtype).expand(M, N))
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     _block_scaled_mm_kernel[grid](
         qa, qb, c, sa, sb, bias if bias is not None else c,
         M, N, k_pad, prev_power_of_2(M),
         qa.stride(0), qb.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
-        B_SQUARE=b_square, HAS_BIAS=bias is not None, BLOCK_K=BLOCK)
+        B_SQUARE=b_square, HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_K=BLOCK)
     return c
 
 
