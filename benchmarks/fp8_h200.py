@@ -256,10 +256,23 @@ def ceilings(device: str, size: int, bench) -> dict:
             qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=False))
         ta, tsa = ft.quant_tiles(a, square=False)
         tb, tsb = ft.quant_tiles(b, square=True)
-        # torch's own block-wise path wants the 1x128 scales K-major ("outer-dim-major"); where this
-        # build lacks it the case records the error.
-        cases["scaled_mm_blockwise_1x128_128x128"] = lambda: (lambda: torch._scaled_mm(
-            ta, tb.t(), scale_a=tsa.t().contiguous().t(), scale_b=tsb.t().contiguous().t(), out_dtype=torch.bfloat16))
+
+        def torch_blockwise():
+            # torch's own block-wise path (cuBLAS, where this build has it): scale_a [M, K/128] with M
+            # contiguous ("outer-dim-major"), scale_b [K/128, N/128]; the layout it accepts varies by
+            # version, so the first that runs is kept, and the error is recorded if none does.
+            sa_t = tsa.t().contiguous().t()
+            errors = []
+            for sb_try in (tsb.t().contiguous(), tsb.t(), tsb.t().contiguous().t().contiguous()):
+                try:
+                    fn = lambda sb_try=sb_try: torch._scaled_mm(ta, tb.t(), scale_a=sa_t, scale_b=sb_try, out_dtype=torch.bfloat16)  # noqa: E731
+                    fn()
+                    return fn
+                except Exception as e:  # noqa: PERF203
+                    errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+            raise RuntimeError(" | ".join(errors))
+
+        cases["scaled_mm_blockwise_1x128_128x128"] = torch_blockwise
         cases["triton_block_scaled_mm"] = lambda: (lambda: ft.block_scaled_mm(ta, tsa, tb, tsb, b_square=True))
     for name, make in cases.items():
         try:
