@@ -36,23 +36,31 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--max-solves", type=int, default=12)
     ap.add_argument("--solve-dtime", type=float, default=0.5)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--gap-tolerance", type=float, default=None, help="PlannerConfig.gap_tolerance (default: the planner's)")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "planner_scale.json"))
     args = ap.parse_args()
     rows = []
     for case in args.cases.split(","):
         wl, topo, gpus = CASES[case]
         w, t = load_workload(wl), load_topology(topo)
+        load0 = os.getloadavg()
         t0 = time.perf_counter()
         cpu0 = os.times()
-        plan, res = make_plan(w, t, None, PlannerConfig(world_size=gpus, num_workers=args.workers, time_limit_s=args.time_limit,
-                                                        solve_dtime=args.solve_dtime, max_solves=args.max_solves),
-                              progress=lambda m: print(m, file=sys.stderr, flush=True))
+        extra = {} if args.gap_tolerance is None else {"gap_tolerance": args.gap_tolerance}
+        cfg = PlannerConfig(world_size=gpus, num_workers=args.workers, time_limit_s=args.time_limit, solve_dtime=args.solve_dtime,
+                            max_solves=args.max_solves, batch_size=args.batch_size, **extra)
+        plan, res = make_plan(w, t, None, cfg, progress=lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True))
         wall = time.perf_counter() - t0
         cpu1 = os.times()
         s, p = plan.solver, plan.predicted
         row = {
             "case": case, "tables": len(w.all_tables), "world_size": plan.world_size, "wall_s": wall,
-            "cpu_s": (cpu1.user - cpu0.user) + (cpu1.children_user - cpu0.children_user),
+            # CPU of this process and its solve workers (user + system): the figure that does not depend
+            # on what else the machine runs
+            "cpu_s": sum(getattr(cpu1, k) - getattr(cpu0, k) for k in ("user", "system", "children_user", "children_system")),
+            "load_average_before": load0, "load_average_after": os.getloadavg(),
+            "gap_tolerance": cfg.gap_tolerance, "batch_size": cfg.batch_size,
             "status": s.status, "objective_ms": s.objective_us / 1e3, "bound_ms": s.best_bound_us / 1e3, "gap": s.gap,
             "candidates_total": s.candidates_total, "candidates_solved": s.candidates_solved, "workers": s.num_workers,
             "mesh": plan.mesh.model_dump(exclude={"axes"}), "axes": {a.name: list(a.tiers) for a in plan.mesh.axes},
@@ -66,11 +74,20 @@ def main() -> int:
         "benchmark": "planner_scale", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu_count": os.cpu_count(), "cores_available": available_cores(), "platform": platform.platform(),
                     "python": platform.python_version(), "load_average": os.getloadavg()},
-        "settings": vars(args), "rows": rows,
+        "command": " ".join(["python", *sys.argv]), "git_commit": _git_commit(), "settings": vars(args), "rows": rows,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

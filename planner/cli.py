@@ -108,10 +108,13 @@ def run_plan(args: argparse.Namespace) -> int:
             resolve_efficiencies(topology, calibration)  # refuses a calibration from another GPU, before any search
     if args.time_limit <= 0:
         raise CoplanError(f"--time-limit must be positive (got {args.time_limit})")
+    if not 0.0 <= args.gap_tolerance < 1.0:
+        raise CoplanError(f"--gap-tolerance must be in [0, 1) (got {args.gap_tolerance})")
     if args.max_solves < 1:
         raise CoplanError(f"--max-solves must be at least 1 (got {args.max_solves})")
     cfg = PlannerConfig(world_size=args.gpus, time_limit_s=args.time_limit, num_workers=args.workers, seed=args.seed,
-                        policy=args.policy, solve_dtime=args.solve_dtime, max_solves=args.max_solves)
+                        policy=args.policy, solve_dtime=args.solve_dtime, max_solves=args.max_solves,
+                        gap_tolerance=args.gap_tolerance)
     progress = None if (args.json or args.quiet) else (lambda msg: print(msg, file=sys.stderr, flush=True))
     plan, _ = make_plan(workload, topology, calibration, cfg, progress=progress)
     out = Path(args.output)
@@ -143,6 +146,8 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--max-solves", type=int, default=12, help="mesh candidates solved with CP-SAT at most (default 12)")
     p.add_argument("--time-limit", type=float, default=300.0, help="wall-clock guard: no new batch of solves after this many seconds (default 300)")
     p.add_argument("--solve-dtime", type=float, default=0.5, help="CP-SAT deterministic-time limit per candidate (default 0.5)")
+    p.add_argument("--gap-tolerance", type=float, default=0.01,
+                   help="stop once no unsolved mesh candidate can beat the best plan by more than this fraction (default 0.01)")
     p.add_argument("--workers", type=int, default=0, help="parallel solves (default: the machine's cores)")
     p.add_argument("--seed", type=int, default=0, help="CP-SAT seed (plans are deterministic for a seed)")
     p.add_argument("--policy", choices=["none", "greedy", "karmarkar_karp"], help="jagged balancing policy (default: least expected imbalance)")

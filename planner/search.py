@@ -83,8 +83,11 @@ class PlannerConfig:
     min_cw_dim: int = 32
     """Narrowest column-wise shard."""
 
-    gap_tolerance: float = 1e-4
-    """Candidates whose bound is within this relative gap of the best plan are not solved."""
+    gap_tolerance: float = 0.01
+    """Candidates whose bound is within this relative gap of the best plan are not solved: the search
+    stops once no unsolved candidate can beat the best plan by more than this (the usual relative-gap
+    stop of branch and bound). The reported bound still includes those candidates' bounds, so the
+    reported gap stays honest; 0 solves until nothing can improve (or ``max_solves``)."""
 
     relative_gap: float = 1e-4
     """A CP-SAT solve stops once proven within this relative gap."""
@@ -181,8 +184,8 @@ def bounds(p: CandidatePricing, floor: _SparseFloor) -> tuple[float, float]:
 
 
 def _solve_job(args) -> SolveResult:
-    p, settings = args
-    return solve_candidate(p, settings)
+    p, settings, cutoff = args
+    return solve_candidate(p, settings, cutoff_s=cutoff)
 
 
 def search(workload: Workload, topology: Topology, calibration: Calibration | None = None, config: PlannerConfig | None = None,
@@ -237,7 +240,11 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
                 i += 1
             if not batch:
                 break
-            jobs = [(pricings[r.mesh], settings) for r in batch]
+            # Once a plan is known, a candidate only matters if it can beat it by more than the gap
+            # tolerance: the solver is told so (an objective cutoff), which is cheaper to refute than
+            # to solve. The cutoff is fixed before the batch runs, so plans stay deterministic.
+            cutoff = best[0] * (1 - cfg.gap_tolerance) if best is not None and cfg.gap_tolerance > 0 else None
+            jobs = [(pricings[r.mesh], settings, cutoff) for r in batch]
             results = list(pool.map(_solve_job, jobs)) if pool is not None and len(jobs) > 1 else [_solve_job(j) for j in jobs]
             for r, res in zip(batch, results):
                 solved += 1

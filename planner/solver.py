@@ -157,11 +157,13 @@ def _rounding_slack(p: CandidatePricing) -> float:
     return 0.5 * TIME_UNIT_S * (4 * len(p.options) + len(p.layers) + 4)
 
 
-def solve_candidate(p: CandidatePricing, settings: SolverSettings, *, hint: Assignment | None = None) -> SolveResult:
-    """Best plan of one candidate: flat when small, decomposed otherwise."""
+def solve_candidate(p: CandidatePricing, settings: SolverSettings, *, hint: Assignment | None = None,
+                    cutoff_s: float | None = None) -> SolveResult:
+    """Best plan of one candidate: flat when small, decomposed otherwise. ``cutoff_s``: the search only
+    needs plans faster than this (decomposed model; see :func:`solve_decomposed`)."""
     if placement_vars(p) <= settings.flat_max_vars:
         return solve_flat(p, settings, hint=hint or heuristic_any(p))
-    return solve_decomposed(p, settings)
+    return solve_decomposed(p, settings, cutoff_s=cutoff_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -793,7 +795,8 @@ def _importances(p: CandidatePricing) -> list[float]:
     return out
 
 
-def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tables: int = FREE_TABLES) -> SolveResult:
+def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tables: int = FREE_TABLES,
+                     cutoff_s: float | None = None) -> SolveResult:
     """Aggregated option choice (a relaxation, so its bound is valid), then placement.
 
     The ``free_tables`` most consequential tables get choice variables; every other table enters the
@@ -801,6 +804,11 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     receive volume, all-reduce and memory over its options), which keeps the bound valid, and keeps
     the heuristic's choice in the plan. With 1,200 tables over thousands of ranks most tables are a
     rounding error of one rank's load; the ones that are not are the ones CP-SAT decides.
+
+    ``cutoff_s`` (branch and bound across mesh candidates): only relaxed solutions below it are
+    sought. When the relaxation has none, the candidate is proven unable to go below the cutoff, which
+    is then its bound (valid), and its heuristic plan stands; proving that is usually much cheaper
+    than solving the relaxation to optimality.
     """
     from ortools.sat.python import cp_model
 
@@ -830,10 +838,10 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
         recv_mem_c += min(_recv_mem(p, o) for o in p.options[t])
     front = frontier(p.layers)
     points = None
+    hint_ev = evaluate(p, hint) if hint is not None else None
     if front is not None:
         # points costing more recompute than the whole sparse-and-recompute part of the heuristic
         # plan cannot beat it: leaving them out keeps the bound valid (it is capped by that plan)
-        hint_ev = evaluate(p, hint) if hint is not None else None
         cap_s = hint_ev.step_time_s - p.base_time_s if hint_ev is not None and hint_ev.peak_bytes <= p.capacity_bytes else math.inf
         points = [pt for pt in front.points if pt.time_s <= cap_s + 2 * _rounding_slack(p)] or list(front.points[:1])
     rc, room, recv, dp, rc_time = _common(m, p, units, y, free=free, recv_mem_const=recv_mem_c, recv_const=recv_c, dp_const=dp_c,
@@ -878,6 +886,10 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     for item in per_table:
         if item["m"]:
             m.Add(um + lin(item["m"]) <= room)
+    cut = None
+    if cutoff_s is not None and math.isfinite(cutoff_s):
+        cut = _t(cutoff_s - p.base_time_s + _rounding_slack(p))
+        m.Add(zf + zb + za + dp + rc_time <= cut)
     m.Minimize(zf + zb + za + dp + rc_time)
     if hint is not None:
         for t in free:
@@ -913,6 +925,13 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     keep = max(1, int(settings.placed_solutions))
     collector = _Collector([v for t in free for v in y[t]], list(rc), keep)
     status = solver.Solve(m, collector)
+    if status == cp_model.INFEASIBLE and cut is not None:
+        # nothing in the relaxation goes below the cutoff (up to rounding): that is the bound
+        wall = time.perf_counter() - t0
+        lb = p.base_time_s + cut * TIME_UNIT_S - 2 * _rounding_slack(p)
+        if hint is not None and hint_ev is not None and hint_ev.peak_bytes <= p.capacity_bytes:
+            return SolveResult(hint, "FEASIBLE", hint_ev.step_time_s, hint_ev.peak_bytes, min(lb, hint_ev.step_time_s), wall, "decomposed")
+        return SolveResult(None, "UNKNOWN", math.inf, math.inf, lb, wall, "decomposed")
     if status == cp_model.INFEASIBLE and points is not None and len(points) < len(front.points):
         # only rounding can make the kept points infeasible (the heuristic plan fits one of them); that
         # plan is then the best there is
