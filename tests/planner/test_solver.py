@@ -60,3 +60,37 @@ def test_solves_are_deterministic():
     assert a.assignment == b.assignment and a.step_time_s == b.step_time_s
     c, d = solve_decomposed(p, s, free_tables=5), solve_decomposed(p, s, free_tables=5)
     assert c.assignment == d.assignment
+
+
+@pytest.mark.parametrize("seed", [1, 4, 9])
+def test_decomposed_bound_with_a_cutoff_is_valid(seed):
+    """With an objective cutoff (the branch and bound's "beat the best plan by more than the gap
+    tolerance"), the bound stays below the true optimum: below the cutoff when the relaxation has
+    nothing under it, the relaxation's bound otherwise; and a returned plan always fits."""
+    p = synthetic_pricing(6, 4, 4, 3, seed, capacity=40e9, base_bytes=20e9)
+    best, _, _ = brute_force(p)
+    for cutoff in (best * 0.9, best * 0.999, best * 1.05):
+        r = solve_decomposed(p, EXACT, free_tables=6, cutoff_s=cutoff)
+        assert r.bound_s <= best + 1e-9
+        if cutoff < best * 0.99:  # nothing can go below the cutoff: the bound says so
+            assert r.bound_s >= cutoff - 1e-6
+        if r.assignment is not None:
+            assert evaluate(p, r.assignment).peak_bytes <= p.capacity_bytes
+            assert r.step_time_s >= best - 1e-9
+
+
+def test_decomposed_recompute_choice_uses_the_frontier():
+    """Layers of identical figures: the decomposed model chooses among recompute frontier points, so
+    its plan's recompute is a frontier point and no more expensive than the exact optimum's."""
+    from coplan.planner.recompute import frontier
+
+    p = synthetic_pricing(6, 4, 4, 6, 7, capacity=32e9, base_bytes=24e9)
+    best, plan, _ = brute_force(p)
+    r = solve_decomposed(p, EXACT, free_tables=6)
+    assert r.bound_s <= best + 1e-9 <= r.step_time_s + 2e-9
+    front = frontier(p.layers)
+    assert front is not None
+    freed = sum(l.saved_bytes for l, on in zip(p.layers, r.assignment.recompute) if on) - max(
+        (l.peak_bytes for l, on in zip(p.layers, r.assignment.recompute) if on), default=0.0)
+    t = sum(l.recompute_s for l, on in zip(p.layers, r.assignment.recompute) if on)
+    assert t <= front.least_time(freed - 1e-6) + 1e-12  # no set freeing as much is cheaper
