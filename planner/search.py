@@ -6,14 +6,16 @@
    candidates with the same dense degrees, sparse figures by those with the same shard group) and
    bound it from below without solving: the base step, the average rank's least lookups and
    all-to-all floor, and the least recompute time that frees the memory the candidate needs
-   (a fractional knapsack, so a valid bound). Candidates whose memory cannot fit even with every
+   (exact, from the recompute frontier of :mod:`coplan.planner.recompute`). Candidates whose memory cannot fit even with every
    layer recomputed and tables spread as thinly as possible are infeasible; they feed the
    explanation when nothing fits.
 3. Branch and bound over candidates in order of their bound: solve them with CP-SAT
    (:mod:`coplan.planner.solver`) in deterministic batches of ``num_workers`` (one single-threaded,
    deterministic solve per process; the batch is fixed before it runs, so the result does not depend
-   on which finishes first), and stop when the next bound cannot beat the best plan, or when the
-   time budget is spent. The reported bound is the least of the solved candidates' proven bounds
+   on which finishes first), and stop when the next bound cannot beat the best plan by more than
+   ``gap_tolerance`` (1%), or when the budget is spent. Once a plan is known, each later candidate is
+   solved with an objective cutoff (that plan less the tolerance), which CP-SAT refutes far faster
+   than it solves the candidate; a refuted candidate's bound is the cutoff. The reported bound is the least of the solved candidates' proven bounds
    and the unsolved candidates' bounds; the gap is against it.
 4. Price the chosen plan with the cost model's full pricer (overlap schedule included) for the
    prediction, and write everything into a :class:`~coplan.spec.Plan`.

@@ -13,9 +13,12 @@ volume), data-parallel all-reduces and recompute, under per-rank HBM. Two formul
   the recompute set over *aggregated* loads. That is a relaxation: each maximum over ranks is at least
   the uniform part plus the average of what is placed, and at least the uniform part plus the shards
   of any one table (one constraint per table, ``Σ_o size_o·y_o``, which is tighter than one per
-  option); the same for memory. Its optimum is a valid lower bound of the exact problem. The chosen
-  shards are then placed by LPT with memory checks, and improved by moving and swapping shards off
-  the fullest rank. The gap is reported against the relaxation's proven bound.
+  option); the same for memory. Recompute is one choice among the Pareto-optimal recompute sets
+  (:mod:`coplan.planner.recompute`; exact, and it closes the relaxation's bound where per-layer
+  booleans under a max over peaks left it several percent low). Its optimum is a valid lower bound
+  of the exact problem. The last few improving relaxed solutions are placed by LPT with memory
+  checks (time-first, two-resource and memory-first orders), improved by moving and swapping shards
+  off the fullest rank, and the best kept. The gap is reported against the relaxation's proven bound.
 
 Integers: time in units of 10 ns (bytes sent and received are converted to all-to-all seconds first),
 memory in KiB with item memory rounded up and capacity down, so a plan CP-SAT accepts fits in bytes.
