@@ -17,18 +17,30 @@ and under torch.compile. Plus the bf16 matmul ceiling of the same run. Before ti
 gradients are checked against an fp32 per-sample reference.
 
     python benchmarks/attention.py --out benchmarks/results/attention_h200.json
+    python benchmarks/attention.py --shapes b --quick --out /tmp/attention_b.json   # ~2 min on an H200
+    python benchmarks/attention.py --smoke --out /tmp/attention_smoke.json          # CPU, interpreter, tiny
+
+Each case is caught on its own (its error goes into the JSON and the run goes on); `--timeout`
+bounds the whole run: cases that would start past it are recorded as skipped. Besides the device
+rates, every Triton method records its host cost per call (Python, autograd, launches: the time to
+issue a call while the GPU is busy) with and without the direct launch of compiled kernels, and a
+cProfile summary of the forward + backward, so that host overhead can be located on the machine
+that has it.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import math
 import multiprocessing as mp
 import os
 import platform
+import pstats
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -41,6 +53,33 @@ SHAPES = {
     "a": dict(label="user history", batch=32, mean=1024, sigma=1.0, cap=4096, heads=8, head_dim=128),
     "b": dict(label="short", batch=256, mean=256, sigma=1.0, cap=1024, heads=4, head_dim=64),
 }
+# --smoke: the same two kinds of batch at interpreter scale (CPU, fp32).
+SMOKE_SHAPES = {
+    "a": dict(label="user history (smoke)", batch=2, mean=20, sigma=1.0, cap=32, heads=2, head_dim=32),
+    "b": dict(label="short (smoke)", batch=3, mean=8, sigma=1.0, cap=16, heads=1, head_dim=16),
+}
+DEFAULT_METHODS = "triton_softmax,triton_gdpa_silu,sdpa_padded,flex_document_mask,silu_padded_eager,silu_padded_compile"
+# --quick: the baselines the goals are judged against, without the slow padded SiLU ones.
+QUICK_METHODS = "triton_softmax,triton_gdpa_silu,sdpa_padded,flex_document_mask"
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
+    print(f"[{now} +{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def git_commit() -> str:
+    if os.environ.get("COPLAN_GIT_COMMIT"):
+        return os.environ["COPLAN_GIT_COMMIT"]
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001  (no git on the device: say so)
+        return "unknown"
 # The issue's goals on each shape (TFLOP/s, forward and forward+backward).
 GOALS = {
     ("a", "triton_gdpa_silu"): (350, 250),
@@ -86,12 +125,12 @@ def forward_flops(lengths, heads, head_dim, causal=True) -> tuple[float, str]:
 # ---- inputs ---------------------------------------------------------------------------------
 
 
-def make_inputs(shape: dict, lengths: list[int], device="cuda", dtype=torch.bfloat16, seed=0):
+def make_inputs(shape: dict, lengths: list[int], seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     total = sum(lengths)
     h, d = shape["heads"], shape["head_dim"]
-    q, k, v, do = (torch.randn(total, h, d, generator=g).to(device=device, dtype=dtype) for _ in range(4))
-    offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
+    q, k, v, do = (torch.randn(total, h, d, generator=g).to(device=DEVICE, dtype=DTYPE) for _ in range(4))
+    offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=DEVICE)
     return q, k, v, do, offsets
 
 
@@ -120,6 +159,7 @@ def method_fns(shape, lengths, offsets):
     lmax = max(lengths)
     fns = {}
 
+    # As the trainer calls them: max_len given and offsets trusted, so no call reads the device.
     fns["triton_softmax"] = ("jagged", lambda q, k, v: jagged_attention(
         q, k, v, offsets, causal=True, max_len=cap, validate=False, backend="triton"))
     fns["triton_gdpa_silu"] = ("jagged", lambda q, k, v: gdpa(
@@ -127,6 +167,8 @@ def method_fns(shape, lengths, offsets):
     fns["sdpa_padded"] = ("padded", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
 
     def flex_setup():
+        if DEVICE != "cuda":
+            raise RuntimeError("skipped: FlexAttention has no CPU backward")
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         from coplan.kernels.flex import document_mask_mod
@@ -134,7 +176,7 @@ def method_fns(shape, lengths, offsets):
         total = int(offsets[-1])
         mod = document_mask_mod(offsets, offsets, total, total, True)
         t0 = time.perf_counter()
-        mask = create_block_mask(mod, None, None, total, total, device="cuda", _compile=True)
+        mask = create_block_mask(mod, None, None, total, total, device=DEVICE, _compile=True)
         torch.cuda.synchronize()
         build_s = time.perf_counter() - t0
         flex = torch.compile(flex_attention, dynamic=False)
@@ -142,8 +184,8 @@ def method_fns(shape, lengths, offsets):
 
     fns["flex_document_mask"] = ("packed", flex_setup)
 
-    valid = torch.arange(lmax, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
-    causal = torch.ones(lmax, lmax, dtype=torch.bool, device="cuda").tril()
+    valid = torch.arange(lmax, device=DEVICE)[None, :] < torch.tensor(lengths, device=DEVICE)[:, None]
+    causal = torch.ones(lmax, lmax, dtype=torch.bool, device=DEVICE).tril()
     mask = (causal[None] & valid[:, None, :])[:, None]  # [B, 1, L, L]
 
     def silu_padded(q, k, v):
@@ -204,11 +246,78 @@ def rel(a, b):
 
 # ---- timing ------------------------------------------------------------------------------------
 
+REP_MS = 200  # do_bench's repetition time per measurement (--quick: 100)
+HOST_CALLS = 50  # calls per host-cost measurement (--smoke: 1, each interpreted call takes a second)
+HOST_REPEATS = 3  # measurements kept the best of (--smoke: 1)
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
 
 def bench(fn, grad_to_none=None):
+    """Median ms of one call. GPU: `triton.testing.do_bench` (L2 flushed between calls, host launch
+    overhead included). CPU (--smoke): wall clock of a few calls, only to exercise the code."""
+    if DEVICE != "cuda":
+        times = []
+        for _ in range(2):
+            if grad_to_none is not None:
+                for x in grad_to_none:
+                    x.grad = None
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(times))
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=25, rep=REP_MS, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def host_cost(fn, grad_to_none=None, calls=None) -> dict[str, float]:
+    """Microseconds per call of host time: ``calls`` calls issued back to back with no sync (the
+    time until the last one returns, while the GPU works through the queue), and the time until the
+    GPU finished them (per call; when it equals the host figure, the host is the bottleneck)."""
+    def one():
+        if grad_to_none is not None:
+            for x in grad_to_none:
+                x.grad = None
+        fn()
+
+    calls = calls or HOST_CALLS
+    for _ in range(min(5, calls)):
+        one()
+    sync()
+    issued, done = [], []
+    for _ in range(HOST_REPEATS):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            one()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        issued.append((t1 - t0) / calls * 1e6)
+        done.append((t2 - t0) / calls * 1e6)
+    return dict(host_us=float(min(issued)), back_to_back_us=float(min(done)))
+
+
+def host_profile(fn, grad_to_none=None, calls=200, top=15) -> list[dict]:
+    """cProfile of ``calls`` calls: the functions with the most own time, per call (cProfile's own
+    overhead inflates every figure; the shares are what to read)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        if grad_to_none is not None:
+            for x in grad_to_none:
+                x.grad = None
+        fn()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [dict(function=f"{os.path.basename(f)}:{line}({name})", calls_per_call=nc / calls,
+                 own_us_per_call=tt / calls * 1e6, cumulative_us_per_call=ct / calls * 1e6)
+            for (f, line, name), (cc, nc, tt, ct, _) in rows]
 
 
 def bench_graph(fn, reps=30) -> float:
@@ -254,10 +363,11 @@ def kernel_times(fn, steps=5) -> dict[str, float]:
 
 
 def matmul_ceiling() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    n = 8192 if DEVICE == "cuda" else 256
+    a = torch.randn(n, n, device=DEVICE, dtype=DTYPE)
+    b = torch.randn(n, n, device=DEVICE, dtype=DTYPE)
     ms = bench(lambda: a @ b)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 # ---- parallel precompile of the autotuner's configs ------------------------------------------
@@ -293,7 +403,7 @@ def precompile(shape_keys, ops, processes):
         n = max(len(ta.configs_for(kind, SHAPES[s]["head_dim"])) for kind in ("fwd", "dq", "dkdv"))
         tasks += [(s, op, i) for op in ops for i in range(n)]
     t0 = time.perf_counter()
-    with mp.get_context("spawn").Pool(processes) as pool:
+    with mp.get_context("spawn").Pool(min(processes, len(tasks))) as pool:
         for _ in pool.imap_unordered(_precompile_worker, tasks):
             pass
     return time.perf_counter() - t0, len(tasks)
@@ -302,7 +412,115 @@ def precompile(shape_keys, ops, processes):
 # ---- one shape ---------------------------------------------------------------------------------
 
 
-def run_shape(key, methods, log):
+def run_method(name, kind, fn, entry, shape, lengths, q, k, v, do, fwd_flops, refs, quick):
+    """Every figure of one method into ``entry``; raises on the first failure (the caller records it)."""
+    from coplan.kernels import triton_attention as ta
+
+    if name == "flex_document_mask":
+        fn, entry["block_mask_build_s"] = fn()
+    elif name == "silu_padded_compile":
+        fn = fn()
+    x = [layout(kind, t, lengths) for t in (q, k, v)]
+    g = layout(kind, do, lengths)
+    xs = [t.detach().clone().requires_grad_() for t in x]
+
+    # First calls: compile and autotune (forward alone, then the backward).
+    sync()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(*x)
+    sync()
+    entry["first_forward_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = fn(*xs)
+    out.backward(g)
+    sync()
+    entry["first_forward_backward_s"] = time.perf_counter() - t0
+
+    # Correctness on the benchmark's own inputs, against fp32 per sample.
+    act = None if name in ("triton_softmax", "sdpa_padded", "flex_document_mask") else "silu"
+    if act not in refs:
+        refs[act] = fp32_reference(q, k, v, do, lengths, act, shape["cap"])
+    got = [to_jagged(kind, t, lengths) for t in (out.detach(), *(t.grad for t in xs))]
+    entry["rel_err"] = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, refs[act])}
+    first = [t.clone() for t in got]
+    del out, got
+
+    def step():
+        fn(*xs).backward(g)
+
+    def forward():
+        with torch.no_grad():
+            return fn(*x)
+
+    fwd_ms = bench(forward)
+    fb_ms = bench(step, grad_to_none=xs)
+    entry.update(forward_ms=fwd_ms, forward_backward_ms=fb_ms,
+                 forward_tflops=fwd_flops / (fwd_ms * 1e-3) / 1e12,
+                 forward_backward_tflops=fwd_flops * (1 + BWD_OVER_FWD) / (fb_ms * 1e-3) / 1e12,
+                 forward_backward_model_tflops=fwd_flops * 3 / (fb_ms * 1e-3) / 1e12)
+    if name.startswith("triton_"):
+        # The kernels are deterministic: after many direct launches the results are the first call's bits.
+        for t in xs:
+            t.grad = None
+        out = fn(*xs)
+        out.backward(g)
+        again = [to_jagged(kind, t, lengths) for t in (out.detach(), *(t.grad for t in xs))]
+        entry["repeat_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(first, again))
+        entry["direct_launch"] = bool(ta.DIRECT_LAUNCH)
+        entry["direct_launch_kernels_cached"] = len(ta._COMPILED)
+        entry["host_forward"] = host_cost(forward)
+        entry["host_forward_backward"] = host_cost(step, grad_to_none=xs)
+        if ta.DIRECT_LAUNCH:
+            # The same call through Triton's JIT dispatch on every launch: what the direct launch saves.
+            ta.DIRECT_LAUNCH = False
+            try:
+                entry["host_forward_jit_launch"] = host_cost(forward)
+                entry["host_forward_backward_jit_launch"] = host_cost(step, grad_to_none=xs)
+                if not quick:
+                    jf, jfb = bench(forward), bench(step, grad_to_none=xs)
+                    entry["jit_launch_forward_ms"], entry["jit_launch_forward_backward_ms"] = jf, jfb
+            finally:
+                ta.DIRECT_LAUNCH = True
+        entry["host_profile_forward_backward"] = host_profile(step, grad_to_none=xs, calls=HOST_CALLS * (1 if quick or DEVICE != "cuda" else 4))
+    if DEVICE == "cuda" and name != "silu_padded_eager":  # tens of GiB of scores: no need to hold them in a graph pool
+        try:
+            entry["graph_forward_ms"] = bench_graph(forward)
+            for t in xs:
+                t.grad = None
+            entry["graph_forward_backward_ms"] = bench_graph(step)
+            entry["graph_forward_tflops"] = fwd_flops / (entry["graph_forward_ms"] * 1e-3) / 1e12
+            entry["graph_forward_backward_tflops"] = (
+                fwd_flops * (1 + BWD_OVER_FWD) / (entry["graph_forward_backward_ms"] * 1e-3) / 1e12)
+        except Exception as e:  # a baseline that cannot be captured keeps its eager figures
+            entry["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if DEVICE == "cuda" and name.startswith("triton_"):
+        try:
+            for t in xs:
+                t.grad = None
+            entry["kernel_us_per_forward_backward"] = kernel_times(step)
+        except Exception as e:
+            entry["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    peak = 0.0
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    entry["peak_extra_gib"] = peak
+    host = entry.get("host_forward_backward", {}).get("host_us")
+    log(f"  {name:22s} fwd {fwd_ms:8.3f} ms {entry['forward_tflops']:7.1f} TF/s | fwd+bwd {fb_ms:8.3f} ms "
+        f"{entry['forward_backward_tflops']:7.1f} TF/s | graph {entry.get('graph_forward_tflops', 0):7.1f} / "
+        f"{entry.get('graph_forward_backward_tflops', 0):7.1f} TF/s | peak +{peak:.2f} GiB | "
+        f"first {entry['first_forward_s']:.1f}s/{entry['first_forward_backward_s']:.1f}s | "
+        + (f"host fwd+bwd {host:.0f} us (jit launch "
+           f"{entry.get('host_forward_backward_jit_launch', {}).get('host_us', float('nan')):.0f}) | " if host else "")
+        + "err " + " ".join(f"{k}={v:.1e}" for k, v in entry["rel_err"].items()))
+
+
+def run_shape(key, methods, deadline, quick):
     shape = SHAPES[key]
     lengths = sample_lengths(shape)
     fwd_flops, flops_source = forward_flops(lengths, shape["heads"], shape["head_dim"])
@@ -310,103 +528,41 @@ def run_shape(key, methods, log):
     res = dict(shape=shape, lengths=dict(n=len(lengths), total=sum(lengths), mean=float(np.mean(lengths)),
                                            max=max(lengths), min=min(lengths), p50=float(np.median(lengths))),
                forward_flops=fwd_flops, flops_source=flops_source, methods={})
-    log(f"shape {key}: {res['lengths']}, forward {fwd_flops / 1e9:.1f} GFLOP")
+    log(f"shape {key}: {res['lengths']}, forward {fwd_flops / 1e9:.3f} GFLOP")
 
     refs = {}
     fns = method_fns(shape, lengths, offsets)
     for name in methods:
-        kind, fn = fns[name]
         entry = res["methods"].setdefault(name, {})
+        if time.monotonic() > deadline:
+            entry["error"] = "skipped: --timeout budget spent before this case"
+            log(f"  {name}: {entry['error']}")
+            continue
+        kind, fn = fns[name]
         try:
-            torch.cuda.empty_cache()
-            if name == "flex_document_mask":
-                fn, entry["block_mask_build_s"] = fn()
-            elif name == "silu_padded_compile":
-                fn = fn()
-            x = [layout(kind, t, lengths) for t in (q, k, v)]
-            g = layout(kind, do, lengths)
-            xs = [t.detach().clone().requires_grad_() for t in x]
-
-            # First calls: compile and autotune (forward alone, then the backward).
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                fn(*x)
-            torch.cuda.synchronize()
-            entry["first_forward_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = fn(*xs)
-            out.backward(g)
-            torch.cuda.synchronize()
-            entry["first_forward_backward_s"] = time.perf_counter() - t0
-
-            # Correctness on the benchmark's own inputs, against fp32 per sample.
-            act = None if name in ("triton_softmax", "sdpa_padded", "flex_document_mask") else "silu"
-            if act not in refs:
-                refs[act] = fp32_reference(q, k, v, do, lengths, act, shape["cap"])
-            got = [to_jagged(kind, t, lengths) for t in (out.detach(), *(t.grad for t in xs))]
-            entry["rel_err"] = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, refs[act])}
-            del out, got
-
-            with torch.no_grad():
-                fwd_ms = bench(lambda: fn(*x))
-
-            def step():
-                fn(*xs).backward(g)
-
-            fb_ms = bench(step, grad_to_none=xs)
-            if name != "silu_padded_eager":  # tens of GiB of scores: no need to hold them in a graph pool
-                try:
-                    with torch.no_grad():
-                        entry["graph_forward_ms"] = bench_graph(lambda: fn(*x))
-                    for t in xs:
-                        t.grad = None
-                    entry["graph_forward_backward_ms"] = bench_graph(step)
-                    entry["graph_forward_tflops"] = fwd_flops / (entry["graph_forward_ms"] * 1e-3) / 1e12
-                    entry["graph_forward_backward_tflops"] = (
-                        fwd_flops * (1 + BWD_OVER_FWD) / (entry["graph_forward_backward_ms"] * 1e-3) / 1e12)
-                except Exception as e:  # a baseline that cannot be captured keeps its eager figures
-                    entry["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            if name.startswith("triton_"):
-                try:
-                    for t in xs:
-                        t.grad = None
-                    entry["kernel_us_per_forward_backward"] = kernel_times(step)
-                except Exception as e:
-                    entry["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            entry.update(
-                forward_ms=fwd_ms,
-                forward_backward_ms=fb_ms,
-                forward_tflops=fwd_flops / (fwd_ms * 1e-3) / 1e12,
-                forward_backward_tflops=fwd_flops * (1 + BWD_OVER_FWD) / (fb_ms * 1e-3) / 1e12,
-                forward_backward_model_tflops=fwd_flops * 3 / (fb_ms * 1e-3) / 1e12,
-                peak_extra_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
-            )
-            log(f"  {name:22s} fwd {fwd_ms:8.3f} ms {entry['forward_tflops']:7.1f} TF/s | fwd+bwd {fb_ms:8.3f} ms "
-                f"{entry['forward_backward_tflops']:7.1f} TF/s | graph {entry.get('graph_forward_tflops', 0):7.1f} / "
-                f"{entry.get('graph_forward_backward_tflops', 0):7.1f} TF/s | peak +{entry['peak_extra_gib']:.2f} GiB | "
-                f"first {entry['first_forward_s']:.1f}s/{entry['first_forward_backward_s']:.1f}s | err "
-                + " ".join(f"{k}={v:.1e}" for k, v in entry["rel_err"].items()))
-            del xs, x, g
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+            run_method(name, kind, fn, entry, shape, lengths, q, k, v, do, fwd_flops, refs, quick)
         except Exception as e:  # one failing baseline must not lose the others' numbers
             entry["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             log(f"  {name}: FAILED {entry['error']}")
-            traceback.print_exc()
-        torch.cuda.empty_cache()
+            if not str(e).startswith("skipped"):
+                traceback.print_exc()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     return res
 
 
 def main(argv=None):
+    global DEVICE, DTYPE, REP_MS, HOST_CALLS, HOST_REPEATS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="a,b")
-    p.add_argument("--methods", default="triton_softmax,triton_gdpa_silu,sdpa_padded,flex_document_mask,"
-                                        "silu_padded_eager,silu_padded_compile")
+    p.add_argument("--shapes", default="a,b", help="comma-separated: a (user history), b (short)")
+    p.add_argument("--methods", default=None, help=f"comma-separated (default: {DEFAULT_METHODS})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"shorter timings, no JIT-launch eager timing, methods {QUICK_METHODS} unless --methods")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, fp32, tiny shapes: checks the script")
     p.add_argument("--precompile", type=int, default=12, help="processes compiling autotune configs ahead (0: off)")
+    p.add_argument("--timeout", type=float, default=170.0, help="seconds; cases that would start later are skipped")
     p.add_argument("--out", default="benchmarks/results/attention_h200.json")
     p.add_argument("--table-from", help="print the Markdown table of an earlier JSON result and exit")
     args = p.parse_args(argv)
@@ -414,43 +570,77 @@ def main(argv=None):
         with open(args.table_from) as f:
             print(table(json.load(f)))
         return True
+    deadline = time.monotonic() + args.timeout
+    if args.smoke:
+        # Before coplan.kernels is imported: triton.jit reads it when the kernels are decorated.
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEVICE, DTYPE, HOST_CALLS, HOST_REPEATS = "cpu", torch.float32, 1, 1
+        SHAPES.update(SMOKE_SHAPES)
+        args.precompile = 0
+    elif not torch.cuda.is_available():
+        log("no CUDA device: run with --smoke on a CPU")
+        return False
+    if args.quick:
+        REP_MS = 100
     import triton
 
     shapes = args.shapes.split(",")
-    methods = args.methods.split(",")
-
-    def log(msg):
-        print(msg, flush=True)
+    methods = (args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS)).split(",")
+    unknown = [m for m in methods if m not in DEFAULT_METHODS.split(",")] + [s for s in shapes if s not in SHAPES]
+    if unknown:
+        log(f"unknown shapes or methods: {unknown}")
+        return False
 
     result = dict(
         benchmark="attention (issue 5)",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(),
+        device=torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({platform.processor() or platform.machine()}), "
+                                                                     "Triton interpreter",
         torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-        dtype="bfloat16", causal=True, backward_over_forward=BWD_OVER_FWD,
+        git_commit=git_commit(), command=" ".join([os.path.basename(sys.argv[0]) or "attention.py",
+                                                   *(argv if argv is not None else sys.argv[1:])]),
+        smoke=args.smoke, quick=args.quick, timeout_s=args.timeout,
+        dtype=str(DTYPE).replace("torch.", ""), causal=True, backward_over_forward=BWD_OVER_FWD,
         goals={f"{s}/{m}": g for (s, m), g in GOALS.items()},
         earlier={f"{s}/{m}": g for (s, m), g in EARLIER.items()},
         shapes={},
     )
-    result["matmul_bf16_tflops"] = matmul_ceiling()
-    log(f"bf16 matmul 8192^3: {result['matmul_bf16_tflops']:.0f} TFLOP/s")
-    ours = [m for m in methods if m.startswith("triton_")]
-    if args.precompile and ours:
-        secs, n = precompile(shapes, ours, args.precompile)
-        result["precompile"] = dict(seconds=secs, tasks=n, processes=args.precompile)
-        log(f"precompiled {n} config sets in {secs:.1f}s on {args.precompile} processes")
-    from coplan.kernels import triton_attention as ta
 
-    for s in shapes:
-        result["shapes"][s] = run_shape(s, methods, log)
-        result["shapes"][s]["autotuned"] = {
-            kind: {str(k): str(v) for k, v in tuned.cache.items()}
-            for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned))
-        }
+    def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+    log(f"{result['device']}, torch {result['torch']}, triton {result['triton']}, commit {result['git_commit'][:12]}")
+    try:
+        result["matmul_bf16_tflops"] = matmul_ceiling()
+        log(f"{DTYPE} matmul ceiling: {result['matmul_bf16_tflops']:.1f} TFLOP/s")
+    except Exception as e:  # noqa: BLE001
+        result["matmul_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"matmul ceiling FAILED: {result['matmul_error']}")
+    ours = [m for m in methods if m.startswith("triton_")]
+    if args.precompile and ours:
+        try:
+            secs, n = precompile(shapes, ours, args.precompile)
+            result["precompile"] = dict(seconds=secs, tasks=n, processes=args.precompile)
+            log(f"precompiled {n} config sets in {secs:.1f}s on {args.precompile} processes")
+        except Exception as e:  # noqa: BLE001  (the autotuner then compiles in-process: slower, still right)
+            result["precompile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"precompile FAILED: {result['precompile_error']}")
+    save()
+    from coplan.kernels import triton_attention as ta
+
+    for s in shapes:
+        result["shapes"][s] = run_shape(s, methods, deadline, args.quick)
+        result["shapes"][s]["autotuned"] = {
+            kind: {str(k): str(v) for k, v in tuned.cache.items()}
+            for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned))
+        } if not ta.INTERPRETED else "interpreter: fixed configs"
+        save()
+    result["wall_s"] = time.perf_counter() - T0
+    save()
     log(table(result))
+    log(f"wrote {args.out} ({result['wall_s']:.0f} s)")
     return result
 
 
@@ -474,24 +664,32 @@ def kernel_rates(entry: dict, fwd_flops: float) -> tuple[float, float] | None:
 
 
 def table(result) -> str:
-    lines = [f"{result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}; "
-             f"bf16 matmul ceiling {result['matmul_bf16_tflops']:.0f} TFLOP/s",
+    ceiling = result.get("matmul_bf16_tflops")
+    lines = [f"{result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}, "
+             f"commit {result.get('git_commit', '?')[:12]}; matmul ceiling "
+             + (f"{ceiling:.0f} TFLOP/s" if ceiling else "not measured"),
              "| shape | method | eager fwd | eager fwd+bwd | graphed fwd | graphed fwd+bwd | kernels fwd | kernels fwd+bwd "
-             "| goal | eager fwd ms | eager fwd+bwd ms | peak GiB | first call s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| goal | eager fwd ms | eager fwd+bwd ms | host fwd / fwd+bwd us (JIT launch) | peak GiB | first call s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|"]
     for s, r in result["shapes"].items():
         for m, e in r["methods"].items():
             goal = GOALS.get((s, m))
             if "error" in e:
-                lines.append(f"| {s} | {m} | failed: {e['error'][:60]} | | | | | | | | | | |")
+                lines.append(f"| {s} | {m} | failed: {e['error'][:60]} | | | | | | | | | | | |")
                 continue
             graphed = [f"{e[k]:.0f}" if k in e else "-" for k in ("graph_forward_tflops", "graph_forward_backward_tflops")]
             rates = kernel_rates(e, r["forward_flops"])
             kern = [f"{x:.0f}" for x in rates] if rates else ["-", "-"]
+            host = "-"
+            if "host_forward" in e:
+                host = f"{e['host_forward']['host_us']:.0f} / {e['host_forward_backward']['host_us']:.0f}"
+                if "host_forward_jit_launch" in e:
+                    host += (f" ({e['host_forward_jit_launch']['host_us']:.0f} / "
+                             f"{e['host_forward_backward_jit_launch']['host_us']:.0f})")
             lines.append(
                 f"| {s} | {m} | {e['forward_tflops']:.0f} | {e['forward_backward_tflops']:.0f} | {graphed[0]} | {graphed[1]} | "
                 f"{kern[0]} | {kern[1]} | {f'{goal[0]} / {goal[1]}' if goal else ''} | {e['forward_ms']:.3f} | "
-                f"{e['forward_backward_ms']:.3f} | {e['peak_extra_gib']:.2f} | "
+                f"{e['forward_backward_ms']:.3f} | {host} | {e.get('peak_extra_gib', 0):.2f} | "
                 f"{e['first_forward_s'] + e['first_forward_backward_s']:.1f} |")
     return "\n".join(lines)
 

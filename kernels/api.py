@@ -1,15 +1,18 @@
 """The public entry points: check jagged inputs once, then hand them to the chosen backend.
 
-Shape, dtype and device checks are free and always run. Checking offset values (monotone, in
-range, within ``max_len``) needs one device-to-host read; it runs unless ``validate=False`` (for
-callers that checked the batch once upstream and call many layers on it) and is skipped inside
-``torch.compile``, where no value can be read while tracing.
+Shape, dtype and device checks cost O(1) host work and always run (one combined test on the
+common path; the checks that name the bad argument only when it fails). Checking offset values
+(monotone, in range, within ``max_len``) needs one device-to-host read: it runs unless
+``validate=False``, once per offsets tensor and version (the result is kept on the tensor, so the
+layers of a model called on one batch read it back once), and is skipped inside
+``torch.compile``, where no value can be read while tracing. With ``validate=False`` and
+``max_len`` given, a call never waits for the device.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +25,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_TRITON_HEAD_DIM = 256
 
 
-@dataclass(frozen=True, slots=True)
-class _Checked:
+class _Checked(NamedTuple):
+    # A NamedTuple, not a frozen dataclass: built on every call, and a tuple is cheaper to build.
     k_offsets: torch.Tensor
     max_q_len: int
     """Bound on query lengths that sizes the launch grid (the batch's own maximum when it was read)."""
@@ -74,7 +77,62 @@ def _check_offset_values(name: str, offsets: torch.Tensor, total: int, rows_of: 
     return shortest, longest
 
 
+_OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def _meta_ok(q, k, v, q_offsets, k_offsets) -> bool:
+    """Whether CUDA inputs pass every shape, dtype and device check, in one expression.
+
+    The common case costs a few attribute reads instead of the ~40 Python-level checks that
+    name the first bad argument; those run only when this says no (or for CPU tensors, whose
+    devices ``get_device`` does not tell apart).
+    """
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T) and isinstance(q_offsets, T)):
+        return False
+    qs, ks = q.shape, k.shape
+    dt = q.dtype
+    dev = q.get_device()
+    if not (len(qs) == 3 and len(ks) == 3 and ks == v.shape and qs[1:] == ks[1:] and dt in _DTYPES
+            and k.dtype is dt and v.dtype is dt and dev >= 0 and k.get_device() == dev and v.get_device() == dev
+            and q_offsets.dim() == 1 and q_offsets.numel() >= 1 and q_offsets.dtype in _OFFSET_DTYPES
+            and q_offsets.get_device() == dev):
+        return False
+    if k_offsets is None:
+        return ks[0] == qs[0]
+    return (isinstance(k_offsets, T) and k_offsets.dim() == 1 and k_offsets.numel() == q_offsets.numel()
+            and k_offsets.dtype in _OFFSET_DTYPES and k_offsets.get_device() == dev)
+
+
+# Offsets already validated, kept on the offsets tensor like the block counts: (version, rows,
+# max_len, min and max length). A model's layers on one batch then read the offsets back once.
+_VALIDATED = "_coplan_validated"
+
+
+def _validated_lengths(name: str, offsets: torch.Tensor, total: int, rows_of: str, max_len: int | None) -> int:
+    """The longest sample in ``offsets`` after checking it, reading the device once per offsets version."""
+    hit = getattr(offsets, _VALIDATED, None)
+    if hit is not None and hit[0] == offsets._version and hit[1] == total and hit[2] == max_len:
+        return hit[3]
+    _, longest = _check_offset_values(name, offsets, total, rows_of, max_len)
+    if not (offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
+        setattr(offsets, _VALIDATED, (offsets._version, total, max_len, longest))
+    return longest
+
+
 def _check(q, k, v, q_offsets, k_offsets, max_len, validate: bool) -> _Checked:
+    if _meta_ok(q, k, v, q_offsets, k_offsets) and (max_len is None or (type(max_len) is int and max_len >= 0)):
+        if k_offsets is None:
+            k_offsets = q_offsets
+        if not validate and max_len is not None:
+            return _Checked(k_offsets, max_len, max_len)
+    else:
+        k_offsets = _check_meta(q, k, v, q_offsets, k_offsets, max_len)
+    return _check_values(q, k, q_offsets, k_offsets, max_len, validate)
+
+
+def _check_meta(q, k, v, q_offsets, k_offsets, max_len) -> torch.Tensor:
+    """Shape, dtype and device checks that name the first bad argument; returns the key offsets."""
     _check_tensor("q", q, "[total_q, heads, head_dim]")
     _check_tensor("k", k, "[total_k, heads, head_dim]")
     _check_tensor("v", v, "[total_k, heads, head_dim]")
@@ -101,7 +159,11 @@ def _check(q, k, v, q_offsets, k_offsets, max_len, validate: bool) -> _Checked:
                                    "both must describe the same batch (batch + 1 entries)")
     if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0):
         raise JaggedInputError(f"max_len must be a non-negative int or None; got {max_len!r}")
+    return k_offsets
 
+
+def _check_values(q, k, q_offsets, k_offsets, max_len, validate: bool) -> _Checked:
+    """Bounds for the launch grid; with ``validate``, the offsets' values too (once per offsets version)."""
     if torch.compiler.is_compiling():
         if max_len is None:
             raise JaggedInputError("max_len is required under torch.compile: it sizes the launch grid without "
@@ -114,11 +176,11 @@ def _check(q, k, v, q_offsets, k_offsets, max_len, validate: bool) -> _Checked:
             if q_offsets.numel() > 1 else torch.zeros(2)
         max_q, max_k = (int(x) for x in lengths.tolist())
         return _Checked(k_offsets, max_q, max_k)
-    _, max_q = _check_offset_values("q_offsets", q_offsets, q.shape[0], "q", max_len)
+    max_q = _validated_lengths("q_offsets", q_offsets, q.shape[0], "q", max_len)
     if k_offsets is q_offsets:
         max_k = max_q
     else:
-        _, max_k = _check_offset_values("k_offsets", k_offsets, k.shape[0], "k", max_len)
+        max_k = _validated_lengths("k_offsets", k_offsets, k.shape[0], "k", max_len)
     return _Checked(k_offsets, max_q, max_k)
 
 

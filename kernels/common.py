@@ -67,10 +67,18 @@ _ACTIVATION_ALIASES = {
 }
 
 
+# Exact spellings, looked up before any string work: parsing runs on every call.
+_ACTIVATION_SPELLINGS = {**{a.value: a for a in Activation}, **_ACTIVATION_ALIASES}
+_BACKEND_SPELLINGS = {b.value: b for b in Backend}
+
+
 def parse_activation(value: str | Activation) -> Activation:
     """``value`` as an :class:`Activation`, or a :class:`JaggedInputError` listing the choices."""
     if isinstance(value, Activation):
         return value
+    hit = _ACTIVATION_SPELLINGS.get(value) if type(value) is str else None
+    if hit is not None:
+        return hit
     key = str(value).lower()
     try:
         return _ACTIVATION_ALIASES.get(key) or Activation(key)
@@ -83,6 +91,9 @@ def parse_backend(value: str | Backend) -> Backend:
     """``value`` as a :class:`Backend`, or a :class:`JaggedInputError` listing the choices."""
     if isinstance(value, Backend):
         return value
+    hit = _BACKEND_SPELLINGS.get(value) if type(value) is str else None
+    if hit is not None:
+        return hit
     try:
         return Backend(str(value).lower())
     except ValueError:

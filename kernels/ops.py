@@ -121,16 +121,21 @@ jagged_gdpa.register_autograd(_gdpa_backward, setup_context=_gdpa_setup_context)
 # ---- eager (no custom-op dispatch) ---------------------------------------------------------
 
 
+# The non-tensor arguments travel as one tuple: `Function.apply` inspects every argument it is
+# given, and the backward returns one None per argument.
+
+
 class _SoftmaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale):
+    def forward(ctx, q, k, v, q_offsets, k_offsets, params):
+        max_q_len, max_k_len, causal, scale = params
         counts = block_counts(q_offsets, k_offsets)
         out, lse = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                                      causal=causal, scale=scale, activation=None, counts=counts)
         # The same tensors as the custom op saves; the block counts (int32 [4, batch + 1]) are
         # the forward's own intermediates and ride on ctx.
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
-        ctx.params = (max_q_len, max_k_len, causal, scale)
+        ctx.params = params
         ctx.counts = counts
         return out
 
@@ -142,18 +147,19 @@ class _SoftmaxFunction(torch.autograd.Function):
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, q_offsets, k_offsets, max_q_len=max_q_len,
                                         max_k_len=max_k_len, causal=causal, scale=scale, activation=None,
                                         counts=ctx.counts)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 class _GdpaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale, activation):
+    def forward(ctx, q, k, v, q_offsets, k_offsets, params):
+        max_q_len, max_k_len, causal, scale, out_scale, activation = params
         counts = block_counts(q_offsets, k_offsets)
         out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                                    causal=causal, scale=scale, activation=activation, out_scale=out_scale,
                                    counts=counts)
         ctx.save_for_backward(q, k, v, q_offsets, k_offsets)
-        ctx.params = (max_q_len, max_k_len, causal, scale, out_scale, activation)
+        ctx.params = params
         ctx.counts = counts
         return out
 
@@ -165,7 +171,7 @@ class _GdpaFunction(torch.autograd.Function):
         dq, dk, dv = attention_backward(grad_out, q, k, v, None, None, q_offsets, k_offsets, max_q_len=max_q_len,
                                         max_k_len=max_k_len, causal=causal, scale=scale, activation=activation,
                                         out_scale=out_scale, counts=ctx.counts)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -176,7 +182,7 @@ def eager_softmax_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, 
                             max_q_len: int, max_k_len: int, causal: bool, scale: float) -> Tensor:
     """What ``torch.ops.coplan.jagged_softmax_attention(...)[0]`` computes, with its gradients, for eager calls."""
     if _needs_grad(q, k, v):
-        return _SoftmaxFunction.apply(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale)
+        return _SoftmaxFunction.apply(q, k, v, q_offsets, k_offsets, (max_q_len, max_k_len, causal, scale))
     out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                                causal=causal, scale=scale, activation=None)
     return out
@@ -186,8 +192,8 @@ def eager_gdpa(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Te
                max_k_len: int, causal: bool, scale: float, out_scale: float, activation: Activation) -> Tensor:
     """What ``torch.ops.coplan.jagged_gdpa(...)`` computes, with its gradients, for eager calls."""
     if _needs_grad(q, k, v):
-        return _GdpaFunction.apply(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale,
-                                   activation)
+        return _GdpaFunction.apply(q, k, v, q_offsets, k_offsets,
+                                   (max_q_len, max_k_len, causal, scale, out_scale, activation))
     out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                                causal=causal, scale=scale, activation=activation, out_scale=out_scale)
     return out

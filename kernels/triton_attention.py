@@ -17,6 +17,7 @@ lengths, so it runs once per bucket.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import weakref
 
@@ -544,6 +545,10 @@ _fwd_tuned = _tuned("fwd", _fwd_kernel)
 _dq_tuned = _tuned("dq", _bwd_dq_kernel)
 _dkdv_tuned = _tuned("dkdv", _bwd_dkdv_kernel)
 
+# Triton reads TRITON_INTERPRET when a kernel is decorated, so whether these kernels are
+# interpreted is fixed at import: read it once here, not on every call.
+INTERPRETED = type(_fwd_kernel).__name__ == "InterpretedFunction"
+
 # Without autotuning each kernel runs one fixed config: under the interpreter (nothing to time;
 # small blocks so that tests of a few dozen tokens cross several blocks, with both block-size
 # orders), or when COPLAN_KERNELS_AUTOTUNE=0 (GPU tests, which would otherwise tune every
@@ -554,7 +559,7 @@ UNTUNED_CONFIGS: dict[str, tuple[int, int, int, int]] = {}
 
 
 def _fixed_config(kind: str, head_dim: int) -> tuple[int, int, int, int] | None:
-    if interpreting():
+    if INTERPRETED:
         return INTERPRETER_CONFIGS[kind]
     if os.environ.get("COPLAN_KERNELS_AUTOTUNE", "1") == "0":
         if kind in UNTUNED_CONFIGS:
@@ -569,24 +574,124 @@ def _fixed_config(kind: str, head_dim: int) -> tuple[int, int, int, int] | None:
 # per-call argument hashing. Its own cache still decides (and is the one tests count).
 _CHOSEN: dict[tuple, dict] = {}
 
+# ---- direct launches -------------------------------------------------------------------------
+#
+# `kernel[grid](...)` goes through Triton's JIT dispatch on every call: it binds ~35 arguments,
+# computes their specialisation (dtype, 16-byte alignment, ints equal to 1 or divisible by 16),
+# stringifies the options into a cache key and checks the kernel's globals. On a short batch that
+# host work is a sizeable part of a call (three launches per forward + backward). Here the
+# compiled kernel that the JIT path returned is kept, keyed by everything that decides Triton's
+# specialisation for these launchers: the config and constants, the device, the dtypes, the exact
+# values of every specialised int argument (strides, heads), and the alignment of every tensor,
+# launches with unaligned tensors always take the JIT path. The next call with the same key
+# calls the kernel's launcher directly, with the arguments in signature order as the JIT path
+# passes them. Any surprise (another Triton API, a launch hook set by a profiler) falls back to
+# the JIT path for good. COPLAN_KERNELS_DIRECT_LAUNCH=0 turns it off.
 
-def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: list, consts: dict, dtypes: tuple) -> None:
+DIRECT_LAUNCH = not INTERPRETED and os.environ.get("COPLAN_KERNELS_DIRECT_LAUNCH", "1") != "0"
+_COMPILED: dict[tuple, tuple] = {}
+"""key -> (compiled kernel, constexpr values in signature order)."""
+_LAYOUT: dict[int, tuple] = {}
+"""id(kernel) -> (getter of the specialised int arguments, names of the constexpr parameters)."""
+_COMPILED_LIMIT = 512  # distinct keys kept; past it the table starts over (only JIT calls again)
+
+
+def _device_and_stream() -> tuple[int, int]:
+    """The current CUDA device and the raw handle of its current stream, as Triton's own launch reads them."""
+    try:
+        device = torch._C._cuda_getDevice()
+        return device, torch._C._cuda_getCurrentRawStream(device)
+    except AttributeError:  # private names gone in another torch: the public (slower) spelling
+        device = torch.cuda.current_device()
+        return device, torch.cuda.current_stream(device).cuda_stream
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a profiler (e.g. Proton) asked Triton to call hooks around launches: then launch through Triton.
+
+    Triton 3.6/3.7 keep the hooks as a chain with a ``calls`` list; older ones as None or a function.
+    """
+    runtime = triton.knobs.runtime
+    return any(getattr(h, "calls", h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def _layout(plain, args: list) -> tuple:
+    """Which positional arguments Triton specialises on by value (ints not in do_not_specialize),
+    and the names of the constexpr parameters that follow them, read from the kernel's own
+    parameter list once per kernel."""
+    hit = _LAYOUT.get(id(plain))
+    if hit is None:
+        params = plain.params
+        spec = tuple(i for i, (p, a) in enumerate(zip(params, args))
+                     if not p.is_constexpr and not p.do_not_specialize and isinstance(a, int))
+        tail = tuple(p.name for p in params[len(args):])
+        if any(not p.is_constexpr for p in params[len(args):]):
+            raise TypeError("a non-constexpr parameter is passed by keyword")
+        getter = operator.itemgetter(*spec) if len(spec) > 1 else (lambda a, i=spec[0]: (a[i],))
+        hit = _LAYOUT[id(plain)] = (getter, tail)
+    return hit
+
+
+def _direct_key(kind: str, plain, args: list, consts: tuple, cfg: tuple, dtypes: tuple, aligned: bool):
+    if not (DIRECT_LAUNCH and aligned):
+        return None
+    getter, _ = _layout(plain, args)
+    device, stream = _device_and_stream()
+    return (kind, id(plain), device, cfg, consts, dtypes, getter(args)), device, stream
+
+
+def _run(kind: str, plain, grid0: int, args: list, consts: dict, cfg: tuple, dtypes: tuple, aligned: bool) -> None:
+    """Launch ``plain`` on ``grid0`` programs with config ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages)."""
+    global DIRECT_LAUNCH
+    bm, bn, warps, stages = cfg
+    try:
+        found = _direct_key(kind, plain, args, tuple(consts.values()), cfg, dtypes, aligned)
+    except Exception:  # noqa: BLE001  (an unexpected kernel object: never try again)
+        DIRECT_LAUNCH = False
+        found = None
+    if found is not None:
+        key, device, stream = found
+        hit = _COMPILED.get(key)
+        if hit is not None and not _launch_hooks_set():
+            kernel, tail = hit
+            kernel.run(grid0, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+            return
+    kernel = plain[(grid0,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if found is not None:
+        try:
+            _, tail_names = _layout(plain, args)
+            every = dict(consts, BLOCK_M=bm, BLOCK_N=bn)
+            tail = tuple(every[n] for n in tail_names)
+            kernel.function, kernel.packed_metadata, kernel.run  # noqa: B018  (the attributes a direct launch uses)
+            if len(_COMPILED) >= _COMPILED_LIMIT:
+                _COMPILED.clear()
+            _COMPILED[found[0]] = (kernel, tail)
+        except Exception:  # noqa: BLE001  (another Triton's kernel object: keep the JIT path)
+            DIRECT_LAUNCH = False
+
+
+def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: list, consts: dict, dtypes: tuple,
+            aligned: bool = False) -> None:
     """Launch one kernel over every block of ``rows`` jagged rows: at most cdiv(rows, block) + batch
-    blocks per head (a sample's last block may be partial); programs past the real count exit."""
+    blocks per head (a sample's last block may be partial); programs past the real count exit.
+
+    ``aligned``: every tensor in ``args`` starts on a 16-byte boundary (the condition for a direct launch).
+    """
     fixed = _fixed_config(kind, consts["HEAD_DIM"])
     if fixed is not None:
-        bm, bn, warps, stages = fixed
-        n_blocks = triton.cdiv(rows, bn if kind == "dkdv" else bm) + batch
-        plain[(n_blocks * heads,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        n_blocks = triton.cdiv(rows, fixed[1] if kind == "dkdv" else fixed[0]) + batch
+        _run(kind, plain, n_blocks * heads, args, consts, fixed, dtypes, aligned)
         return
-    block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     key = (kind, *args[-3:], *consts.values(), *dtypes)
     chosen = _CHOSEN.get(key)
     if chosen is None:
+        block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
         tuned[lambda meta: ((triton.cdiv(rows, meta[block]) + batch) * heads,)](*args, **consts)
-        _CHOSEN[key] = tuned.best_config.all_kwargs()
+        best = tuned.best_config
+        chosen = _CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
         return
-    plain[((triton.cdiv(rows, chosen[block]) + batch) * heads,)](*args, **consts, **chosen)
+    n_blocks = triton.cdiv(rows, chosen[1] if kind == "dkdv" else chosen[0]) + batch
+    _run(kind, plain, n_blocks * heads, args, consts, chosen, dtypes, aligned)
 
 
 # --------------------------------------------------------------------------------------------
@@ -603,6 +708,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _head_dim_padded(d: int) -> int:
     return max(16, next_power_of_2(d))
+
+
+_POWERS_OF_TWO = frozenset(1 << i for i in range(4, 9))  # head dims the kernels take as they are
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_f32(device: torch.device) -> torch.Tensor:
+    """An empty fp32 tensor standing for a row-statistics argument that GDPA never reads (no allocation per call)."""
+    t = _EMPTY.get(device)
+    if t is None:
+        t = _EMPTY[device] = torch.empty((0, 0), dtype=torch.float32, device=device)
+    return t
 
 
 def _prepare(x: torch.Tensor, d_pad: int) -> torch.Tensor:
@@ -637,8 +754,45 @@ def block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torc
     return cum[0], cum[1]
 
 
-def _keys(batch: int, max_q_len: int, max_k_len: int) -> list[int]:
-    return [prev_power_of_2(batch), next_power_of_2(max_q_len), next_power_of_2(max_k_len)]
+_KEYS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+
+
+def _keys(batch: int, max_q_len: int, max_k_len: int) -> tuple[int, int, int]:
+    """Autotune buckets: previous power of two of the batch, next powers of two of the maximum lengths."""
+    hit = _KEYS.get((batch, max_q_len, max_k_len))
+    if hit is None:
+        if len(_KEYS) > 4096:
+            _KEYS.clear()
+        hit = _KEYS[(batch, max_q_len, max_k_len)] = (prev_power_of_2(batch), next_power_of_2(max_q_len),
+                                                      next_power_of_2(max_k_len))
+    return hit
+
+
+_CONSTS: dict[tuple, dict] = {}
+
+
+def _consts(activation: Activation | None, causal: bool, d_pad: int, dtype: torch.dtype) -> dict:
+    """The kernels' compile-time constants for one call, built once per combination (they are
+    only read, never changed, by the launchers)."""
+    key = (activation, causal, d_pad, dtype)
+    hit = _CONSTS.get(key)
+    if hit is None:
+        softmax = activation is None
+        hit = _CONSTS[key] = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code,
+                                  CAUSAL=bool(causal), HEAD_DIM=d_pad, FAST=not INTERPRETED,
+                                  PRECISION=_dot_precision(dtype))
+    return hit
+
+
+_I32_MAX = 2**31 - 1
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Every tensor starts on a 16-byte boundary (what Triton specialises pointers on)."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return bits & 15 == 0
 
 
 def attention_forward(
@@ -653,24 +807,31 @@ def attention_forward(
     total_q, heads, d = q.shape
     batch = q_offsets.numel() - 1
     softmax = activation is None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((heads, total_q) if softmax else (0, 0), dtype=torch.float32, device=q.device)
+    device = q.device
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=device) if softmax else _unused_f32(device)
     if total_q == 0 or batch == 0 or max_q_len == 0:
         return out, lse
-    d_pad = _head_dim_padded(d)
-    qp, kp, vp = (_prepare(x, d_pad) for x in (q, k, v))
-    op = out if d_pad == d else torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=q.device)
+    (sqt, sqh, sqd), (skt, skh, skd), (svt, svh, svd) = q.stride(), k.stride(), v.stride()
+    if d in _POWERS_OF_TWO and sqd == 1 and skd == 1 and svd == 1:
+        d_pad, qp, kp, vp, op = d, q, k, v, out  # the common case: nothing to copy or pad
+    else:
+        d_pad = _head_dim_padded(d)
+        qp, kp, vp = (_prepare(x, d_pad) for x in (q, k, v))
+        op = out if d_pad == d else torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=device)
+        (sqt, sqh, _), (skt, skh, _), (svt, svh, _) = qp.stride(), kp.stride(), vp.stride()
     cum_q, _ = counts if counts is not None else block_counts(q_offsets, k_offsets)
+    sot, soh, _ = op.stride()
+    tensors = (qp, kp, vp, op, lse, q_offsets, k_offsets, cum_q)
     args = [
-        qp, kp, vp, op, lse, q_offsets, k_offsets, cum_q,
-        qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), op.stride(0), op.stride(1),
-        total_q, batch, heads, scale * LOG2E if softmax else scale, out_scale,
+        *tensors, sqt, sqh, skt, skh, svt, svh, sot, soh,
+        total_q, batch, heads, float(scale * LOG2E if softmax else scale), float(out_scale),
         *_keys(batch, max_q_len, max_k_len),
     ]
-    consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
-                  HEAD_DIM=d_pad, FAST=not interpreting(), PRECISION=_dot_precision(q.dtype))
+    consts = _consts(activation, causal, d_pad, q.dtype)
     dtypes = (q.dtype, q_offsets.dtype, k_offsets.dtype)
-    _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts, dtypes)
+    aligned = DIRECT_LAUNCH and total_q <= _I32_MAX and _aligned(*tensors)
+    _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts, dtypes, aligned)
     if op is not out:
         out.copy_(op[..., :d])
     return out, lse
@@ -682,7 +843,11 @@ def attention_backward(
     *, max_q_len: int, max_k_len: int, causal: bool, scale: float,
     activation: Activation | None, out_scale: float = 1.0, counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV. Softmax needs the forward's output ``o`` and ``lse``; GDPA needs neither."""
+    """dQ, dK, dV. Softmax needs the forward's output ``o`` and ``lse``; GDPA needs neither.
+
+    Two launches: dQ (which for softmax also computes delta = rowsum(dO * O) from the tiles of dO
+    and O it loads anyway, and stores it for the next kernel), then dK/dV, which reads delta.
+    """
     total_q, heads, d = q.shape
     total_k = k.shape[0]
     batch = q_offsets.numel() - 1
@@ -691,42 +856,46 @@ def attention_backward(
         # No query sees any key: every gradient is zero.
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros(k.shape, dtype=k.dtype, device=k.device),
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    d_pad = _head_dim_padded(d)
-    qp, kp, vp, dop = (_prepare(x, d_pad) for x in (q, k, v, do))
+    device = q.device
+    d_pad = d if d in _POWERS_OF_TWO else _head_dim_padded(d)
+    if d_pad == d and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and do.stride(2) == 1:
+        qp, kp, vp, dop = q, k, v, do  # the common case: nothing to copy or pad
+    else:
+        qp, kp, vp, dop = (_prepare(x, d_pad) for x in (q, k, v, do))
     padded = d_pad != d
-    dqp = torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=q.device) if padded else dq
-    dk = torch.empty((total_k, heads, d_pad), dtype=k.dtype, device=k.device)
-    dv = torch.empty((total_k, heads, d_pad), dtype=v.dtype, device=v.device)
+    dq = torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=device)
+    dk = torch.empty((total_k, heads, d_pad), dtype=k.dtype, device=device)
+    dv = torch.empty((total_k, heads, d_pad), dtype=v.dtype, device=device)
     if softmax:
         op = _prepare(o, d_pad)
-        delta = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+        delta = torch.empty((heads, total_q), dtype=torch.float32, device=device)
         lse_t = lse
     else:
         op = qp  # unread when MODE is ACTIVATION
-        delta = lse_t = torch.empty((0, 0), dtype=torch.float32, device=q.device)
+        delta = lse_t = _unused_f32(device)
     cum_q, cum_k = counts if counts is not None else block_counts(q_offsets, k_offsets)
     keys = _keys(batch, max_q_len, max_k_len)
-    consts = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code, CAUSAL=causal,
-                  HEAD_DIM=d_pad, FAST=not interpreting(), PRECISION=_dot_precision(q.dtype))
-    qk_scale = scale * LOG2E if softmax else scale
-    ds_scale = scale if softmax else scale * out_scale
+    consts = _consts(activation, causal, d_pad, q.dtype)
+    qk_scale = float(scale * LOG2E if softmax else scale)
+    ds_scale = float(scale if softmax else scale * out_scale)
+    (sqt, sqh, _), (skt, skh, _), (svt, svh, _) = qp.stride(), kp.stride(), vp.stride()
+    # dq, dk and dv are fresh contiguous [rows, H, d_pad] tensors: one pair of strides serves all three.
+    (sot, soh, _), (sdot, sdoh, _), (sgt, sgh, _) = op.stride(), dop.stride(), dq.stride()
+    dtypes = (q.dtype, do.dtype, q_offsets.dtype, k_offsets.dtype)
+    aligned = (DIRECT_LAUNCH and max(total_q, total_k) <= _I32_MAX
+               and _aligned(qp, kp, vp, op, dop, lse_t, q_offsets, k_offsets, cum_q, cum_k))
     dq_args = [
-        qp, kp, vp, op, dop, dqp, lse_t, delta, q_offsets, k_offsets, cum_q,
-        qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), op.stride(0), op.stride(1),
-        dop.stride(0), dop.stride(1), dqp.stride(0), dqp.stride(1), total_q,
+        qp, kp, vp, op, dop, dq, lse_t, delta, q_offsets, k_offsets, cum_q,
+        sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sgt, sgh, total_q,
         batch, heads, qk_scale, ds_scale, *keys,
     ]
-    dtypes = (q.dtype, q_offsets.dtype, k_offsets.dtype)
-    _launch("dq", _dq_tuned, _bwd_dq_kernel, total_q, batch, heads, dq_args, consts, dtypes)
+    _launch("dq", _dq_tuned, _bwd_dq_kernel, total_q, batch, heads, dq_args, consts, dtypes, aligned)
     dkdv_args = [
         qp, kp, vp, dop, dk, dv, lse_t, delta, q_offsets, k_offsets, cum_k,
-        qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
-        dop.stride(0), dop.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), total_q,
-        batch, heads, qk_scale, ds_scale, 1.0 if softmax else out_scale, *keys,
+        sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sgt, sgh, sgt, sgh, total_q,
+        batch, heads, qk_scale, ds_scale, float(1.0 if softmax else out_scale), *keys,
     ]
-    _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, total_k, batch, heads, dkdv_args, consts, dtypes)
+    _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, total_k, batch, heads, dkdv_args, consts, dtypes, aligned)
     if padded:
-        dq.copy_(dqp[..., :d])
-        dk, dv = dk[..., :d].contiguous(), dv[..., :d].contiguous()
+        dq, dk, dv = dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :d].contiguous()
     return dq, dk, dv

@@ -19,7 +19,7 @@ from ._util import DEVICE, HAS_CUDA, TOLERANCE, assert_close, forward_backward, 
 
 OPS = ["softmax", "silu", "gelu_tanh", "relu", "relu_squared", "identity"]
 MAX_LEN = 40  # crosses two 16-row blocks under the interpreter, so every tile kind is exercised
-EXAMPLES = 25 if HAS_CUDA else 4
+EXAMPLES = 16 if HAS_CUDA else 4
 HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 LOW_PRECISION = torch.bfloat16 if HAS_CUDA else torch.float16
 
@@ -196,7 +196,7 @@ def test_autograd_saves_nothing_quadratic(op):
 
 def test_autotune_keys_are_bucketed():
     # Batches of 33..63 samples and maxima of 513..1024 tokens share one tuning.
-    assert ta._keys(33, 600, 1000) == ta._keys(63, 1024, 513) == [32, 1024, 1024]
+    assert ta._keys(33, 600, 1000) == ta._keys(63, 1024, 513) == (32, 1024, 1024)
     assert ta._keys(64, 600, 1000) != ta._keys(63, 600, 1000)
 
 
