@@ -11,6 +11,7 @@ the unsharded reference then compute the same function).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -125,6 +126,15 @@ def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
 
 
+def _op_range(module: nn.Module, op: str):
+    """The op range ``<module.name>.<op>`` in eager mode. Inside a compiled region the profiler ranges
+    are dropped anyway, and reading the layer's name there would make every layer its own compiled
+    variant (the name is a guarded constant): one compilation then serves all layers of a kind."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return record_function(f"{module.name}.{op}")
+
+
 class FFN(nn.Module):
     """Two-matrix feed-forward network with SiLU; ``name`` prefixes its op ranges (``ffn_up``, ``ffn_down``)."""
 
@@ -135,9 +145,9 @@ class FFN(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with record_function(f"{self.name}.ffn_up"):
+        with _op_range(self, "ffn_up"):
             x = F.silu(self.up(x))
-        with record_function(f"{self.name}.ffn_down"):
+        with _op_range(self, "ffn_down"):
             return self.down(x)
 
 
@@ -197,32 +207,31 @@ class InterFormerLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, offsets: torch.Tensor, summary: torch.Tensor, ctx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.name
         total, batch = h.shape[0], offsets.numel() - 1
         seg = segment_ids(offsets, total)
-        with record_function(f"{n}.norm_act"):
+        with _op_range(self, "norm_act"):
             gamma, beta = self.film(ctx).chunk(2, dim=-1)
             x = torch.addcmul(expand_segments(beta, seg, offsets), self.norm1(h), expand_segments(1.0 + gamma, seg, offsets))
-        with record_function(f"{n}.qkv"):
+        with _op_range(self, "qkv"):
             q, k, v = self.qkv(x).view(total, 3, self.heads, self.head_dim).unbind(1)
-        with record_function(f"{n}.gdpa"):
+        with _op_range(self, "gdpa"):
             a = jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal, max_len=self.max_len,
                                  scale=self.scale, out_scale=self.out_scale, backend=self.backend)
-        with record_function(f"{n}.attn_out"):
+        with _op_range(self, "attn_out"):
             h = h + self.out(a.reshape(total, self.inner))
-        with record_function(f"{n}.norm_act"):
+        with _op_range(self, "norm_act"):
             x = self.norm2(h)
         h = h + self.ffn(x)
         if self.num_summary:
             s = self.num_summary
-            with record_function(f"{n}.summary_q"):
+            with _op_range(self, "summary_q"):
                 qs = self.summary_q(self.summary_norm(summary)).reshape(batch * s, self.heads, self.head_dim)
-            with record_function(f"{n}.summary_attn"):
+            with _op_range(self, "summary_attn"):
                 q_off = torch.arange(batch + 1, device=offsets.device, dtype=offsets.dtype) * s
                 a_s = jagged_attention(qs, k, v, q_off, offsets, attn=self.attn, causal=False,
                                        max_len=max(self.max_len, s), scale=self.scale, out_scale=self.out_scale,
                                        backend=self.backend)
-            with record_function(f"{n}.summary_out"):
+            with _op_range(self, "summary_out"):
                 summary = summary + self.summary_out(a_s.reshape(batch, s, self.inner))
         return h, summary
 
@@ -244,17 +253,16 @@ class KunlunLayer(nn.Module):
         self.ffn = FFN(d, int(round(block.ffn_multiplier * d)), name)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        n = self.name
         b, t, _ = z.shape
-        with record_function(f"{n}.norm_act"):
+        with _op_range(self, "norm_act"):
             x = self.norm1(z)
-        with record_function(f"{n}.qkv"):
+        with _op_range(self, "qkv"):
             q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        with record_function(f"{n}.attn"):
+        with _op_range(self, "attn"):
             a = dense_attention(q, k, v, attn=self.attn, scale=self.scale, out_scale=self.out_scale)
-        with record_function(f"{n}.attn_out"):
+        with _op_range(self, "attn_out"):
             z = z + self.out(a.transpose(1, 2).reshape(b, t, self.inner))
-        with record_function(f"{n}.norm_act"):
+        with _op_range(self, "norm_act"):
             x = self.norm2(z)
         return z + self.ffn(x)
 
