@@ -397,7 +397,8 @@ def analyze(root: Path) -> dict:
     if not fit_names:
         out["error"] = "no calibration run finished"
         return out
-    cal, res, fit_rs = calibrate([runs[n][0] for n in fit_names], force=True, host=True)
+    cal, res, fit_rs = calibrate([runs[n][0] for n in fit_names], force=True, host=True,
+                                 prepared=[runs[n][1] for n in fit_names])
     out["calibration"] = cal.model_dump(mode="json")
     hf = fit_host_launch_cost(fit_rs, res)
     out["host_fit"] = None if hf is None else {

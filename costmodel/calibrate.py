@@ -374,17 +374,18 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
 
 
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host_gaps: bool = False,
-              host: bool = False) -> tuple[Calibration, FitResult, list[RunSamples]]:
+              host: bool = False, prepared: Sequence[RunSamples] | None = None) -> tuple[Calibration, FitResult, list[RunSamples]]:
     """Fit a Calibration to the runs; all must come from one device unless ``force``.
 
     ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times (module
     docstring) when their summaries have them, and add it to every class's launch overhead; the
     ``fit_error`` stays that of the device-time fit (per op, without ``h``). ``host_gaps``: per-op
-    samples include the GPU idle time they ended.
+    samples include the GPU idle time they ended. ``prepared``: the runs' :func:`run_samples`, already
+    read (same order as ``run_dirs``), to save parsing their traces again.
     """
     if not run_dirs:
         raise CalibrationError("give at least one run directory")
-    runs = [run_samples(d, rank=rank, force=force, host_gaps=host_gaps) for d in run_dirs]
+    runs = list(prepared) if prepared is not None else [run_samples(d, rank=rank, force=force, host_gaps=host_gaps) for d in run_dirs]
     devices = sorted({r.device for r in runs})
     if len(devices) > 1 and not force:
         raise CalibrationError(f"the runs come from different devices {devices}; calibrate each device separately (or --force)")
