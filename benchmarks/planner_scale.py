@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "planner_scale.json"))
     args = ap.parse_args()
     rows = []
+    commit = _git_commit()  # at the start: other commits may land while it runs
     for case in args.cases.split(","):
         wl, topo, gpus = CASES[case]
         w, t = load_workload(wl), load_topology(topo)
@@ -74,7 +75,7 @@ def main() -> int:
         "benchmark": "planner_scale", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu_count": os.cpu_count(), "cores_available": available_cores(), "platform": platform.platform(),
                     "python": platform.python_version(), "load_average": os.getloadavg()},
-        "command": " ".join(["python", *sys.argv]), "git_commit": _git_commit(), "settings": vars(args), "rows": rows,
+        "command": " ".join(["python", *sys.argv]), "git_commit": commit, "settings": vars(args), "rows": rows,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=1) + "\n")

@@ -264,6 +264,7 @@ def main() -> int:
     from coplan.spec import load_topology, load_workload
 
     topology = load_topology(args.topology)
+    args.commit = _git_commit()  # at the start: other commits may land while it runs
     prev = {}
     if args.previous:
         for r in json.loads(Path(args.previous).read_text())["rows"]:
@@ -337,7 +338,7 @@ def _write(args, rows) -> None:
         "benchmark": "planner_torchrec", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "load_average": os.getloadavg()},
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "git_commit": _git_commit(),
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "git_commit": args.commit,
         "versions": _versions(), "topology": args.topology, "rows": rows,
         "metric": "TorchRec EmbeddingPerfEstimator + NoopPerfModel: max over ranks of summed shard perf (ms); lower is better",
     }
