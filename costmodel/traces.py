@@ -225,6 +225,7 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append(e)
     on_device = any(k.get("cat") == "kernel" for k in kernels)
+    n_windows = len(windows) if on_device else 0  # profiled steps, before touching windows are merged
     windows = _merge(windows) if on_device else []
     # cost-model op ranges win over hook ranges (TorchRec's "[lookup]" sits inside "sparse.tbe")
     op_index = {tid: _Ranges([x for x in r if x[2][1] != "hook"]) for tid, r in op_ranges.items()}
@@ -335,7 +336,7 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
     return TraceAttribution(
         path=path,
         on_device=on_device,
-        steps=max(len(windows) if windows else steps, 1),
+        steps=max(n_windows if windows else steps, 1),
         ops=ops,
         by_class_s={k: v * 1e-6 for k, v in sorted(by_class.items())},
         total_s=total * 1e-6,

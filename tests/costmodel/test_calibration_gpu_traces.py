@@ -82,3 +82,19 @@ def test_named_ranges_and_copy_classes():
     assert named_range("aten::mm") is None
     assert classify_kernel("Memcpy DtoD (Device -> Device)") == "elementwise"
     assert classify_kernel("Memcpy DtoH (Device -> Pageable)") == "transfer"
+
+
+def test_touching_step_windows_still_count_as_steps():
+    tr = _gpu_trace()
+    # a second profiled step whose device window overlaps the end of the first (they are merged)
+    tr["traceEvents"] += [
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#6", "ts": 1990, "dur": 510, "tid": 7, "args": {}},
+        {"ph": "X", "cat": "user_annotation", "name": "kunlun.0.qkv", "ts": 2100, "dur": 50, "tid": 1, "args": {}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2110, "dur": 2, "tid": 1, "args": {"correlation": 99}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_x", "ts": 2200, "dur": 100, "tid": 7, "args": {"correlation": 99}},
+    ]
+    att = attribute(tr)
+    assert att.steps == 2
+    assert att.window_s == pytest.approx(1500e-6)
+    assert att.total_s + att.idle_s == pytest.approx(att.window_s)
+    assert att.per_step()[("kunlun.0.qkv", "fwd")] == pytest.approx((300 + 100) * 1e-6 / 2)
