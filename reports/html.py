@@ -151,6 +151,27 @@ _LOADER = """
       if (layout.meta && layout.meta.narrow) { merge(layout, layout.meta.narrow); }
     }
   }
+  // A horizontal legend under the plot (legend.yref 'container') takes room from the plot: Plotly reserves it
+  // and, when the bottom margin did not already hold it, draws the figure a second time. Estimate its rows the
+  // way Plotly lays it out (one row if every item fits, else a grid of the widest item) and start the bottom
+  // margin there; layout.meta.axis_b (from _hint_margins) is the room the x axis itself takes.
+  function legendRoom(spec, width) {
+    var L = spec.layout, lg = L.legend || {};
+    var axisB = L.meta && L.meta.axis_b;
+    if (axisB === undefined || L.showlegend === false || lg.yref !== 'container' || lg.orientation !== 'h') { return; }
+    var fs = (lg.font && lg.font.size) || (L.font && L.font.size) || 12;
+    var items = spec.data.filter(function (t) { return t.showlegend !== false && t.name; }).map(function (t) {
+      return 40 + 0.55 * fs * String(t.name).replace(/<[^>]*>/g, '').length;
+    });
+    if (!items.length || (L.showlegend === undefined && items.length < 2)) { return; }
+    var m = L.margin = L.margin || {};
+    var avail = width - (m.l || 80) - (m.r || 80);
+    var rows = 1;
+    if (items.reduce(function (a, w) { return a + w + 5; }, 0) >= avail) {
+      rows = Math.ceil(items.length / Math.max(1, Math.floor(avail / (Math.max.apply(null, items) + 5))));
+    }
+    m.b = Math.max(m.b || 0, Math.ceil(axisB + rows * 1.9 * fs + 2));  // a row is 19.4 px at 11 px in Chromium
+  }
   var originals = {};
   function draw(block) {
     var id = block.dataset.figure;
@@ -164,6 +185,7 @@ _LOADER = """
       originals[id] = {title: spec.layout.title && spec.layout.title.text, t: spec.layout.margin && spec.layout.margin.t,
                        height: spec.layout.height, width: div.clientWidth || window.innerWidth};
       fitToWidth(spec.layout, div.clientWidth || window.innerWidth);
+      legendRoom(spec, div.clientWidth || window.innerWidth);
       var cfg = Object.assign({}, config, {toImageButtonOptions: {format: 'svg', filename: id}});
       return Plotly.newPlot(div, spec.data, spec.layout, cfg).then(function () {
         var t3 = performance.now();
@@ -317,9 +339,10 @@ def _payload(report: Report) -> _Payload:
 _PX_PER_CHAR = 0.55
 """Width of an average character of tick-label text, as a fraction of the font size (generous for the system
 UI fonts: DejaVu Sans, Segoe UI, San Francisco are 0.48-0.55)."""
+_X_AXIS_BOTTOM_PX = 62
+"""Bottom margin an x axis with one line of tick labels and a title takes at font size 12 (Chromium)."""
 _X_TITLE_BOTTOM_PX = 84
-"""Bottom margin an x axis with one line of tick labels and a title needs at font size 12 (Plotly's
-automargin gives 82 in Chromium)."""
+"""... and with one row of legend under it (Plotly's automargin gives 82)."""
 
 
 def _hint_margins(layout: dict, data: list[dict]) -> None:
@@ -341,6 +364,17 @@ def _hint_margins(layout: dict, data: list[dict]) -> None:
     if any(k.startswith("x") and ax.get("side", "bottom") == "bottom" and (ax.get("title") or {}).get("text")
            and ax.get("showticklabels", True) is not False for k, ax in axes.items()):
         m["b"] = max(int(m.get("b", 0)), _X_TITLE_BOTTOM_PX)
+        # what the axis alone takes; the loader adds the legend's rows, which depend on the window's width
+        meta = layout.setdefault("meta", {})
+        if isinstance(meta, dict):
+            meta["axis_b"] = _X_AXIS_BOTTOM_PX
+    # a tick label at the right end of an x axis sticks out by half its width
+    for k, ax in axes.items():
+        vals, text, rng = ax.get("tickvals"), ax.get("ticktext"), ax.get("range")
+        if k.startswith("x") and vals and text and isinstance(rng, list) and len(rng) == 2 and rng[1] > rng[0]:
+            if max(vals) >= rng[1] - 0.02 * (rng[1] - rng[0]):
+                half = 0.55 * size * len(str(text[vals.index(max(vals))])) / 2
+                m["r"] = max(int(m.get("r", 0)), int(16 + half + 1))
     layout["margin"] = m
 
 
