@@ -207,19 +207,30 @@ def torchrec_plan_limited(wname: str, topo_name: str, world: int, batch: int, ti
         return {**json.loads(path.read_text()), "cached": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)}
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
+    import resource
+
     ctx = mp.get_context("fork")
     proc = ctx.Process(target=_torchrec_child, args=(wname, topo_name, world, batch, timeout_s, str(tmp)))
     t0 = time.perf_counter()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc.start()
     proc.join(wall_limit_s)
-    if proc.is_alive():
+    killed = proc.is_alive()
+    if killed:
         proc.kill()
         proc.join()
-        return {"error": f"did not finish in {wall_limit_s:.0f} s (killed)", "wall_s": time.perf_counter() - t0}
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # the child's CPU time (a loaded machine stretches wall time, not this)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    if killed:
+        return {"error": f"did not finish in {wall_limit_s:.0f} s wall (killed)", "wall_s": time.perf_counter() - t0, "cpu_s": cpu}
     if proc.exitcode != 0 or not tmp.exists():
-        return {"error": f"TorchRec planner exited with code {proc.exitcode}", "wall_s": time.perf_counter() - t0}
+        return {"error": f"TorchRec planner exited with code {proc.exitcode}", "wall_s": time.perf_counter() - t0, "cpu_s": cpu}
     tmp.replace(path)
-    return json.loads(path.read_text())
+    got = json.loads(path.read_text())
+    got["cpu_s"] = cpu
+    path.write_text(json.dumps(got))
+    return got
 
 
 def coplan_plan(workload, topology, world: int, dtime: float):
@@ -297,7 +308,7 @@ def main() -> int:
                         _log(f"{wname} @ {world}: rating TorchRec's plan...")
                         t0 = time.perf_counter()
                         rated = rate_plan(got["plan"], w, topology, world, batch)
-                        row["torchrec"] = {"wall_s": got["wall_s"], **rated, "kinds": _kinds(got["plan"]),
+                        row["torchrec"] = {"wall_s": got["wall_s"], "cpu_s": got.get("cpu_s"), **rated, "kinds": _kinds(got["plan"]),
                                            "rating_s": time.perf_counter() - t0, **({"cached": got["cached"]} if "cached" in got else {})}
             except Exception as e:  # TorchRec raises PlannerError when nothing fits
                 row["torchrec"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
