@@ -14,7 +14,9 @@ For each workload's tables (dlrm-856, gem-1t) and world size (64, 512, 4,096 ran
    ``NoopPerfModel``: the maximum over ranks of the summed shard perf, the figure TorchRec's planner
    itself minimises; ``EmbeddingStorageEstimator`` checks the HBM of each.
 
-Both planners' wall time is reported. Run: ``python benchmarks/planner_torchrec.py [--quick]``;
+Both planners' wall and CPU times are reported (TorchRec's in a child process killed after
+``--torchrec-wall-limit``; its plan is cached as JSON so coplan's side can be re-run against it).
+Run: ``python benchmarks/planner_torchrec.py [--workloads W] [--worlds N,...]``;
 results go to ``benchmarks/results/planner_torchrec.json``.
 """
 
