@@ -207,7 +207,9 @@ def start(job: Job, args) -> None:
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--runs-root", str(job.run_dir.parent), "--run-id", job.run_dir.name, "--data", str(job.data), "--no-progress",
            "--trace", f"{args.steps - args.trace_steps}:{args.steps}", "--checkpoint-every", "-1",
-           "--log-every", str(args.steps)]
+           "--log-every", str(args.steps),
+           # eager layers: a compiled region drops the profiler's op ranges the calibration attributes by
+           "--compile", "off"]
     if job.run_dir.exists():
         shutil.rmtree(job.run_dir)
     job.log_path = job.run_dir.parent / f"{job.run_dir.name}.log"
