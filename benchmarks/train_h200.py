@@ -10,15 +10,16 @@ the batch's longest history (up to 4,096) and holds fp32 ``[batch, heads, L, L]`
 samples one such tensor is 34 GB per layer, so its run uses ``--reference-batch`` samples per step
 (default 8); MFU and tokens/s are per-step rates and stay comparable.
 
-Cases (``--cases``, run in this order, each skipped once the ``--timeout`` budget is spent):
+Cases (``--cases``, run in this order, each skipped when too little of the ``--timeout`` budget is
+left; a trainer launch costs ~35-60 s on the H200 before its first step):
 
 - ``triton``: the trainer as it runs by default (Triton attention; MoE experts as grouped GEMMs with
   no host sync; fused AdamW);
-- ``triton-baseline``: the same with ``--moe-grouped off --fused-optimizer off`` (per-expert GEMMs
-  whose split sizes are read back to the host every step, foreach AdamW): the A/B of those switches;
 - ``reference``: the PyTorch reference attention;
 - ``triton-compile``: ``triton`` plus ``--compile layers`` (regional torch.compile of the InterFormer
-  and Kunlun layers, dynamic shapes), with more warm-up steps for the compilation.
+  and Kunlun layers, dynamic shapes), with 2 more warm-up steps for the compilation;
+- ``triton-baseline``: ``triton`` with ``--moe-grouped off --fused-optimizer off`` (per-expert GEMMs
+  whose split sizes are read back to the host every step, foreach AdamW): the A/B of those switches.
 
 Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per case the measured local MFU,
 tokens/s, step-time p50/p90, peak memory, where the time went in the profiled steps (the Kineto
@@ -37,6 +38,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -193,10 +195,11 @@ def _by_block(ops, steps: int) -> dict:
 
 CASES = {  # name -> (attention backend, extra trainer arguments, extra warm-up steps)
     "triton": ("triton", [], 0),
-    "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off"], 0),
     "reference": ("reference", [], 0),
     "triton-compile": ("triton", ["--compile", "layers"], 2),
+    "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off"], 0),
 }
+MIN_CASE_S = 45  # below this a launch cannot reach its measured steps: skip the case instead
 
 
 def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str] | None = None, *,
@@ -210,19 +213,24 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
            "--log-every", str(steps), *(extra or [])]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     t0 = time.monotonic()
+    limit = timeout or args.timeout
+    # its own session, so that a timeout kills torchrun's workers too (they would hold the GPU)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or args.timeout, env=env,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"") + (e.stderr or b"")
-        tail = out.decode(errors="replace") if isinstance(out, bytes) else str(out)
-        return {"ok": False, "error": f"timed out after {timeout or args.timeout:.0f} s", "wall_s": time.monotonic() - t0,
-                "command": cmd, "log_tail": tail[-5000:]}
+        log, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        _kill_run(proc)
+        try:  # helpers outside the group (Inductor's compile workers) may hold the pipe open a while
+            log, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            log = "(log lost: the pipe stayed open after the kill)"
+        return {"ok": False, "error": f"timed out after {limit:.0f} s", "wall_s": time.monotonic() - t0,
+                "command": cmd, "log_tail": (log or "")[-5000:]}
     wall = time.monotonic() - t0
     run_dir = args.runs_root / run_id
     if proc.returncode != 0:
         return {"ok": False, "returncode": proc.returncode, "wall_s": wall, "command": cmd,
-                "log_tail": (proc.stdout + proc.stderr)[-5000:]}
+                "log_tail": (log or "")[-5000:]}
     s = load_run_result(run_dir / "summary.json")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     measured = [x for x in lines if warmup <= x["step"] < steps - args.trace_steps]
@@ -255,6 +263,32 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
     return out
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _kill_run(proc: subprocess.Popen) -> None:
+    """Kill a timed-out torchrun and its workers: torchrun starts each worker in a session of its
+    own, so killing torchrun's group alone would leave them running (and holding the GPU)."""
+    workers = _children(proc.pid)
+    for pid in [proc.pid, *workers]:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # each is the leader of a group this script started
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
@@ -277,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-steps", type=int, default=2)
     p.add_argument("--reference-batch", type=int, default=8, help="samples per step of the reference-attention run")
     p.add_argument("--data-batches", type=int, default=12, help="distinct global batches generated (steps cycle over them)")
-    p.add_argument("--cases", "--backends", dest="cases", default="triton,triton-baseline,reference,triton-compile",
+    p.add_argument("--cases", "--backends", dest="cases", default=",".join(CASES),
                    help=f"comma-separated, from {sorted(CASES)}")
     p.add_argument("--runs-root", type=Path, default=Path("runs/bench"))
-    p.add_argument("--timeout", type=int, default=230,
-                   help="seconds for all cases together (a case is skipped when under 25 s are left)")
+    p.add_argument("--timeout", type=int, default=240,
+                   help=f"seconds for all cases together (a case is skipped when under {MIN_CASE_S} s are left)")
     p.add_argument("--case-timeout", type=int, default=120, help="seconds for one case at most")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
     p.add_argument("--reanalyze", nargs=2, metavar=("BACKEND", "TRACE"), default=None,
@@ -339,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for case in cases:
         left = args.timeout - (time.monotonic() - t0)
-        if left < 25:
+        if left < MIN_CASE_S:
             results[case] = {"ok": False, "skipped": f"time budget spent ({left:.0f} s left of --timeout {args.timeout})"}
             _log(f"{case}: skipped, {left:.0f} s left")
             write()

@@ -5,8 +5,10 @@ small elementwise, norm and cast kernels per layer, each a Python op and a launc
 them into a few kernels per layer. The layers' hooks (FSDP2's gather and reduce, activation
 checkpointing's wrapper) stay outside the compiled code, as they are for eager layers, and the
 module tree, parameter names and checkpoints do not change. History lengths change the token count
-every step, so the regions are compiled with dynamic shapes (one compilation per layer, not one per
-batch). The Triton attention is a custom op with a fake implementation: Inductor calls it as is.
+every step, so the regions are compiled with dynamic shapes: one compilation per layer kind (the op
+ranges read no layer name when compiling, see ``layers._op_range``), not one per batch or per layer.
+The profiler ranges inside a compiled region are dropped, so its kernels are unattributed in traces.
+The Triton attention is a custom op with a fake implementation: Inductor calls it as is.
 The MoE layer stays eager (its grouped GEMM and routing are already few kernels).
 """
 
@@ -28,8 +30,6 @@ def apply_compile(dense: nn.Module, enabled: bool) -> list[str]:
         if isinstance(layer, (InterFormerLayer, KunlunLayer)):
             layer.forward = torch.compile(layer.forward, dynamic=True)
             done.append(name)
-    # one compiled variant per layer (each layer's op-range names are constants of its code)
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(done) + 8)
     return done
 
 
