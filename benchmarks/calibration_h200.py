@@ -19,21 +19,22 @@ pair  fit (T)    held out (H)                                    factors varied 
 3     d512 L6    L6                                              width: T3 | H2,H4; depth: T3,T6 | H3
 4     rc noMoE   rc d768                                         recompute: T4 | H4
 5     ref b8     ref b8 h512                                     attention: T5 | H5
-6     noMoE b32 L2  noMoE h1536                                  MoE off: T4,T6 | H6
+6     noMoE b32 L2  noMoE h1536                               MoE off: T4,T6 | H6
 ====  =========  ==============================================  ==========================
 
 What is compared. *Measured step*: the run's p50 step time from CUDA events over the steps between
 warm-up and the profiled window (``summary.json``). *Predicted step*: the pricer's step time for the
 variant's plan (``coplan.costmodel.calibrate.predict_step_time``: what ``coplan plan`` would say), on
-the measured length moments of those steps, (i) with the topology's default efficiencies, (ii) with the
-calibration fitted on the T half, and (iii) (ii) times one step-level factor fitted on the T half
-(median measured/predicted), which stands for the step's work the cost model has no op for on one GPU
-(FSDP2's hooks, TorchRec's input distribution, the data wait) and the profiler's own host cost in the
-traced steps the calibration is fitted from. Per op class: the held-out runs' traced time (kernels and
-the GPU idle time their launches ended, see ``coplan.costmodel.traces``) against the roofline under
-each set of efficiencies, summed per class.
+the measured length moments of those steps, (i) ``default``: the topology's default efficiencies;
+(ii) ``calibrated``: the calibration fitted on the T half with ``host=True``: efficiencies fitted to
+device time, plus a host cost per priced launch fitted to the T half's measured steps (see
+``coplan.costmodel.calibrate``). Three readings outside the cost model, for context: ``device_only``
+(the device fit without the host cost), ``max_form`` (max of the device step and priced launches × h',
+h' fitted on the T half) and ``device_factor`` (the device step times the T half's median
+measured/device ratio). Per op class: the runs' traced device time per (op, phase) against the
+roofline under the default and the fitted efficiencies, summed per class.
 
-    python benchmarks/calibration_h200.py --budget-s 400                       # on the 2-GPU H200 host
+    python benchmarks/calibration_h200.py --budget-s 420                       # on the 2-GPU H200 host
     python benchmarks/calibration_h200.py --analyze runs/calib                 # re-run the analysis only
     python benchmarks/calibration_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2 \\
         --trace-steps 2 --budget-s 600 --runs-root /tmp/calib-smoke            # CPU smoke test
