@@ -44,23 +44,26 @@ logging.getLogger("torchrec").setLevel(logging.ERROR)
 logging.disable(logging.WARNING)
 
 
-def build_module(workload):
-    """The tables as the trainer lays them out: ``sparse.ebc`` (pooled) and ``sparse.ecs.ec_d<dim>``."""
+def build_module(workload, only: set[str] | None = None):
+    """The tables as the trainer lays them out: ``sparse.ebc`` (pooled) and ``sparse.ecs.ec_d<dim>``
+    (``only``: just these tables)."""
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     dt = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16, "int8": DataType.INT8}
-    pooled = [t for t in workload.all_tables if t.feature_kind == "pooled"]
-    seq = [t for t in workload.all_tables if t.feature_kind == "sequence"]
+    tables = [t for t in workload.all_tables if only is None or t.name in only]
+    pooled = [t for t in tables if t.feature_kind == "pooled"]
+    seq = [t for t in tables if t.feature_kind == "sequence"]
 
     class Sparse(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ebc = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows, feature_names=[t.name],
-                                           data_type=dt[t.dtype]) for t in pooled],
-                device=torch.device("meta"),
-            )
+            if pooled:
+                self.ebc = EmbeddingBagCollection(
+                    tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows, feature_names=[t.name],
+                                               data_type=dt[t.dtype]) for t in pooled],
+                    device=torch.device("meta"),
+                )
             groups: dict[int, list] = {}
             for t in seq:
                 groups.setdefault(t.dim, []).append(t)
@@ -151,6 +154,7 @@ def rate_plan(sharding_plan, workload, topology, world: int, batch: int) -> dict
         by_table.setdefault(o.name, []).append(o)
     perf = [0.0] * world
     hbm = [0.0] * world
+    on_rank: dict[int, list] = {}
     for name, opts in by_table.items():
         want = kinds[name]
         cand = [o for o in opts if o.sharding_type == want]
@@ -165,8 +169,33 @@ def rate_plan(sharding_plan, workload, topology, world: int, batch: int) -> dict
         for s, r in zip(o.shards, rr):
             perf[r] += s.perf.total
             hbm[r] += s.storage.hbm
+            on_rank.setdefault(r, []).append((name, want, s.perf.total))
+    top = max(range(world), key=lambda r: perf[r])
     return {"max_rank_perf_ms": max(perf), "mean_rank_perf_ms": sum(perf) / world, "max_rank_hbm_bytes": max(hbm),
-            "fits": max(hbm) <= topology.gpu.hbm_bytes}
+            "fits": max(hbm) <= topology.gpu.hbm_bytes,
+            # what the slowest rank holds, largest first (where the max comes from)
+            "max_rank_shards": sorted(([n, k, p] for n, k, p in on_rank.get(top, [])), key=lambda x: -x[2])[:8]}
+
+
+def least_largest_shard(workload, topology, world: int, batch: int, names: list[str]) -> dict[str, list]:
+    """For each named table, over every option TorchRec's enumerator offers (the sharding types both
+    planners may use), the least possible perf of the table's largest shard: whatever plan either
+    planner makes, some rank holds a shard of that table at least this costly, so the max over ranks is
+    at least the largest of these (a lower bound for any plan, by TorchRec's own estimator)."""
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+
+    topo = torchrec_topology(topology, world, batch)
+    cons = {k: v for k, v in constraints_for(workload).items() if k in names}
+    enum = EmbeddingEnumerator(topology=topo, batch_size=batch, constraints=cons,
+                               estimator=[EmbeddingPerfEstimator(topo, cons), EmbeddingStorageEstimator(topo, cons)])
+    options = enum.enumerate(build_module(workload, only=set(names)), sharders())
+    out: dict[str, list] = {}
+    for o in options:
+        largest = max(s.perf.total for s in o.shards)
+        if o.name not in out or largest < out[o.name][1]:
+            out[o.name] = [o.sharding_type, largest, len(o.shards)]
+    return out
 
 
 def torchrec_plan(workload, topology, world: int, batch: int, timeout_s: int):
@@ -326,6 +355,15 @@ def main() -> int:
                                  "cp_sat_status": res.status, "coplan_gap": res.gap}
             except Exception as e:
                 row["coplan"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            if "max_rank_shards" in row["coplan"]:
+                # the judge's own floor for any plan: the tables on coplan's slowest rank cannot be
+                # sharded into a smaller largest shard than this, whoever plans them
+                try:
+                    names = sorted({n for n, _, _ in row["coplan"]["max_rank_shards"][:3]})
+                    lb = least_largest_shard(w, topology, world, batch, names)
+                    row["any_plan_lower_bound"] = {"least_largest_shard": lb, "max_rank_perf_ms_at_least": max(v[1] for v in lb.values())}
+                except Exception as e:
+                    row["any_plan_lower_bound"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             if "max_rank_perf_ms" in row["torchrec"] and "max_rank_perf_ms" in row["coplan"]:
                 row["coplan_vs_torchrec"] = row["torchrec"]["max_rank_perf_ms"] / row["coplan"]["max_rank_perf_ms"] - 1.0
             print(json.dumps({k: v for k, v in row.items()}), flush=True)
