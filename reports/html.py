@@ -146,8 +146,10 @@ _LOADER = """
     if (width < NARROW_PX) {
       layout.font = layout.font || {};
       layout.font.size = Math.min(layout.font.size || 12, 11);
-      // a left margin above the default was sized for the labels (_hint_margins): keep it
-      if (layout.margin) { layout.margin.l = (layout.margin.l || 60) > 60 ? layout.margin.l : 44; layout.margin.r = 8; }
+      // a left margin above the default was sized for the labels (_hint_margins): keep it, unless the
+      // figure's narrow overrides shrink those labels (then automargin sizes it for the smaller font)
+      var n = layout.meta && layout.meta.narrow, smallerY = !!(n && n.yaxis && n.yaxis.tickfont);
+      if (layout.margin) { layout.margin.l = (layout.margin.l || 60) > 60 && !smallerY ? layout.margin.l : 44; layout.margin.r = 8; }
       if (layout.meta && layout.meta.narrow) { merge(layout, layout.meta.narrow); }
     }
   }
