@@ -176,7 +176,19 @@ def host_table(path: Path) -> dict:
         ms = sum(c["dur"] for c in top) / n / 1e3
         if ms > 0.5:
             busy[str(tid)] = ms
+    # single host ops of over a millisecond that are not waits (e.g. cuBLAS planning a GEMM of a new shape)
+    slow = []
+    for c in cpu:
+        if c["dur"] > 1000 and c["name"].startswith("aten::") and inside(c):
+            kids = [e for e in rt if e["tid"] == c["tid"] and c["ts"] <= e["ts"] and e["ts"] + e["dur"] <= c["ts"] + c["dur"]]
+            waited = sum(e["dur"] for e in kids if e in syncs)
+            if c["dur"] - waited > 1000 and not any(d is not c and d["name"].startswith("aten::") and d["tid"] == c["tid"]
+                                                    and c["ts"] <= d["ts"] and d["ts"] + d["dur"] <= c["ts"] + c["dur"]
+                                                    and d["dur"] > 1000 for d in cpu):
+                slow.append(c)
     return {
+        "slow_host_ops_ms_per_step": sum(c["dur"] for c in slow) / n / 1e3,
+        "slow_host_ops": sorted(({"op": c["name"], "ms": c["dur"] / 1e3} for c in slow), key=lambda d: -d["ms"])[:12],
         "launches_per_step": launches / n,
         "blocking_syncs_per_step": len(syncs) / n,
         "sync_wait_ms_per_step": sum(e["dur"] for e in syncs) / n / 1e3,
@@ -319,15 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case-timeout", type=int, default=120, help="seconds for one case at most")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
     p.add_argument("--reanalyze", nargs=2, metavar=("BACKEND", "TRACE"), default=None,
-                   help="add the per-kernel table of a saved trace (.json or .json.gz) to --out's BACKEND entry, then stop")
+                   help="add the per-kernel and host tables of a saved trace (.json or .json.gz) to --out's BACKEND entry, then stop")
     args = p.parse_args(argv)
     if args.reanalyze:
         backend, trace = args.reanalyze
         res = json.loads(args.out.read_text())
         res["backends"][backend]["kernels"] = kernel_table(Path(trace))
+        res["backends"][backend]["host"] = host_table(Path(trace))
         res["backends"][backend]["kernels_from"] = str(trace)
         args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
-        print(json.dumps(res["backends"][backend]["kernels"], indent=1)[:3000])
+        print(json.dumps({k: res["backends"][backend][k] for k in ("host", "kernels")}, indent=1)[:4000])
         return 0
 
     w = load_workload(args.workload)
