@@ -267,9 +267,16 @@ def run_all(args) -> Path:
     root = args.runs_root
     root.mkdir(parents=True, exist_ok=True)
     cpu = args.device == "cpu"
-    pairs = VARIANTS[: args.pairs] if args.pairs else VARIANTS
+    first = max(1, args.pair_from) - 1
+    pairs = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
     manifest = {"workload": base.name, "topology": topo.name, "device": args.device, "steps": args.steps,
                 "warmup": args.warmup, "trace_steps": args.trace_steps, "variants": []}
+    # One GPU runs the pairs in several invocations (--pair-from) into one runs root: keep the
+    # variants an earlier invocation recorded that this one does not run again.
+    ours = {v.name for pair in pairs for v in pair}
+    old = root / "manifest.json"
+    if old.is_file():
+        manifest["variants"] = [e for e in json.loads(old.read_text()).get("variants", []) if e.get("name") not in ours]
     # plans and datasets first: variants with the same inputs and batch share one dataset
     jobs: list[list[Job]] = []
     datasets: dict[tuple[str, int], Path] = {}
@@ -573,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-steps", type=int, default=2, help="the last steps, run under the profiler")
     p.add_argument("--data-batches", type=int, default=8, help="distinct batches generated per dataset (steps cycle)")
     p.add_argument("--pairs", type=int, default=0, help="run only the first N pairs (0: all 6)")
+    p.add_argument("--pair-from", type=int, default=1,
+                   help="start at this pair (1-based); earlier pairs already in --runs-root's manifest are kept")
     p.add_argument("--runs-root", type=Path, default=Path("runs/calib"))
     p.add_argument("--port", type=int, default=29610, help="master ports start above this")
     p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole invocation")
