@@ -36,7 +36,7 @@ def test_basic_bundle_for_scatter_and_bar_when_versions_match():
         assert b.name == "full" and plotlyjs.BASIC_VERSION in b.reason
         pytest.skip(f"installed plotly writes for plotly.js {plotlyjs.full_version()}; vendored basic is {plotlyjs.BASIC_VERSION}")
     assert b.name == "basic" and b.js.startswith("/**\n* plotly.js (basic - minified)")
-    assert len(b.js) < len(plotlyjs.plotly.offline.get_plotlyjs()) / 3
+    assert len(b.js) < len(plotly.offline.get_plotlyjs()) / 3
 
 
 @pytest.mark.parametrize("types,prefer,why", [
