@@ -94,3 +94,27 @@ def test_decomposed_recompute_choice_uses_the_frontier():
         (l.peak_bytes for l, on in zip(p.layers, r.assignment.recompute) if on), default=0.0)
     t = sum(l.recompute_s for l, on in zip(p.layers, r.assignment.recompute) if on)
     assert t <= front.least_time(freed - 1e-6) + 1e-12  # no set freeing as much is cheaper
+
+
+@pytest.mark.parametrize("seed", [0, 3, 8, 13])
+def test_break_lumps_never_worsens_and_keeps_capacity(seed):
+    """The local search on the tables that set a maximum only accepts changes that lower the step,
+    and only placements that fit; from a plan with every table whole on one rank it finds a better one
+    when splitting the largest table is worth it."""
+    from coplan.planner.pricing import Assignment
+    from coplan.planner.solver import break_lumps
+
+    p = synthetic_pricing(10, 8, 4, 3, seed, capacity=60e9, base_bytes=20e9)
+    a = heuristic_any(p)
+    b = break_lumps(p, a)
+    ea, eb = evaluate(p, a), evaluate(p, b)
+    assert eb.step_time_s <= ea.step_time_s and eb.peak_bytes <= p.capacity_bytes
+    # every table table-wise, all on rank 0 (room enough for that): a maximum that splitting or
+    # moving tables removes
+    q = synthetic_pricing(10, 8, 4, 3, seed, capacity=10e12, base_bytes=20e9)
+    tw = [next(i for i, o in enumerate(opts) if o.sharding_type == "table_wise") for opts in q.options]
+    lump = Assignment(tuple(tw), tuple((0,) for _ in tw), tuple(False for _ in q.layers))
+    assert evaluate(q, lump).peak_bytes <= q.capacity_bytes
+    c = break_lumps(q, lump)
+    assert evaluate(q, c).step_time_s < evaluate(q, lump).step_time_s
+    assert evaluate(q, c).peak_bytes <= q.capacity_bytes
