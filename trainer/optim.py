@@ -87,12 +87,13 @@ class Optimizers:
         self.fused = fused
 
     def step(self) -> None:
+        fresh = not any(self.dense.state.values())  # (a failed first step may leave initialised state behind)
         try:
             self.dense.step()
         except (RuntimeError, NotImplementedError) as e:
             # the fused kernels' coverage (DTensor shards, dtypes, devices) varies by torch build; before
-            # any state exists the foreach path can take over exactly, afterwards it is a real error
-            if not self.fused_dense or any(self.dense.state.values()):
+            # the first update the foreach path can take over exactly, afterwards it is a real error
+            if not self.fused_dense or not fresh:
                 raise
             self.fused_dense, self.fused_error = False, f"{type(e).__name__}: {e}"[:300]
             self.dense = _dense_optimizer(self._params, self._plan, fused=False)

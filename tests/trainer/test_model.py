@@ -166,4 +166,6 @@ def test_grouped_experts_match_the_loop_with_gradients():
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not res[1][2][1].any()  # the empty expert's weights get a zero gradient, not garbage
+    state = torch.get_rng_state()
     assert grouped_mm_works(torch.device("cpu"), torch.float32, 16, 24, 4)
+    assert torch.equal(state, torch.get_rng_state())  # the check leaves the run's (checkpointed) RNG alone

@@ -80,27 +80,36 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden:
         ok = False
         if hasattr(torch, "_grouped_mm"):
             try:
-                g = torch.Generator(device="cpu").manual_seed(0)
-                counts = [(3 * e + 5) % 11 for e in range(experts)]
-                counts[0] = 0
-                m = GroupedExperts(experts, dim, hidden).to(device=device, dtype=dtype)
-                x = torch.randn(sum(counts), dim, generator=g).to(device=device, dtype=dtype)
-                gy = torch.randn(sum(counts), dim, generator=g).to(device=device, dtype=dtype)
-                ends = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-                res = []
-                for kw in ({"counts": counts}, {"ends": ends}):
-                    xi = x.clone().requires_grad_(True)
-                    m.zero_grad(set_to_none=True)
-                    y = m(xi, **kw)
-                    y.backward(gy)
-                    res.append([t.float() for t in (y, xi.grad, m.w13.grad, m.w2.grad)])
-                tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
-                ok = all(torch.allclose(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()))
-                         for a, b in zip(*res))
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    ok = _grouped_matches_loop(device, dtype, dim, hidden, experts)
             except Exception:  # unsupported device, dtype or layout: the loop it is
                 ok = False
         _GROUPED_OK[key] = ok
     return _GROUPED_OK[key]
+
+
+def _grouped_matches_loop(device: torch.device, dtype: torch.dtype, dim: int, hidden: int, experts: int) -> bool:
+    # (the weights are drawn from the global generator, hence the caller's fork_rng: a run's RNG state
+    # is checkpointed and must not depend on this check)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    counts = [(3 * e + 5) % 11 for e in range(experts)]
+    counts[0] = 0
+    m = GroupedExperts(experts, dim, hidden).to(device=device, dtype=dtype)
+    x = torch.randn(sum(counts), dim, generator=g).to(device=device, dtype=dtype)
+    gy = torch.randn(sum(counts), dim, generator=g).to(device=device, dtype=dtype)
+    ends = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    res = []
+    for kw in ({"counts": counts}, {"ends": ends}):
+        xi = x.clone().requires_grad_(True)
+        m.zero_grad(set_to_none=True)
+        y = m(xi, **kw)
+        y.backward(gy)
+        res.append([t.float() for t in (y, xi.grad, m.w13.grad, m.w2.grad)])
+    tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return all(torch.allclose(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()))
+               for a, b in zip(*res))
+
+
 
 
 class SwiGLU(nn.Module):
