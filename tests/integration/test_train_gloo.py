@@ -10,13 +10,20 @@ Two named cases, each compared with the same model trained unsharded on one proc
   steps and stay close after; and a run stopped at step 10 and resumed must reproduce it exactly.
 
 Why two optimizers: the sharded and the single-process run add the same numbers in different
-orders (per-rank partial sums, then the reduce-scatter), so they differ by fp32 rounding (~1e-7).
-SGD carries that difference forward linearly: the 20-step curves agree to ~5e-7. Adam and Adagrad
-divide each gradient element by its own running magnitude, which turns rounding noise in
-near-zero gradient elements into learning-rate-sized steps; the gap then grows by ~2-4x a step
-after step ~8 (measured: 1e-7 at step 8, 1e-5 to 1e-4 by step 18). A real sharding bug shows up at
-once instead: summing instead of averaging a data-parallel table's gradient, for example, moved the
-loss by 1e-4 at step 1 with SGD.
+orders (per-rank partial sums, then the reduce-scatter), so they differ by fp32 rounding (~1e-7);
+with SGD the 20-step curves agree to ~5e-7. With the stock optimizers they agree to 1e-7 for 8 steps
+and then drift (1e-5 to 1e-4 by step 18), which misses the issue's 1e-5 over 20 steps:
+``test_stock_matches_single_process_over_20_steps`` is a strict xfail that records it.
+
+The drift is *not* explained by adaptive optimizers amplifying that rounding (measured 2026-11-29):
+the dense arch alone trained with AdamW, its gradient summed over two half batches vs computed over
+the whole batch, stays within 2e-7 over 20 steps (``tests/trainer/test_equivalence.py``); a single
+process whose dense gradients are perturbed by 1e-7 (relative) each step stays within 4e-7. It
+follows the sparse row-wise Adagrad: this module's ``fsdp_ep_stock`` plan with dense SGD (lr 0.05)
+and sparse row-wise Adagrad jumps to 4e-4 at step 3 (2e-2 by step 19), also with every table
+table-wise, while dense AdamW with sparse SGD (lr 0.1) reaches only ~1e-5 by step 19. FBGEMM's CPU row-wise Adagrad itself is exact and
+independent of the order of a batch's samples (checked against the formula by hand), so the cause
+is in how the sharded run feeds it; not found yet.
 """
 
 from __future__ import annotations
@@ -152,7 +159,13 @@ def test_stock_gem_tiny_trains_and_tracks_single_process(fsdp_ep_stock):
     a, b = losses(fsdp_ep_stock["sharded"]), losses(fsdp_ep_stock["reference"])
     assert falls(a), a
     np.testing.assert_allclose(a[:8], b[:8], rtol=0, atol=1e-5)
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)  # adaptive optimizers amplify rounding (module docstring)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)  # the drift after step 8 (module docstring)
+
+
+@pytest.mark.xfail(strict=True, reason="unexplained drift with sparse row-wise Adagrad (module docstring)")
+def test_stock_matches_single_process_over_20_steps(fsdp_ep_stock):
+    a, b = losses(fsdp_ep_stock["sharded"]), losses(fsdp_ep_stock["reference"])
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
 def test_resume_continues_exactly(fsdp_ep_stock):
