@@ -21,7 +21,8 @@ the whole batch, stays within 2e-7 over 20 steps (``tests/trainer/test_equivalen
 process whose dense gradients are perturbed by 1e-7 (relative) each step stays within 4e-7. It
 follows the sparse row-wise Adagrad: this module's ``fsdp_ep_stock`` plan with dense SGD (lr 0.05)
 and sparse row-wise Adagrad jumps to 4e-4 at step 3 (2e-2 by step 19), also with every table
-table-wise, while dense AdamW with sparse SGD (lr 0.1) reaches only ~1e-5 by step 19. FBGEMM's CPU row-wise Adagrad itself is exact and
+table-wise and also without expert parallelism or recompute, while dense AdamW with sparse SGD
+(lr 0.1) reaches only ~1e-5 by step 19. FBGEMM's CPU row-wise Adagrad itself is exact and
 independent of the order of a batch's samples (checked against the formula by hand), so the cause
 is in how the sharded run feeds it; not found yet.
 """
