@@ -24,10 +24,10 @@ table-wise and also without expert parallelism or recompute, while dense AdamW w
 (lr 0.1) reaches only ~1e-5 by step 19. That configuration is not chaotic: on one process, with
 every dense gradient multiplied by (1 + 1e-7·N(0,1)) at every step, it stays within 3e-6 of itself
 over the 20 steps. So the 2-rank run computes something different in its sparse path under
-row-wise Adagrad (most likely a bug: rounding-level noise, which reaches the sparse gradients from
-the next step on, does not produce it), not found yet; the first 3 steps agree to 1e-7 either way. FBGEMM's CPU row-wise Adagrad itself is exact and
+row-wise Adagrad: most likely a bug, since rounding-level noise (which reaches the sparse gradients
+from the next step on) does not produce it. FBGEMM's CPU row-wise Adagrad itself is exact and
 independent of the order of a batch's samples (checked against the formula by hand), so the cause
-is in how the sharded run feeds it; not found yet.
+is in how the sharded run feeds it; not found yet. The first 3 steps agree to 1e-7 either way.
 """
 
 from __future__ import annotations
