@@ -61,7 +61,8 @@ def _quant_rows_kernel(
 ):
     """Rows [pid·BLOCK_R, +BLOCK_R) of x: amax over all C, then q = x / s written with zero padding
     up to C_PAD. Two reads of the rows: a row of a GEMM operand (K ≤ tens of thousands) does not
-    fit in registers, and a second read hits L2 for the row block just read."""
+    fit in registers, and a second read hits L2 for the row block just read. One program per row
+    block: used where there are enough row blocks to fill the GPU (see :func:`quant_rows`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
@@ -71,8 +72,10 @@ def _quant_rows_kernel(
         m = rmask[:, None] & (cols[None, :] < C)
         v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    scale = tl.maximum(amax, 1e-12) / 448.0
-    inv = 1.0 / scale
+    # IEEE-rounded divisions: Triton's fp32 `/` is the approximate (2-ulp) division on NVIDIA
+    # GPUs, which made the scale differ from PyTorch's `amax / 448` in the last bit (and q with it).
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
+    inv = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), scale)
     tl.store(s_ptr + rows, scale, mask=rmask)
     for c0 in range(0, C_PAD, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
@@ -81,6 +84,47 @@ def _quant_rows_kernel(
         q = tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0)
         tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=rmask[:, None] & (cols[None, :] < C_PAD))
+
+
+@triton.jit
+def _amax_rows_partial_kernel(
+    x_ptr, p_ptr, R, C, stride_xr, stride_xc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STEPS: tl.constexpr,
+):
+    """Partial row amax of x over columns [pid_c·STEPS·BLOCK_C, +STEPS·BLOCK_C) into p[pid_c, rows]:
+    the first pass of the split row-wise quantisation (a 2-D grid, so that a long K, e.g. the
+    tokens of the weight gradient's operands, is spread over the whole GPU)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for i in range(STEPS):
+        cols = (pid_c * STEPS + i) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (cols[None, :] < C)
+        v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    tl.store(p_ptr + pid_c * R + rows, amax, mask=rmask)
+
+
+@triton.jit
+def _quant_rows_apply_kernel(
+    x_ptr, q_ptr, inv_ptr, R, C, C_PAD, stride_xr, stride_xc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One [BLOCK_R, BLOCK_C] tile of q = clamp(x · inv_row, ±448), zero past C up to C_PAD: the
+    second pass of the split row-wise quantisation."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < R
+    inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)
+    m = rmask[:, None] & (cols[None, :] < C)
+    v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0)
+    tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (cols[None, :] < C_PAD))
 
 
 @triton.jit
@@ -99,12 +143,12 @@ def _quant_tiles_kernel(
     v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
     if SQUARE:
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
-        q = tl.minimum(tl.maximum(v * (1.0 / scale), -448.0), 448.0)
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)  # IEEE, as PyTorch
+        q = tl.minimum(tl.maximum(v * tl.math.div_rn(1.0, scale), -448.0), 448.0)
         tl.store(s_ptr + pid_r * stride_sr + pid_c, scale)
     else:
-        scale = tl.maximum(amax, 1e-12) / 448.0
-        q = tl.minimum(tl.maximum(v * (1.0 / scale)[:, None], -448.0), 448.0)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
+        q = tl.minimum(tl.maximum(v * tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), scale)[:, None], -448.0), 448.0)
         tl.store(s_ptr + rows * stride_sr + pid_c, scale, mask=rmask)
     tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -122,12 +166,49 @@ def _check_2d(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(x.shape)}")
 
 
+def _split_rows(x: torch.Tensor, R: int, C: int) -> bool:
+    """Whether the row-wise quantisation takes the split (two-pass, 2-D grid) path: when one program
+    per row block would leave most SMs idle while each walks a long row. That is the weight
+    gradient's operands dYᵀ and Xᵀ (R = features, C = tokens): with one program per 64 rows, a
+    4096 x 61,000 operand ran on 64 programs, each reading 8 MB twice, the H200 measurement's
+    3.6 ms of extra backward time. The split costs a few small extra launches, so short rows keep
+    the single pass."""
+    if interpreting() or not x.is_cuda:
+        return False
+    block_r = 4 if x.stride(1) == 1 else 64
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return triton.cdiv(R, block_r) < 2 * sms and C >= 8192
+
+
+def _quant_rows_split(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, R: int, C: int, c_pad: int) -> None:
+    """Row-wise quantisation in two passes over a 2-D grid: partial amax per column chunk (Triton),
+    their max and the scale in PyTorch (the same IEEE ``amax / 448`` and ``1 / s`` as the
+    reference), then the quantisation of every tile (Triton)."""
+    if x.stride(1) == 1 and not interpreting():
+        block_r, block_c = 8, 256
+    else:  # a transposed view (rows contiguous) or the interpreter: square-ish tiles
+        block_r, block_c = (16, 32) if interpreting() else (64, 64)
+    steps = 1 if interpreting() else 8
+    n_c = triton.cdiv(C, block_c * steps)
+    part = torch.empty(n_c, R, device=x.device, dtype=torch.float32)
+    _amax_rows_partial_kernel[(triton.cdiv(R, block_r), n_c)](
+        x, part, R, C, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps, num_warps=4)
+    scale = part.amax(0).clamp_min_(AMAX_FLOOR).div_(E4M3_MAX)
+    s[:R, 0] = scale
+    inv = torch.reciprocal(scale)
+    _quant_rows_apply_kernel[(triton.cdiv(R, block_r), triton.cdiv(c_pad, block_c))](
+        x, q, inv, R, C, c_pad, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+
+
 def quant_rows(
     x: torch.Tensor, granule: int = 16, rows_granule: int = 1, out_dtype: torch.dtype = E4M3,
+    split: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantisation of a 2-D view (any strides): ``q [R, C]`` row-major and fp32 scales
     ``[R, 1]``, with C zero-padded to ``granule`` and R to ``rows_granule`` (padding rows: q = 0,
-    s = 1). ``granule=16`` is ``torch._scaled_mm``'s alignment of K (and of N, for the B operand)."""
+    s = 1). ``granule=16`` is ``torch._scaled_mm``'s alignment of K (and of N, for the B operand).
+    ``split``: force (True) or forbid (False) the two-pass path for long rows; None picks it on the
+    GPU where a program per row block would underfill the GPU (see :func:`_split_rows`)."""
     _check_2d(x, "quant_rows")
     R, C = x.shape
     c_pad, r_pad = padded(C, granule), padded(R, rows_granule)
@@ -137,6 +218,11 @@ def quant_rows(
         q[R:].view(torch.uint8).zero_()
         s[R:] = 1.0
     if R == 0:
+        return q.to(out_dtype), s
+    if split is None:
+        split = _split_rows(x, R, C)
+    if split:
+        _quant_rows_split(x, q, s, R, C, c_pad)
         return q.to(out_dtype), s
     if interpreting():
         block_r, block_c = 16, 32
