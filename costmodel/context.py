@@ -104,6 +104,22 @@ class Options:
     along the token dimension, or a weight's input dimension): an amax reduction pass, then a
     scale-cast-transpose pass (assumption: the reduction runs over a dimension that does not fit on chip)."""
 
+    fp8_call_overhead_fwd_s: float = 2.2e-4
+    """Fixed time per FP8 linear call in forward, beyond its GEMM and its quantisation bytes: the host
+    side of the quantisation kernels' launches, scale buffers, padding and ``torch._scaled_mm``'s
+    setup. Measured on the H200 (``benchmarks/results/fp8_h200.json``, 2026-11-29): median over the
+    shapes with M ≤ 2,688 (where the GPU work is negligible) of row-wise forward minus the fp8 GEMM
+    alone, 0.22 ms (range 0.15-0.40), against 0.01 ms for a whole bf16 forward. The pricing's
+    per-kernel launch term is the floor when this is set lower. Re-measure when the kernels change
+    (``tests/costmodel/test_fp8_pricing.py`` checks it against the committed measurement)."""
+
+    fp8_call_overhead_bwd_s: float = 8.3e-4
+    """The same for the backward of one FP8 linear call: median over the same shapes of row-wise
+    (forward+backward − forward) minus bf16's, 0.83 ms (range 0.55-1.13). Six quantisations and two
+    ``_scaled_mm`` per backward; at these sizes the step waits on the host for them (the end-to-end
+    gem-h200 run with interformer.0-3 in fp8 was +57% step time, ~+63 ms, which the per-shape
+    measurements account for: ~24 fp8 calls per step at 0.2-3.7 ms extra each)."""
+
 
 @dataclass(slots=True)
 class Context:
@@ -289,6 +305,22 @@ def _expected_max_length(dist, n: float) -> float:
     return float(vals[min(len(vals) - 1, int(np.searchsorted(c, q)))])
 
 
+def _expected_max_moments(dist, n: float) -> tuple[float, float]:
+    """(E[M], E[M²]) of M, the longest of n independent lengths: exact from the length's pmf
+    (P(M ≤ l) = P(L ≤ l)ⁿ); the quantile of :func:`_expected_max_length` squared when it has none."""
+    from coplan.costmodel.jagged import length_pmf
+
+    try:
+        vals, probs = length_pmf(dist)
+    except ValueError:  # a log-normal too wide for an explicit pmf
+        x = _expected_max_length(dist, n)
+        return x, x * x
+    cdf = np.minimum(1.0, np.cumsum(probs)) ** max(1.0, float(n))
+    pm = np.diff(np.concatenate(([0.0], cdf)))
+    v = vals.astype(np.float64)
+    return float((pm * v).sum()), float((pm * v * v).sum())
+
+
 @dataclass(frozen=True, slots=True)
 class OpArrays:
     """Per dense op, one micro-batch on a mean rank, for one (attention backend, per-layer precision)."""
@@ -388,9 +420,10 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         if o.op_class == "attention" and o.sequence is not None:
             if kernels.attention == "reference":
                 if o.sequence not in pad_len:
-                    pad_len[o.sequence] = _expected_max_length(w.sequence(o.sequence).length, n)
-                L = pad_len[o.sequence]
-                m1, m2 = L, L * L
+                    pad_len[o.sequence] = _expected_max_moments(w.sequence(o.sequence).length, n)
+                # padded to the batch's longest: the quadratic terms cost E[max²], which a heavy-tailed
+                # length distribution puts well above E[max]² (or the quantile's square)
+                m1, m2 = pad_len[o.sequence]
             elif kernels.attention == "flex":
                 # block-sparse masks compute whole 128-token tiles: L rounds up by ~64 on average
                 m2 = m2 + 128.0 * m1 + 64.0**2
@@ -465,8 +498,10 @@ def _price_fp8_quantisation(out: dict[str, np.ndarray], i: int, o: F.Op, act_byt
     out["fwd_quant_fixed_s"][i] = fw / bw
     out["bwd_quant_s"][i] = bq / bw
     out["bwd_quant_fixed_s"][i] = bwq / bw
-    out["fwd_launch_s"][i] += o.fwd_launches * 2 * k_row * launch
-    out["bwd_launch_s"][i] += o.fwd_launches * (k_row + 3 * k_col) * launch
+    # Per call: the measured fixed overhead, or the kernels' launch latency where that is larger.
+    ovh_f, ovh_b = ctx.options.fp8_call_overhead_fwd_s, ctx.options.fp8_call_overhead_bwd_s
+    out["fwd_launch_s"][i] += o.fwd_launches * max(2 * k_row * launch, ovh_f)
+    out["bwd_launch_s"][i] += o.fwd_launches * max((k_row + 3 * k_col) * launch, ovh_b)
     out["fwd_bytes"][i] += fq + fw
     out["bwd_bytes"][i] += bq + bwq
 
