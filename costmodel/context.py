@@ -109,8 +109,8 @@ class Options:
     side of the quantisation kernels' launches, scale buffers, padding and ``torch._scaled_mm``'s
     setup. Measured on the H200 (``benchmarks/results/fp8_h200.json``, 2026-11-29): median over the
     shapes with M ≤ 2,688 (where the GPU work is negligible) of row-wise forward minus the fp8 GEMM
-    alone, 0.22 ms (range 0.15-0.40), against 0.01 ms for a whole bf16 forward. The pricing's
-    per-kernel launch term is the floor when this is set lower. Re-measure when the kernels change
+    alone, 0.22 ms (range 0.15-0.40), against 0.01 ms for a whole bf16 forward; added to the
+    per-kernel launch terms. 0 turns it off. Re-measure when the kernels change
     (``tests/costmodel/test_fp8_pricing.py`` checks it against the committed measurement)."""
 
     fp8_call_overhead_bwd_s: float = 8.3e-4
@@ -498,10 +498,11 @@ def _price_fp8_quantisation(out: dict[str, np.ndarray], i: int, o: F.Op, act_byt
     out["fwd_quant_fixed_s"][i] = fw / bw
     out["bwd_quant_s"][i] = bq / bw
     out["bwd_quant_fixed_s"][i] = bwq / bw
-    # Per call: the measured fixed overhead, or the kernels' launch latency where that is larger.
+    # Per call: the kernels' launches (so the step's slope in the launch cost stays the pricer's launch
+    # count) plus the measured fixed overhead (which holds them too: a few µs of 0.2-0.8 ms).
     ovh_f, ovh_b = ctx.options.fp8_call_overhead_fwd_s, ctx.options.fp8_call_overhead_bwd_s
-    out["fwd_launch_s"][i] += o.fwd_launches * max(2 * k_row * launch, ovh_f)
-    out["bwd_launch_s"][i] += o.fwd_launches * max((k_row + 3 * k_col) * launch, ovh_b)
+    out["fwd_launch_s"][i] += o.fwd_launches * (2 * k_row * launch + ovh_f)
+    out["bwd_launch_s"][i] += o.fwd_launches * ((k_row + 3 * k_col) * launch + ovh_b)
     out["fwd_bytes"][i] += fq + fw
     out["bwd_bytes"][i] += bq + bwq
 
