@@ -170,14 +170,16 @@ def _split_rows(x: torch.Tensor, R: int, C: int) -> bool:
     """Whether the row-wise quantisation takes the split (two-pass, 2-D grid) path: when one program
     per row block would leave most SMs idle while each walks a long row. That is the weight
     gradient's operands dYᵀ and Xᵀ (R = features, C = tokens): with one program per 64 rows, a
-    4096 x 61,000 operand ran on 64 programs, each reading 8 MB twice, the H200 measurement's
-    3.6 ms of extra backward time. The split costs a few small extra launches, so short rows keep
-    the single pass."""
+    4096 x 61,000 operand ran on 64 programs, each reading 8 MB twice with one 8 KB tile in flight
+    (latency-bound): 88 ms of `_quant_rows_kernel` per gem-h200 step on the H200, the whole
+    slowdown of the fp8 arm. Also the input gradient's transposed weight (e.g. 1024 x 4096 on 16
+    programs). The split costs a few small extra launches (~20 µs of host), so short rows keep the
+    single pass."""
     if interpreting() or not x.is_cuda:
         return False
     block_r = 4 if x.stride(1) == 1 else 64
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return triton.cdiv(R, block_r) < 2 * sms and C >= 8192
+    return triton.cdiv(R, block_r) < 2 * sms and C >= 2048
 
 
 def _quant_rows_split(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, R: int, C: int, c_pad: int) -> None:
