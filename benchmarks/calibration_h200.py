@@ -27,10 +27,11 @@ warm-up and the profiled window (``summary.json``). *Predicted step*: the pricer
 variant's plan (``coplan.costmodel.calibrate.predict_step_time``: what ``coplan plan`` would say), on
 the measured length moments of those steps, (i) ``default``: the topology's default efficiencies;
 (ii) ``calibrated``: the calibration fitted on the T half with ``host=True``: efficiencies fitted to
-device time, plus a host cost per priced launch fitted to the T half's measured steps (see
+device time, and a host cost h per priced launch fitted to the T half's measured steps; the pricer
+prices the step at max(device step, priced launches × h), host and device running concurrently (see
 ``coplan.costmodel.calibrate``). Three readings outside the cost model, for context: ``device_only``
-(the device fit without the host cost), ``max_form`` (max of the device step and priced launches × h',
-h' fitted on the T half) and ``device_factor`` (the device step times the T half's median
+(the device fit without the host cost), ``additive`` (device step + priced launches × h_add, h_add
+fitted on the T half: the form used before the max form) and ``device_factor`` (the device step times the T half's median
 measured/device ratio). Per op class: the runs' traced device time per (op, phase) against the
 roofline under the default and the fitted efficiencies, summed per class.
 
@@ -349,11 +350,12 @@ def _write_manifest(root: Path, manifest: dict, jobs: list[list["Job"]]) -> None
 # ---------------------------------------------------------------------------------------------
 
 
-STEP_KEYS = ("default", "calibrated", "device_only", "max_form", "device_factor")
+STEP_KEYS = ("default", "calibrated", "device_only", "additive", "device_factor")
 """Step-time predictions compared: the cost model with default efficiencies; with the calibration
-(device fit + host cost per launch, what ``coplan plan --calibration`` prices); and three readings
-outside the cost model, for context: the device fit alone, max(device, launches x h'), and the device
-fit times a step factor fitted on the fit half."""
+(device fit, and the step priced at max(device step, priced launches x host cost h), what ``coplan plan
+--calibration`` prices); and three readings outside the cost model, for context: the device fit alone,
+device + launches x h_add (the additive form, h_add fitted on the fit half), and the device fit times a
+step factor fitted on the fit half."""
 
 
 def topo_dtype(plan) -> str:
@@ -430,8 +432,8 @@ def analyze(root: Path) -> dict:
                                                   float(mm[[i for i, x in enumerate(smp) if x.op_class == c]].sum()))
                                           for c in sorted({x.op_class for x in smp})}
 
-    # step times: (i) default, (ii) calibrated = device fit + host cost per launch (what `coplan plan` uses),
-    # plus two readings that are not in the cost model: device fit alone, and max(device, launches x h')
+    # step times: (i) default, (ii) calibrated = max(device fit step, priced launches x h) (what `coplan plan`
+    # prices with the calibration), plus readings that are not in the cost model
     for n in fit_names + held_names:
         r = rows[n]
         plan = runs[n][1].plan
@@ -443,23 +445,20 @@ def analyze(root: Path) -> dict:
             r["priced_launches_per_step"] = nl
         except Exception as e:
             r["prediction_error"] = f"{type(e).__name__}: {e}"
-    # max form: the step is the longer of the device work and the host's launches (h' fitted on the fit half)
-    fit_ok = [n for n in fit_names if rows[n].get("measured_step_s") and rows[n].get("priced_launches_per_step")]
-    hmax = 0.0
-    if fit_ok:
-        from scipy.optimize import minimize_scalar
-
-        m = np.array([rows[n]["measured_step_s"] for n in fit_ok])
-        d = np.array([rows[n]["predicted_step_device_only_s"] for n in fit_ok])
-        nl = np.array([rows[n]["priced_launches_per_step"] for n in fit_ok])
-        hmax = float(minimize_scalar(lambda h: float(np.sum(np.log(np.maximum(d, h * nl) / m) ** 2)),
-                                     bounds=(0.0, float(np.max(m / np.maximum(nl, 1.0))) * 2), method="bounded").x)
-    out["host_max_form"] = {"host_s_per_launch": hmax, "fitted_on": fit_ok,
-                            "meaning": "step = max(device step under the device fit, priced launches x h'); not in the cost model"}
+    # additive reading (the previous calibrated form, kept for comparison only): step = device + launches x h_add,
+    # h_add fitted on the fit half alone
+    ha = fit_host_launch_cost(fit_rs, res, form="additive")
+    h_add = ha.h_s if ha else 0.0
+    out["host_additive_form"] = {"host_s_per_launch": h_add, "fitted_on": list(ha.runs) if ha else [],
+                                 "meaning": "step = device step under the device fit + priced launches x h_add; not in the cost model"}
     for n in fit_names + held_names:
         r = rows[n]
         if r.get("predicted_step_device_only_s") is not None:
-            r["predicted_step_max_form_s"] = max(r["predicted_step_device_only_s"], hmax * r["priced_launches_per_step"])
+            r["predicted_step_additive_s"] = r["predicted_step_device_only_s"] + h_add * r["priced_launches_per_step"]
+            # the pricer's max form against the same form rebuilt from its parts (the fit's slope): must agree
+            if hf is not None and r.get("predicted_step_calibrated_s") is not None:
+                rebuilt = max(r["predicted_step_device_only_s"], hf.h_s * r["priced_launches_per_step"])
+                r["max_form_consistency"] = _err(r["predicted_step_calibrated_s"], rebuilt)
     ratios = [rows[n]["measured_step_s"] / rows[n]["predicted_step_device_only_s"] for n in fit_names
               if rows[n].get("measured_step_s") and rows[n].get("predicted_step_device_only_s")]
     k = float(np.median(ratios)) if ratios else 1.0
@@ -492,6 +491,16 @@ def analyze(root: Path) -> dict:
                               "error": _err(float(pred[idx].sum()), float(meas[idx].sum()))}
                 rel = np.abs(pred - meas) / meas
                 o[f"op_class_{key}"] = per
+                # attention apart per backend: the fused Triton kernels and the padded fp32 reference are
+                # one op class but two very different implementations
+                by_be: dict[str, dict] = {}
+                for be in sorted({runs[n][1].plan.kernels.attention for n in names}):
+                    idx = [i for i, s in enumerate(samples) if s.op_class == "attention"
+                           and runs[s.run][1].plan.kernels.attention == be] if all(s.run in runs for s in samples) else []
+                    if idx:
+                        by_be[be] = {"measured_ms": float(meas[idx].sum() * 1e3), "predicted_ms": float(pred[idx].sum() * 1e3),
+                                     "error": _err(float(pred[idx].sum()), float(meas[idx].sum()))}
+                o[f"attention_by_backend_{key}"] = by_be
                 o[f"per_op_{key}"] = {"median_abs": float(np.median(rel)), "p90_abs": float(np.quantile(rel, 0.9)), "n": len(samples)}
         return o
 
@@ -513,7 +522,7 @@ def analyze(root: Path) -> dict:
 
 def print_table(res: dict) -> None:
     rows = res.get("variants", {})
-    cols = ("default", "calibrated", "device_only", "max_form", "device_factor")
+    cols = STEP_KEYS
     print(f"{'variant':<14}{'split':<8}{'meas ms':>9}" + "".join(f"{c[:10]:>11}" for c in cols) + "   (ms, error)")
     for n, r in rows.items():
         if r.get("measured_step_s") is None:

@@ -401,8 +401,6 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         ce = {dt: min(1.0, v) for (cc, dt), v in res.compute.items() if cc == c}
         me = res.memory.get(c)
         la = res.launch_s.get(c)
-        if h > 0:
-            la = min(1.0, (la if la is not None else eff.launch_s.get(c, 0.0)) + h)
         if ce or me is not None or la is not None:
             op_classes[c] = OpClassCalibration(
                 compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me), launch_overhead_s=la
@@ -415,6 +413,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         versions=versions,
         source_runs=tuple(str(d) for d in run_dirs),
         op_classes=op_classes,
+        host_launch_s=min(1.0, h) if h > 0 else None,
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
             max_abs_rel_error=float(np.max(rel)),
@@ -425,9 +424,10 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; "
             f"trace time attributed: {min(r.attributed_share for r in runs):.1%} (worst run); "
             + ("per-op samples include the GPU idle time each op's launches ended; " if host_gaps else "")
-            + (f"launch overheads include a host cost of {h * 1e6:.2f} us per launch fitted to {len(host_fit.runs)} measured "
-               f"step time(s) (additive: step = device + launches x host; step-time error after it: median "
-               f"{host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; fit_error is of device time, without it); "
+            + (f"host cost {h * 1e6:.2f} us per priced launch (host_launch_s) fitted to {len(host_fit.runs)} measured "
+               f"step time(s) (step = max(device step, launches x host cost): host and device run concurrently; "
+               f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
+               f"fit_error is of device time, without it); "
                if host_fit else ("no host cost fitted (no measured step times); " if host else ""))
             + "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
         ),
@@ -476,9 +476,12 @@ class HostFit:
     """The pricer's step under the device fit alone (h = 0)."""
     launches: tuple[float, ...]
     """Launches per step the pricer charges (its step time's slope in the launch cost)."""
+    form: str = "max"
+    """"max": step = max(device, launches · h), host and device concurrent (what the pricer prices);
+    "additive": step = device + launches · h (kept as a reading for comparison only)."""
 
     def predicted(self) -> np.ndarray:
-        return np.array(self.device_s) + self.h_s * np.array(self.launches)
+        return _host_form(np.array(self.device_s), np.array(self.launches), self.h_s, self.form)
 
     @property
     def median_abs_error(self) -> float:
@@ -512,9 +515,31 @@ def step_launches(plan: Plan, res: FitResult, moments: dict[str, tuple[float, fl
     return p0, max(0.0, (p1 - p0) / delta)
 
 
-def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult) -> HostFit | None:
-    """Fit ``h`` (seconds per launch) so that device step + launches · h matches the measured steps."""
+HOST_FORMS = ("max", "additive")
+
+
+def _host_form(device_s: np.ndarray, launches: np.ndarray, h: float, form: str) -> np.ndarray:
+    if form == "max":
+        return np.maximum(device_s, h * launches)
+    if form == "additive":
+        return device_s + h * launches
+    raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
+
+
+def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max") -> HostFit | None:
+    """Fit ``h`` (host seconds per priced launch) to the runs' measured steps (CUDA-event p50).
+
+    ``form="max"`` (the cost model's): step = max(device step under the device fit, launches · h). The
+    host issues a step's launches while the GPU runs earlier ones, so on a host-bound step the device
+    work hides under the host's, and on a device-bound one the launches hide under the kernels: the
+    longer of the two, not their sum. ``form="additive"``: step = device + launches · h (a reading only).
+    Least squares on log ratios; the max form's loss is piecewise smooth in ``h``, so a log-spaced grid
+    picks the basin and a bounded scalar search refines it.
+    """
     from scipy.optimize import minimize_scalar
+
+    if form not in HOST_FORMS:
+        raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
     names, meas, dev, nl = [], [], [], []
     for r in runs:
@@ -533,9 +558,18 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult) -> HostFit 
     m, d, n = np.array(meas), np.array(dev), np.array(nl)
 
     def loss(h: float) -> float:
-        return float(np.sum(np.log((d + h * n) / m) ** 2))
+        return float(np.sum(np.log(_host_form(d, n, h, form) / m) ** 2))
 
-    hi = float(max(1e-9, np.max((m - d) / np.maximum(n, 1.0)) * 2 + 1e-6))
-    r = minimize_scalar(loss, bounds=(0.0, hi), method="bounded", options={"xatol": 1e-9})
-    h = float(max(0.0, r.x))
-    return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl))
+    if form == "additive":
+        hi = float(max(1e-9, np.max((m - d) / np.maximum(n, 1.0)) * 2 + 1e-6))
+        r = minimize_scalar(loss, bounds=(0.0, hi), method="bounded", options={"xatol": 1e-9})
+        h = float(max(0.0, r.x))
+    else:
+        hi = float(max(1e-9, np.max(m / np.maximum(n, 1.0)) * 2))
+        grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
+        losses = [loss(float(g)) for g in grid]
+        k = int(np.argmin(losses))
+        a, b = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
+        r = minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-10})
+        h = float(r.x) if r.fun <= losses[k] else float(grid[k])
+    return HostFit(max(0.0, h), tuple(names), tuple(meas), tuple(dev), tuple(nl), form)

@@ -96,8 +96,8 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--host-cost", action="store_true",
-                   help="also fit a host cost per kernel launch to the runs' measured step times and add it to every "
-                        "class's launch overhead (host-bound steps; see coplan.costmodel.calibrate)")
+                   help="also fit a host cost per priced kernel launch to the runs' measured step times; the pricer then "
+                        "prices a step at max(device time, launches x host cost) (host-bound steps; see coplan.costmodel.calibrate)")
     g = p.add_argument_group("collectives", "fit a tier's latency and per-collective efficiency to a sweep "
                              "(benchmarks/collectives_h200.py)")
     g.add_argument("--collectives", metavar="SWEEP.json", help="collective sweep JSON to fit")

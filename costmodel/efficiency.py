@@ -106,6 +106,9 @@ class Efficiencies:
     sources: dict[str, str] = field(default_factory=dict)
     """Where each figure came from (for reports)."""
 
+    host_launch_s: float = 0.0
+    """Host seconds per priced kernel launch (a calibration's ``host_launch_s``); 0: the step is device time."""
+
     def compute_eff(self, op_class: str, dtype: str) -> float:
         return self.compute.get((op_class, dtype)) or self.compute.get((op_class, "bf16"), 0.5)
 
@@ -160,7 +163,10 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
         for tier, d in calibration.collective_efficiency.items():
             for c, e in d.items():
                 collective[(tier, c)] = e
-    return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources)
+    host = calibration.host_launch_s if calibration is not None and calibration.host_launch_s else 0.0
+    if host:
+        sources["host_launch"] = f"calibration ({calibration.device})"
+    return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources, host_launch_s=host)
 
 
 __all__ = [

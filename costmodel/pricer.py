@@ -26,6 +26,7 @@ slowest embedding shard at each all-to-all, because every collective synchronise
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -114,6 +115,25 @@ def _layer_map(ctx: Context, layers: Sequence[LayerPlan] | None) -> tuple[frozen
     rec = frozenset(lp.name for lp in layers if lp.recompute)
     fp8 = frozenset(lp.name for lp in layers if lp.precision == "fp8")
     return rec, fp8
+
+
+def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0) -> float:
+    """Kernel launches per step that the pricer charges a launch overhead for: every dense op's forward
+    and backward launches per micro-batch (forward again for recomputed layers; for an op that ``arr``
+    (:func:`op_arrays`) prices in FP8, its quantisation kernels, as
+    :func:`coplan.costmodel.context._price_fp8_quantisation` counts them), the busiest rank's embedding
+    kernels (``emb_kernels`` per micro-batch: one forward, two backward), and the dense optimizer's
+    launches. The step time is linear in the launch cost with this slope on one GPU (tested); the
+    host-bound form prices the host's time as this count times a per-launch cost."""
+    k_row, k_col = math.ceil(ctx.options.fp8_quant_reads_rowwise), math.ceil(ctx.options.fp8_quant_reads_colwise)
+    dense = 0.0
+    for k, oi in enumerate(ctx.dense_idx):
+        o = ctx.ops[int(oi)]
+        dense += o.fwd_launches * (2.0 if o.layer in recomputed else 1.0) + o.bwd_launches
+        if arr.fp8[k]:
+            dense += o.fwd_launches * (3 * k_row + 3 * k_col)
+    opt = 20.0 if dense_fixed_costs(ctx).optimizer_step_s > 0 else 0.0
+    return float((dense + 3.0 * emb_kernels) * ctx.micro_batches + opt)
 
 
 def price(
@@ -374,6 +394,14 @@ def price(
     perf = Perf(ph_compute["fwd"], ph_compute["bwd"], ph_compute["recompute"], ph_compute["optimizer"],
                 ph_comm["fwd"], ph_comm["bwd"], ph_exp["fwd"], ph_exp["bwd"])
     step = S.makespan
+    if ctx.eff.host_launch_s > 0:
+        # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost,
+        # concurrently with the device; the step is the longer of the two, never their sum
+        host_s = ctx.eff.host_launch_s * priced_launches(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
+        if host_s > step:
+            notes.append(f"host-bound: {host_s * 1e3:.2f} ms of kernel launches at {ctx.eff.host_launch_s * 1e6:.1f} us each "
+                         f"exceed the device's {step * 1e3:.2f} ms; step priced at the host's time")
+            step = host_s
     layers_perf = {k: Perf(*v) for k, v in perf_by_layer.items()}
 
     ops_out: list[OpCost] = []

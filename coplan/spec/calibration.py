@@ -65,6 +65,11 @@ class Calibration(Spec):
     collective_efficiency: dict[str, dict[Collective, Fraction]] = Field(default_factory=dict)
     """Fitted bus-bandwidth efficiency per tier name and collective."""
 
+    host_launch_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Host time per kernel launch the cost model prices, in seconds, for host-bound steps: the host's
+    time is the step's priced launches times this, concurrent with the device's, and the step is priced
+    at the longer of the two (``coplan calibrate --host-cost``). None: device time alone."""
+
     fit_error: FitError | None = None
     """Fit quality."""
 

@@ -167,39 +167,60 @@ def test_cpu_recompute_is_its_own_phase(tmp_path):
 
 
 def test_host_cost_per_launch_is_recovered(tmp_path):
-    """Runs whose measured step is device + launches x h: the fit finds h and writes it into the
-    launch overheads, and the calibrated pricer then reproduces the steps."""
+    """Runs whose measured step is max(device, launches x h) (host and device concurrent): the fit finds
+    h from the host-bound runs, writes it as the calibration's host_launch_s (launch overheads stay the
+    device fit's), and the calibrated pricer reproduces every step, device-bound ones included."""
     from coplan.costmodel.calibrate import fit_host_launch_cost, predict_step_time, step_launches
     from coplan.spec import Calibration, OpClassCalibration, RunResult
     from coplan.spec.run import StepTimeStats
 
     rng = np.random.default_rng(3)
-    h_true = 40e-6
-    truth = Calibration(device="NVIDIA H200", op_classes={
+    device = Calibration(device="NVIDIA H200", op_classes={
         c: OpClassCalibration(compute_efficiency={dt: v for (cc, dt), v in TRUE_COMPUTE.items() if cc == c},
-                              memory_efficiency=TRUE_MEMORY[c], launch_overhead_s=TRUE_LAUNCH[c] + h_true)
+                              memory_efficiency=TRUE_MEMORY[c], launch_overhead_s=TRUE_LAUNCH[c])
         for c in TRUE_MEMORY})
+    shapes = [(8, 256), (16, 512), (64, 1024), (256, 2048)]
+    plans = [_plan(b, L) for b, L in shapes]
+    # h between the smallest and the largest run's device time per launch: some runs host-bound, some not
+    dev, nl = [], []
+    for p in plans:
+        d0 = predict_step_time(p, device)
+        d1 = predict_step_time(p, device.model_copy(update={"op_classes": {
+            c: oc.model_copy(update={"launch_overhead_s": oc.launch_overhead_s + 1e-6}) for c, oc in device.op_classes.items()}}))
+        dev.append(d0)
+        nl.append((d1 - d0) / 1e-6)
+    per = sorted(d / n for d, n in zip(dev, nl))
+    h_true = float(np.sqrt(per[0] * per[-1]))
+    truth = device.model_copy(update={"host_launch_s": h_true})
+    bound = [h_true * n > d for d, n in zip(dev, nl)]
+    assert any(bound) and not all(bound), (per, h_true)
     dirs = []
-    for i, (b, L) in enumerate([(8, 256), (64, 1024), (32, 512)]):
-        plan = _plan(b, L)
+    for i, plan in enumerate(plans):
         d = _synth_run(tmp_path, f"r{i}", plan, rng, noise=0.02)
         step = predict_step_time(plan, truth)
+        assert step == pytest.approx(max(dev[i], h_true * nl[i]), rel=1e-9)
         st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
         dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
                   d / "summary.json")
         dirs.append(d)
     cal, res, runs = calibrate(dirs, host=True)
     hf = fit_host_launch_cost(runs, res)
-    assert hf is not None and hf.h_s == pytest.approx(h_true, rel=0.15)
-    assert hf.max_abs_error < 0.05
-    assert cal.op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"] + hf.h_s)
+    assert hf is not None and hf.form == "max" and hf.h_s == pytest.approx(h_true, rel=0.1)
+    assert hf.max_abs_error < 0.1
+    assert cal.host_launch_s == pytest.approx(hf.h_s)
+    assert cal.op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"])
     assert "host cost" in cal.notes
     for r in runs:
         meas = r.result.step_time.p50_s
-        assert predict_step_time(r.plan, cal) == pytest.approx(meas, rel=0.05)
-    # off by default: the launch overheads are the device fit's
+        assert predict_step_time(r.plan, cal) == pytest.approx(meas, rel=0.1)
+    # the additive form cannot fit device-bound and host-bound runs at once as well
+    ha = fit_host_launch_cost(runs, res, form="additive")
+    assert ha.max_abs_error > hf.max_abs_error
+    with pytest.raises(CalibrationError, match="host form"):
+        fit_host_launch_cost(runs, res, form="sum")
+    # off by default: no host cost
     cal0, _, _ = calibrate(dirs)
-    assert cal0.op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"])
+    assert cal0.host_launch_s is None
     _, n = step_launches(runs[0].plan, res)
     assert n > 0
     # the CLI writes the same host cost with --host-cost, and none without it
@@ -208,7 +229,53 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
 
     out = tmp_path / "cal.json"
     assert main(["calibrate", *map(str, dirs), "-o", str(out), "--host-cost", "--json"]) == 0
-    written = load_calibration(out)
-    assert written.op_classes["gemm"].launch_overhead_s == pytest.approx(cal.op_classes["gemm"].launch_overhead_s, rel=1e-6)
+    assert load_calibration(out).host_launch_s == pytest.approx(cal.host_launch_s, rel=1e-6)
     assert main(["calibrate", *map(str, dirs), "-o", str(out), "--json"]) == 0
-    assert load_calibration(out).op_classes["gemm"].launch_overhead_s == pytest.approx(res.launch_s["gemm"], rel=1e-6)
+    assert load_calibration(out).host_launch_s is None
+
+
+def test_priced_launches_is_the_step_slope_in_the_launch_cost():
+    """The host-bound form prices the host at priced_launches x h: that count must be exactly what the
+    pricer charges a launch overhead for (recompute and FP8 layers included)."""
+    from coplan.costmodel.calibrate import predict_step_time
+    from coplan.costmodel.context import build_context, op_arrays
+    from coplan.costmodel.pricer import _layer_map, price, priced_launches
+    from coplan.spec import Calibration, LayerPlan, OpClassCalibration
+
+    base = _plan(32, 512)
+    names = build_context(base.workload, base.topology, base.mesh).layer_names
+    layers = [LayerPlan(name=names[1], recompute=True), LayerPlan(name=names[2], precision="fp8")]
+    plan = base.model_copy(update={"layers": tuple(layers)})
+
+    def cal(la, h=None):
+        return Calibration(device="NVIDIA H200", host_launch_s=h, op_classes={
+            c: OpClassCalibration(launch_overhead_s=la) for c in TRUE_MEMORY})
+
+    for p in (base, plan):
+        d0, d1 = predict_step_time(p, cal(1e-6)), predict_step_time(p, cal(2e-6))
+        ctx = build_context(p.workload, p.topology, p.mesh, cal(1e-6))
+        rec, fp8 = _layer_map(ctx, p.layers)
+        n = priced_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, 1.0)
+        assert (d1 - d0) / 1e-6 == pytest.approx(n, rel=1e-6)
+        # host-bound: the step is the host's time and says so; device-bound: the host cost changes nothing
+        h = 10 * d0 / n
+        ctx = build_context(p.workload, p.topology, p.mesh, cal(1e-6, h))
+        sc = price(ctx, p.tables or None, p.layers, p.balancing, p.kernels)
+        assert sc.step_time_s == pytest.approx(n * h) and any("host-bound" in x for x in sc.notes)
+        assert predict_step_time(p, cal(1e-6, 1e-3 * d0 / n)) == pytest.approx(d0)
+
+
+def test_padded_reference_prices_the_expected_max_and_its_square():
+    """The padded reference kernels cost E[max L] and E[(max L)²] of the micro-batch's lengths: exact
+    from the pmf, against a Monte Carlo estimate; the square exceeds E[max]² for a heavy tail."""
+    from coplan.costmodel.context import _expected_max_moments
+    from coplan.spec.workload import LognormalLength
+
+    d = LognormalLength(kind="lognormal", mean=512.0, sigma=0.8, min_len=16, max_len=4096)
+    m1, m2 = _expected_max_moments(d, 8)
+    rng = np.random.default_rng(0)
+    mu = np.log(512.0) - 0.8**2 / 2
+    x = np.clip(np.rint(np.exp(mu + 0.8 * rng.standard_normal((200_000, 8)))), 16, 4096).max(axis=1)
+    assert m1 == pytest.approx(x.mean(), rel=0.01)
+    assert m2 == pytest.approx((x**2).mean(), rel=0.02)
+    assert m2 > 1.2 * m1**2
