@@ -94,8 +94,8 @@ def _amax_rows_partial_kernel(
     """Partial row amax of x over columns [pid_c·STEPS·BLOCK_C, +STEPS·BLOCK_C) into p[pid_c, rows]:
     the first pass of the split row-wise quantisation (a 2-D grid, so that a long K, e.g. the
     tokens of the weight gradient's operands, is spread over the whole GPU)."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    pid_c = tl.program_id(0)  # the long axis on the grid's first dimension (no 65,535 limit)
+    pid_r = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     amax = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -114,8 +114,8 @@ def _quant_rows_apply_kernel(
 ):
     """One [BLOCK_R, BLOCK_C] tile of q = clamp(x · inv_row, ±448), zero past C up to C_PAD: the
     second pass of the split row-wise quantisation."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = rows < R
@@ -193,12 +193,12 @@ def _quant_rows_split(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, R: int,
     steps = 1 if interpreting() else 8
     n_c = triton.cdiv(C, block_c * steps)
     part = torch.empty(n_c, R, device=x.device, dtype=torch.float32)
-    _amax_rows_partial_kernel[(triton.cdiv(R, block_r), n_c)](
+    _amax_rows_partial_kernel[(n_c, triton.cdiv(R, block_r))](
         x, part, R, C, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps, num_warps=4)
     scale = part.amax(0).clamp_min_(AMAX_FLOOR).div_(E4M3_MAX)
     s[:R, 0] = scale
     inv = torch.reciprocal(scale)
-    _quant_rows_apply_kernel[(triton.cdiv(R, block_r), triton.cdiv(c_pad, block_c))](
+    _quant_rows_apply_kernel[(triton.cdiv(c_pad, block_c), triton.cdiv(R, block_r))](
         x, q, inv, R, C, c_pad, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
