@@ -18,16 +18,20 @@ nothing of its compute efficiency) towards the defaults. The fit error is report
 Host-bound steps. A step of the trainer on one H200 is about half GPU idle time: the host issues
 launches slower than the GPU runs them. The fit above is of *device* time (kernels), which is what
 the op classes' efficiencies mean. The step time then gets one more fitted figure, ``h``, a host cost
-per kernel launch the cost model prices: with ``N`` its launches per step (read off the pricer, which
-is linear in the launch cost) and ``P`` its step time under the device fit,
-``step ≈ P + N · h``, fitted to the runs' measured step times (CUDA events, steps outside the profiled
-window) by least squares on log ratios. With ``calibrate(..., host=True)`` (``coplan calibrate --host-cost``)
-``h`` is added to every class's launch overhead in the written Calibration, so ``coplan plan`` prices
-host-bound steps with it. It is an additive approximation of
-what is really ``max(host, device)`` per stretch of the step: it overstates device-bound steps whose
-launches hide under long kernels, and a host sync (the MoE routing counts read back) is a fixed stall
-spread here over launches; both are stated in the calibration's notes and measured by the held-out
-benchmark (``benchmarks/calibration_h200.py``). The trace's GPU idle time per op
+per kernel launch the cost model prices: with ``N`` its launches per step
+(:func:`coplan.costmodel.pricer.priced_launches`, the exact slope of the pricer's step in the launch
+cost) and ``P`` its step time under the device fit, ``step ≈ max(P, N · h)``: the host issues a step's
+launches while the GPU runs earlier ones, so the two overlap and the longer one sets the step (a sum
+would count the overlapped part twice: it overstated device-bound variants by up to 54% on the H200).
+``h`` is fitted to the runs' measured step times (CUDA events, steps outside the profiled window) by
+least squares on log ratios. With ``calibrate(..., host=True)`` (``coplan calibrate --host-cost``) it is
+written as the Calibration's ``host_launch_s`` (launch overheads stay the device fit's), and
+``coplan plan`` prices each step at the longer of its device time and its priced launches × ``h``.
+Limits: ``N`` counts the launches the cost model prices (about a fifth of those that run), so ``h`` is
+per *priced* launch; a host sync (the MoE routing counts read back, the reference attention's longest
+length) serialises host and device around it, which the max form does not capture; both are stated
+in the calibration's notes and measured by the held-out benchmark (``benchmarks/calibration_h200.py``).
+The trace's GPU idle time per op
 (``coplan.costmodel.traces``) is reported beside it (``host_gaps=True`` in :func:`run_samples` fits
 kernel-plus-idle time per op instead).
 The fit also matches each run's per-class *sums* (the figure the step time is made of), beside each
@@ -378,7 +382,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     """Fit a Calibration to the runs; all must come from one device unless ``force``.
 
     ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times (module
-    docstring) when their summaries have them, and add it to every class's launch overhead; the
+    docstring, max form) when their summaries have them, written as ``host_launch_s``; the
     ``fit_error`` stays that of the device-time fit (per op, without ``h``). ``host_gaps``: per-op
     samples include the GPU idle time they ended. ``prepared``: the runs' :func:`run_samples`, already
     read (same order as ``run_dirs``), to save parsing their traces again.
