@@ -107,7 +107,17 @@ def test_quant_rows_kernel_matches_reference(shape, transposed, split):
     q, s = ft.quant_rows(view, 16, rows_granule=16, split=split)
     qr, sr = ref.quant_rows_ref(x.cpu(), 16, rows_granule=16)
     assert q.dtype == torch.float8_e4m3fn
-    assert torch.equal(q.cpu().float(), qr.float()) and torch.equal(s.cpu(), sr)
+    _assert_same_quant(q, s, qr, sr)
+
+
+def _assert_same_quant(q, s, qr, sr):
+    """Bit-equal q and scales, with a diagnosis on failure (how many differ, by how many ulps)."""
+    s, q = s.cpu(), q.cpu().float()
+    ds = s != sr
+    dq = q != qr.float()
+    ulps = (s.view(torch.int32) - sr.view(torch.int32)).abs().max().item() if s.numel() else 0
+    assert not ds.any(), f"{int(ds.sum())} of {s.numel()} scales differ, by up to {ulps} ulp (e.g. {s[ds][:3].tolist()} vs {sr[ds][:3].tolist()})"
+    assert not dq.any(), f"{int(dq.sum())} of {q.numel()} q differ (e.g. {q[dq][:4].tolist()} vs {qr.float()[dq][:4].tolist()})"
 
 
 @pytest.mark.parametrize("square", [False, True])
@@ -117,7 +127,7 @@ def test_quant_tiles_kernel_matches_reference(shape, transposed, square):
     view = x.t().contiguous().t() if transposed else x
     q, s = ft.quant_tiles(view, square)
     qr, sr = ref.quant_tiles_ref(x.cpu(), square)
-    assert torch.equal(q.cpu().float(), qr.float()) and torch.equal(s.cpu(), sr)
+    _assert_same_quant(q, s, qr, sr)
 
 
 @pytest.mark.parametrize("b_square", [True, False])
