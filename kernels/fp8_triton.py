@@ -72,8 +72,9 @@ def _quant_rows_kernel(
         m = rmask[:, None] & (cols[None, :] < C)
         v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    # IEEE-rounded divisions: Triton's fp32 `/` is the approximate (2-ulp) division on NVIDIA
-    # GPUs, which made the scale differ from PyTorch's `amax / 448` in the last bit (and q with it).
+    # IEEE-rounded divisions: Triton's fp32 `/` is the approximate (2-ulp) `div.full.f32` on NVIDIA
+    # GPUs (triton-lang/triton#10661), which made the scale differ from PyTorch's `amax / 448` in
+    # the last bit (and q with it); the interpreter's `/` is IEEE, so only the GPU showed it.
     scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
     inv = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), scale)
     tl.store(s_ptr + rows, scale, mask=rmask)
