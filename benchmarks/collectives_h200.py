@@ -28,13 +28,15 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit, wait_or_kill  # noqa: E402  (the scripts run by path)
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -66,14 +68,6 @@ def bus_factor(kind: str, n: int) -> float:
     return 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
 
 
-def git_commit() -> str:
-    if os.environ.get("COPLAN_GIT_COMMIT"):
-        return os.environ["COPLAN_GIT_COMMIT"]
-    try:
-        here = Path(__file__).resolve().parent
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 def stamp(msg: str) -> None:
@@ -314,18 +308,8 @@ def launch(args, argv: list[str]) -> int:
         env.setdefault("OMP_NUM_THREADS", "1")
         stamp(f"launching {nproc} ranks on {args.device}: {' '.join(cmd[:6])} ...")
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        rc: int | str
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            # The workers stop themselves at the deadline; this is the backstop for a hung collective.
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = "timeout"
+        # The workers stop themselves at the deadline; this is the backstop for a hung collective.
+        rc = wait_or_kill(proc, args.timeout)
         res = json.loads(Path(worker_out).read_text()) if Path(worker_out).is_file() else {"cases": [], "checks": {}}
     ok_cases = [c for c in res.get("cases", []) if "error" not in c]
     out = {

@@ -40,6 +40,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402  (the scripts run by path)
+
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LOSS_TOLERANCE = 0.005
 """Issue 10's bound: final loss within 0.5% (relative) of bf16."""
@@ -60,14 +63,6 @@ def stamp(msg: str) -> None:
     print(f"[{datetime.now(timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def git_commit() -> str:
-    if os.environ.get("COPLAN_GIT_COMMIT"):
-        return os.environ["COPLAN_GIT_COMMIT"]
-    try:
-        here = Path(__file__).resolve().parent
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 def versions() -> dict:

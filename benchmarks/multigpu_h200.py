@@ -35,12 +35,14 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit, wait_or_kill  # noqa: E402  (the scripts run by path)
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set in every process this script starts: the lent machines promise no NVLink multicast, and the
@@ -53,14 +55,6 @@ def stamp(msg: str) -> None:
     print(f"[{datetime.now(timezone.utc).strftime('%H:%M:%S')} +{time.monotonic() - T0:5.0f}s] {msg}", flush=True)
 
 
-def git_commit() -> str:
-    if os.environ.get("COPLAN_GIT_COMMIT"):
-        return os.environ["COPLAN_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 def versions() -> dict:
@@ -196,16 +190,7 @@ def launch(plan_path: Path, nproc: int, args, run_id: str, data: Path, timeout: 
     log = args.runs_root / f"{run_id}.log"
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(5.0, timeout))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = "timeout"
+        rc = wait_or_kill(proc, max(5.0, timeout))
     wall = time.monotonic() - t0
     text = log.read_text(errors="replace")
     tail = text[-4000:]
