@@ -61,6 +61,20 @@ for _cls in (_Yaml12Loader, _Yaml12Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
 
 
+_YAML_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    # YAML counts NEL, LS and PS as line breaks: in a plain or single-quoted scalar they are folded
+    # on reading ('0\x850' came back as '0 0'); the double-quoted style writes them as escapes.
+    if any(c in value for c in _YAML_BREAKS):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
+    return dumper.represent_str(value)
+
+
+_Yaml12Dumper.add_representer(str, _represent_str)
+
+
 def yaml_dump(data: Any) -> str:
     return yaml.dump(data, Dumper=_Yaml12Dumper, sort_keys=False, allow_unicode=True)
 

@@ -190,3 +190,11 @@ def test_specs_are_frozen():
     t = load_topology("h200-1gpu")
     with pytest.raises(Exception):
         t.name = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("text", ["0\x850", "a\u2028b", "x\u2029", " \x85", "a\rb", "1e5"])
+def test_yaml_round_trips_strings_with_yaml_line_breaks(text):
+    # Found by the spec fuzzer: NEL in a single-quoted scalar was folded to a space on reading.
+    from coplan.spec.loader import yaml_dump, yaml_load
+
+    assert yaml_load(yaml_dump({"description": text})) == {"description": text}
