@@ -63,6 +63,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "off: one GEMM pair per expert, split sizes read back to the host (the CPU path)")
     p.add_argument("--fused-optimizer", choices=["auto", "off"], default="auto",
                    help="auto: the dense optimizer's fused kernel on CUDA (foreach on CPU); off: foreach everywhere")
+    p.add_argument("--local-optimizer", choices=["auto", "off"], default="auto",
+                   help="auto: step the dense optimizer (and take the gradient norm) on the DTensors' local shards, "
+                        "without DTensor's per-op dispatch; off: through DTensor")
     p.add_argument("--compile", choices=["off", "layers"], default="off",
                    help="layers: torch.compile each InterFormer and Kunlun layer (dynamic shapes); the compilation "
                         "happens in the first steps, so keep them in --warmup")
@@ -197,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     from coplan.trainer.model.gem import GEMModel, bce_loss_sum
     from coplan.trainer.model.layers import resolve_backend
     from coplan.trainer.optim import Optimizers
+    from coplan.trainer.optim import local as _local
     from coplan.trainer.parallelize import parallelize
     from coplan.trainer.profiling import TraceWindow
 
@@ -268,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed,
                      compile_layers=args.compile == "layers")
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan,
-                        fused_dense=device_type == "cuda" and args.fused_optimizer == "auto")
+                        fused_dense=device_type == "cuda" and args.fused_optimizer == "auto",
+                        local_step=args.local_optimizer == "auto")
 
     start = 0
     if args.resume:
@@ -305,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
     pending: list[tuple] = []
     poison = _poison()
     grad_params = [p for g in optims.dense.param_groups for p in g["params"]]
+    # the gradient norm's local shards: DTensor's to_local() is an autograd Function per tensor per step
+    to_local = _local if optims.local_step else (lambda g: g.to_local() if hasattr(g, "to_local") else g)
     if optims.tables is not None:
         grad_params += [p for g in optims.tables.param_groups for p in g["params"]]
     records: list[StepRecord] = []
@@ -362,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
                 if poison == ("loss", step) and rank == 0:
                     loss = loss * float("nan")
                 loss.backward()
-                grads = [g.to_local() if hasattr(g, "to_local") else g for p in grad_params if (g := p.grad) is not None]
+                grads = [to_local(g) for p in grad_params if (g := p.grad) is not None]
                 if poison == ("grad", step) and rank == 0 and grads:
                     grads[0].fill_(float("inf"))
                 # squared norm of the dense gradients, summed over ranks with the loss below: NaN/Inf
@@ -421,6 +428,7 @@ def run(args: argparse.Namespace) -> int:
                  f"statistics over {len(measured)} steps (warm-up and profiled steps left out)", *step_notes,
                  f"dense optimizer {'fused' if optims.fused_dense else 'foreach'}"
                  + (f" (fused refused: {optims.fused_error})" if optims.fused_error else ""),
+                 f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor'}",
                  f"compile {args.compile}"]
         if device_type == "cpu":
             notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")

@@ -1,5 +1,6 @@
 """The data-parallel tables' optimizer is FBGEMM's fused row-wise Adagrad, in dense form."""
 
+import pytest
 import torch
 
 from coplan.trainer.optim import RowWiseAdagrad
@@ -31,3 +32,64 @@ def test_rowwise_adagrad_matches_fbgemm_fused():
         opt.zero_grad()
         torch.testing.assert_close(weight.detach(), tbe.split_embedding_weights()[0], rtol=1e-5, atol=1e-6)
     assert torch.equal(weight.detach()[12:], init[12:])
+
+
+def _fsdp_model(seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+], ids=["adamw", "adagrad", "sgd-momentum"])
+def test_local_stepper_matches_the_dtensor_optimizer(one_rank_group, make):
+    """Stepping the DTensors' local shards is the DTensor optimizer's update, bit for bit, and the DTensor
+    optimizer's state (what checkpoints save) follows it."""
+    from torch.distributed.tensor import DTensor
+
+    from coplan.trainer.optim import LocalStepper
+
+    a, b = _fsdp_model(0), _fsdp_model(0)
+    assert all(isinstance(p, DTensor) for p in a.parameters())
+    opt_a, opt_b = make(list(a.parameters())), make(list(b.parameters()))
+    stepper = LocalStepper(opt_b)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x = torch.randn(8, 6, generator=g)
+        for m, step in ((a, opt_a.step), (b, stepper.step)):
+            m(x).square().sum().backward()
+            step()
+        opt_a.zero_grad(set_to_none=True)
+        opt_b.zero_grad(set_to_none=True)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa.full_tensor(), pb.full_tensor())
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            va, vb = sa[k], sb[k]
+            va = va.full_tensor() if isinstance(va, DTensor) else va
+            vb = vb.full_tensor() if isinstance(vb, DTensor) else vb
+            assert torch.equal(torch.as_tensor(va), torch.as_tensor(vb)), k
+    assert stepper._twin is not None  # the local path ran (the first step alone goes through DTensor)
