@@ -31,23 +31,46 @@ def activation_fn(activation: Activation, x: torch.Tensor) -> torch.Tensor:
     raise AssertionError(f"unhandled activation {activation}")  # an Activation member was added without a rule
 
 
-def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` [total, H, D] as [B, H, max_len, D] (zeros past each length) and the valid mask [B, max_len]."""
+def _dest_rows(offsets: torch.Tensor, total: int, max_len: int) -> torch.Tensor:
+    """For each of the ``total`` jagged rows, its row in the flattened [B * max_len] padded layout;
+    rows outside every sample go to one spare row ``B * max_len`` (dropped after the copy).
+
+    Found without a host sync (``searchsorted``), so padding adds no sync beyond the maxima.
+    """
     offsets = offsets.long()
-    lengths = offsets[1:] - offsets[:-1]
-    pos = torch.arange(max_len, device=values.device)
-    valid = pos[None, :] < lengths[:, None]
-    # Row `total` of the extended tensor is a zero row that every padding position gathers from,
-    # which keeps the padding differentiable without an in-place scatter.
-    sentinel = values.shape[0]
-    index = torch.where(valid, offsets[:-1, None] + pos[None, :], sentinel)
-    extended = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
-    return extended[index].transpose(1, 2), valid
+    batch = offsets.numel() - 1
+    row = torch.arange(total, device=offsets.device)
+    b = torch.searchsorted(offsets, row, right=True) - 1
+    inside = (b >= 0) & (b < batch)
+    bc = b.clamp(0, max(0, batch - 1))
+    pos = row - offsets[bc]
+    inside = inside & (pos < max_len)
+    return torch.where(inside, bc * max_len + pos, batch * max_len)
 
 
-def _unpad(padded: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, H, L, D] back to [total, H, D], keeping the rows that ``valid`` [B, L] marks."""
-    return padded.transpose(1, 2)[valid]
+def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` [total, H, D] as [B, H, max_len, D] (zeros past each length) and the rows'
+    destinations (:func:`_dest_rows`).
+
+    The valid rows are copied into zeros (``index_copy``), so the backward w.r.t. ``values`` is a
+    plain gather (``index_select``) of the valid rows. A gather *from* a shared zero row, as this
+    once did, makes the backward scatter-add every padding position's gradient into that one row:
+    atomic contention whose cost grows with the padding, not the work.
+    """
+    offsets = offsets.long()
+    batch = offsets.numel() - 1
+    dest = _dest_rows(offsets, values.shape[0], max_len)
+    flat = values.new_zeros((batch * max_len + 1, *values.shape[1:])).index_copy(0, dest, values)
+    return flat[: batch * max_len].view(batch, max_len, *values.shape[1:]).transpose(1, 2), dest
+
+
+def _unpad(padded: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] back to [total, H, D]: each jagged row gathered from its padded row (``dest``);
+    rows outside every sample get zeros. Its backward is an ``index_add`` of unique rows."""
+    b, h, l, d = padded.shape
+    flat = padded.transpose(1, 2).reshape(b * l, h, d)
+    flat = torch.cat([flat, flat.new_zeros((1, h, d))])
+    return flat.index_select(0, dest)
 
 
 def _mask(q_offsets, k_offsets, max_q: int, max_k: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,10 +97,10 @@ def _dense_inputs(q, k, v, q_offsets, k_offsets):
     k_len = k_offsets[1:] - k_offsets[:-1]
     # One host read for both maxima; a reference is allowed to sync.
     max_q, max_k = (int(x) for x in torch.stack([q_len.max(), k_len.max()]).tolist()) if q_len.numel() else (0, 0)
-    qp, valid_q = _pad(q.float(), q_offsets, max_q)
+    qp, dest_q = _pad(q.float(), q_offsets, max_q)
     kp, _ = _pad(k.float(), k_offsets, max_k)
     vp, _ = _pad(v.float(), k_offsets, max_k)
-    return qp, kp, vp, valid_q, max_q, max_k
+    return qp, kp, vp, dest_q, max_q, max_k
 
 
 def jagged_attention_reference(
@@ -93,7 +116,7 @@ def jagged_attention_reference(
     """Softmax attention over jagged samples, dense in fp32; returns [total_q, H, D] in ``q``'s dtype."""
     if q.shape[0] == 0 or q_offsets.numel() <= 1:
         return _empty_output(q, k, v)
-    qp, kp, vp, valid_q, max_q, max_k = _dense_inputs(q, k, v, q_offsets, k_offsets)
+    qp, kp, vp, dest_q, max_q, max_k = _dense_inputs(q, k, v, q_offsets, k_offsets)
     mask, _, _ = _mask(q_offsets, k_offsets, max_q, max_k, causal, q.device)
     scores = torch.einsum("bhqd,bhkd->bhqk", qp, kp) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -101,7 +124,7 @@ def jagged_attention_reference(
     seen = mask.any(dim=-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
     out = torch.einsum("bhqk,bhkd->bhqd", probs, vp)
-    return _unpad(out, valid_q).to(q.dtype)
+    return _unpad(out, dest_q).to(q.dtype)
 
 
 def gdpa_reference(
@@ -119,9 +142,9 @@ def gdpa_reference(
     """``out_scale * sum_j act(scale * q.k_j) v_j`` over the keys each query sees, dense in fp32."""
     if q.shape[0] == 0 or q_offsets.numel() <= 1:
         return _empty_output(q, k, v)
-    qp, kp, vp, valid_q, max_q, max_k = _dense_inputs(q, k, v, q_offsets, k_offsets)
+    qp, kp, vp, dest_q, max_q, max_k = _dense_inputs(q, k, v, q_offsets, k_offsets)
     mask, _, _ = _mask(q_offsets, k_offsets, max_q, max_k, causal, q.device)
     scores = torch.einsum("bhqd,bhkd->bhqk", qp, kp) * scale
     weights = activation_fn(activation, scores) * mask
     out = torch.einsum("bhqk,bhkd->bhqd", weights, vp) * out_scale
-    return _unpad(out, valid_q).to(q.dtype)
+    return _unpad(out, dest_q).to(q.dtype)
