@@ -37,6 +37,24 @@ class Batch:
     tokens: int
     """Real (unpadded) history events on this rank, summed over sequences."""
 
+    sparse_dist: dict[str, tuple] | None = None
+    """The KJTs' TorchRec input distribution, done ahead (:meth:`SparseArch.input_dist`), or None."""
+
+    def record_stream(self, stream) -> None:
+        """Mark every device tensor of the batch (and of its distributed inputs) as used on ``stream``:
+        they were allocated on the side stream that copied them, whose allocator would otherwise reuse
+        their memory for the next batch while ``stream`` still reads them."""
+        for kjt in [self.pooled, *self.sequences.values()]:
+            if kjt is not None:
+                kjt.record_stream(stream)
+        for t in [*self.offsets.values(), self.dense, self.labels]:
+            if t is not None:
+                t.record_stream(stream)
+        for ctx, dist_input in (self.sparse_dist or {}).values():
+            dist_input.record_stream(stream)
+            if hasattr(ctx, "record_stream"):
+                ctx.record_stream(stream)
+
 
 def _tensor(a: np.ndarray, pin: bool) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(a))

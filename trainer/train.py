@@ -66,6 +66,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local-optimizer", choices=["auto", "off"], default="auto",
                    help="auto: step the dense optimizer (and take the gradient norm) on the DTensors' local shards, "
                         "without DTensor's per-op dispatch; off: through DTensor")
+    p.add_argument("--sparse-pipeline", choices=["auto", "off"], default="auto",
+                   help="auto: the next batch's host-to-device copies and TorchRec input dist one step ahead, on a "
+                        "side stream on CUDA; off: both at the start of the step's forward, on the compute stream")
     p.add_argument("--compile", choices=["off", "layers"], default="off",
                    help="layers: torch.compile each InterFormer and Kunlun layer (dynamic shapes); the compilation "
                         "happens in the first steps, so keep them in --warmup")
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from coplan.trainer import checkpoint as ckpt
-    from coplan.trainer.batch import to_batch
+    from coplan.trainer.pipeline import SparseDistPipeline
     from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, generate_dataset
     from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
     from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
@@ -355,15 +358,24 @@ def run(args: argparse.Namespace) -> int:
                     bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3g}", mfu=f"{rec.mfu:.1%}", refresh=False)
 
     prefetch = Prefetcher(reader, start, steps)
+    pipe = SparseDistPipeline(pm.model.sparse, layout, device, enabled=args.sparse_pipeline == "auto")
+    ahead = None  # (host batch, its prepared Batch) of the next step
     try:
         with TraceWindow(run_dir / "traces", rank, trace_first, trace_count, start, device) as tw:
             for step in range(start, steps):
                 timer.mark(step)  # a step runs from its start to the next step's start: data stalls count
                 if step > start and step % log_every == 0:
                     flush()
-                hb = next(prefetch)
-                batch = to_batch(hb, layout, device)
-                logits = pm.dmp(batch)
+                if ahead is None:
+                    hb = next(prefetch)
+                    batch = pipe.prepare(hb)
+                else:
+                    (hb, batch), ahead = ahead, None
+                logits = pm.dmp(pipe.ready(batch))
+                if pipe.enabled and step + 1 < steps:
+                    # the next batch's copies and input dist, on the side stream behind this forward
+                    nhb = next(prefetch)
+                    ahead = (nhb, pipe.prepare(nhb))
                 # this rank's share of the global mean: gradients then sum over ranks (see distributed/embedding.py)
                 loss = bce_loss_sum(logits, batch.labels) / global_batch
                 if poison == ("loss", step) and rank == 0:
@@ -429,6 +441,7 @@ def run(args: argparse.Namespace) -> int:
                  f"dense optimizer {'fused' if optims.fused_dense else 'foreach'}"
                  + (f" (fused refused: {optims.fused_error})" if optims.fused_error else ""),
                  f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor'}",
+                 f"sparse input dist {'one batch ahead' + (' on a side stream' if pipe.stream is not None else '') if pipe.enabled else 'in forward'}",
                  f"compile {args.compile}"]
         if device_type == "cpu":
             notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")

@@ -318,7 +318,7 @@ class GEMModel(nn.Module):
 
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[local batch, tasks]`` in fp32 for a :class:`~coplan.trainer.data.Batch`."""
-        pooled, keys, widths, seq = self.sparse(batch.pooled, batch.sequences)
+        pooled, keys, widths, seq = self.sparse(batch.pooled, batch.sequences, getattr(batch, "sparse_dist", None))
         return self.dense(pooled, keys, widths, seq, batch.offsets, batch.dense).float()
 
 

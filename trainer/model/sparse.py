@@ -71,23 +71,56 @@ class SparseArch(nn.Module):
         )
         self.ec_features = {name: [t.name for t in ts] for name, ts in groups.items()}
 
+    def _collections(self, pooled: KeyedJaggedTensor | None, sequences: dict[str, KeyedJaggedTensor]):
+        """(key, module, its input) of every collection that has input."""
+        if self.ebc is not None and pooled is not None:
+            yield "ebc", self.ebc, pooled
+        for name, ec in self.ecs.items():
+            yield f"ecs.{name}", ec, sequences[name]
+
+    def input_dist(self, pooled: KeyedJaggedTensor | None, sequences: dict[str, KeyedJaggedTensor]) -> dict[str, tuple]:
+        """TorchRec's input distribution of every sharded collection, done ahead of :meth:`forward`
+        (what ``ShardedModule.forward`` does first): key -> (sharding context, distributed input).
+
+        The trainer runs it for the next batch on a side stream (:mod:`coplan.trainer.pipeline`): its
+        small host-to-device copies from pageable memory synchronise the stream they run on, and on the
+        compute stream that drains the GPU's queue. Collections that are not sharded are left out (they
+        run whole in forward)."""
+        from torchrec.distributed.types import ShardedModule
+
+        out = {}
+        with record_function("## coplan:input_dist_ahead ##"):  # (a TorchRec-style name: sparse.dist in attribution)
+            for key, m, kjt in self._collections(pooled, sequences):
+                if isinstance(m, ShardedModule):
+                    ctx = m.create_context()
+                    out[key] = (ctx, m.input_dist(ctx, kjt).wait().wait())
+        return out
+
+    @staticmethod
+    def _lookup(key: str, m: nn.Module, kjt: KeyedJaggedTensor, dist: dict[str, tuple] | None):
+        if dist is not None and key in dist:
+            ctx, dist_input = dist[key]
+            return m.compute_and_output_dist(ctx, dist_input)
+        return m(kjt)
+
     def forward(
-        self, pooled: KeyedJaggedTensor | None, sequences: dict[str, KeyedJaggedTensor]
+        self, pooled: KeyedJaggedTensor | None, sequences: dict[str, KeyedJaggedTensor], dist: dict[str, tuple] | None = None
     ) -> tuple[torch.Tensor | None, tuple[str, ...], list[int], dict[str, torch.Tensor]]:
         """Returns (pooled values [B, Σ dims], their keys, their widths, {sequence feature: values [T, dim]}).
 
-        The op ranges are the cost model's: ``sparse.tbe`` (pooled lookups, their all-to-alls included)
-        and ``sparse.seq_tbe`` (sequence lookups).
+        ``dist``: the inputs' distribution done ahead (:meth:`input_dist`); collections not in it
+        distribute their input here. The op ranges are the cost model's: ``sparse.tbe`` (pooled lookups,
+        their all-to-alls included) and ``sparse.seq_tbe`` (sequence lookups).
         """
         pooled_values, keys, widths = None, (), []
         if self.ebc is not None and pooled is not None:
             with record_function("sparse.tbe"):
-                kt = self.ebc(pooled)
+                kt = self._lookup("ebc", self.ebc, pooled, dist)
                 pooled_values, keys, widths = kt.values(), tuple(kt.keys()), list(kt.length_per_key())
         seq: dict[str, torch.Tensor] = {}
         with record_function("sparse.seq_tbe"):
             for name, ec in self.ecs.items():
-                out = ec(sequences[name])
+                out = self._lookup(f"ecs.{name}", ec, sequences[name], dist)
                 for f in self.ec_features[name]:
                     seq[f] = out[f].values()
         return pooled_values, keys, widths, seq

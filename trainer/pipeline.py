@@ -1,0 +1,62 @@
+"""The next batch's host-to-device copies and TorchRec input distribution, one batch ahead, on a side stream.
+
+Why: TorchRec's input distribution builds small index tensors with ``torch.tensor(..., device=cuda)``
+(``## all2all_data:recat_permute_gen ##``), a copy from pageable host memory that synchronises the
+stream it is issued on. Issued on the compute stream at the start of a step, it waits for everything
+the previous step left queued, and the GPU then idles while the host refills the queue (0.7-7 ms per
+step on one H200, BENCHMARKS.md trainer v3). On a side stream it waits only for that stream's own
+copies. TorchRec's ``TrainPipelineSparseDist`` does this by rewriting the model's forward (an FX trace
+of where each KJT comes from); our model hands its KJTs to the sparse arch directly, so the trainer
+calls :meth:`SparseArch.input_dist` itself and passes the result in the batch.
+
+Order of a step with the pipeline on: forward of batch i (its distributed inputs are ready), then
+:meth:`SparseDistPipeline.prepare` of batch i+1 (copies and input dist on the side stream, overlapping
+batch i's queued forward and backward), then backward and optimizer of batch i. Every rank issues the
+same collectives in the same order, so multi-rank input all-to-alls stay matched. On CPU there is no
+stream: the same calls run in the same order, so the CPU tests exercise the code path.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from coplan.trainer.batch import Batch, to_batch
+from coplan.trainer.data import HostBatch
+from coplan.trainer.features import FeatureLayout
+from coplan.trainer.model.sparse import SparseArch
+
+
+class SparseDistPipeline:
+    """``prepare`` a host batch (ahead of its step), then ``ready`` it right before its forward."""
+
+    def __init__(self, sparse: SparseArch, layout: FeatureLayout, device: torch.device, *, enabled: bool = True) -> None:
+        """``enabled`` False: plain :func:`to_batch` on the compute stream, input dist inside forward."""
+        self.sparse = sparse
+        self.layout = layout
+        self.device = device
+        self.enabled = enabled
+        self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
+
+    def prepare(self, hb: HostBatch) -> Batch:
+        if not self.enabled:
+            return to_batch(hb, self.layout, self.device)
+        # No wait on the compute stream here (that would bring back the drain this avoids): memory the
+        # side stream allocates comes from its own pool, and blocks used on the compute stream are
+        # recorded there (:meth:`ready`), so the allocator hands none out while that stream reads it.
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            batch = to_batch(hb, self.layout, self.device)
+            batch.sparse_dist = self.sparse.input_dist(batch.pooled, batch.sequences)
+        return batch
+
+    def ready(self, batch: Batch) -> Batch:
+        """Make the compute stream wait for the batch's side-stream work, and keep its memory alive for it."""
+        if self.stream is not None and batch.sparse_dist is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self.stream)
+            batch.record_stream(cur)
+        return batch
+
+
+__all__ = ["SparseDistPipeline"]
