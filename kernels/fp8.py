@@ -124,29 +124,81 @@ def _gemm_nt(
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, weight: Tensor, bias: Tensor | None, recipe: str, kernels: bool) -> Tensor:
-        out = _gemm_nt(x2d, weight, recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=True)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        ctx.save_for_backward(x2d, weight)
         ctx.recipe, ctx.kernels, ctx.has_bias = recipe, kernels, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.dtypes = (x2d.dtype, weight.dtype)
+        if recipe == "blockwise" and kernels:
+            out = _block_forward(ctx, x2d, weight)
+        else:
+            out = _gemm_nt(x2d, weight, recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=True)
+            ctx.save_for_backward(x2d, weight)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x2d, weight = ctx.saved_tensors
         recipe, kernels = ctx.recipe, ctx.kernels
         dy = grad_out.contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            # dx = dY · W = dY @ (Wᵀ)ᵀ: W is read transposed in place by the quantisation kernel.
-            dx = _gemm_nt(dy, weight.t(), recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=False)
-        if ctx.needs_input_grad[1]:
-            # dW = dYᵀ · x = dYᵀ @ (xᵀ)ᵀ, contraction over tokens; both operands in 1x128 tiles (blockwise).
-            dw = _gemm_nt(dy.t(), x2d.t(), recipe, b_square=False, out_dtype=weight.dtype, kernels=kernels, fast_accum=False)
+        if recipe == "blockwise" and kernels:
+            dx, dw = _block_backward(ctx, dy)
+        else:
+            x2d, weight = ctx.saved_tensors
+            if ctx.needs_input_grad[0]:
+                # dx = dY · W = dY @ (Wᵀ)ᵀ: W is read transposed in place by the quantisation kernel.
+                dx = _gemm_nt(dy, weight.t(), recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=False)
+            if ctx.needs_input_grad[1]:
+                # dW = dYᵀ · x = dYᵀ @ (xᵀ)ᵀ, contraction over tokens; both operands in 1x128 tiles (blockwise).
+                dw = _gemm_nt(dy.t(), x2d.t(), recipe, b_square=False, out_dtype=weight.dtype, kernels=kernels, fast_accum=False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None, None
+
+
+def _block_forward(ctx, x2d: Tensor, weight: Tensor) -> Tensor:
+    """The block-wise recipe on the kernels: one read of x and one of W, each written as the fp8
+    copy the forward needs and, when a gradient will need it, the transposed copy the backward needs
+    (xᵀ in 1x128 tiles along the tokens for dW; Wᵀ in the same 128x128 blocks for dx). The backward
+    then saves the fp8 copies instead of x and W (half the bytes of bf16 x), and re-reads neither."""
+    from .fp8_triton import block_mm, quant_act_dual, quant_weight_dual
+
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    M, K = x2d.shape
+    N = weight.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        ctx.empty = True
+        ctx.shapes = (M, K, N)
+        ctx.devices = x2d.device
+        return x2d.new_zeros(M, N)
+    ctx.empty = False
+    xq = quant_act_dual(x2d, with_t=need_dw)
+    wq = quant_weight_dual(weight, with_t=need_dx)
+    out = block_mm(xq.q, xq.s, wq.q, wq.s, n=N, b_square=True, out_dtype=x2d.dtype)
+    ctx.shapes = (M, K, N)
+    saved = [t if t is not None else torch.empty(0) for t in (xq.qt, xq.st, wq.qt, wq.st)]
+    ctx.save_for_backward(*saved)
+    return out
+
+
+def _block_backward(ctx, dy: Tensor):
+    from .fp8_triton import block_mm, quant_act_dual
+
+    M, K, N = ctx.shapes
+    x_dtype, w_dtype = ctx.dtypes
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.empty:
+        dx = dy.new_zeros(M, K, dtype=x_dtype) if need_dx else None
+        dw = dy.new_zeros(N, K, dtype=w_dtype) if need_dw else None
+        return dx, dw
+    qxt, sxt, qwt, swt = ctx.saved_tensors
+    # dY read once: row-wise 1x128 tiles for dx = dY·W, and dYᵀ in 1x128 tiles along the tokens for dW.
+    dq = quant_act_dual(dy, with_t=need_dw)
+    dx = block_mm(dq.q, dq.s, qwt, swt, n=K, b_square=True, out_dtype=x_dtype) if need_dx else None
+    dw = block_mm(dq.qt, dq.st, qxt, sxt, n=K, b_square=False, out_dtype=w_dtype) if need_dw else None
+    if dw is not None and dw.shape[0] != N:  # dYᵀ's rows padded to 16 for _scaled_mm
+        dw = dw[:N].contiguous()
+    return dx, dw
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe = "rowwise", *, backend: Backend = "auto") -> Tensor:

@@ -22,8 +22,16 @@ def padded(n: int, granule: int) -> int:
     return -(-n // granule) * granule
 
 
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, floor) / 448``, IEEE-rounded on every device: the divisor is a tensor of the
+    same device because CUDA PyTorch computes ``tensor / python_scalar`` as a product with the
+    scalar's rounded reciprocal (1 ulp off the quotient for ~40% of values); the Triton kernels
+    divide with ``tl.math.div_rn``."""
+    return amax.clamp_min(AMAX_FLOOR) / torch.full_like(amax, E4M3_MAX)
+
+
 def _quantise(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    inv = 1.0 / scale
+    inv = torch.reciprocal(scale)  # IEEE 1 / s, as the kernels' div_rn
     return (x * inv).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
@@ -32,7 +40,7 @@ def quant_rows_ref(x: torch.Tensor, granule: int = 16, rows_granule: int = 1) ->
     R, C = x.shape
     xf = F.pad(x.float(), (0, padded(C, granule) - C, 0, padded(R, rows_granule) - R))
     amax = xf.abs().amax(dim=1, keepdim=True) if xf.shape[1] else xf.new_zeros(xf.shape[0], 1)
-    s = amax.clamp_min(AMAX_FLOOR) / E4M3_MAX
+    s = scale_of(amax)
     s[R:] = 1.0
     return _quantise(xf, s), s
 
@@ -46,11 +54,11 @@ def quant_tiles_ref(x: torch.Tensor, square: bool) -> tuple[torch.Tensor, torch.
     kb = c_pad // BLOCK
     if square:
         blocks = xf.view(r_pad // BLOCK, BLOCK, kb, BLOCK)
-        s = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) / E4M3_MAX if blocks.numel() else xf.new_zeros(r_pad // BLOCK, kb)
+        s = scale_of(blocks.abs().amax(dim=(1, 3))) if blocks.numel() else xf.new_zeros(r_pad // BLOCK, kb)
         full = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
     else:
         tiles = xf.view(r_pad, kb, BLOCK)
-        s = tiles.abs().amax(dim=2).clamp_min(AMAX_FLOOR) / E4M3_MAX if tiles.numel() else xf.new_zeros(r_pad, kb)
+        s = scale_of(tiles.abs().amax(dim=2)) if tiles.numel() else xf.new_zeros(r_pad, kb)
         full = s.repeat_interleave(BLOCK, 1)
     return _quantise(xf, full)[:R], s
 
@@ -80,5 +88,5 @@ def block_scaled_mm_ref(qa, sa, qb, sb, *, b_square: bool, n: int | None = None)
 
 
 __all__ = [
-    "block_scaled_mm_ref", "dequant_rows", "dequant_tiles", "quant_rows_ref", "quant_tiles_ref", "rowwise_mm_ref",
+    "block_scaled_mm_ref", "scale_of", "dequant_rows", "dequant_tiles", "quant_rows_ref", "quant_tiles_ref", "rowwise_mm_ref",
 ]

@@ -22,6 +22,7 @@ normal). Autotuning is keyed on the previous power of two of M, and on N and K.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -109,6 +110,19 @@ def _amax_rows_partial_kernel(
 
 
 @triton.jit
+def _rows_scale_kernel(p_ptr, s_ptr, inv_ptr, R, N_C, BLOCK_R: tl.constexpr):
+    """Max of the partial amaxes p[:, rows], then s = max(amax, floor) / 448 and 1 / s, IEEE-rounded."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c in range(0, N_C):
+        amax = tl.maximum(amax, tl.load(p_ptr + c * R + rows, mask=rmask, other=0.0))
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
+    tl.store(s_ptr + rows, scale, mask=rmask)
+    tl.store(inv_ptr + rows, tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), scale), mask=rmask)
+
+
+@triton.jit
 def _quant_rows_apply_kernel(
     x_ptr, q_ptr, inv_ptr, R, C, C_PAD, stride_xr, stride_xc,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -154,6 +168,53 @@ def _quant_tiles_kernel(
     tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+@triton.jit
+def _quant_dual_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+    R, C, Q_ROWS, QT_ROWS, C_PAD, R_PAD, stride_xr, stride_xc,
+    stride_sr, stride_sk, stride_str, stride_stk,
+    SQUARE: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One BLOCK x BLOCK tile of x [R, C], read once, written as up to two fp8 copies:
+
+    - q [Q_ROWS, C_PAD] row-major, quantised along C: a scale per row of the tile (1 x BLOCK tiles)
+      or, SQUARE, one scale for the whole tile (BLOCK x BLOCK blocks);
+    - if WITH_T, qt [QT_ROWS, R_PAD] row-major = the transpose, quantised along R: a scale per
+      column of the tile (its 1 x BLOCK tiles along R) or, SQUARE, the same block scale.
+
+    The block-wise recipe's operands are local in both directions, so the weight gradient's
+    operands (dYᵀ, xᵀ, tiled along the tokens) come out of the same read as the forward's / the input
+    gradient's, with no global column amax. Rows/columns past R/C (up to the copies' padding) are
+    zeros with a positive scale, so a padded row or K step adds nothing to a product."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK + tl.arange(0, BLOCK)
+    cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
+                mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0).to(tl.float32)
+    a = tl.abs(v)
+    q_mask = (rows[:, None] < Q_ROWS) & (cols[None, :] < C_PAD)
+    qt_mask = (cols[:, None] < QT_ROWS) & (rows[None, :] < R_PAD)
+    if SQUARE:
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(a, axis=1), axis=0), 1e-12), 448.0)  # IEEE, as PyTorch
+        q = tl.minimum(tl.maximum(v * tl.math.div_rn(1.0, scale), -448.0), 448.0)
+        tl.store(s_ptr + pid_r * stride_sr + pid_c * stride_sk, scale)
+        tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=q_mask)
+        if WITH_T:
+            tl.store(st_ptr + pid_c * stride_str + pid_r * stride_stk, scale)
+            tl.store(qt_ptr + cols[:, None] * R_PAD + rows[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=qt_mask)
+    else:
+        s_row = tl.math.div_rn(tl.maximum(tl.max(a, axis=1), 1e-12), tl.full([BLOCK], 448.0, tl.float32))
+        q = tl.minimum(tl.maximum(v * tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s_row)[:, None], -448.0), 448.0)
+        tl.store(s_ptr + rows * stride_sr + pid_c * stride_sk, s_row, mask=rows < Q_ROWS)
+        tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=q_mask)
+        if WITH_T:
+            s_col = tl.math.div_rn(tl.maximum(tl.max(a, axis=0), 1e-12), tl.full([BLOCK], 448.0, tl.float32))
+            qt = tl.minimum(tl.maximum(v * tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s_col)[None, :], -448.0), 448.0)
+            tl.store(st_ptr + cols * stride_str + pid_r * stride_stk, s_col, mask=cols < QT_ROWS)
+            tl.store(qt_ptr + cols[:, None] * R_PAD + rows[None, :], tl.trans(qt).to(qt_ptr.dtype.element_ty), mask=qt_mask)
+
+
 def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
     """What the quantisation kernels store. Triton's CPU interpreter rounds fp32 -> e4m3 wrongly
     when the rounding carries into the exponent (124.3 -> 64 instead of 128), so under the
@@ -196,9 +257,11 @@ def _quant_rows_split(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, R: int,
     part = torch.empty(n_c, R, device=x.device, dtype=torch.float32)
     _amax_rows_partial_kernel[(n_c, triton.cdiv(R, block_r))](
         x, part, R, C, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps, num_warps=4)
-    scale = part.amax(0).clamp_min_(AMAX_FLOOR).div_(E4M3_MAX)
-    s[:R, 0] = scale
-    inv = torch.reciprocal(scale)
+    # The scale in a kernel, not in PyTorch: on CUDA, PyTorch's `tensor / 448.0` multiplies by the
+    # rounded reciprocal of the Python scalar (amax · (1/448)), 1 ulp off the IEEE quotient in ~40%
+    # of rows (the H200 run failed here); the reference and every kernel divide, IEEE-rounded.
+    inv = torch.empty(R, device=x.device, dtype=torch.float32)
+    _rows_scale_kernel[(triton.cdiv(R, 128),)](part, s, inv, R, n_c, BLOCK_R=128, num_warps=4)
     _quant_rows_apply_kernel[(triton.cdiv(c_pad, block_c), triton.cdiv(R, block_r))](
         x, q, inv, R, C, c_pad, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
@@ -259,6 +322,63 @@ def quant_tiles(x: torch.Tensor, square: bool, out_dtype: torch.dtype = E4M3) ->
     return q.to(out_dtype), s
 
 
+class DualQuant(NamedTuple):
+    """The fp8 copies of one operand of the block-wise recipe (see :func:`quant_act_dual`,
+    :func:`quant_weight_dual`); ``qt`` / ``st`` are None when the transpose was not asked for."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    qt: torch.Tensor | None
+    st: torch.Tensor | None
+
+
+def _dual(x: torch.Tensor, square: bool, with_t: bool, q_rows: int, qt_rows: int,
+          s: torch.Tensor, st: torch.Tensor | None) -> DualQuant:
+    R, C = x.shape
+    c_pad, r_pad = padded(C, BLOCK), padded(R, BLOCK)
+    dt = _store_dtype(E4M3)
+    q = torch.empty(q_rows, c_pad, device=x.device, dtype=dt)
+    qt = torch.empty(qt_rows, r_pad, device=x.device, dtype=dt) if with_t else None
+    if r_pad and c_pad:
+        st_arg = st if st is not None else s
+        _quant_dual_kernel[(r_pad // BLOCK, c_pad // BLOCK)](
+            x, q, s, qt if qt is not None else q, st_arg, R, C, q_rows, qt_rows, c_pad, r_pad,
+            x.stride(0), x.stride(1), s.stride(0), s.stride(1), st_arg.stride(0), st_arg.stride(1),
+            SQUARE=square, WITH_T=with_t, BLOCK=BLOCK, num_warps=8)
+    return DualQuant(q.to(E4M3), s, qt.to(E4M3) if qt is not None else None, st)
+
+
+def quant_act_dual(x: torch.Tensor, with_t: bool, t_rows_granule: int = 16) -> DualQuant:
+    """An activation or output gradient ``x [R, C]`` (any strides) in 1x128 tiles, in one read:
+    ``q [R, C→128]`` with scales ``s [R, C/128]``, and (``with_t``) its transpose ``qt [C→16, R→128]``
+    with scales ``st [C→16, R/128]`` (tiles along R: the tokens, for the weight gradient).
+
+    Scales are stored "outer-dim-major" (``s.stride() == (1, R)``), the layout ``torch._scaled_mm``'s
+    block-wise path takes for a 1x128 operand; ``qt``'s rows are padded to ``t_rows_granule``
+    (``_scaled_mm`` needs the B operand's N a multiple of 16) with zeros."""
+    _check_2d(x, "quant_act_dual")
+    R, C = x.shape
+    kb, rb = padded(C, BLOCK) // BLOCK, padded(R, BLOCK) // BLOCK
+    qt_rows = padded(C, t_rows_granule)
+    s = torch.empty(kb, R, device=x.device, dtype=torch.float32).t()
+    st = torch.empty(rb, qt_rows, device=x.device, dtype=torch.float32).t() if with_t else None
+    return _dual(x, False, with_t, R, qt_rows, s, st)
+
+
+def quant_weight_dual(w: torch.Tensor, with_t: bool, rows_granule: int = 16) -> DualQuant:
+    """A weight ``w [N, K]`` (any strides) in 128x128 blocks, in one read: ``q [N→16, K→128]`` and
+    (``with_t``) ``qt = wᵀ`` as ``[K→16, N→128]``; one block scale serves both (``s [N/128, K/128]``,
+    ``st = sᵀ``). Both scale tensors are views of buffers whose inner dimension is padded to a
+    multiple of 4 and transposed (stride 1 along the GEMM's N blocks), the layout
+    ``torch._scaled_mm`` takes for a 128x128 operand."""
+    _check_2d(w, "quant_weight_dual")
+    N, K = w.shape
+    nb, kb = padded(N, BLOCK) // BLOCK, padded(K, BLOCK) // BLOCK
+    s = torch.empty(nb, padded(kb, 4), device=w.device, dtype=torch.float32)[:, :kb]
+    st = torch.empty(kb, padded(nb, 4), device=w.device, dtype=torch.float32)[:, :nb] if with_t else None
+    return _dual(w, True, with_t, padded(N, rows_granule), padded(K, rows_granule), s, st)
+
+
 # --------------------------------------------------------------------------------------------
 # Block-scaled GEMM
 # --------------------------------------------------------------------------------------------
@@ -295,7 +415,7 @@ def _quick_bench(kernel_call, quantiles):
 def _block_scaled_mm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr,
     M, N, K_PAD, M_BUCKET,  # M_BUCKET: autotune key only
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
     B_SQUARE: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -327,8 +447,8 @@ def _block_scaled_mm_kernel(
     for kb in range(0, K_PAD // BLOCK_K):
         a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-        sa = tl.load(as_ptrs + kb, mask=mmask, other=0.0)
-        sb = tl.load(bs_ptrs + kb, mask=nmask, other=0.0)
+        sa = tl.load(as_ptrs + kb * stride_ask, mask=mmask, other=0.0)
+        sb = tl.load(bs_ptrs + kb * stride_bsk, mask=nmask, other=0.0)
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -361,9 +481,73 @@ def block_scaled_mm(
     _block_scaled_mm_kernel[grid](
         qa, qb, c, sa, sb, bias if bias is not None else c,
         M, N, k_pad, prev_power_of_2(M),
-        qa.stride(0), qb.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
+        qa.stride(0), qb.stride(0), c.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
         B_SQUARE=b_square, HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_K=BLOCK)
     return c
 
 
-__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "block_scaled_mm", "padded", "quant_rows", "quant_tiles"]
+# --------------------------------------------------------------------------------------------
+# Block-scaled GEMM through torch._scaled_mm (cuBLAS), where this PyTorch has it
+# --------------------------------------------------------------------------------------------
+
+# (kind, out dtype) -> index of the scale layout torch._scaled_mm accepted, or -1: it rejected all,
+# use the Triton GEMM. Probed on first use: the layout PyTorch wants for block-wise scales has
+# moved between versions (2.11 on the H200, 2.13 here), and a build may lack the path.
+_SCALED_MM_BLOCK: dict[tuple[str, torch.dtype], int] = {}
+SCALED_MM_BLOCK_ERRORS: dict[tuple[str, torch.dtype], str] = {}
+"""Why ``torch._scaled_mm`` was not used for a (kind, out dtype), for benchmarks to report."""
+
+
+def _scale_candidates(sa: torch.Tensor, sb: torch.Tensor, b_square: bool):
+    """Layouts to offer ``torch._scaled_mm`` for A's 1x128 scales ``sa [M, K/128]`` and B's
+    ``sb`` (``[N/128, K/128]`` blocks or ``[N, K/128]`` tiles, as this module stores them). First the
+    layout PyTorch 2.9-2.13 document (A outer-dim-major; B as ``[K/128, N/128 | N]`` with stride 1
+    along N), then contiguous copies."""
+    sa_t = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
+    yield sa_t, sb.t()
+    yield sa_t, sb.t().contiguous()
+    yield sa.contiguous(), sb.t().contiguous()
+
+
+def scaled_mm_block_kind(b_square: bool) -> str:
+    return "1x128_128x128" if b_square else "1x128_1x128"
+
+
+def block_mm(
+    qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, *, n: int, b_square: bool,
+    out_dtype: torch.dtype, use_scaled_mm: bool = True,
+) -> torch.Tensor:
+    """``(qa·sa) @ (qb·sb)ᵀ`` → ``[M, n]``: by ``torch._scaled_mm``'s block-wise path (cuBLAS;
+    1,274 TFLOP/s at 8192³ on the H200 against 654 for :func:`block_scaled_mm`) where this PyTorch
+    and GPU take it, else by the Triton kernel. ``qb``'s rows past ``n`` are padding (zeros)."""
+    kind = (scaled_mm_block_kind(b_square), out_dtype)
+    if use_scaled_mm and qa.is_cuda and _SCALED_MM_BLOCK.get(kind, 0) >= 0 and qa.shape[0] > 0:
+        known = _SCALED_MM_BLOCK.get(kind)
+        for i, (a_s, b_s) in enumerate(_scale_candidates(sa, sb, b_square)):
+            if known is not None and i != known:
+                continue
+            try:
+                out = torch._scaled_mm(qa, qb.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype)
+            except (RuntimeError, ValueError, TypeError) as e:
+                if known is not None:  # worked before with this layout: a real error
+                    raise
+                SCALED_MM_BLOCK_ERRORS[kind] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            _SCALED_MM_BLOCK[kind] = i
+            # trimmed N padding copied, so that the op's output is not a view (FSDP2 warns on views)
+            return out if out.shape[1] == n else out[:, :n].contiguous()
+        _SCALED_MM_BLOCK[kind] = -1
+    return block_scaled_mm(qa, sa, qb, sb, n=n, b_square=b_square,
+                           out_dtype=out_dtype if out_dtype != torch.float16 else torch.float32).to(out_dtype)
+
+
+def block_mm_backend(b_square: bool, out_dtype: torch.dtype) -> str:
+    """Which GEMM :func:`block_mm` used so far for this kind: 'scaled_mm', 'triton' or 'unprobed'."""
+    v = _SCALED_MM_BLOCK.get((scaled_mm_block_kind(b_square), out_dtype))
+    return "unprobed" if v is None else ("scaled_mm" if v >= 0 else "triton")
+
+
+__all__ = [
+    "BLOCK", "E4M3", "E4M3_MAX", "DualQuant", "block_mm", "block_mm_backend", "block_scaled_mm", "padded",
+    "quant_act_dual", "quant_rows", "quant_tiles", "quant_weight_dual",
+]
