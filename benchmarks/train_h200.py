@@ -10,22 +10,26 @@ the batch's longest history (up to 4,096) and holds fp32 ``[batch, heads, L, L]`
 samples one such tensor is 34 GB per layer, so its run uses ``--reference-batch`` samples per step
 (default 8); MFU and tokens/s are per-step rates and stay comparable.
 
-Cases (``--cases``, run in this order, each skipped when too little of the ``--timeout`` budget is
-left; a trainer launch costs ~35-60 s on the H200 before its first step):
+Cases (``--cases``, default the first five, run in this order, each skipped when too little of the
+``--timeout`` budget is left; a trainer launch costs ~30 s on the H200 before its first step):
 
 - ``triton``: the trainer as it runs by default (Triton attention; MoE experts as grouped GEMMs with
-  no host sync; fused AdamW);
-- ``reference``: the PyTorch reference attention;
-- ``triton-compile``: ``triton`` plus ``--compile layers`` (regional torch.compile of the InterFormer
-  and Kunlun layers, dynamic shapes), with 2 more warm-up steps for the compilation;
-- ``triton-baseline``: ``triton`` with ``--moe-grouped off --fused-optimizer off`` (per-expert GEMMs
-  whose split sizes are read back to the host every step, foreach AdamW): the A/B of those switches.
+  no host sync; fused AdamW stepped on FSDP2's local shards; the next batch's copies and TorchRec
+  input dist one step ahead on a side stream), 100 measured steps;
+- ``triton-v3``: ``triton`` with ``--local-optimizer off --sparse-pipeline off`` (the trainer as v3
+  measured it), 40 measured steps: the A/B of this round's two changes together;
+- ``triton-dtensor-optim``: only ``--local-optimizer off`` (AdamW, its guard norm through DTensor);
+- ``triton-no-pipeline``: only ``--sparse-pipeline off`` (input dist at the start of forward);
+- ``triton-baseline``: everything off, ``--moe-grouped off --fused-optimizer off`` too (v2's loop);
+- ``reference`` (not by default): the PyTorch reference attention;
+- ``triton-compile`` (not by default): ``--compile layers``, 2 more warm-up steps.
 
 Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per case the measured local MFU,
 tokens/s, step-time p50/p90, peak memory, where the time went in the profiled steps (the Kineto
 trace attributed to the cost model's ops by ``coplan.costmodel.traces``), the per-kernel table and
 the host side of the profiled steps (kernel launches, blocking syncs and the time they waited, host
-busy time per thread, GPU idle share).
+busy time per thread, GPU idle share; each slow host op with its thread, the ranges around it and its
+CUDA runtime calls), the measured steps' spread, and each case's trace, gzipped beside ``--out``.
 
     python benchmarks/train_h200.py                          # on the H200
     python benchmarks/train_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2   # smoke test
@@ -44,6 +48,9 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402
 
 from coplan.spec import dump_spec, load_run_result, load_topology, load_workload
 from coplan.spec.workload import InterFormerBlock, KunlunBlock, MoEBlock
@@ -139,7 +146,10 @@ def host_table(path: Path) -> dict:
 
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        raw = json.load(f)["traceEvents"]
+    events = [e for e in raw if e.get("ph") == "X"]
+    thread_names = {e.get("tid"): e.get("args", {}).get("name") for e in raw if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    del raw
     steps = [e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") == "user_annotation"]
     if not steps:
         return {"error": "no ProfilerStep ranges on the host"}
@@ -186,14 +196,65 @@ def host_table(path: Path) -> dict:
                                                     and c["ts"] <= d["ts"] and d["ts"] + d["dur"] <= c["ts"] + c["dur"]
                                                     and d["dur"] > 1000 for d in cpu):
                 slow.append(c)
+    busiest = max(busy, key=busy.get) if busy else None
     return {
         "slow_host_ops_ms_per_step": sum(c["dur"] for c in slow) / n / 1e3,
-        "slow_host_ops": sorted(({"op": c["name"], "ms": c["dur"] / 1e3} for c in slow), key=lambda d: -d["ms"])[:12],
+        "slow_host_ops": [_describe_slow_op(c, cpu, rt, thread_names, busiest)
+                          for c in sorted(slow, key=lambda c: -c["dur"])[:16]],
+        "thread_names": {str(k): v for k, v in thread_names.items() if str(k) in busy},
         "launches_per_step": launches / n,
         "blocking_syncs_per_step": len(syncs) / n,
         "sync_wait_ms_per_step": sum(e["dur"] for e in syncs) / n / 1e3,
         "long_waits_by_op": {k: {"ms_per_step": v[0], "per_step": v[1]} for k, v in sorted(waits.items(), key=lambda kv: -kv[1][0])},
         "host_busy_ms_per_step_by_thread": busy,
+    }
+
+
+def _describe_slow_op(c: dict, cpu: list[dict], rt: list[dict], thread_names: dict, busiest: str | None) -> dict:
+    """What a slow host op was doing: its thread, the ranges around it (outermost first: which layer,
+    forward or backward node, optimizer, FSDP hook), the ops right inside it, and the CUDA runtime calls
+    it made with their durations (a cudaLaunchKernel over 0.1 ms means a full launch queue,
+    cudaMalloc/cudaHostAlloc an allocator miss, a cudaStreamSynchronize a wait)."""
+    lo, hi, tid = c["ts"], c["ts"] + c["dur"], c["tid"]
+    around = sorted((e for e in cpu if e["tid"] == tid and e is not c and e["ts"] <= lo and e["ts"] + e["dur"] >= hi
+                     and not e["name"].startswith("ProfilerStep")), key=lambda e: (e["ts"], -e["dur"]))
+    inside = [e for e in cpu if e["tid"] == tid and e is not c and lo <= e["ts"] and e["ts"] + e["dur"] <= hi]
+    direct = [e for e in inside if not any(d is not e and d["ts"] <= e["ts"] and e["ts"] + e["dur"] <= d["ts"] + d["dur"]
+                                           for d in inside)]
+    calls = [e for e in rt if e["tid"] == tid and lo <= e["ts"] and e["ts"] + e["dur"] <= hi]
+    by_call: dict[str, list[float]] = {}
+    for e in calls:
+        acc = by_call.setdefault(e["name"], [0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += e["dur"] / 1e3
+        acc[2] = max(acc[2], e["dur"] / 1e3)
+    return {
+        "op": c["name"], "ms": c["dur"] / 1e3, "tid": str(tid), "thread": thread_names.get(tid),
+        "busiest_thread": str(tid) == busiest,
+        "ranges": [e["name"][:100] for e in around][-8:],
+        "children": [{"op": e["name"][:80], "ms": e["dur"] / 1e3} for e in sorted(direct, key=lambda e: -e["dur"])[:5]],
+        "runtime_calls": {k: {"n": v[0], "ms": round(v[1], 4), "max_ms": round(v[2], 4)}
+                          for k, v in sorted(by_call.items(), key=lambda kv: -kv[1][1])},
+        "runtime_ms": sum(e["dur"] for e in calls) / 1e3,
+    }
+
+
+def step_spread(times_s: list[float]) -> dict:
+    """How much the measured steps vary: a p50 of a dozen steps moved by as much as the changes measured."""
+    import numpy as np
+
+    if not times_s:
+        return {}
+    a = np.asarray(times_s) * 1e3
+    half = len(a) // 2
+    return {
+        "n": len(a), "mean_ms": float(a.mean()), "std_ms": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
+        "p10_ms": float(np.percentile(a, 10)), "p25_ms": float(np.percentile(a, 25)), "p50_ms": float(np.percentile(a, 50)),
+        "p75_ms": float(np.percentile(a, 75)), "p90_ms": float(np.percentile(a, 90)), "min_ms": float(a.min()),
+        "max_ms": float(a.max()),
+        # drift over the run (allocator warm-up, clocks, a co-tenant): the two halves' medians
+        "p50_first_half_ms": float(np.median(a[:half])) if half else None,
+        "p50_second_half_ms": float(np.median(a[half:])) if half else None,
     }
 
 
@@ -205,19 +266,28 @@ def _by_block(ops, steps: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-CASES = {  # name -> (attention backend, extra trainer arguments, extra warm-up steps)
-    "triton": ("triton", [], 0),
-    "reference": ("reference", [], 0),
-    "triton-compile": ("triton", ["--compile", "layers"], 2),
-    "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off"], 0),
+# name -> (attention backend, extra trainer arguments, extra warm-up steps, measured steps). The
+# A/B cases turn one of the defaults' host-overhead changes off each; every one runs on the same data
+# in the same invocation (compare within a run: runs on different leases differ by as much).
+CASES = {
+    "triton": ("triton", [], 0, 100),
+    "triton-v3": ("triton", ["--local-optimizer", "off", "--sparse-pipeline", "off"], 0, 40),
+    "triton-dtensor-optim": ("triton", ["--local-optimizer", "off"], 0, 40),
+    "triton-no-pipeline": ("triton", ["--sparse-pipeline", "off"], 0, 40),
+    "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off", "--local-optimizer", "off",
+                                   "--sparse-pipeline", "off"], 0, 40),
+    "reference": ("reference", [], 0, 12),
+    "triton-compile": ("triton", ["--compile", "layers"], 2, 12),
 }
+DEFAULT_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-baseline")
 MIN_CASE_S = 45  # below this a launch cannot reach its measured steps: skip the case instead
 
 
 def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str] | None = None, *,
-                warmup: int | None = None, timeout: float | None = None) -> dict:
+                warmup: int | None = None, timeout: float | None = None, measured: int = 12, case: str = "run") -> dict:
     warmup = args.warmup if warmup is None else warmup
-    steps = args.steps + (warmup - args.warmup)
+    # --steps (total, all cases) overrides the case's own measured count (the CPU smoke test uses it)
+    steps = args.steps + (warmup - args.warmup) if args.steps else warmup + measured + args.trace_steps
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
            str(plan_path), "--device", args.device, "--steps", str(steps), "--warmup", str(warmup),
            "--runs-root", str(args.runs_root), "--run-id", run_id, "--data", str(data), "--no-progress",
@@ -259,9 +329,24 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
         "tokens_per_step": sum(x["tokens"] for x in measured) / max(1, len(measured)),
         "loss_first_last": [s.first_loss, s.final_loss],
         "mfu_per_step": [x["mfu"] for x in measured],
+        "step_time_ms_per_step": [x["step_time_s"] * 1e3 for x in measured],
+        "step_spread": step_spread([x["step_time_s"] for x in measured]),
         "versions": s.versions, "device": s.device, "notes": s.notes,
     }
     trace = run_dir / "traces" / "rank0.json"
+    if trace.is_file() and args.keep_traces:
+        # the evidence stays with the figures (v3's trace was lost with the device): gzipped beside --out
+        import gzip
+        import shutil
+
+        kept = args.out.parent / f"{args.out.stem}_trace_{case}.json.gz"
+        try:
+            with open(trace, "rb") as src, gzip.open(kept, "wb", compresslevel=9) as dst:
+                shutil.copyfileobj(src, dst)
+            out["trace_file"] = str(kept)
+            out["trace_file_bytes"] = kept.stat().st_size
+        except OSError as e:
+            out["trace_file"] = f"not kept: {e}"
     if trace.is_file():
         try:
             out["trace"] = trace_breakdown(trace)
@@ -301,14 +386,6 @@ def _kill_run(proc: subprocess.Popen) -> None:
                 pass
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except Exception:
-        return None
-
-
 def _log(msg: str) -> None:
     print(f"[{datetime.now(timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -318,15 +395,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="gem-h200")
     p.add_argument("--topology", default="h200-1gpu")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None,
+                   help="total steps of every case (default: each case's own measured steps + warm-up + traced)")
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--trace-steps", type=int, default=2)
     p.add_argument("--reference-batch", type=int, default=8, help="samples per step of the reference-attention run")
     p.add_argument("--data-batches", type=int, default=12, help="distinct global batches generated (steps cycle over them)")
-    p.add_argument("--cases", "--backends", dest="cases", default=",".join(CASES),
+    p.add_argument("--cases", "--backends", dest="cases", default=",".join(DEFAULT_CASES),
                    help=f"comma-separated, from {sorted(CASES)}")
     p.add_argument("--runs-root", type=Path, default=Path("runs/bench"))
-    p.add_argument("--timeout", type=int, default=240,
+    p.add_argument("--keep-traces", action=argparse.BooleanOptionalAction, default=True,
+                   help="copy each case's Kineto trace, gzipped, beside --out (<out stem>_trace_<case>.json.gz)")
+    p.add_argument("--timeout", type=int, default=280,
                    help=f"seconds for all cases together (a case is skipped when under {MIN_CASE_S} s are left)")
     p.add_argument("--case-timeout", type=int, default=120, help="seconds for one case at most")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
@@ -362,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "trainer (issue 6)",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/train_h200.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "host": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
         "workload": w.name, "topology": topo.name, "dims": workload_dims(w),
         "peak_bf16_flops_per_s": topo.gpu.peak_flops_per_s.get("bf16"),
@@ -391,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{case}: skipped, {left:.0f} s left")
             write()
             continue
-        backend, extra, more_warmup = CASES[case]
+        backend, extra, more_warmup, measured = CASES[case]
         try:
             wb = w
             if backend == "reference":
@@ -400,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             plan_path = dump_spec(plan, args.runs_root / f"plan-{backend}.json")
             _log(f"{case}: start ({min(left, args.case_timeout):.0f} s allowed)")
             results[case] = run_backend(plan_path, args, f"{w.name}-{case}", data, extra, warmup=args.warmup + more_warmup,
-                                        timeout=min(left, args.case_timeout))
+                                        timeout=min(left, args.case_timeout), measured=measured, case=case)
         except Exception as e:  # one failing case must not lose the others
             results[case] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         r = results[case]
