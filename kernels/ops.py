@@ -133,8 +133,13 @@ class _SoftmaxFunction(torch.autograd.Function):
         out, lse = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                                      causal=causal, scale=scale, activation=None, counts=counts)
         # The same tensors as the custom op saves; the block counts (int32 [4, batch + 1]) are
-        # the forward's own intermediates and ride on ctx.
-        ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
+        # the forward's own intermediates and ride on ctx. The output is saved as a detached alias
+        # (same storage and version counter, so an in-place change is still caught): unpacked, it
+        # then carries no grad_fn, and nothing the backward hands to the launchers or to Triton
+        # can keep this graph alive. A graph kept alive keeps its AccumulateGrad nodes, whose
+        # stream is fixed when they are made; one made on the default stream by an eager call
+        # invalidates any later CUDA-graph capture of a backward into the same leaves.
+        ctx.save_for_backward(q, k, v, out.detach(), lse, q_offsets, k_offsets)
         ctx.params = params
         ctx.counts = counts
         return out
