@@ -100,6 +100,22 @@ VARIANTS: tuple[tuple[Variant, Variant], ...] = (
      Variant("nomoe-h1536", "heldout", moe=False, history_mean=1.5, history_sigma=0.7)),
 )
 
+FRESH: tuple[Variant, ...] = (
+    Variant("b48-h768", "fresh", batch=0.75, history_mean=0.75, history_sigma=0.9),
+    Variant("d896-L5", "fresh", width=0.875, depth=1.25),
+    Variant("rc-L3-b48", "fresh", recompute=True, depth=0.75, batch=0.75),
+    Variant("ref-b12-h768", "fresh", attention="reference", ref_batch=12, history_mean=0.75, history_sigma=0.9),
+    Variant("nomoe-b48-h1280", "fresh", moe=False, batch=0.75, history_mean=1.25, history_sigma=0.8),
+    Variant("h2048-b16", "fresh", batch=0.25, history_mean=2.0, history_sigma=0.6),
+)
+"""A second held-out set, defined after the first one's results were seen (and the model changed on
+them): new values of the same factors (batch 48 and 16, history means 768/1,280/2,048 with σ 0.9/0.8/
+0.6, width 896, depths 5 and 3, recompute with 3 layers, the reference at batch 12, MoE off), never
+used to choose anything. It is predicted from the calibration fitted on the ``fit`` runs only and
+reported apart (``fresh``)."""
+
+ALL_VARIANTS: dict[str, Variant] = {v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
+
 
 # ---------------------------------------------------------------------------------------------
 # Building the variants
@@ -259,6 +275,27 @@ def shrink_run(run_dir: Path) -> None:
             p.unlink()
 
 
+def selected_rows(args) -> list[tuple[Variant, ...]]:
+    """The variants this invocation runs, as rows run together (a pair of the main set; with
+    ``--only`` or the fresh set, consecutive variants two by two on two GPUs, one by one on one)."""
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in ALL_VARIANTS]
+        if unknown:
+            raise SystemExit(f"--only: unknown variant(s) {unknown}; known: {sorted(ALL_VARIANTS)}")
+        chosen = [ALL_VARIANTS[n] for n in names]
+    elif args.variant_set == "fresh":
+        chosen = list(FRESH)
+    else:
+        first = max(1, args.pair_from) - 1
+        main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
+        if args.variant_set == "main":
+            return list(main)
+        chosen = [v for pair in main for v in pair] + list(FRESH)
+    k = 2 if args.gpus >= 2 else 1
+    return [tuple(chosen[i : i + k]) for i in range(0, len(chosen), k)]
+
+
 def run_all(args) -> Path:
     from coplan.spec import dump_spec, load_topology, load_workload
     from coplan.trainer.data import data_sha256, generate_dataset
@@ -268,8 +305,7 @@ def run_all(args) -> Path:
     root = args.runs_root
     root.mkdir(parents=True, exist_ok=True)
     cpu = args.device == "cpu"
-    first = max(1, args.pair_from) - 1
-    pairs = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
+    pairs = selected_rows(args)
     manifest = {"workload": base.name, "topology": topo.name, "device": args.device, "steps": args.steps,
                 "warmup": args.warmup, "trace_steps": args.trace_steps, "variants": []}
     # One GPU runs the pairs in several invocations (--pair-from) into one runs root: keep the
@@ -366,22 +402,45 @@ def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas > 0 else float("nan")
 
 
-def analyze(root: Path) -> dict:
+def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> list[tuple[dict, Path]]:
+    """``root``'s manifest entries, each with the root its run directory lies under; an entry of an
+    overlay root (later ones win) replaces the entry of the same name (a re-measured variant) or is
+    added (a new one). Only overlay entries whose run finished replace anything."""
+    entries: dict[str, tuple[dict, Path]] = {}
+    for i, r in enumerate([root, *overlays]):
+        mf = r / "manifest.json"
+        if not mf.is_file():
+            raise FileNotFoundError(f"{mf}: no manifest (is {r} a runs root of this script?)")
+        for v in json.loads(mf.read_text()).get("variants", []):
+            if i == 0 or v.get("ok") or v["name"] not in entries:
+                entries[v["name"]] = (v, r)
+    return list(entries.values())
+
+
+SPLITS = ("fit", "heldout", "fresh")
+"""``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
+BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`)."""
+
+
+def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     import numpy as np
 
     from coplan.costmodel.calibrate import calibrate, fit_host_launch_cost, predict, predict_step_time, run_samples, step_launches
     from coplan.costmodel.efficiency import resolve_efficiencies
     from coplan.spec import load_run_result
 
-    manifest = json.loads((root / "manifest.json").read_text())
     rows: dict[str, dict] = {}
     runs = {}
-    for v in manifest["variants"]:
+    for v, vroot in merged_manifest(root, overlays):
         name = v["name"]
         row = {k: v.get(k) for k in ("split", "ok", "wall_s", "returncode", "skipped", "error", "timed_out")}
+        # the split is the script's, not the manifest's: a variant keeps its role whichever run measured it
+        if name in ALL_VARIANTS:
+            row["split"] = ALL_VARIANTS[name].split
         row["variant"] = v.get("variant")
+        row["runs_root"] = str(vroot)
         rows[name] = row
-        d = root / v.get("run_dir", name)
+        d = vroot / v.get("run_dir", name)
         if not v.get("ok") or not (d / "summary.json").is_file():
             continue
         try:
@@ -405,7 +464,9 @@ def analyze(root: Path) -> dict:
             runs.pop(name, None)
     fit_names = [n for n, r in rows.items() if r["split"] == "fit" and n in runs]
     held_names = [n for n, r in rows.items() if r["split"] == "heldout" and n in runs]
-    out: dict = {"variants": rows, "fit_runs": fit_names, "heldout_runs": held_names}
+    fresh_names = [n for n, r in rows.items() if r["split"] == "fresh" and n in runs]
+    out: dict = {"variants": rows, "fit_runs": fit_names, "heldout_runs": held_names, "fresh_runs": fresh_names,
+                 "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
         return out
@@ -424,7 +485,7 @@ def analyze(root: Path) -> dict:
         if c == "attention" and dt == topo_dtype(runs[fit_names[0]][1].plan):
             dflt_compute.setdefault(("attention", "fp32"), v)
     cal_launch = {**default.launch_s, **res.launch_s}
-    for n in fit_names + held_names:  # per run and class: traced device time vs the fitted roofline
+    for n in fit_names + held_names + fresh_names:  # per run and class: traced device time vs the fitted roofline
         smp = runs[n][1].samples
         mm = np.array([x.measured_s for x in smp])
         pp = predict(smp, res.compute, res.memory, cal_launch)
@@ -434,7 +495,7 @@ def analyze(root: Path) -> dict:
 
     # step times: (i) default, (ii) calibrated = max(device fit step, priced launches x h) (what `coplan plan`
     # prices with the calibration), plus readings that are not in the cost model
-    for n in fit_names + held_names:
+    for n in fit_names + held_names + fresh_names:
         r = rows[n]
         plan = runs[n][1].plan
         try:
@@ -451,7 +512,7 @@ def analyze(root: Path) -> dict:
     h_add = ha.h_s if ha else 0.0
     out["host_additive_form"] = {"host_s_per_launch": h_add, "fitted_on": list(ha.runs) if ha else [],
                                  "meaning": "step = device step under the device fit + priced launches x h_add; not in the cost model"}
-    for n in fit_names + held_names:
+    for n in fit_names + held_names + fresh_names:
         r = rows[n]
         if r.get("predicted_step_device_only_s") is not None:
             r["predicted_step_additive_s"] = r["predicted_step_device_only_s"] + h_add * r["priced_launches_per_step"]
@@ -464,7 +525,7 @@ def analyze(root: Path) -> dict:
     k = float(np.median(ratios)) if ratios else 1.0
     out["step_factor"] = {"value": k, "fitted_on": fit_names, "ratios": ratios,
                           "meaning": "median measured / device-fit step over the fit half; not in the cost model"}
-    for n in fit_names + held_names:
+    for n in fit_names + held_names + fresh_names:
         r = rows[n]
         if r.get("predicted_step_device_only_s") is not None:
             r["predicted_step_device_factor_s"] = k * r["predicted_step_device_only_s"]
@@ -506,15 +567,22 @@ def analyze(root: Path) -> dict:
 
     out["fit"] = summary(fit_names)
     out["heldout"] = summary(held_names)
-    h = out["heldout"]
-    cal_cls = h.get("op_class_calibrated", {})
-    out["goals"] = {
-        "median_step_error_le_5pct": {k2: (h[f"step_{k2}"]["median_abs"] is not None and h[f"step_{k2}"]["median_abs"] <= 0.05)
-                                     for k2 in STEP_KEYS},
-        "max_step_error_le_12pct": {k2: (h[f"step_{k2}"]["max_abs"] is not None and h[f"step_{k2}"]["max_abs"] <= 0.12)
-                                    for k2 in STEP_KEYS},
-        "per_class_error_le_10pct_calibrated": bool(cal_cls) and all(abs(v["error"]) <= 0.10 for v in cal_cls.values()),
-    }
+    out["fresh"] = summary(fresh_names) if fresh_names else {}
+
+    def goals(h: dict) -> dict:
+        if not h:
+            return {}
+        cal_cls = h.get("op_class_calibrated", {})
+        return {
+            "median_step_error_le_5pct": {k2: (h[f"step_{k2}"]["median_abs"] is not None and h[f"step_{k2}"]["median_abs"] <= 0.05)
+                                         for k2 in STEP_KEYS},
+            "max_step_error_le_12pct": {k2: (h[f"step_{k2}"]["max_abs"] is not None and h[f"step_{k2}"]["max_abs"] <= 0.12)
+                                        for k2 in STEP_KEYS},
+            "per_class_error_le_10pct_calibrated": bool(cal_cls) and all(abs(v["error"]) <= 0.10 for v in cal_cls.values()),
+        }
+
+    out["goals"] = goals(out["heldout"])
+    out["goals_fresh"] = goals(out["fresh"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -533,18 +601,24 @@ def print_table(res: dict) -> None:
             v, e = r.get(f"predicted_step_{c}_s"), r.get(f"step_error_{c}")
             cells.append(f"{v * 1e3:6.1f} {100 * e:+4.0f}%" if v is not None and e is not None else f"{'-':>11}")
         print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
-    h = res.get("heldout", {})
-    for key in STEP_KEYS:
-        s = h.get(f"step_{key}")
-        if s and s["median_abs"] is not None:
-            print(f"held-out step error ({key}): median {s['median_abs']:.1%}, max {s['max_abs']:.1%} over {s['n']} runs")
-    for key in ("default", "calibrated"):
-        per = h.get(f"op_class_{key}", {})
-        if per:
-            print(f"held-out per-class device time ({key}): " + ", ".join(f"{c} {100 * v['error']:+.1f}%" for c, v in per.items()))
+    for label, part, gkey in (("held-out", "heldout", "goals"), ("fresh held-out", "fresh", "goals_fresh")):
+        h = res.get(part) or {}
+        if not h:
+            continue
+        for key in STEP_KEYS:
+            s = h.get(f"step_{key}")
+            if s and s["median_abs"] is not None:
+                print(f"{label} step error ({key}): median {s['median_abs']:.1%}, max {s['max_abs']:.1%} over {s['n']} runs")
+        for key in ("default", "calibrated"):
+            per = h.get(f"op_class_{key}", {})
+            if per:
+                print(f"{label} per-class device time ({key}): " + ", ".join(f"{c} {100 * v['error']:+.1f}%" for c, v in per.items()))
+            be = h.get(f"attention_by_backend_{key}", {})
+            if be:
+                print(f"{label} attention per backend ({key}): " + ", ".join(f"{b} {100 * v['error']:+.1f}%" for b, v in be.items()))
+        print(f"{label} goals:", json.dumps(res.get(gkey, {})))
     if res.get("host_fit"):
         print(f"host cost per priced launch: {res['host_fit']['host_s_per_launch'] * 1e6:.1f} us")
-    print("goals:", json.dumps(res.get("goals", {})))
     if res.get("error"):
         print("error:", res["error"])
 
@@ -597,7 +671,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
+    p.add_argument("--variant-set", choices=["main", "fresh", "all"], default="main",
+                   help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; all: both")
+    p.add_argument("--only", default="", metavar="NAMES",
+                   help="run only these variants (comma-separated names, any set), e.g. ref-b8,ref-b8-h512")
     p.add_argument("--analyze", type=Path, default=None, metavar="DIR", help="only analyse the runs under DIR (its manifest.json)")
+    p.add_argument("--overlay", type=Path, action="append", default=[], metavar="DIR",
+                   help="with --analyze: runs roots whose finished variants replace (or add to) DIR's of the same name; repeatable")
     p.add_argument("--keep", type=Path, default=None, help="copy the compact run directories here (e.g. $OUT/runs)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration_h200.json"))
     args = p.parse_args(argv)
@@ -616,7 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             log(f"could not count GPUs ({e}); assuming --gpus {args.gpus}")
     if root is None:
-        log(f"running {2 * len(VARIANTS[: args.pairs] if args.pairs else VARIANTS)} variants of {args.workload}, budget {args.budget_s:.0f}s")
+        if args.overlay:
+            p.error("--overlay goes with --analyze")
+        names = [v.name for row in selected_rows(args) for v in row]
+        log(f"running {len(names)} variants of {args.workload} ({', '.join(names)}), budget {args.budget_s:.0f}s")
         root = run_all(args)
         if args.keep:
             args.keep.mkdir(parents=True, exist_ok=True)
@@ -630,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.copy2(item, dst)
     log(f"analysing {root}")
     try:
-        res = analyze(root)
+        res = analyze(root, args.overlay)
     except Exception as e:
         import traceback
 
@@ -641,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/calibration_h200.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": _provenance(args),
         "runs_root": str(root),
-        "split": {v.name: v.split for pair in VARIANTS for v in pair},
+        "split": {n: v.split for n, v in ALL_VARIANTS.items()},
         "wall_s": time.monotonic() - T0,
         **res,
     }

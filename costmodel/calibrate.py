@@ -238,11 +238,12 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         o = ctx.ops[int(i)]
         dt = "fp8" if (o.layer in fp8 and o.op_class == "gemm") else o.dtype
         if plan.kernels.attention == "reference" and o.op_class == "attention" and o.sequence:
+            # priced as the padded reference runs (context.op_arrays): fitted under its own key
             dt = REFERENCE_ATTENTION_DTYPE
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
-                            float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(o.fwd_launches), mb))
+                            float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb))
         out.append(UnitTerm(o.name, "bwd", o.op_class, dt, float(arr.bwd_flop_s[k]),
-                            float(arr.bwd_mem_s[k] + arr.bwd_fixed_mem_s[k]), float(o.bwd_launches), mb))
+                            float(arr.bwd_mem_s[k] + arr.bwd_fixed_mem_s[k]), float(arr.bwd_launches[k]), mb))
     sparse = tuple(o.name for o in ctx.ops if o.layer == "sparse")
     if ctx.tables.num and sparse:
         a = _assignment(ctx, plan.tables) if plan.tables else default_assignment(ctx)
@@ -259,9 +260,12 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
     return out
 
 
-REFERENCE_ATTENTION_DTYPE = "fp32"
-"""The PyTorch reference attention pads and computes its scores in fp32: its efficiency is fitted
-under this key, apart from the fused kernels' (one class, two very different implementations)."""
+from coplan.costmodel.flops import REFERENCE_MATMUL_DTYPE as REFERENCE_ATTENTION_DTYPE  # noqa: E402
+
+"""The PyTorch reference attention pads and computes its scores in fp32 with TF32 matmuls
+(:func:`coplan.costmodel.flops.padded_reference_attention`): its efficiency is fitted under this key,
+apart from the fused kernels' (one class, two very different implementations), and the pricer reads it
+under the same key."""
 
 OPTIMIZER_LAUNCHES = 20.0
 """Launches the pricer charges the dense optimizer step (``context.dense_fixed_costs``)."""
@@ -440,17 +444,11 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
 
 
 def _for_backend(plan: Plan, calibration: Calibration | None) -> Calibration | None:
-    """The pricer prices attention at the compute dtype whatever the backend; a plan on the reference
-    backend gets the efficiency fitted to reference runs (:data:`REFERENCE_ATTENTION_DTYPE`) instead."""
-    if calibration is None or plan.kernels.attention != "reference":
-        return calibration
-    att = calibration.op_classes.get("attention")
-    ref = att.compute_efficiency.get(REFERENCE_ATTENTION_DTYPE) if att else None
-    if ref is None:
-        return calibration
-    dt = plan.workload.precision.compute_dtype
-    att = att.model_copy(update={"compute_efficiency": {**att.compute_efficiency, dt: ref}})
-    return calibration.model_copy(update={"op_classes": {**calibration.op_classes, "attention": att}})
+    """The calibration the pricer prices ``plan`` with. The padded reference's attention ops carry
+    their own dtype key (:data:`REFERENCE_ATTENTION_DTYPE`), so the pricer reads their fitted
+    efficiency directly; nothing is remapped (the reference's efficiency used to be copied onto the
+    compute dtype, which also repriced attention the reference does not run, Kunlun's)."""
+    return calibration
 
 
 def predict_step_time(plan: Plan, calibration: Calibration | None = None,

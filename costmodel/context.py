@@ -352,6 +352,9 @@ class OpArrays:
     """The forward's weight quantisation (once per call)."""
     bwd_quant_s: np.ndarray
     bwd_quant_fixed_s: np.ndarray
+    fwd_launches: np.ndarray
+    """Kernels per call of each op as priced for this backend (the padded reference launches more)."""
+    bwd_launches: np.ndarray
 
     def times(self, rho: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds per op per micro-batch when the per-sample work is scaled by ``rho``."""
@@ -416,6 +419,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
     pad_len: dict[str, float] = {}
     for i, o in enumerate(ops):
         m1, m2 = ctx.moments[o.sequence]
+        model_op, model_m1, model_m2 = o, m1, m2  # model FLOPs: the real lengths, never the padding
         flops_eff = 1.0
         if o.op_class == "attention" and o.sequence is not None:
             if kernels.attention == "reference":
@@ -423,7 +427,10 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
                     pad_len[o.sequence] = _expected_max_moments(w.sequence(o.sequence).length, n)
                 # padded to the batch's longest: the quadratic terms cost E[max²], which a heavy-tailed
                 # length distribution puts well above E[max]² (or the quantile's square)
+                real_m1 = m1
                 m1, m2 = pad_len[o.sequence]
+                # what the reference really runs: full padded score blocks in fp32/TF32, its copies, its kernels
+                o = F.padded_reference_attention(o, w, min(1.0, real_m1 / m1) if m1 > 0 else 1.0)
             elif kernels.attention == "flex":
                 # block-sparse masks compute whole 128-token tiles: L rounds up by ~64 on average
                 m2 = m2 + 128.0 * m1 + 64.0**2
@@ -450,7 +457,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         bb = n * load * o.bwd_bytes.expect(m1, m2)
         out["fwd_flops"][i] = ff
         out["bwd_flops"][i] = bf
-        out["model_bwd_flops"][i] = n * o.bwd_flops.expect(m1, m2)
+        out["model_bwd_flops"][i] = n * model_op.bwd_flops.expect(model_m1, model_m2)
         out["fwd_flop_s"][i] = ff / (peak * ce)
         out["fwd_mem_s"][i] = fb / bw
         out["fwd_fixed_mem_s"][i] = fixed_f / bw
@@ -459,6 +466,8 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         out["bwd_fixed_mem_s"][i] = fixed_b / bw
         out["fwd_launch_s"][i] = o.fwd_launches * launch
         out["bwd_launch_s"][i] = o.bwd_launches * launch
+        out["fwd_launches"][i] = o.fwd_launches
+        out["bwd_launches"][i] = o.bwd_launches
         out["fwd_bytes"][i] = fb + fixed_f
         out["bwd_bytes"][i] = bb + fixed_b
         out["act_bytes"][i] = n * o.act_bytes.expect(m1, m2)

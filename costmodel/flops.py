@@ -722,3 +722,83 @@ __all__ = [
     "dense_params", "full_pairs", "kunlun_tokens", "layer_names", "model_flops", "op_flops", "per_sample",
     "per_sample_flops", "per_token", "table_lookup_coeffs", "workload_ops",
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The padded PyTorch reference attention (kernels/reference.py), as it really runs
+# ---------------------------------------------------------------------------------------------
+
+REFERENCE_MATMUL_DTYPE = "tf32"
+"""The reference pads to fp32 and its two einsums run as fp32 matmuls, which the trainer lets use
+TF32 (``torch.set_float32_matmul_precision("high")`` on CUDA): their peak is the TF32 one."""
+
+# Bytes per score element [H, Lq, Lk] (fp32, 4 bytes each read or write), counted from the reference:
+# GDPA forward: QKᵀ writes S (4), ×scale r+w (8), activation r+w (8), ×mask r+w (8), PV reads (4);
+# backward: PV's two matmuls write dW and read W (8), ×mask (8), activation backward reads grad and
+# input, writes (12), ×scale (8), the QKᵀ matmuls read dS twice (8). Softmax adds two masked fills
+# and the softmax's own pass instead of the activation (forward 48, backward 60).
+_REF_SCORE_BYTES = {"gdpa": (32.0, 44.0), "softmax": (48.0, 60.0)}
+_REF_MASK_BYTES = 6.0
+"""Bytes per (query, key) pair of a sample for building the boolean mask (compares and ands, shared by heads)."""
+# Per element of a padded input tensor (Q, K or V; fp32): forward zeros (4) and a contiguous copy for
+# the batched matmul plus its read (12), and per *real* row the bf16->fp32 cast (6) and the
+# index_copy (8); backward the gradient's transposed copy and write (12) and per real row the
+# index_select (8) and cast back (6). The output: forward the matmul's write, ×out_scale, the
+# unpadding reshape and concat (28 per padded element), index_select and cast (14 per real one);
+# backward the same.
+_REF_IN_BYTES = {"fwd": (16.0, 14.0), "bwd": (12.0, 14.0)}
+_REF_OUT_BYTES = (28.0, 14.0)
+# Launches stay the fused op's (1 forward, 2 backward) although the reference runs ~50 kernels per
+# call: launches are what the host cost h is per (Calibration.host_launch_s), and h is fitted per
+# *priced* launch (about a fifth of those that run, the rest being unpriced bookkeeping), so counting
+# the reference's real kernels would price its host time ~5x over. On the H200 the reference variants'
+# host time matched the fused variants' (their steps were ~ host + device: the reference's per-call
+# host sync, not its launches, is what costs; see BENCHMARKS "Calibration").
+
+
+def padded_reference_attention(op: Op, workload: Workload, real_fraction: float = 1.0) -> Op:
+    """``op`` (a jagged self-attention or summary cross-attention over its sequence) as the padded
+    PyTorch reference runs it, in the *padded* length ``P`` (price with ``E[max L]``, ``E[max L²]``
+    of the micro-batch): both matmuls over the full ``[H, Lq, P]`` score block (no causal halving, no
+    recompute), in fp32 with TF32 matmuls (:data:`REFERENCE_MATMUL_DTYPE`); the fp32 passes over the
+    scores; the pad and unpad copies (launches: see the note above). ``real_fraction`` is ``E[L] / E[max
+    L]``: the copies of real rows scale with the real length, the rest with the padded one.
+
+    Ops that are not jagged attention over a sequence are returned unchanged."""
+    if op.op_class != "attention" or op.sequence is None:
+        return op
+    try:
+        block = workload.block(op.block)
+    except KeyError:
+        return op
+    short = op.name.rsplit(".", 1)[-1]
+    if isinstance(block, InterFormerBlock):
+        H, kvh, dh, S = block.num_heads, block.num_heads, block.head_dim, block.num_summary_tokens
+    elif isinstance(block, TransformerBlock):
+        H, kvh, dh, S = block.num_heads, block.num_kv_heads or block.num_heads, block.head_dim, 0
+    else:
+        return op
+    kind = block.attention.kind
+    if short == "summary_attn":
+        # S summary queries per sample (not padded: every sample has S) against the padded keys
+        q_pad, q_real, elems = per_sample(S), per_sample(S), per_token(H * S)
+    else:
+        q_pad, q_real, elems = per_token(1), per_token(real_fraction), Coeffs(quad=float(H))
+    kv_pad, kv_real = per_token(1), per_token(real_fraction)
+    wq, wkv = H * dh, kvh * dh
+    f_score, b_score = _REF_SCORE_BYTES[kind]
+    mask = elems * (_REF_MASK_BYTES / H)
+
+    def inputs(phase: str) -> Coeffs:
+        p, r = _REF_IN_BYTES[phase]
+        return (q_pad * p + q_real * r) * wq + (kv_pad * p + kv_real * r) * (2 * wkv)
+
+    out_bytes = (q_pad * _REF_OUT_BYTES[0] + q_real * _REF_OUT_BYTES[1]) * wq
+    return replace(
+        op, dtype=REFERENCE_MATMUL_DTYPE,
+        fwd_flops=elems * (4.0 * dh), bwd_flops=elems * (8.0 * dh), bwd_extra_flops=ZERO,
+        fwd_bytes=elems * f_score + mask + inputs("fwd") + out_bytes,
+        bwd_bytes=elems * b_score + inputs("bwd") + out_bytes,
+        # saved for backward: the scaled scores and the weights [H, Lq, P] (fp32), padded Q, K, V
+        act_bytes=elems * 8.0 + (q_pad * wq + kv_pad * (2 * wkv)) * 4.0,
+    )

@@ -129,7 +129,7 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
     dense = 0.0
     for k, oi in enumerate(ctx.dense_idx):
         o = ctx.ops[int(oi)]
-        dense += o.fwd_launches * (2.0 if o.layer in recomputed else 1.0) + o.bwd_launches
+        dense += arr.fwd_launches[k] * (2.0 if o.layer in recomputed else 1.0) + arr.bwd_launches[k]
         if arr.fp8[k]:
             dense += o.fwd_launches * (3 * k_row + 3 * k_col)
     opt = 20.0 if dense_fixed_costs(ctx).optimizer_step_s > 0 else 0.0

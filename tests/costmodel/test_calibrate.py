@@ -279,3 +279,40 @@ def test_padded_reference_prices_the_expected_max_and_its_square():
     assert m1 == pytest.approx(x.mean(), rel=0.01)
     assert m2 == pytest.approx((x**2).mean(), rel=0.02)
     assert m2 > 1.2 * m1**2
+
+
+def test_padded_reference_is_priced_as_it_runs():
+    """On the reference backend, jagged attention is priced over full padded score blocks in TF32
+    (no causal halving, no flash recompute) with its fp32 score passes and pad copies; model FLOPs
+    stay those of the real lengths (never the padding)."""
+    from coplan.costmodel import flops as F
+    from coplan.costmodel.context import _expected_max_moments, build_context, op_arrays
+
+    plan = _plan(8, 512)
+    w = plan.workload
+    ref = w.model_copy(update={"kernels": w.kernels.model_copy(update={"attention": "reference"})})
+    blk = next(b for b in w.blocks if b.name == "interformer")
+    H, dh, S = blk.num_heads, blk.head_dim, blk.num_summary_tokens
+    ctx = build_context(ref, plan.topology, plan.mesh)
+    tri, pad = op_arrays(ctx, w.kernels), op_arrays(ctx, ref.kernels)
+    names = [ctx.ops[i].name for i in ctx.dense_idx]
+    g, s = names.index("interformer.0.gdpa"), names.index("interformer.0.summary_attn")
+    p1, p2 = _expected_max_moments(ref.sequence("history").length, ctx.mb_batch)
+    n = ctx.mb_batch
+    assert pad.fwd_flops[g] == pytest.approx(n * 4 * H * dh * p2)  # full P² pairs, 4·H·dₕ each
+    assert pad.bwd_flops[g] == pytest.approx(n * 8 * H * dh * p2)  # no recomputed QKᵀ
+    assert pad.fwd_flops[s] == pytest.approx(n * 4 * H * dh * S * p1)
+    # memory: at least the GDPA score passes (32 bytes per fp32 score element forward, 44 backward)
+    assert pad.fwd_bytes[g] > n * 32 * H * p2 and pad.bwd_bytes[g] > n * 44 * H * p2
+    # the summary attention is its K/V pad copies: far more bytes than the fused kernel reads
+    assert pad.fwd_bytes[s] > 5 * tri.fwd_bytes[s]
+    peak = plan.topology.gpu.peak_flops_per_s[F.REFERENCE_MATMUL_DTYPE]
+    assert pad.fwd_flop_s[g] == pytest.approx(pad.fwd_flops[g] / (peak * ctx.eff.compute_eff("attention", "tf32")))
+    # model FLOPs of backward: the real lengths, identical whatever the backend
+    assert pad.model_bwd_flops[g] == pytest.approx(tri.model_bwd_flops[g])
+    # launches as the fused op's (h is per priced launch): the host-cost slope does not change with the backend
+    assert list(pad.fwd_launches) == list(tri.fwd_launches) and list(pad.bwd_launches) == list(tri.bwd_launches)
+    # the calibration samples carry the reference's own efficiency key
+    terms = {(t.name, t.phase): t for t in unit_terms(plan.model_copy(update={"workload": ref, "kernels": plan.kernels.model_copy(update={"attention": "reference"})}))}
+    assert terms[("interformer.0.gdpa", "fwd")].dtype == "tf32"
+    assert terms[("interformer.0.qkv", "fwd")].dtype == "bf16"
