@@ -528,6 +528,14 @@ def _host_form(device_s: np.ndarray, launches: np.ndarray, h: float, form: str) 
     raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
 
+HOST_SYNCING_BACKENDS: tuple[str, ...] = ("reference",)
+"""Attention backends that read a device value on the host in every call (the padded reference's
+longest length, ``.tolist()``, 8 times per forward step of gem-h200): at each sync the host waits for
+the device to drain, so host and device time add up around it instead of overlapping, which the
+max form does not describe. Their runs are left out of the fit of ``h`` (they still fit the device
+efficiencies); the pricer's step for such plans is a lower bound."""
+
+
 def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max") -> HostFit | None:
     """Fit ``h`` (host seconds per priced launch) to the runs' measured steps (CUDA-event p50).
 
@@ -544,7 +552,10 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
     names, meas, dev, nl = [], [], [], []
-    for r in runs:
+    # a run whose attention syncs the host on every call breaks the overlap the form assumes: it would
+    # bias the one h every plan is priced with; it informs h only when no other run is there
+    plain = [r for r in runs if r.plan.kernels.attention not in HOST_SYNCING_BACKENDS]
+    for r in plain or runs:
         st = r.result.step_time if r.result else None
         if st is None or not st.p50_s or st.p50_s <= 0:
             continue
