@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -320,19 +322,41 @@ def host_profile(fn, grad_to_none=None, calls=200, top=15) -> list[dict]:
             for (f, line, name), (cc, nc, tt, ct, _) in rows]
 
 
+class GraphError(RuntimeError):
+    """A CUDA-graph measurement that failed, with the stage it failed at."""
+
+    def __init__(self, stage: str, error: BaseException, warned: list[str]):
+        super().__init__(f"{stage}: {type(error).__name__}: {error}")
+        self.stage, self.error, self.warned = stage, error, warned
+
+
 def bench_graph(fn, reps=30) -> float:
-    """Median ms of one CUDA-graph replay of ``fn``: device time without the host's launch overhead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    """Median ms of one CUDA-graph replay of ``fn``: device time without the host's launch overhead.
+
+    Raises GraphError naming the stage (warm-up, capture, replay) and the warnings raised in it
+    (PyTorch warns when a kept autograd graph pins AccumulateGrad nodes to another stream)."""
+    stage, warned = "warm-up", []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                stage = "capture"
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                stage = "replay"
+                graph.replay()
+                torch.cuda.synchronize()
+            finally:
+                warned = [f"{stage}: {str(w.message)[:300]}" for w in caught]
+    except Exception as e:
+        raise GraphError(stage, e, warned) from e
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -412,6 +436,30 @@ def precompile(shape_keys, ops, processes):
 # ---- one shape ---------------------------------------------------------------------------------
 
 
+def autotune_record(name: str) -> dict:
+    """Per kernel of this method: the config its calls now run (the autotuner's choice, or the fixed
+    one without autotuning) and the last tuning's median ms per candidate config."""
+    from coplan.kernels import triton_attention as ta
+
+    mode = ta.SOFTMAX if name == "triton_softmax" else ta.ACTIVATION
+    out = {}
+    for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned)):
+        chosen = {str(key[1:4]): dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
+                  for key, cfg in ta._CHOSEN.items() if key[0] == kind and key[4] == mode}
+        rec = dict(chosen_per_bucket=chosen)
+        if not chosen:
+            rec["fixed"] = ta._fixed_config(kind, SHAPE_HEAD_DIM[0]) if SHAPE_HEAD_DIM else None
+        timings = getattr(tuned, "configs_timings", None)
+        if timings and chosen:
+            # Triton keeps only the last tuning's timings; this method's first calls were the last.
+            rec["last_tuning_ms"] = {str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+        out[kind] = rec
+    return out
+
+
+SHAPE_HEAD_DIM: list[int] = []  # the current shape's head dim, for the fixed-config record
+
+
 def run_method(name, kind, fn, entry, shape, lengths, q, k, v, do, fwd_flops, refs, quick):
     """Every figure of one method into ``entry``; raises on the first failure (the caller records it)."""
     from coplan.kernels import triton_attention as ta
@@ -436,6 +484,8 @@ def run_method(name, kind, fn, entry, shape, lengths, q, k, v, do, fwd_flops, re
     out.backward(g)
     sync()
     entry["first_forward_backward_s"] = time.perf_counter() - t0
+    if name.startswith("triton_"):
+        entry["autotune"] = autotune_record(name)
 
     # Correctness on the benchmark's own inputs, against fp32 per sample.
     act = None if name in ("triton_softmax", "sdpa_padded", "flex_document_mask") else "silu"
@@ -483,17 +533,31 @@ def run_method(name, kind, fn, entry, shape, lengths, q, k, v, do, fwd_flops, re
             finally:
                 ta.DIRECT_LAUNCH = True
         entry["host_profile_forward_backward"] = host_profile(step, grad_to_none=xs, calls=HOST_CALLS * (1 if quick or DEVICE != "cuda" else 4))
+    # Drop every autograd graph built so far on the default stream before capturing: a kept graph
+    # keeps the leaves' AccumulateGrad nodes, whose stream is fixed when they are made, and the
+    # captured backward's gradient accumulation would then wait on the default stream, which
+    # invalidates the capture (this script kept the last eager output alive until 2026-11-29).
+    out = None
+    gc.collect()
     if DEVICE == "cuda" and name != "silu_padded_eager":  # tens of GiB of scores: no need to hold them in a graph pool
-        try:
-            entry["graph_forward_ms"] = bench_graph(forward)
-            for t in xs:
-                t.grad = None
-            entry["graph_forward_backward_ms"] = bench_graph(step)
-            entry["graph_forward_tflops"] = fwd_flops / (entry["graph_forward_ms"] * 1e-3) / 1e12
-            entry["graph_forward_backward_tflops"] = (
-                fwd_flops * (1 + BWD_OVER_FWD) / (entry["graph_forward_backward_ms"] * 1e-3) / 1e12)
-        except Exception as e:  # a baseline that cannot be captured keeps its eager figures
-            entry["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        # Forward and forward + backward are captured separately, so that one failing keeps the other.
+        for label, fn_, grads in (("forward", forward, False), ("forward_backward", step, True)):
+            try:
+                if grads:
+                    for t in xs:
+                        t.grad = None
+                ms = bench_graph(fn_)
+                entry[f"graph_{label}_ms"] = ms
+                entry[f"graph_{label}_tflops"] = fwd_flops * (1 + (BWD_OVER_FWD if grads else 0)) / (ms * 1e-3) / 1e12
+            except Exception as e:  # a method that cannot be captured keeps its eager figures
+                stage = getattr(e, "stage", "?")
+                cause = getattr(e, "error", e)
+                entry.setdefault("graph_errors", {})[label] = dict(
+                    stage=stage, error=f"{type(cause).__name__}: {str(cause)[:300]}", warnings=getattr(e, "warned", []))
+                entry["graph_error"] = f"{label} at {stage}: {type(cause).__name__}: {str(cause)[:300]}"
+                log(f"  {name}: graph {label} FAILED at {stage}: {type(cause).__name__}: {str(cause)[:120]}")
+            finally:
+                torch.cuda.synchronize()
     if DEVICE == "cuda" and name.startswith("triton_"):
         try:
             for t in xs:
@@ -522,6 +586,7 @@ def run_method(name, kind, fn, entry, shape, lengths, q, k, v, do, fwd_flops, re
 
 def run_shape(key, methods, deadline, quick):
     shape = SHAPES[key]
+    SHAPE_HEAD_DIM[:] = [shape["head_dim"]]
     lengths = sample_lengths(shape)
     fwd_flops, flops_source = forward_flops(lengths, shape["heads"], shape["head_dim"])
     q, k, v, do, offsets = make_inputs(shape, lengths)
