@@ -61,40 +61,77 @@ def _tensor(a: np.ndarray, pin: bool) -> torch.Tensor:
     return t.pin_memory() if pin else t
 
 
-def to_batch(hb: HostBatch, layout: FeatureLayout, device: torch.device) -> Batch:
-    """Host batch → device tensors (pinned and copied asynchronously on CUDA)."""
-    pin = device.type == "cuda"
-    nb = pin
+@dataclass
+class HostTensors:
+    """A host batch as CPU tensors (pinned for CUDA), ready to be copied: what the data thread can
+    prepare so that the training thread only issues the copies."""
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return _tensor(a, pin).to(device, non_blocking=nb)
+    pooled: tuple[list[str], torch.Tensor, torch.Tensor, list[int]] | None
+    """(keys, values, int32 lengths, per-key totals) of the pooled features."""
 
-    def kjt(keys: list[str], values: np.ndarray, lengths: np.ndarray) -> KeyedJaggedTensor:
+    sequences: dict[str, tuple[list[str], torch.Tensor, torch.Tensor, list[int]]]
+    """The same, per sequence-table collection."""
+
+    offsets: dict[str, torch.Tensor]
+    dense: torch.Tensor | None
+    labels: torch.Tensor
+    size: int
+    tokens: int
+
+
+def host_tensors(hb: HostBatch, layout: FeatureLayout, pin: bool) -> HostTensors:
+    """``hb`` as (pinned when ``pin``) CPU tensors; numpy and the pinning copy only, so it can run on the data thread."""
+
+    def jagged(keys: list[str], values: np.ndarray, lengths: np.ndarray):
         # The per-key totals are known here, on the host. Left out, TorchRec computes them from the
         # device lengths (a read-back that waits for all the GPU work queued before it) on every step.
         per_key = lengths.reshape(len(keys), hb.size).sum(axis=1).tolist() if keys else []
-        return KeyedJaggedTensor(keys=keys, values=dev(values), lengths=dev(lengths.astype(np.int32)), stride=hb.size,
-                                 length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
+        return keys, _tensor(values, pin), _tensor(lengths.astype(np.int32), pin), per_key
 
-    pooled = None
-    if layout.pooled:
-        pooled = kjt(layout.pooled_names, hb.pooled_values, hb.pooled_lengths)
+    pooled = jagged(layout.pooled_names, hb.pooled_values, hb.pooled_lengths) if layout.pooled else None
     seqs = {}
     t2s = layout.table_to_sequence
     for name, tables in layout.sequence_groups.items():
         lengths = np.concatenate([hb.seq_lengths[t2s[t.name]] for t in tables])
         values = np.concatenate([hb.seq_values[t.name] for t in tables])
-        seqs[name] = kjt([t.name for t in tables], values, lengths)
-    offsets = {s: dev(np.concatenate([[0], np.cumsum(hb.seq_lengths[s])]).astype(np.int64)) for s in layout.sequences}
-    return Batch(
+        seqs[name] = jagged([t.name for t in tables], values, lengths)
+    return HostTensors(
         pooled=pooled,
         sequences=seqs,
-        offsets=offsets,
-        dense=dev(hb.dense) if hb.dense is not None else None,
-        labels=dev(hb.labels),
+        offsets={s: _tensor(np.concatenate([[0], np.cumsum(hb.seq_lengths[s])]).astype(np.int64), pin) for s in layout.sequences},
+        dense=_tensor(hb.dense, pin) if hb.dense is not None else None,
+        labels=_tensor(hb.labels, pin),
         size=hb.size,
         tokens=int(sum(int(v.sum()) for v in hb.seq_lengths.values())),
     )
 
 
-__all__ = ["Batch", "to_batch"]
+def to_device(ht: HostTensors, device: torch.device) -> Batch:
+    """Copy a prepared host batch to ``device`` (asynchronously where its tensors are pinned), on the current stream."""
+    cuda = device.type == "cuda"
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=cuda)  # (from pageable memory it is a synchronous copy anyway)
+
+    def kjt(parts) -> KeyedJaggedTensor:
+        keys, values, lengths, per_key = parts
+        return KeyedJaggedTensor(keys=keys, values=dev(values), lengths=dev(lengths), stride=ht.size,
+                                 length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
+
+    return Batch(
+        pooled=kjt(ht.pooled) if ht.pooled is not None else None,
+        sequences={name: kjt(parts) for name, parts in ht.sequences.items()},
+        offsets={s: dev(t) for s, t in ht.offsets.items()},
+        dense=dev(ht.dense) if ht.dense is not None else None,
+        labels=dev(ht.labels),
+        size=ht.size,
+        tokens=ht.tokens,
+    )
+
+
+def to_batch(hb: HostBatch, layout: FeatureLayout, device: torch.device) -> Batch:
+    """Host batch → device tensors (pinned and copied asynchronously on CUDA)."""
+    return to_device(host_tensors(hb, layout, device.type == "cuda"), device)
+
+
+__all__ = ["Batch", "HostTensors", "host_tensors", "to_batch", "to_device"]

@@ -21,7 +21,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -401,16 +401,27 @@ class BatchReader:
 class Prefetcher:
     """Reads the next host batches on a background thread (pyarrow and numpy release the GIL)."""
 
-    def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2) -> None:
+    def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2,
+                 prepare: Callable[[HostBatch], Any] | None = None, setup: Callable[[], None] | None = None) -> None:
+        """``prepare``: also run on the thread, items are then ``(host batch, prepare(host batch))`` (the
+        trainer pins the batch's tensors there); ``setup``: run once on the thread first (its CUDA device)."""
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
 
         def work() -> None:
+            try:
+                if setup is not None:
+                    setup()
+            except BaseException as e:
+                self._q.put(e)
+                return
             for step in range(start, stop):
                 if self._stop.is_set():
                     return
                 try:
                     item = reader.read(step)
+                    if prepare is not None:
+                        item = (item, prepare(item))
                 except BaseException as e:  # surfaced on the consumer side
                     self._q.put(e)
                     return
@@ -422,7 +433,7 @@ class Prefetcher:
     def __iter__(self) -> Iterator[HostBatch]:
         return self
 
-    def __next__(self) -> HostBatch:
+    def __next__(self) -> Any:
         item = self._q.get()
         if isinstance(item, BaseException):
             raise item

@@ -22,31 +22,44 @@ from contextlib import nullcontext
 
 import torch
 
-from coplan.trainer.batch import Batch, to_batch
+from coplan.trainer.batch import Batch, HostTensors, host_tensors, to_device
 from coplan.trainer.data import HostBatch
 from coplan.trainer.features import FeatureLayout
 from coplan.trainer.model.sparse import SparseArch
 
 
 class SparseDistPipeline:
-    """``prepare`` a host batch (ahead of its step), then ``ready`` it right before its forward."""
+    """``host`` (on the data thread), ``prepare`` (ahead of the batch's step), ``ready`` (right before its forward)."""
 
     def __init__(self, sparse: SparseArch, layout: FeatureLayout, device: torch.device, *, enabled: bool = True) -> None:
-        """``enabled`` False: plain :func:`to_batch` on the compute stream, input dist inside forward."""
+        """``enabled`` False: the batch pinned, copied and distributed on the training thread at the start
+        of its step, on the compute stream (input dist inside forward), as before this pipeline."""
         self.sparse = sparse
         self.layout = layout
         self.device = device
         self.enabled = enabled
         self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
 
-    def prepare(self, hb: HostBatch) -> Batch:
+    def host(self, hb: HostBatch) -> HostTensors | None:
+        """The batch's CPU tensors, pinned for CUDA: numpy and memcpy work that the data thread takes off
+        the training thread (None when the pipeline is off: :meth:`prepare` then does it)."""
+        return host_tensors(hb, self.layout, self.device.type == "cuda") if self.enabled else None
+
+    def thread_setup(self) -> None:
+        """Run on the data thread first: pinned buffers are allocated for the current CUDA device."""
+        if self.enabled and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def prepare(self, hb: HostBatch, ht: HostTensors | None = None) -> Batch:
+        if not self.enabled or ht is None:
+            ht = host_tensors(hb, self.layout, self.device.type == "cuda")
         if not self.enabled:
-            return to_batch(hb, self.layout, self.device)
+            return to_device(ht, self.device)
         # No wait on the compute stream here (that would bring back the drain this avoids): memory the
         # side stream allocates comes from its own pool, and blocks used on the compute stream are
         # recorded there (:meth:`ready`), so the allocator hands none out while that stream reads it.
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            batch = to_batch(hb, self.layout, self.device)
+            batch = to_device(ht, self.device)
             batch.sparse_dist = self.sparse.input_dist(batch.pooled, batch.sequences)
         return batch
 

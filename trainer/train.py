@@ -67,8 +67,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: step the dense optimizer (and take the gradient norm) on the DTensors' local shards, "
                         "without DTensor's per-op dispatch; off: through DTensor")
     p.add_argument("--sparse-pipeline", choices=["auto", "off"], default="auto",
-                   help="auto: the next batch's host-to-device copies and TorchRec input dist one step ahead, on a "
-                        "side stream on CUDA; off: both at the start of the step's forward, on the compute stream")
+                   help="auto: host batches pinned on the data thread, the next batch's host-to-device copies and "
+                        "TorchRec input dist one step ahead, on a side stream on CUDA; off: all three at the start "
+                        "of the step, on the training thread and the compute stream")
     p.add_argument("--compile", choices=["off", "layers"], default="off",
                    help="layers: torch.compile each InterFormer and Kunlun layer (dynamic shapes); the compilation "
                         "happens in the first steps, so keep them in --warmup")
@@ -357,8 +358,8 @@ def run(args: argparse.Namespace) -> int:
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3g}", mfu=f"{rec.mfu:.1%}", refresh=False)
 
-    prefetch = Prefetcher(reader, start, steps)
     pipe = SparseDistPipeline(pm.model.sparse, layout, device, enabled=args.sparse_pipeline == "auto")
+    prefetch = Prefetcher(reader, start, steps, prepare=pipe.host, setup=pipe.thread_setup)
     ahead = None  # (host batch, its prepared Batch) of the next step
     try:
         with TraceWindow(run_dir / "traces", rank, trace_first, trace_count, start, device) as tw:
@@ -367,15 +368,15 @@ def run(args: argparse.Namespace) -> int:
                 if step > start and step % log_every == 0:
                     flush()
                 if ahead is None:
-                    hb = next(prefetch)
-                    batch = pipe.prepare(hb)
+                    hb, ht = next(prefetch)
+                    batch = pipe.prepare(hb, ht)
                 else:
                     (hb, batch), ahead = ahead, None
                 logits = pm.dmp(pipe.ready(batch))
                 if pipe.enabled and step + 1 < steps:
                     # the next batch's copies and input dist, on the side stream behind this forward
-                    nhb = next(prefetch)
-                    ahead = (nhb, pipe.prepare(nhb))
+                    nhb, nht = next(prefetch)
+                    ahead = (nhb, pipe.prepare(nhb, nht))
                 # this rank's share of the global mean: gradients then sum over ranks (see distributed/embedding.py)
                 loss = bce_loss_sum(logits, batch.labels) / global_batch
                 if poison == ("loss", step) and rank == 0:
