@@ -196,12 +196,24 @@ def host_table(path: Path) -> dict:
                                                     and c["ts"] <= d["ts"] and d["ts"] + d["dur"] <= c["ts"] + c["dur"]
                                                     and d["dur"] > 1000 for d in cpu):
                 slow.append(c)
+    # inclusive host time of the named ranges per step, layer indices and module names folded
+    # (interformer.*.gdpa, FSDP::pre_forward): which machinery the host's time goes to
+    by_range: dict[str, list[float]] = {}
+    for c in cpu:
+        if c.get("cat") != "user_annotation" or c["name"].startswith("ProfilerStep") or not inside(c):
+            continue
+        key = re.sub(r"\.\d+\.", ".*.", re.sub(r" \(.*\)$", "", c["name"]))[:80]
+        acc = by_range.setdefault(key, [0.0, 0])
+        acc[0] += c["dur"] / n / 1e3
+        acc[1] += 1 / n
     busiest = max(busy, key=busy.get) if busy else None
     return {
         "slow_host_ops_ms_per_step": sum(c["dur"] for c in slow) / n / 1e3,
         "slow_host_ops": [_describe_slow_op(c, cpu, rt, thread_names, busiest)
                           for c in sorted(slow, key=lambda c: -c["dur"])[:16]],
         "thread_names": {str(k): v for k, v in thread_names.items() if str(k) in busy},
+        "host_ms_per_step_by_range": {k: {"ms": round(v[0], 3), "per_step": round(v[1], 2)}
+                                      for k, v in sorted(by_range.items(), key=lambda kv: -kv[1][0])[:40]},
         "launches_per_step": launches / n,
         "blocking_syncs_per_step": len(syncs) / n,
         "sync_wait_ms_per_step": sum(e["dur"] for e in syncs) / n / 1e3,

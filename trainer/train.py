@@ -397,7 +397,8 @@ def run(args: argparse.Namespace) -> int:
                     per_task = torch.nn.functional.binary_cross_entropy_with_logits(
                         logits.detach(), batch.labels, reduction="none").sum(0) / global_batch
                     parts = torch.cat([loss.detach().reshape(1), n_bad.to(loss.dtype), per_task])
-                    dist.all_reduce(parts)
+                    if world > 1:  # (on one rank the sum is the tensor itself: no collective to issue)
+                        dist.all_reduce(parts)
                 g_tokens = int(sum(int(v.sum()) for v in hb.global_lengths.values()))
                 flops = step_flops(workload, hb.global_lengths, global_batch)
                 rc = hb.rank_costs
