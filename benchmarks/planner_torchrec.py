@@ -264,7 +264,7 @@ def torchrec_plan_limited(wname: str, topo_name: str, world: int, batch: int, ti
     return got
 
 
-def coplan_plan(workload, topology, world: int, dtime: float):
+def coplan_plan(workload, topology, world: int, dtime: float, free_tables: int | None = None):
     """coplan's sparse plan over one group of all ranks (CP-SAT on coplan's cost model), as a ShardingPlan."""
     from coplan.planner.costs import Pricer
     from coplan.planner.mesh import MeshCandidate
@@ -279,7 +279,11 @@ def coplan_plan(workload, topology, world: int, dtime: float):
     # Sparse alone, on TorchRec's footing: no dense layers to recompute, and the HBM TorchRec's
     # planner leaves to embeddings (its HeuristicalStorageReservation keeps 15% for the dense part).
     p = dataclasses.replace(pr.candidate(cand), layers=(), base_bytes=0.15 * topology.gpu.hbm_bytes)
-    res = solve_candidate(p, SolverSettings(time_limit_s=dtime, num_workers=1))
+    # One candidate is solved here, not the CLI's twelve, so every table gets a choice variable in the
+    # decomposed model (the CLI frees its 160 most consequential): an exact relaxation of the option
+    # choice, whose choice and bound see every table's own figures.
+    free = len(p.options) if free_tables is None else free_tables
+    res = solve_candidate(p, SolverSettings(time_limit_s=dtime, num_workers=1, free_tables=free))
     if res.assignment is None:
         raise RuntimeError(f"coplan found no sparse plan at {world} ranks: {res.status}")
     shards = table_shards(p, res.assignment)
@@ -297,6 +301,8 @@ def main() -> int:
     ap.add_argument("--worlds", default="64,512,4096")
     ap.add_argument("--topology", default="h200-superpod-4k")
     ap.add_argument("--dtime", type=float, default=2.0, help="coplan CP-SAT deterministic time")
+    ap.add_argument("--free-tables", type=int, default=None,
+                    help="tables with choice variables in coplan's decomposed model (default: all; the CLI uses 160)")
     ap.add_argument("--torchrec-timeout", type=int, default=300, help="TorchRec planner timeout_seconds (its proposal loop)")
     ap.add_argument("--torchrec-wall-limit", type=float, default=1800.0,
                     help="kill TorchRec's planner (enumeration and estimation included) after this many seconds")
@@ -350,7 +356,7 @@ def main() -> int:
             _log(f"{wname} @ {world}: coplan planning...")
             try:
                 c0 = time.process_time()
-                cp, cp_s, res, sparse_gap = coplan_plan(w, topology, world, args.dtime)
+                cp, cp_s, res, sparse_gap = coplan_plan(w, topology, world, args.dtime, args.free_tables)
                 cpu = time.process_time() - c0
                 _log(f"{wname} @ {world}: rating coplan's plan...")
                 t0 = time.perf_counter()

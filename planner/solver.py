@@ -101,6 +101,15 @@ class SolverSettings:
     """Decomposed model: the last this many improving relaxed solutions are each placed on ranks, and
     the best placed plan kept."""
 
+    free_tables: int | None = None
+    """Decomposed model: tables that get choice variables (the most consequential first); None:
+    :data:`FREE_TABLES`. Every table free makes the relaxation exact in the option choice (its bound
+    and its choice then see each table's real figures rather than its least per aggregate), at some
+    CPU seconds per solve: worth it where one candidate is solved, not twelve."""
+
+    rebalance_steps: int = 100
+    """Decomposed model: moves of :func:`rebalance` on the final plan (0: none)."""
+
 
 def _t(x: float) -> int:
     return int(round(x / TIME_UNIT_S))
@@ -167,7 +176,8 @@ def solve_candidate(p: CandidatePricing, settings: SolverSettings, *, hint: Assi
     needs plans faster than this (decomposed model; see :func:`solve_decomposed`)."""
     if placement_vars(p) <= settings.flat_max_vars:
         return solve_flat(p, settings, hint=hint or heuristic_any(p))
-    return solve_decomposed(p, settings, cutoff_s=cutoff_s)
+    free = FREE_TABLES if settings.free_tables is None else settings.free_tables
+    return solve_decomposed(p, settings, cutoff_s=cutoff_s, free_tables=free)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +255,8 @@ def place(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, .
             for r in rr:
                 load[r] += w
                 mem[r] += o.mem_bytes
+    if by_memory == "loads":
+        return _place_loads(p, choice, recompute, ranks, mem, budget)
     if by_memory == "vector":
         # both: largest first by the bigger of its time and memory shares of an average rank (the
         # usual order for packing two resources), each to the least loaded ranks in time with room
@@ -289,6 +301,54 @@ def place(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, .
     return a
 
 
+def _place_loads(p: CandidatePricing, choice, recompute, ranks: list, mem: list[float], budget: float) -> Assignment | None:
+    """Rank options placed against the step's three per-rank loads (forward, backward, sends) at once:
+    largest first by the largest of its shares of an average rank's loads, each shard to the ranks
+    whose largest load share would be least after taking it, among those with room. ``ranks`` and
+    ``mem`` hold the node options already placed.
+
+    The step pays the maximum of each load separately, and a scalar weight (time plus send time)
+    lets one rank gather backward-heavy shards and another send-heavy ones while their sums stay
+    equal; this vector form of list scheduling keeps all three near their averages.
+    """
+    import numpy as np
+
+    s = p.group_size
+    wa = p.a2a_s_per_byte
+    X = np.zeros((s, 3))
+    M = np.asarray(mem, dtype=float).copy()
+    us = recv = 0.0
+    items = []
+    for t, oi in enumerate(choice):
+        o = p.options[t][oi]
+        recv += o.recv_bytes
+        if o.placement == "all":
+            us += wa * o.send_bytes
+        elif o.placement == "node":
+            X[list(ranks[t])] += (o.fwd_s, o.bwd_s, wa * o.send_bytes)
+        else:
+            items.append(t)
+    vec = {t: np.array([p.options[t][choice[t]].fwd_s, p.options[t][choice[t]].bwd_s, wa * p.options[t][choice[t]].send_bytes])
+           for t in items}
+    total = X.sum(axis=0) + sum((vec[t] * p.options[t][choice[t]].num_shards for t in items), np.zeros(3))
+    target = total / s
+    # sends cost nothing below the receive floor, so their target is at least that
+    target[2] = max(target[2], wa * p.recv_factor * recv - us)
+    target = np.maximum(target, 1e-30)
+    order = sorted(items, key=lambda t: (-float((vec[t] / target).max()), t))
+    for t in order:
+        o = p.options[t][choice[t]]
+        score = ((X + vec[t]) / target).max(axis=1)
+        score = np.where(M + o.mem_bytes <= budget, score, np.inf)
+        got = np.argsort(score, kind="stable")[: o.num_shards]
+        if got.size < o.num_shards or not np.isfinite(score[got]).all():
+            return None
+        X[got] += vec[t]
+        M[got] += o.mem_bytes
+        ranks[t] = tuple(sorted(int(r) for r in got))
+    return Assignment(tuple(choice), tuple(ranks), tuple(recompute))
+
+
 def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, ...]) -> Assignment | None:
     """:func:`place`, then memory-first placement, then more recompute until the shards fit (the next
     frontier point that frees more memory; without a frontier, one more layer at a time, cheapest per
@@ -299,11 +359,7 @@ def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: t
         pts = [pt for pt in front.points if pt.freed_bytes >= net - 1e-6]
 
         def attempt(pt):
-            for by_memory in (False, "vector", True):
-                a = place(p, choice, pt.layers, by_memory=by_memory)
-                if a is not None and evaluate(p, a).peak_bytes <= p.capacity_bytes:
-                    return a
-            return None
+            return _place_best(p, choice, pt.layers)
 
         if not pts:
             return None
@@ -327,14 +383,32 @@ def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: t
     rc = list(recompute)
     order = sorted(range(len(p.layers)), key=lambda i: (p.layers[i].recompute_s / max(p.layers[i].saved_bytes, 1.0), i))
     while True:
-        for by_memory in (False, True):
-            a = place(p, choice, tuple(rc), by_memory=by_memory)
-            if a is not None and evaluate(p, a).peak_bytes <= p.capacity_bytes:
-                return trim_recompute(p, a)
+        a = _place_best(p, choice, tuple(rc))
+        if a is not None:
+            return trim_recompute(p, a)
         nxt = next((i for i in order if not rc[i] and p.layers[i].saved_bytes > 0), None)
         if nxt is None:
             return None
         rc[nxt] = True
+
+
+def _place_best(p: CandidatePricing, choice, recompute) -> Assignment | None:
+    """The faster of the three-load and the time-first placements among those that fit; when neither
+    fits, the two-resource and then the memory-first placement (they leave fuller ranks less full)."""
+    best, best_t = None, math.inf
+    for by_memory in ("loads", False):
+        a = place(p, choice, recompute, by_memory=by_memory)
+        if a is not None:
+            ev = evaluate(p, a)
+            if ev.peak_bytes <= p.capacity_bytes and ev.step_time_s < best_t:
+                best, best_t = a, ev.step_time_s
+    if best is not None:
+        return best
+    for by_memory in ("vector", True):
+        a = place(p, choice, recompute, by_memory=by_memory)
+        if a is not None and evaluate(p, a).peak_bytes <= p.capacity_bytes:
+            return a
+    return None
 
 
 def _net_freed(p: CandidatePricing, recompute) -> float:
@@ -522,6 +596,163 @@ def break_lumps(p: CandidatePricing, a: Assignment, *, rounds: int = 200, per_ro
     out = Assignment(tuple(choice), tuple(ranks), a.recompute)
     ev = evaluate(p, out)
     # floats: keep the change only if the exact evaluation agrees that it is better and fits
+    return out if ev.step_time_s < ev0.step_time_s and ev.peak_bytes <= p.capacity_bytes else a
+
+
+def _top3(x):
+    """Indices and values of the three largest entries of ``x`` (padded with -inf below three ranks)."""
+    import numpy as np
+
+    k = min(3, x.size)
+    idx = np.argsort(-x, kind="stable")[:k]
+    vals = x[idx]
+    if k < 3:
+        idx = np.concatenate([idx, np.full(3 - k, -1)])
+        vals = np.concatenate([vals, np.full(3 - k, -np.inf)])
+    return idx, vals
+
+
+def _max_without(top, h, r):
+    """The largest entry of a per-rank array leaving out ranks ``h`` and ``r`` (arrays broadcast)."""
+    import numpy as np
+
+    (i1, i2, _), (v1, v2, v3) = top
+    bad1 = (i1 == h) | (i1 == r)
+    bad2 = (i2 == h) | (i2 == r)
+    return np.where(~bad1, v1, np.where(~bad2, v2, v3))
+
+
+def rebalance(p: CandidatePricing, a: Assignment, *, max_steps: int = 2_000) -> Assignment:
+    """Local search on the placement alone (options kept): move one shard off a rank that sets the
+    forward, backward or send maximum to any rank with room, or swap it with a shard of another rank,
+    taking each time the change that lowers the step most, until none does.
+
+    List scheduling and :func:`_improve` balance one scalar per rank (time plus send time), but the
+    step pays three separate maxima (forward, backward, sends, the last only above the receive floor),
+    and a plan balanced in the sum can still have one rank high in backward and another in sends.
+    This prices every candidate move against the three maxima exactly (the runner-up entries of each
+    are kept, so a move is priced without a pass over the ranks). Shards placed by node
+    (table-row-wise) stay where they are; two shards of one table never share a rank. Every accepted
+    move lowers the surrogate step, so this never makes a plan worse.
+    """
+    import numpy as np
+
+    s = p.group_size
+    wa = p.a2a_s_per_byte
+    n_t = len(p.options)
+    F, B, S, M = (np.zeros(s) for _ in range(4))
+    us = um = recv = 0.0
+    it_t: list[int] = []
+    it_r: list[int] = []
+    for t, (oi, rr) in enumerate(zip(a.choice, a.ranks)):
+        o = p.options[t][oi]
+        recv += o.recv_bytes
+        if o.placement == "all":
+            us, um = us + wa * o.send_bytes, um + o.mem_bytes
+            continue
+        idx = list(rr)
+        F[idx] += o.fwd_s
+        B[idx] += o.bwd_s
+        S[idx] += wa * o.send_bytes
+        M[idx] += o.mem_bytes
+        if o.placement == "rank":
+            it_t += [t] * len(idx)
+            it_r += idx
+    if not it_t or s < 2:
+        return a
+    ev0 = evaluate(p, a)
+    floor = wa * p.recv_factor * recv
+    cap = p.capacity_bytes - ev0.dense_bytes - um  # room per rank for placed shards
+    it_t_a = np.asarray(it_t)
+    it_r_a = np.asarray(it_r)
+    opt = [p.options[t][a.choice[t]] for t in range(n_t)]
+    f = np.array([opt[t].fwd_s for t in it_t])
+    b = np.array([opt[t].bwd_s for t in it_t])
+    sd = np.array([wa * opt[t].send_bytes for t in it_t])
+    m = np.array([opt[t].mem_bytes for t in it_t])
+    holds = np.zeros((n_t, s), dtype=bool)
+    holds[it_t_a, it_r_a] = True
+    ranks = np.arange(s)
+
+    def step_of(fm, bm, sm):
+        return fm + bm + np.maximum(us + sm, floor)
+
+    # Plateaus: identical tables give several ranks the same maximum, and no single move lowers it.
+    # A second key, the spread of each binding load (sum of squares over ranks, relative to its mean),
+    # lets the search take moves that keep the step and make the loads more even, so the next move can
+    # lower the maximum.
+    norm = np.array([max(F.mean(), 1e-30), max(B.mean(), 1e-30), max(S.mean(), 1e-30)]) ** -2
+    cur = float(step_of(F.max(), B.max(), S.max()))
+    X = (F, B, S)
+    for _ in range(max_steps):
+        tops = tuple(_top3(x) for x in X)
+        binding = [True, True, us + tops[2][1][0] > floor]  # sends matter only above the receive floor
+        hot = sorted({int(tops[d][0][0]) for d in range(3) if binding[d]})
+        J = np.flatnonzero(np.isin(it_r_a, hot))
+        if J.size == 0:
+            break
+        h = it_r_a[J][:, None]
+        d_j = (f[J][:, None], b[J][:, None], sd[J][:, None])
+        mj = m[J][:, None]
+
+        def price(r, dx):
+            """Step and change of spread after moving ``dx`` (per load) from rank h to rank r."""
+            maxes, spread = [], 0.0
+            for k in range(3):
+                x = X[k]
+                maxes.append(np.maximum(_max_without(tops[k], h, r), np.maximum(x[h] - dx[k], x[r] + dx[k])))
+                if binding[k]:
+                    spread = spread + norm[k] * 2 * dx[k] * (x[r] - x[h] + dx[k])
+            return step_of(*maxes), spread
+
+        def pick(st, sp, ok):
+            """Best candidate by (step, spread) among those that lower the step, or keep it and lower the spread."""
+            st = np.where(ok, st, np.inf)
+            better = st < cur * (1 - 1e-12)
+            if better.any():
+                k = int(np.argmin(np.where(better, st, np.inf)))
+                return k, float(st.flat[k]), True
+            same = (st <= cur * (1 + 1e-12)) & (sp < -1e-9)
+            if same.any():
+                k = int(np.argmin(np.where(same, sp, np.inf)))
+                return k, float(st.flat[k]), True
+            return -1, cur, False
+
+        r = ranks[None, :]
+        st, sp = price(r, d_j)
+        ok = (r != h) & ~holds[it_t_a[J]] & (M[None, :] + mj <= cap)
+        k, val, found = pick(st, sp, ok)
+        if found:
+            jj, dest = np.unravel_index(k, st.shape)
+            moves = [(int(J[jj]), int(dest))]
+        else:  # swaps, only when no single move helps (they cost |J| x shards to price)
+            ru = it_r_a[None, :]
+            tj, tu = it_t_a[J][:, None], it_t_a[None, :]
+            st, sp = price(ru, (d_j[0] - f[None, :], d_j[1] - b[None, :], d_j[2] - sd[None, :]))
+            dm = mj - m[None, :]
+            ok = ((ru != h) & (tu != tj) & ~holds[tj, ru] & ~holds[tu, h]
+                  & (M[h] - dm <= cap) & (M[ru] + dm <= cap))
+            k, val, found = pick(st, sp, ok)
+            if not found:
+                break
+            jj, uu = np.unravel_index(k, st.shape)
+            j, u = int(J[jj]), int(uu)
+            moves = [(j, int(it_r_a[u])), (u, int(it_r_a[j]))]
+        for j, dest in moves:
+            src = int(it_r_a[j])
+            F[src] -= f[j]; B[src] -= b[j]; S[src] -= sd[j]; M[src] -= m[j]
+            F[dest] += f[j]; B[dest] += b[j]; S[dest] += sd[j]; M[dest] += m[j]
+            holds[it_t_a[j], src] = False
+        for j, dest in moves:
+            holds[it_t_a[j], dest] = True
+            it_r_a[j] = dest
+        cur = min(cur, val)
+    new_ranks = [list(rr) if opt[t].placement != "rank" else [] for t, rr in enumerate(a.ranks)]
+    for t, r in zip(it_t_a.tolist(), it_r_a.tolist()):
+        new_ranks[t].append(r)
+    out = Assignment(a.choice, tuple(tuple(sorted(rr)) for rr in new_ranks), a.recompute)
+    ev = evaluate(p, out)
+    # floats: keep the result only if the exact evaluation agrees that it is better and fits
     return out if ev.step_time_s < ev0.step_time_s and ev.peak_bytes <= p.capacity_bytes else a
 
 
@@ -885,6 +1116,9 @@ def _is_on(v, on: set[tuple[int, int]]) -> bool:
 FREE_TABLES = 160
 """Tables that keep their own choice variables in the decomposed model (the most consequential)."""
 
+LIGHT_PRESOLVE_ABOVE = 400
+"""Free tables above which the decomposed model is presolved without probing and overlap detection."""
+
 
 def _importances(p: CandidatePricing) -> list[float]:
     """How much each table's choice can matter, relative to an average rank: the spread between its
@@ -1026,6 +1260,12 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
                 m.AddHint(var, int(x))
     solver = cp_model.CpSolver()
     _params(solver, settings, settings.time_limit_s)
+    if len(free) > LIGHT_PRESOLVE_ABOVE:
+        # With many free tables, probing and the search for overlapping linear blocks take the whole
+        # deterministic budget in presolve (measured: 2 deterministic s and no solution with all 1,200
+        # tables of gem-1t free); the LP relaxation, not presolve, is what closes this model.
+        solver.parameters.find_big_linear_overlap = False
+        solver.parameters.cp_model_probing_level = 0
     # The relaxation ranks option choices by averaged loads; the placed plan pays for imbalance the
     # relaxation does not see, so the best relaxed solution is not always the best placed one. Keep
     # the last few improving solutions and place each (placement is cheap next to the solve).
@@ -1074,6 +1314,8 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
                     best = placed
     if best is not None:
         best = break_lumps(p, best)
+        if settings.rebalance_steps > 0:
+            best = rebalance(p, best, max_steps=settings.rebalance_steps)
     wall = time.perf_counter() - t0
     if best is None:
         return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, wall, "decomposed")

@@ -118,3 +118,77 @@ def test_break_lumps_never_worsens_and_keeps_capacity(seed):
     c = break_lumps(q, lump)
     assert evaluate(q, c).step_time_s < evaluate(q, lump).step_time_s
     assert evaluate(q, c).peak_bytes <= q.capacity_bytes
+
+
+def _two_load_case(node: int = 0):
+    """Four table-wise tables over two ranks: two forward-and-backward heavy that send nothing, two
+    send-heavy that compute little, all of the same scalar weight (time plus send time). Putting the
+    two compute-heavy ones together balances the scalar but doubles the forward and backward maxima."""
+    from coplan.planner.mesh import MeshCandidate
+    from coplan.planner.pricing import CandidatePricing, ShardOption
+
+    wa = 1e-9  # one byte sent costs 1 ns
+    heavy = (ShardOption("table_wise", 1, 400e-6, 600e-6, 0.0, 1e9, 0.0),)
+    sender = (ShardOption("table_wise", 1, 0.0, 0.0, 1e6, 1e9, 0.0),)  # 1 ms of sends
+    return CandidatePricing(
+        mesh=MeshCandidate(2, 2, 1, 2), node_size=node, base_time_s=5e-3, base_bytes=1e9, capacity_bytes=10e9,
+        layers=(), options=(heavy, heavy, sender, sender), table_names=("a", "b", "c", "d"), a2a_s_per_byte=wa,
+    )
+
+
+def test_three_load_placement_and_rebalance_reach_the_optimum():
+    """A plan balanced in the scalar weight (heavy tables together) is 2 ms slower than the one that
+    pairs a compute-heavy with a send-heavy table on each rank; the three-load placement finds the
+    latter directly and :func:`rebalance` finds it from the former by a swap."""
+    from coplan.planner.pricing import Assignment
+    from coplan.planner.solver import place, rebalance
+
+    p = _two_load_case()
+    bad = Assignment((0, 0, 0, 0), ((0,), (0,), (1,), (1,)), ())
+    good = Assignment((0, 0, 0, 0), ((0,), (1,), (0,), (1,)), ())
+    assert evaluate(p, bad).step_time_s == pytest.approx(evaluate(p, good).step_time_s + 2e-3)
+    for a in (place(p, (0, 0, 0, 0), (), by_memory="loads"), rebalance(p, bad)):
+        assert evaluate(p, a).step_time_s == pytest.approx(evaluate(p, good).step_time_s)
+        assert sorted(a.ranks[:2]) == [(0,), (1,)] and sorted(a.ranks[2:]) == [(0,), (1,)]
+
+
+def test_three_load_placement_respects_memory():
+    """No rank with room for a shard: no placement (the caller then tries other orders or recompute)."""
+    import dataclasses
+
+    from coplan.planner.solver import place
+
+    p = dataclasses.replace(_two_load_case(), capacity_bytes=2.5e9)  # room for one 1 GB shard per rank
+    assert place(p, (0, 0, 0, 0), (), by_memory="loads") is None
+
+
+@pytest.mark.parametrize("seed", [0, 3, 8, 13])
+def test_rebalance_never_worsens_and_keeps_the_rules(seed):
+    """Placement-only local search: options unchanged, shards per table unchanged, shards of one table on
+    distinct ranks, node options where they were, memory within capacity, and a step no slower."""
+    from coplan.planner.solver import rebalance
+
+    p = synthetic_pricing(12, 8, 4, 3, seed, capacity=60e9, base_bytes=20e9)
+    a = heuristic_any(p)
+    b = rebalance(p, a, max_steps=500)
+    ea, eb = evaluate(p, a), evaluate(p, b)
+    assert eb.step_time_s <= ea.step_time_s and eb.peak_bytes <= p.capacity_bytes
+    assert b.choice == a.choice and b.recompute == a.recompute
+    for t, (ra, rb) in enumerate(zip(a.ranks, b.ranks)):
+        assert len(rb) == len(set(rb)) == len(ra)
+        if p.options[t][a.choice[t]].placement != "rank":
+            assert ra == rb
+
+
+def test_every_table_free_tightens_the_decomposed_bound():
+    """With every table free the relaxation sees each table's own figures (not its least per aggregate):
+    its bound is at least the partly fixed one's and still below the exhaustive optimum."""
+    p = synthetic_pricing(6, 4, 4, 3, 1, capacity=40e9, base_bytes=20e9)
+    best, _, _ = brute_force(p)
+    s_few = SolverSettings(time_limit_s=30.0, num_workers=1, relative_gap=0.0, flat_max_vars=0, free_tables=2)
+    s_all = SolverSettings(time_limit_s=30.0, num_workers=1, relative_gap=0.0, flat_max_vars=0, free_tables=6)
+    from coplan.planner.solver import solve_candidate
+
+    few, every = solve_candidate(p, s_few), solve_candidate(p, s_all)
+    assert few.method == every.method == "decomposed"
+    assert few.bound_s <= every.bound_s + 1e-9 <= best + 2e-9
