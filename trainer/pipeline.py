@@ -1,4 +1,5 @@
-"""The next batch's host-to-device copies and TorchRec input distribution, one batch ahead, on a side stream.
+"""The input pipeline: host batches pinned on the data thread; the next batch's host-to-device copies and
+TorchRec input distribution one batch ahead, on a side stream.
 
 Why: TorchRec's input distribution builds small index tensors with ``torch.tensor(..., device=cuda)``
 (``## all2all_data:recat_permute_gen ##``), a copy from pageable host memory that synchronises the

@@ -70,6 +70,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: host batches pinned on the data thread, the next batch's host-to-device copies and "
                         "TorchRec input dist one step ahead, on a side stream on CUDA; off: all three at the start "
                         "of the step, on the training thread and the compute stream")
+    p.add_argument("--segment-sum", choices=["auto", "reduce"], default="auto",
+                   help="auto: on CUDA in half precision, the FiLM backward's per-sample sums as one-hot GEMMs with "
+                        "fp32 accumulation; reduce: fp32 segment reduction over a cast copy (the CPU path)")
     p.add_argument("--compile", choices=["off", "layers"], default="off",
                    help="layers: torch.compile each InterFormer and Kunlun layer (dynamic shapes); the compilation "
                         "happens in the first steps, so keep them in --warmup")
@@ -184,6 +187,22 @@ def _enable_grouped_experts(model, plan: Plan, device, mode: str) -> list[str]:
     return ["MoE experts: grouped GEMM" if ok else "MoE experts: per-expert loop (grouped GEMM failed its check)"]
 
 
+def _enable_segment_sum_gemm(plan: Plan, device, mode: str) -> list[str]:
+    """The FiLM backward's per-sample sums as one-hot GEMMs on CUDA (checked once on small tensors)."""
+    import torch
+
+    from coplan.trainer.distributed.fsdp import _DTYPES
+    from coplan.trainer.model.layers import enable_segment_sum_gemm, segment_sum_gemm_works
+
+    dtype = _DTYPES[plan.precision.compute_dtype]
+    wanted = mode == "auto" and device.type == "cuda" and dtype != torch.float32
+    on = wanted and segment_sum_gemm_works(device, dtype)
+    enable_segment_sum_gemm(on)
+    if wanted and not on:
+        print("warning: the GEMM segment sum is unavailable or wrong here; the segment reduction runs", file=sys.stderr)
+    return ["segment sums (FiLM backward): " + ("one-hot GEMM" if on else "segment reduction")]
+
+
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -273,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     meshes = build_meshes(dims, device_type)
     model = GEMModel(workload, attention_backend=backend, seed=args.seed, device=device)
     step_notes = _enable_grouped_experts(model, plan, device, args.moe_grouped)
+    step_notes += _enable_segment_sum_gemm(plan, device, args.segment_sum)
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed,
                      compile_layers=args.compile == "layers")
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan,

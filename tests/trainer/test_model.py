@@ -169,3 +169,25 @@ def test_grouped_experts_match_the_loop_with_gradients():
     state = torch.get_rng_state()
     assert grouped_mm_works(torch.device("cpu"), torch.float32, 16, 24, 4)
     assert torch.equal(state, torch.get_rng_state())  # the check leaves the run's (checkpointed) RNG alone
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_segment_sum_matches_the_reduction(dtype):
+    """The one-hot GEMM form of the FiLM backward's per-sample sum (CUDA runs) sums the same rows as the
+    fp32 segment reduction, empty samples included; on CPU it runs in fp32 (CUDA's fp32-output GEMM is
+    checked by the trainer on the device, :func:`segment_sum_gemm_works`)."""
+    from coplan.trainer.model.layers import expand_segments, segment_ids, segment_sum, segment_sum_grad
+
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 0, 9, 9, 40, 41, 41])
+    seg = segment_ids(offsets, 41)
+    grad = torch.randn(41, 24, generator=g).to(dtype)
+    want = segment_sum(grad, offsets)
+    got = segment_sum_grad(grad, seg, offsets, torch.float32, gemm=True)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # same fp32 sums of the same half values
+    assert (got[0] == 0).all() and (got[2] == 0).all() and (got[5] == 0).all()
+    assert not torch.equal(segment_sum_grad(grad, seg, offsets, torch.float32, gemm=False), torch.zeros_like(want))
+    # the autograd path with the GEMM turned on (falls back on CPU: the switch is for CUDA tensors)
+    x = torch.randn(6, 24, generator=g).to(dtype).requires_grad_()
+    (expand_segments(x, seg, offsets).float() * grad.float()).sum().backward()
+    torch.testing.assert_close(x.grad.float(), want.to(dtype).float())
