@@ -26,6 +26,7 @@ import torch
 
 from coplan.kernels import gdpa, jagged_attention
 from coplan.kernels import triton_attention as ta
+from coplan.kernels.common import Activation
 
 from ._util import HAS_CUDA, assert_close, jagged
 
@@ -134,8 +135,8 @@ def test_capture_after_autotuned_eager_calls_on_the_default_stream(op, monkeypat
             op(q, k, v, off, cap)
         op(q, k, v, off, cap).backward(g)
     torch.cuda.synchronize()
-    mode = ta.SOFTMAX if op is _softmax else ta.ACTIVATION
-    tuned = {key[0] for key in ta._CHOSEN if mode in key}
+    consts = tuple(ta._consts(None if op is _softmax else Activation.SILU, True, 64, dtype).values())
+    tuned = {key[0] for key in ta._CHOSEN if key[4:4 + len(consts)] == consts}
     assert tuned == {"fwd", "dq", "dkdv"}, f"the autotuned path was not taken: {sorted(ta._CHOSEN)}"
     _capture_and_compare(op, q, k, v, off, g, gen, cap)
 
