@@ -8,7 +8,6 @@ whichever sharding type the plan gives it.
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from typing import Any
 
@@ -104,9 +103,11 @@ class LocalStepper:
             self.opt.step()  # the first step (or a parameter with no state yet): creates the shared state
             return
         if self._twin is None:
-            # a shallow copy: same class, defaults and hooks; its param_groups and state are replaced below
-            # (constructing one anew would allocate Adagrad's eager state, and constructors differ by version)
-            self._twin = copy.copy(self.opt)
+            # a shallow copy of every attribute (same class, defaults, hooks, flags); param_groups and state
+            # are replaced below. Not copy.copy: Optimizer.__getstate__ keeps three attributes only. Not a
+            # new instance: Adagrad allocates state eagerly, and constructors differ between versions.
+            self._twin = object.__new__(type(self.opt))
+            self._twin.__dict__.update(self.opt.__dict__)
         state: defaultdict = defaultdict(dict)
         twin_groups = []
         for g, ps in zip(self.opt.param_groups, groups):
