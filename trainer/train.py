@@ -216,7 +216,6 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from coplan.trainer import checkpoint as ckpt
-    from coplan.trainer.pipeline import SparseDistPipeline
     from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, generate_dataset
     from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
     from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
@@ -225,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     from coplan.trainer.optim import Optimizers
     from coplan.trainer.optim import local as _local
     from coplan.trainer.parallelize import parallelize
+    from coplan.trainer.pipeline import SparseDistPipeline
     from coplan.trainer.profiling import TraceWindow
 
     if args.device == "auto":
