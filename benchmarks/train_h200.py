@@ -52,7 +52,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit  # noqa: E402
+try:
+    from _common import git_commit  # noqa: E402
+except ImportError:  # the script copied alone to the device: COPLAN_GIT_COMMIT still names the commit
+    def git_commit() -> str:
+        return os.environ.get("COPLAN_GIT_COMMIT", "unknown")
 
 from coplan.spec import dump_spec, load_run_result, load_topology, load_workload
 from coplan.spec.workload import InterFormerBlock, KunlunBlock, MoEBlock
