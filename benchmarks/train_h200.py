@@ -10,21 +10,24 @@ the batch's longest history (up to 4,096) and holds fp32 ``[batch, heads, L, L]`
 samples one such tensor is 34 GB per layer, so its run uses ``--reference-batch`` samples per step
 (default 8); MFU and tokens/s are per-step rates and stay comparable.
 
-Cases (``--cases``, default the first six, run in this order, each skipped when too little of the
+Cases (``--cases``, default the first seven, run in this order, each skipped when too little of the
 ``--timeout`` budget is left; a trainer launch costs ~30 s on the H200 before its first step):
 
 - ``triton``: the trainer as it runs by default (Triton attention; MoE experts as grouped GEMMs with
   no host sync; fused AdamW stepped on FSDP2's local shards; host batches pinned on the data thread and
   the next batch's copies and TorchRec input dist one step ahead on a side stream; the FiLM backward's
-  per-sample sums as one-hot GEMMs), 100 measured steps;
-- ``triton-v3``: ``triton`` with ``--local-optimizer off --sparse-pipeline off --segment-sum reduce``
-  (the trainer as v3 measured it), 40 measured steps: the A/B of this round's changes together;
+  per-sample sums as one-hot GEMMs; one FSDP2 unit on the one rank), 100 measured steps;
+- ``triton-v3``: ``triton`` with ``--local-optimizer off --sparse-pipeline off --segment-sum reduce
+  --fsdp-units layers`` (the trainer as v3 measured it): the A/B of this round's changes together;
 - ``triton-dtensor-optim``: only ``--local-optimizer off`` (AdamW, its guard norm through DTensor);
 - ``triton-no-pipeline``: only ``--sparse-pipeline off`` (pinning, copies, input dist at the step's start);
 - ``triton-segment-reduce``: only ``--segment-sum reduce`` (fp32 segment reduction over a cast copy);
-- ``triton-baseline``: everything off, ``--moe-grouped off --fused-optimizer off`` too (v2's loop);
+- ``triton-fsdp-layers``: only ``--fsdp-units layers`` (one FSDP2 unit per layer, as on many ranks);
+- ``triton-baseline``: all of the above off, and ``--moe-grouped off --fused-optimizer off`` (v2's loop);
 - ``reference`` (not by default): the PyTorch reference attention;
 - ``triton-compile`` (not by default): ``--compile layers``, 2 more warm-up steps.
+
+The A/B cases measure 30 steps each (the whole default run takes ~4 min on the H200).
 
 Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per case the measured local MFU,
 tokens/s, step-time p50/p90, peak memory, where the time went in the profiled steps (the Kineto
@@ -289,17 +292,19 @@ def _by_block(ops, steps: int) -> dict:
 # in the same invocation (compare within a run: runs on different leases differ by as much).
 CASES = {
     "triton": ("triton", [], 0, 100),
-    "triton-v3": ("triton", ["--local-optimizer", "off", "--sparse-pipeline", "off", "--segment-sum", "reduce"], 0, 40),
-    "triton-dtensor-optim": ("triton", ["--local-optimizer", "off"], 0, 40),
-    "triton-no-pipeline": ("triton", ["--sparse-pipeline", "off"], 0, 40),
-    "triton-segment-reduce": ("triton", ["--segment-sum", "reduce"], 0, 40),
+    "triton-v3": ("triton", ["--local-optimizer", "off", "--sparse-pipeline", "off", "--segment-sum", "reduce",
+                             "--fsdp-units", "layers"], 0, 30),
+    "triton-dtensor-optim": ("triton", ["--local-optimizer", "off"], 0, 30),
+    "triton-no-pipeline": ("triton", ["--sparse-pipeline", "off"], 0, 30),
+    "triton-segment-reduce": ("triton", ["--segment-sum", "reduce"], 0, 30),
+    "triton-fsdp-layers": ("triton", ["--fsdp-units", "layers"], 0, 30),
     "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off", "--local-optimizer", "off",
-                                   "--sparse-pipeline", "off", "--segment-sum", "reduce"], 0, 40),
+                                   "--sparse-pipeline", "off", "--segment-sum", "reduce", "--fsdp-units", "layers"], 0, 30),
     "reference": ("reference", [], 0, 12),
     "triton-compile": ("triton", ["--compile", "layers"], 2, 12),
 }
 DEFAULT_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-segment-reduce",
-                 "triton-baseline")
+                 "triton-fsdp-layers", "triton-baseline")
 MIN_CASE_S = 45  # below this a launch cannot reach its measured steps: skip the case instead
 
 

@@ -14,7 +14,7 @@ Order, and why:
 3b. **Compile** (optional, ``--compile layers``) after checkpointing and before FSDP, as in torchtitan:
    it compiles the layers' own ``forward`` only, so both wrappers' hooks stay outside it.
 4. **FSDP2 / HSDP** last: it shards the parameters that are left, layer by layer, and registers the
-   hooks that gather them around each layer's forward and backward.
+   hooks that gather them around each layer's forward and backward (on one rank: one unit, the root).
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ class ParallelModel:
     ep_mesh: DeviceMesh | None = None
     """The EP group's mesh when experts are split (None without expert parallelism)."""
 
+    fsdp_per_layer: bool = True
+    """Whether each layer is an FSDP unit of its own (False: one unit, the dense root; on one rank)."""
+
 
 def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
-                local_size: int, seed: int, compile_layers: bool = False) -> ParallelModel:
+                local_size: int, seed: int, compile_layers: bool = False, fsdp_per_layer: bool | None = None) -> ParallelModel:
     dmp = apply_embedding_sharding(model, plan, device=device, group=meshes.sparse_group, local_size=local_size)
     init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
     dense = model.dense
@@ -66,9 +69,9 @@ def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes
     apply_fp8(dense, plan)
     recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
     apply_compile(dense, compile_layers)
-    apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision)
+    per_layer = apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision, per_layer=fsdp_per_layer)
     return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed,
-                         ep_mesh=meshes.ep_mesh if dims.ep_enabled else None)
+                         ep_mesh=meshes.ep_mesh if dims.ep_enabled else None, fsdp_per_layer=per_layer)
 
 
 __all__ = ["ParallelModel", "parallelize"]

@@ -73,6 +73,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--segment-sum", choices=["auto", "reduce"], default="auto",
                    help="auto: on CUDA in half precision, the FiLM backward's per-sample sums as one-hot GEMMs with "
                         "fp32 accumulation; reduce: fp32 segment reduction over a cast copy (the CPU path)")
+    p.add_argument("--fsdp-units", choices=["auto", "layers"], default="auto",
+                   help="auto: one FSDP2 unit per layer, except on one rank, where the dense root is the only unit "
+                        "(bf16 mixed precision, no per-layer hooks); layers: one unit per layer everywhere")
     p.add_argument("--compile", choices=["off", "layers"], default="off",
                    help="layers: torch.compile each InterFormer and Kunlun layer (dynamic shapes); the compilation "
                         "happens in the first steps, so keep them in --warmup")
@@ -294,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     step_notes = _enable_grouped_experts(model, plan, device, args.moe_grouped)
     step_notes += _enable_segment_sum_gemm(plan, device, args.segment_sum)
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed,
-                     compile_layers=args.compile == "layers")
+                     compile_layers=args.compile == "layers", fsdp_per_layer=True if args.fsdp_units == "layers" else None)
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan,
                         fused_dense=device_type == "cuda" and args.fused_optimizer == "auto",
                         local_step=args.local_optimizer == "auto")
@@ -464,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
                  + (f" (fused refused: {optims.fused_error})" if optims.fused_error else ""),
                  f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor'}",
                  f"sparse input dist {'one batch ahead' + (' on a side stream' if pipe.stream is not None else '') if pipe.enabled else 'in forward'}",
+                 f"FSDP2 units: {'one per layer' if pm.fsdp_per_layer else 'the dense root only'}",
                  f"compile {args.compile}"]
         if device_type == "cpu":
             notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")

@@ -46,19 +46,6 @@ def _fsdp_model(seed: int):
     return m
 
 
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
     lambda ps: torch.optim.Adagrad(ps, lr=0.1),

@@ -1,6 +1,7 @@
 """The host-overhead switches change where work runs, not what is computed: a gem-tiny run with the
-dense optimizer stepped on FSDP2's local shards and the input dist one batch ahead (the defaults)
-gives the same losses, bit for bit, as one with both off (``--local-optimizer off --sparse-pipeline off``)."""
+dense optimizer stepped on FSDP2's local shards, the input dist one batch ahead and one FSDP2 unit on
+its one rank (the defaults) gives the same losses, bit for bit, as one with all three off
+(``--local-optimizer off --sparse-pipeline off --fsdp-units layers``)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,13 @@ def _run(plan, tmp_path, run_id: str, extra: list[str]) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()], notes
 
 
-def test_local_optimizer_and_sparse_pipeline_keep_the_losses(tmp_path):
+def test_host_overhead_switches_keep_the_losses(tmp_path):
     plan = dump_spec(single_process_plan(load_workload("gem-tiny"), load_topology("h200-1gpu"), attention_backend="reference"),
                      tmp_path / "plan.json")
     on, notes_on = _run(plan, tmp_path, "on", [])
-    off, notes_off = _run(plan, tmp_path, "off", ["--local-optimizer", "off", "--sparse-pipeline", "off"])
-    assert "stepped on local shards" in notes_on and "one batch ahead" in notes_on
-    assert "through DTensor" in notes_off and "input dist in forward" in notes_off
+    off, notes_off = _run(plan, tmp_path, "off", ["--local-optimizer", "off", "--sparse-pipeline", "off", "--fsdp-units", "layers"])
+    assert "stepped on local shards" in notes_on and "one batch ahead" in notes_on and "the dense root only" in notes_on
+    assert "through DTensor" in notes_off and "input dist in forward" in notes_off and "one per layer" in notes_off
     assert [r["step"] for r in on] == list(range(5))
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
     assert [r["task_loss"] for r in on] == [r["task_loss"] for r in off]

@@ -40,9 +40,25 @@ def _reshard(mesh: DeviceMesh) -> bool:
     return mesh.size(mesh.ndim - 1) > 1
 
 
-def apply_fsdp(dense: nn.Module, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh, precision: Precision) -> None:
+def one_unit(dense_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> bool:
+    """Whether FSDP2 gets a single unit (the dense root) instead of one per layer: where every mesh is one
+    rank. Units exist to bound the gathered parameters and to overlap each unit's collectives with the
+    previous unit's compute; on one rank nothing is gathered or overlapped, and each unit only adds its
+    hooks (copy-in, a one-rank all-gather, copy-out, a chunk-cat and a one-rank reduce-scatter, with
+    their Python): 29 ms of host time per step over 9 units in the H200 trace of v2 (BENCHMARKS.md)."""
+    return dense_mesh.size() == 1 and expert_mesh.size() == 1
+
+
+def apply_fsdp(dense: nn.Module, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh, precision: Precision,
+               *, per_layer: bool | None = None) -> bool:
+    """Shard ``dense``; ``per_layer``: one FSDP unit per layer (None: unless :func:`one_unit`). Returns
+    whether the layers got units of their own."""
     mp = mixed_precision(precision)
-    for _, holder, i in dense.iter_layers():
+    if per_layer is None:
+        per_layer = not one_unit(dense_mesh, expert_mesh)
+    if not per_layer and expert_mesh.size() != dense_mesh.size():
+        raise ValueError("one FSDP unit needs the experts' mesh to be the dense mesh's size")  # (guarded by one_unit)
+    for _, holder, i in dense.iter_layers() if per_layer else ():
         layer = holder[i]
         inner = _unwrap(layer)
         if isinstance(inner, MoELayer):
@@ -54,6 +70,7 @@ def apply_fsdp(dense: nn.Module, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh
             m.set_gradient_divide_factor(1.0)
             if hasattr(m, "set_force_sum_reduction_for_comms"):
                 m.set_force_sum_reduction_for_comms(True)
+    return per_layer
 
 
-__all__ = ["apply_fsdp", "mixed_precision"]
+__all__ = ["apply_fsdp", "mixed_precision", "one_unit"]
