@@ -60,13 +60,47 @@ def git_commit() -> str:
 # ---- shapes ---------------------------------------------------------------------------------
 
 
-def linear_shapes(workload_name: str) -> tuple[list[dict], dict]:
-    """(M, K, N) of every linear layer of the workload's dense arch, with the layers' names."""
+def _import_dense_arch():
+    """``DenseArch`` and ``token_layout`` without TorchRec where it is not installed: the dense arch
+    uses none of it, but ``gem.py`` imports the sparse arch (TorchRec, FBGEMM) at module level for
+    ``GEMModel``. Where that import fails, a stand-in ``coplan.trainer.model.sparse`` module lets
+    ``gem.py`` load, so the benchmark runs on a bare device (torch + triton only) and lists exactly
+    the modules the trainer builds."""
+    try:
+        from coplan.trainer.model.gem import DenseArch, token_layout
+        return DenseArch, token_layout, "torchrec"
+    except ImportError as e:
+        if not any(m in str(e) for m in ("torchrec", "fbgemm")):
+            raise
+        why = f"{type(e).__name__}: {e}"
+    import types
+
+    for name in [m for m in sys.modules if m.startswith(("torchrec", "fbgemm_gpu", "coplan.trainer.model.sparse",
+                                                         "coplan.trainer.model.gem"))]:
+        del sys.modules[name]  # half-imported modules of the failed attempt
+    stub = types.ModuleType("coplan.trainer.model.sparse")
+
+    class SparseArch(torch.nn.Module):  # never built here: GEMModel is not used
+        def __init__(self, *a, **k):
+            raise RuntimeError(f"TorchRec is not importable ({why}); only the dense arch is available")
+
+    stub.SparseArch = SparseArch
+    sys.modules["coplan.trainer.model.sparse"] = stub
+    from coplan.trainer.model.gem import DenseArch, token_layout
+    return DenseArch, token_layout, f"sparse arch stubbed ({why})"
+
+
+def linear_shapes(workload_name: str, fp8_layers: frozenset[str] = frozenset()) -> tuple[list[dict], dict]:
+    """(M, K, N) of every linear layer of the workload's dense arch, with the modules' names and,
+    per module, the cost model's layer name and whether the trainer would run it in fp8 when that
+    layer is in ``fp8_layers`` (the numerics guard of :func:`coplan.trainer.distributed.fp8.apply_fp8`)."""
     from coplan.costmodel.jagged import length_moments
     from coplan.spec import load_workload
     from coplan.spec.workload import InterFormerBlock, KunlunBlock, MoEBlock
+    from coplan.trainer.distributed.fp8 import layer_linears
     from coplan.trainer.features import feature_layout
-    from coplan.trainer.model.gem import DenseArch, token_layout
+
+    DenseArch, token_layout, imported = _import_dense_arch()
 
     w = load_workload(workload_name)
     batch = w.batch.local_batch_size
@@ -100,13 +134,23 @@ def linear_shapes(workload_name: str) -> tuple[list[dict], dict]:
 
     with torch.device("meta"):
         arch = DenseArch(w, feature_layout(w), "reference")
+    # module -> (planner layer, runs in fp8 when the layer is in fp8_layers), as apply_fp8 decides
+    prec = w.precision
+    in_fp8: dict[int, tuple[str, bool]] = {}
+    for layer, _parent, _attr, lin, head in layer_linears(arch):
+        small = min(lin.in_features, lin.out_features) < prec.fp8_min_dim
+        in_fp8[id(lin)] = (layer, layer in fp8_layers and (prec.fp8 == "force" or not (small or head)))
     shapes: dict[tuple, dict] = {}
     for name, mod in arch.named_modules():
         if isinstance(mod, torch.nn.Linear):
             key = (m_of(name), mod.in_features, mod.out_features, mod.bias is not None)
-            entry = shapes.setdefault(key, dict(M=key[0], K=key[1], N=key[2], bias=key[3], layers=[]))
+            entry = shapes.setdefault(key, dict(M=key[0], K=key[1], N=key[2], bias=key[3], layers=[], fp8_modules=[]))
             entry["layers"].append(name.removeprefix("blocks."))
-    meta = dict(workload=w.name, local_batch=batch, rows=rows, source="coplan.trainer.model.gem.DenseArch (meta device)")
+            layer, fp8 = in_fp8.get(id(mod), (None, False))
+            if fp8:
+                entry["fp8_modules"].append(f"{layer}:{name.removeprefix('blocks.')}")
+    meta = dict(workload=w.name, local_batch=batch, rows=rows, fp8_layers=sorted(fp8_layers), fp8_min_dim=prec.fp8_min_dim,
+                source=f"coplan.trainer.model.gem.DenseArch (meta device; {imported})")
     return sorted(shapes.values(), key=lambda s: -2 * s["M"] * s["K"] * s["N"] * len(s["layers"])), meta
 
 
@@ -160,12 +204,59 @@ def prequantised_gemm(recipe: str, x: torch.Tensor, w: torch.Tensor, device: str
         qb, sb = ref.quant_rows_ref(w)
         return lambda: ref.rowwise_mm_ref(qa, sa, qb, sb, N)
     if device == "cuda" or ft.interpreting():
-        qa, sa = ft.quant_tiles(x, square=False)
-        qb, sb = ft.quant_tiles(w, square=True)
-        return lambda: ft.block_scaled_mm(qa, sa, qb, sb, b_square=True)
+        # the recipe's own GEMM: torch._scaled_mm's block-wise path where it runs, else the Triton kernel
+        xq = ft.quant_act_dual(x, with_t=False)
+        wq = ft.quant_weight_dual(w, with_t=False)
+        return lambda: ft.block_mm(xq.q, xq.s, wq.q, wq.s, n=N, b_square=True, out_dtype=x.dtype)
     qa, sa = ref.quant_tiles_ref(x, square=False)
     qb, sb = ref.quant_tiles_ref(w, square=True)
     return lambda: ref.block_scaled_mm_ref(qa, sa, qb, sb, b_square=True, n=N)
+
+
+GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "_block_scaled_mm", "scaled_mm", "addmm", "aten::mm", "matmul")
+QUANT_MARKERS = ("quant", "_amax", "_rows_scale")
+
+
+def kernel_family(name: str) -> str:
+    n = name.lower()
+    if any(m in n for m in QUANT_MARKERS):
+        return "fp8_quant"
+    if any(m in n for m in GEMM_MARKERS):
+        return "gemm"
+    return "other"
+
+
+def device_breakdown(step, device: str, iters: int) -> dict:
+    """Device time per kernel family (GEMM, fp8 quantisation, other) of one call of ``step``, from a
+    torch.profiler trace of ``iters`` calls: the GPU kernels' own durations (on CPU, the ATen ops'
+    self time, for the smoke test). Says where forward + backward time goes beyond the GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    step()
+    sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            step()
+        sync(device)
+    fam: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    n_kernels = 0
+    for ev in prof.events():
+        if device == "cuda":
+            if ev.device_type.name != "CUDA":
+                continue
+            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+        else:
+            if not ev.name.startswith("aten::"):
+                continue
+            us = ev.self_cpu_time_total
+        f = kernel_family(ev.name)
+        fam[f] = fam.get(f, 0.0) + us / 1e3 / iters
+        kernels[ev.name[:80]] = kernels.get(ev.name[:80], 0.0) + us / 1e3 / iters
+        n_kernels += 1
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:8])
+    return dict(ms_per_call=fam, total_ms=sum(fam.values()), kernels_per_call=n_kernels / iters, top_kernels_ms=top)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -198,6 +289,11 @@ def run_shape(shape: dict, device: str, bench, args) -> dict:
                 entry["first_call_s"] = first_call_s(step, device)
                 ms = bench(step, grad_to_none=leaves)
                 entry.update(ms=ms, tflops=3 * flops / (ms * 1e-3) / 1e12)
+                if args.profile_iters:
+                    try:
+                        entry["device_breakdown"] = device_breakdown(step, device, args.profile_iters)
+                    except Exception as e:  # the timing stands without it
+                        entry["device_breakdown"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
             else:
                 with torch.no_grad():
                     entry["first_call_s"] = first_call_s(lambda: fwd(x, w, b), device)
@@ -274,6 +370,10 @@ def ceilings(device: str, size: int, bench) -> dict:
 
         cases["scaled_mm_blockwise_1x128_128x128"] = torch_blockwise
         cases["triton_block_scaled_mm"] = lambda: (lambda: ft.block_scaled_mm(ta, tsa, tb, tsb, b_square=True))
+        da, db = ft.quant_act_dual(a, with_t=False), ft.quant_weight_dual(b, with_t=False)
+        # what the blockwise recipe calls (torch._scaled_mm with this module's scale layout, or the fallback)
+        cases["coplan_block_mm"] = lambda: (lambda: ft.block_mm(da.q, da.s, db.q, db.s, n=size, b_square=True,
+                                                                out_dtype=torch.bfloat16))
     for name, make in cases.items():
         try:
             fn = make()
@@ -310,6 +410,35 @@ def totals(shapes: list[dict], recipes) -> dict:
     return out
 
 
+def dense_gemm_goal(shapes: list[dict], recipes) -> dict:
+    """The issue's goal read off directly: Σ forward + backward time (quantisation included) over the
+    linear modules the trainer runs in fp8 for the given fp8 layers, bf16 against each recipe, and
+    the device-time split of the same sum (GEMM vs quantisation kernels, from the profiler)."""
+    sel = [s for s in shapes if s.get("fp8_modules") and "ms" in s.get("bf16", {}).get("fwd_bwd", {})]
+    out: dict = dict(goal_speedup=GOAL_SPEEDUP, modules=sum(len(s["fp8_modules"]) for s in sel),
+                     shapes=[f"{s['M']}x{s['K']}x{s['N']} x{len(s['fp8_modules'])}" for s in sel])
+    if not sel:
+        return out
+    out["bf16_ms"] = sum(s["bf16"]["fwd_bwd"]["ms"] * len(s["fp8_modules"]) for s in sel)
+    for r in recipes:
+        if not all("ms" in s.get(r, {}).get("fwd_bwd", {}) for s in sel):
+            continue
+        t = sum(s[r]["fwd_bwd"]["ms"] * len(s["fp8_modules"]) for s in sel)
+        e = dict(ms=t, speedup=out["bf16_ms"] / t, goal_met=out["bf16_ms"] / t >= GOAL_SPEEDUP)
+        fam: dict[str, float] = {}
+        for s in sel:
+            for f, v in s[r]["fwd_bwd"].get("device_breakdown", {}).get("ms_per_call", {}).items():
+                fam[f] = fam.get(f, 0.0) + v * len(s["fp8_modules"])
+        e["device_ms_by_family"] = fam
+        out[r] = e
+    fam_b: dict[str, float] = {}
+    for s in sel:
+        for f, v in s["bf16"]["fwd_bwd"].get("device_breakdown", {}).get("ms_per_call", {}).items():
+            fam_b[f] = fam_b.get(f, 0.0) + v * len(s["fp8_modules"])
+    out["bf16_device_ms_by_family"] = fam_b
+    return out
+
+
 def table(result: dict) -> str:
     rs = result["recipes"]
     lines = [f"{result['device']}, torch {result['torch']}, triton {result['triton']}, CUDA {result['cuda']}, {result['date']}",
@@ -333,6 +462,14 @@ def table(result: dict) -> str:
         for r in rs:
             row += [cell(s[r]["fwd"]), cell(s[r]["fwd_bwd"]), cell(s[r]["gemm_only"])]
         lines.append("| " + " | ".join(row) + " |")
+    g = result.get("dense_gemm_goal", {})
+    if "bf16_ms" in g:
+        lines.append(f"dense GEMM time (fwd+bwd, quantisation included) over the {g['modules']} fp8 modules of "
+                     f"{', '.join(result.get('shapes_from', {}).get('fp8_layers', []))}: bf16 {g['bf16_ms']:.3f} ms; " + "; ".join(
+                         f"{r} {g[r]['ms']:.3f} ms ({g[r]['speedup']:.2f}x, goal {GOAL_SPEEDUP}x "
+                         f"{'met' if g[r]['goal_met'] else 'not met'}; device "
+                         + ", ".join(f"{f} {v:.2f}" for f, v in sorted(g[r]['device_ms_by_family'].items())) + ")"
+                         for r in rs if r in g))
     for k, t in result.get("totals", {}).items():
         lines.append(f"total {k} over {t['shapes']}/{t['of_shapes']} shapes: bf16 {t['bf16_ms']:.3f} ms; " + "; ".join(
             f"{r} {t[f'{r}_ms']:.3f} ms ({t[f'{r}_speedup']:.2f}x)" for r in rs)
@@ -352,6 +489,9 @@ def main(argv=None) -> bool:
     p.add_argument("--ceiling-size", type=int, default=0, help="square size of the ceiling GEMMs (default 8192 on GPU, 256 on CPU)")
     p.add_argument("--warmup-ms", type=int, default=10)
     p.add_argument("--rep-ms", type=int, default=40)
+    p.add_argument("--fp8-layers", default="interformer.0,interformer.1,interformer.2,interformer.3",
+                   help="planner layers taken as fp8 for the dense-GEMM goal total (the planner's choice for gem-h200)")
+    p.add_argument("--profile-iters", type=int, default=3, help="fwd+bwd calls per torch.profiler breakdown; 0: none")
     p.add_argument("--timeout", type=float, default=110.0, help="seconds; shapes not started by then are skipped")
     p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse in the script's folder)")
     p.add_argument("--out", default="benchmarks/results/fp8_h200.json")
@@ -387,7 +527,7 @@ def main(argv=None) -> bool:
             json.dump(result, f, indent=1)
 
     try:
-        shapes, meta = linear_shapes(args.workload)
+        shapes, meta = linear_shapes(args.workload, frozenset(x for x in args.fp8_layers.split(",") if x))
     except Exception as e:
         result["error"] = f"shapes: {type(e).__name__}: {e}"
         log(result["error"])
@@ -426,8 +566,16 @@ def main(argv=None) -> bool:
             log(f"shape {s['M']}x{s['K']}x{s['N']}: FAILED {s['error']}")
             traceback.print_exc()
         result["totals"] = totals([t for t in shapes if "bf16" in t], args.recipes)
+        result["dense_gemm_goal"] = dense_gemm_goal(shapes, args.recipes)
         save()
     result["totals"] = totals([t for t in shapes if "bf16" in t], args.recipes)
+    result["dense_gemm_goal"] = dense_gemm_goal(shapes, args.recipes)
+    from coplan.kernels import fp8_triton as ft
+
+    result["blockwise_gemm_backend"] = {
+        f"{ft.scaled_mm_block_kind(sq)}/{str(dt).removeprefix('torch.')}": ft.block_mm_backend(sq, dt)
+        for sq in (True, False) for dt in (torch.bfloat16, torch.float32)}
+    result["scaled_mm_block_errors"] = {f"{k[0]}/{k[1]}": v for k, v in ft.SCALED_MM_BLOCK_ERRORS.items()}
     result["elapsed_s"] = time.perf_counter() - T0
     save()
     print(table(result), flush=True)

@@ -120,6 +120,15 @@ class Options:
     gem-h200 run with interformer.0-3 in fp8 was +57% step time, ~+63 ms, which the per-shape
     measurements account for: ~24 fp8 calls per step at 0.2-3.7 ms extra each)."""
 
+    fp8_blockwise_call_overhead_fwd_s: float | None = None
+    """Fixed time per forward of a ``blockwise`` FP8 linear call (2 one-read quantisation kernels and
+    one ``torch._scaled_mm``), as ``fp8_call_overhead_fwd_s`` is for ``rowwise``. None: the row-wise
+    figure (not yet measured for these kernels; fewer launches, so an upper estimate); set it from
+    ``benchmarks/fp8_h200.py``'s blockwise forward minus its GEMM at the small shapes."""
+
+    fp8_blockwise_call_overhead_bwd_s: float | None = None
+    """The same for the backward (1 quantisation kernel, 2 ``_scaled_mm``); None: the row-wise figure."""
+
 
 @dataclass(slots=True)
 class Context:
@@ -493,6 +502,9 @@ def _price_fp8_quantisation(out: dict[str, np.ndarray], i: int, o: F.Op, act_byt
     The GEMM's own bytes stay those of the compute dtype (it is compute-bound at the sizes that gain).
     """
     b = F.DTYPE_BYTES[o.dtype]
+    if ctx.workload.precision.fp8_recipe == "blockwise":
+        _price_fp8_quantisation_blockwise(out, i, o, act_bytes / b / 2.0, weight_bytes / b, b, ctx)
+        return
     r_row, r_col = ctx.options.fp8_quant_reads_rowwise, ctx.options.fp8_quant_reads_colwise
     per_row, per_col = r_row * b + 1.0, r_col * b + 1.0
     half = act_bytes / b / 2.0
@@ -514,6 +526,32 @@ def _price_fp8_quantisation(out: dict[str, np.ndarray], i: int, o: F.Op, act_byt
     out["bwd_launch_s"][i] += o.fwd_launches * ((k_row + 3 * k_col) * launch + ovh_b)
     out["fwd_bytes"][i] += fq + fw
     out["bwd_bytes"][i] += bq + bwq
+
+
+def _price_fp8_quantisation_blockwise(out: dict[str, np.ndarray], i: int, o: F.Op, half: float, w_elems: float, b: float,
+                                      ctx: Context) -> None:
+    """The ``blockwise`` recipe's passes (``kernels/fp8.py``): its scales are local (1x128 tiles,
+    128x128 weight blocks) in both directions, so each tensor is read once and written as both fp8
+    copies the layer needs: forward ``x`` (``x`` and ``xᵀ``) and ``W`` (``W`` and ``Wᵀ``), backward
+    ``dY`` (``dY`` and ``dYᵀ``); the backward re-reads neither ``x`` nor ``W`` (it saves their fp8
+    copies). So ``b + 2`` bytes per element, one kernel per tensor. Memory is left as priced for
+    the compute dtype (the saved fp8 ``xᵀ`` is smaller than ``x``: an over-estimate)."""
+    bw = ctx.topology.gpu.hbm_bw_bytes_per_s * ctx.eff.memory.get("elementwise", 0.85)
+    launch = ctx.eff.launch_s.get("elementwise", 2e-6)
+    per = b + 2.0
+    fq, fw, bq = half * per, w_elems * per, half * per
+    out["fp8"][i] = 1.0
+    out["fwd_quant_s"][i] = fq / bw
+    out["fwd_quant_fixed_s"][i] = fw / bw
+    out["bwd_quant_s"][i] = bq / bw
+    out["bwd_quant_fixed_s"][i] = 0.0
+    opts = ctx.options
+    ovh_f = opts.fp8_blockwise_call_overhead_fwd_s if opts.fp8_blockwise_call_overhead_fwd_s is not None else opts.fp8_call_overhead_fwd_s
+    ovh_b = opts.fp8_blockwise_call_overhead_bwd_s if opts.fp8_blockwise_call_overhead_bwd_s is not None else opts.fp8_call_overhead_bwd_s
+    out["fwd_launch_s"][i] += o.fwd_launches * (2 * launch + ovh_f)
+    out["bwd_launch_s"][i] += o.fwd_launches * (1 * launch + ovh_b)
+    out["fwd_bytes"][i] += fq + fw
+    out["bwd_bytes"][i] += bq
 
 
 def seq_cost(ctx: Context, kernels: Kernels | None = None):

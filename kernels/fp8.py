@@ -21,16 +21,23 @@ what e4m3 must hold, and its extra mantissa bit halves the rounding error. (Hopp
 ``_scaled_mm`` also takes e4m3 operands only.)
 
 **blockwise** (DeepSeek-V3): activations and gradients in 1x128 tiles, weights in 128x128 blocks
-(one block's scale serves W and Wᵀ alike, so the input gradient reuses the forward's layout); the
-weight gradient's operands, dYᵀ and xᵀ, in 1x128 tiles along tokens. All three GEMMs run the same
-Triton kernel (:func:`~coplan.kernels.fp8_triton.block_scaled_mm`), which applies the scales at
-every 128-wide K step in fp32. Its backward is thus fp8 too.
+(one block's scale serves W and Wᵀ alike, so the input gradient reuses the forward's scales); the
+weight gradient's operands, dYᵀ and xᵀ, in 1x128 tiles along tokens. Every scale is local in both
+directions, so on the kernels each tensor is read once and written as both fp8 copies the layer
+needs (:func:`~coplan.kernels.fp8_triton.quant_act_dual`, ``quant_weight_dual``): the forward
+quantises x → (x, xᵀ) and W → (W, Wᵀ) and saves xᵀ and Wᵀ in fp8 instead of x and W; the backward
+quantises dY → (dY, dYᵀ) and runs its two GEMMs on saved copies (3 quantisation kernels per call in
+all, against 6 for rowwise). The GEMMs go through ``torch._scaled_mm``'s block-wise path (cuBLAS)
+where the PyTorch build takes it, else the Triton kernel
+(:func:`~coplan.kernels.fp8_triton.block_scaled_mm`), which applies the scales at every 128-wide K
+step in fp32. Its backward is thus fp8 too.
 
 Both recipes: the weight stays a plain high-precision parameter (FSDP2 all-gathers it in its
 ``param_dtype``, bf16, and the weight gradient comes back in the weight's dtype for FSDP2 to
 reduce in its ``reduce_dtype``); quantisation happens inside the op, every call, from the current
-values (dynamic scaling, no amax history). The op saves x and W as given (the memory of
-``nn.Linear``), so activation checkpointing and FSDP2 see an ordinary op. Any shape works: K and N
+values (dynamic scaling, no amax history). The rowwise op saves x and W as given (the memory of
+``nn.Linear``); the blockwise op on the kernels saves fp8 xᵀ and Wᵀ; either way activation
+checkpointing and FSDP2 see an ordinary op. Any shape works: K and N
 are zero-padded by the quantisation kernels (zeros change no amax and no product), M is masked.
 
 Without an FP8 GPU (``fp8_supported`` False), both recipes are *emulated*: the same quantisation,

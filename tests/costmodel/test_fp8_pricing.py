@@ -120,3 +120,20 @@ def test_call_overhead_matches_the_h200_measurement():
     for name in ("interformer.0", "interformer.3"):
         c = costs[name]
         assert c.fp8_fwd_s + c.fp8_bwd_s > c.fwd_s + c.bwd_s, name
+
+
+def test_blockwise_passes_by_hand():
+    """blockwise: each of x, W (forward) and dY (backward) read once and written as two fp8 copies
+    (b + 2 bytes per element); the backward re-reads neither x nor W."""
+    B, d = 2048, 4096
+    w = mlp_workload(B, width=d)
+    w = w.model_copy(update={"precision": w.precision.model_copy(update={"fp8_recipe": "blockwise"})})
+    ctx = context(w)
+    arr = op_arrays(ctx, fp8_layers=frozenset({"dense_mlp.1"}))
+    k = [ctx.ops[int(i)].name for i in ctx.dense_idx].index("dense_mlp.1.gemm")
+    bw = H200.gpu.hbm_bw_bytes_per_s * ctx.eff.memory["elementwise"]
+    half = B * (d + d) / 2
+    assert arr.fwd_quant_s[k] == pytest.approx(half * 4 / bw)
+    assert arr.fwd_quant_fixed_s[k] == pytest.approx(d * d * 4 / bw)
+    assert arr.bwd_quant_s[k] == pytest.approx(half * 4 / bw)
+    assert arr.bwd_quant_fixed_s[k] == 0.0
