@@ -281,9 +281,9 @@ def coplan_plan(workload, topology, world: int, dtime: float, free_tables: int |
     p = dataclasses.replace(pr.candidate(cand), layers=(), base_bytes=0.15 * topology.gpu.hbm_bytes)
     # One candidate is solved here, not the CLI's twelve, so every table gets a choice variable in the
     # decomposed model (the CLI frees its 160 most consequential): an exact relaxation of the option
-    # choice, whose choice and bound see every table's own figures.
+    # choice, whose choice and bound see every table's own figures; and the thorough placement.
     free = len(p.options) if free_tables is None else free_tables
-    res = solve_candidate(p, SolverSettings(time_limit_s=dtime, num_workers=1, free_tables=free))
+    res = solve_candidate(p, SolverSettings(time_limit_s=dtime, num_workers=1, free_tables=free, thorough_placement=True))
     if res.assignment is None:
         raise RuntimeError(f"coplan found no sparse plan at {world} ranks: {res.status}")
     shards = table_shards(p, res.assignment)

@@ -107,8 +107,14 @@ class SolverSettings:
     and its choice then see each table's real figures rather than its least per aggregate), at some
     CPU seconds per solve: worth it where one candidate is solved, not twelve."""
 
+    thorough_placement: bool = False
+    """Decomposed model: also place each relaxed solution against the three per-rank loads
+    (:func:`_place_loads`) and polish the final plan with :func:`rebalance`. Worth it where one candidate
+    is solved (gem-1t over 64 ranks: 0.3 ms off a 36.6 ms sparse step); in the CLI's search at 16,384
+    GPUs it doubled the CPU time (19 to 43 CPU-s, loaded machine) for no better plan, so it is off there."""
+
     rebalance_steps: int = 100
-    """Decomposed model: moves of :func:`rebalance` on the final plan (0: none)."""
+    """Moves of :func:`rebalance` on the final plan when ``thorough_placement``."""
 
 
 def _t(x: float) -> int:
@@ -349,7 +355,8 @@ def _place_loads(p: CandidatePricing, choice, recompute, ranks: list, mem: list[
     return Assignment(tuple(choice), tuple(ranks), tuple(recompute))
 
 
-def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, ...]) -> Assignment | None:
+def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: tuple[bool, ...], *,
+                      loads: bool = False) -> Assignment | None:
     """:func:`place`, then memory-first placement, then more recompute until the shards fit (the next
     frontier point that frees more memory; without a frontier, one more layer at a time, cheapest per
     byte freed first); then the cheapest recompute the placed plan needs. None when nothing fits."""
@@ -359,7 +366,7 @@ def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: t
         pts = [pt for pt in front.points if pt.freed_bytes >= net - 1e-6]
 
         def attempt(pt):
-            return _place_best(p, choice, pt.layers)
+            return _place_best(p, choice, pt.layers, loads=loads)
 
         if not pts:
             return None
@@ -383,7 +390,7 @@ def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: t
     rc = list(recompute)
     order = sorted(range(len(p.layers)), key=lambda i: (p.layers[i].recompute_s / max(p.layers[i].saved_bytes, 1.0), i))
     while True:
-        a = _place_best(p, choice, tuple(rc))
+        a = _place_best(p, choice, tuple(rc), loads=loads)
         if a is not None:
             return trim_recompute(p, a)
         nxt = next((i for i in order if not rc[i] and p.layers[i].saved_bytes > 0), None)
@@ -392,11 +399,11 @@ def place_with_repair(p: CandidatePricing, choice: tuple[int, ...], recompute: t
         rc[nxt] = True
 
 
-def _place_best(p: CandidatePricing, choice, recompute) -> Assignment | None:
-    """The faster of the three-load and the time-first placements among those that fit; when neither
-    fits, the two-resource and then the memory-first placement (they leave fuller ranks less full)."""
+def _place_best(p: CandidatePricing, choice, recompute, *, loads: bool = False) -> Assignment | None:
+    """The time-first placement (``loads``: the faster of it and the three-load one) if it fits; else
+    the two-resource and then the memory-first placement (they leave fuller ranks less full)."""
     best, best_t = None, math.inf
-    for by_memory in ("loads", False):
+    for by_memory in (("loads", False) if loads else (False,)):
         a = place(p, choice, recompute, by_memory=by_memory)
         if a is not None:
             ev = evaluate(p, a)
@@ -1307,14 +1314,14 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
             if key in seen:
                 continue
             seen.add(key)
-            placed = place_with_repair(p, tuple(choice), recompute)
+            placed = place_with_repair(p, tuple(choice), recompute, loads=settings.thorough_placement)
             if placed is not None:
                 ev = evaluate(p, placed)
                 if ev.peak_bytes <= p.capacity_bytes and (best is None or ev.step_time_s < evaluate(p, best).step_time_s):
                     best = placed
     if best is not None:
         best = break_lumps(p, best)
-        if settings.rebalance_steps > 0:
+        if settings.thorough_placement and settings.rebalance_steps > 0:
             best = rebalance(p, best, max_steps=settings.rebalance_steps)
     wall = time.perf_counter() - t0
     if best is None:
