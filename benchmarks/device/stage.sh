@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One stage of a GPU session on the lent device, run from the repository root copy:
+#   bash benchmarks/device/stage.sh <stage> [commit]
+# Stages (each writes under $OUT and prints a short tail):
+#   kernels   attention shape (b), capture probe when its capture failed, kernel GPU tests, fp8 GEMM benchmark
+#   calib     calibration variants re-measured / fresh held-out set (needs TorchRec: fbgemm parts in /tmp/fb)
+#   fp8train  500+ steps bf16 vs fp8 (needs TorchRec); $GPUS picks the GPUs of the two arms (default 0,0)
+#   train     trainer benchmark cases (needs TorchRec)
+# The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
+set -uo pipefail
+stage=$1; commit=${2:-unknown}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 COPLAN_GIT_COMMIT=$commit
+bash benchmarks/device/setup.sh 2>&1 | tail -n 1
+rm -rf /tmp/tests && cp -r tests pyproject.toml /tmp/
+cd /tmp && export PYTHONPATH=/tmp/pkg:/tmp/site
+t() { echo "[$(date -u +%H:%M:%S)] $*"; }
+case $stage in
+kernels)
+  t attention; timeout 130 python3 benchmarks/attention.py --shapes b --quick --precompile 12 --timeout 110 --out $OUT/attention_b.json > $OUT/attention_b.log 2>&1; tail -n 6 $OUT/attention_b.log
+  if grep -q '"graph_error": "' $OUT/attention_b.json 2>/dev/null; then
+    t probe; timeout 100 python3 benchmarks/device/capture_probe.py --timeout 90 --out $OUT/capture_probe.json > $OUT/capture_probe.log 2>&1; tail -n 12 $OUT/capture_probe.log
+  fi
+  t tests; timeout 160 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_cuda_graph.py tests/kernels/test_fp8.py tests/kernels/test_launch.py > $OUT/pytest_kernels.txt 2>&1; tail -n 15 $OUT/pytest_kernels.txt
+  t fp8; timeout 190 python3 benchmarks/fp8_h200.py --commit $commit --timeout 150 --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1; tail -n 8 $OUT/fp8_h200.log
+  ;;
+calib)
+  t calib; timeout 560 python3 benchmarks/calibration_h200.py --gpus ${NGPU:-1} --only ${ONLY:-ref-b8,ref-b8-h512,ref-b12-h768,b48-h768,d896-L5,rc-L3-b48,nomoe-b48-h1280,h2048-b16} \
+    --budget-s ${BUDGET:-500} --analysis-reserve-s 40 --runs-root /tmp/calib2 --keep $OUT/runs --out $OUT/calibration_h200_remeasure.json > $OUT/calib.log 2>&1
+  tail -n 15 $OUT/calib.log; (cd $OUT && tar czf runs.tgz runs && rm -rf runs)
+  ;;
+fp8train)
+  t fp8train; timeout 580 python3 benchmarks/fp8_train_h200.py --gpus ${GPUS:-0,0} --recipe ${RECIPE:-blockwise} --steps ${STEPS:-510} \
+    --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3 --runs-root /tmp/runs/fp8 --timeout 560 --out $OUT/fp8_train_h200.json > $OUT/fp8train.log 2>&1
+  tail -n 15 $OUT/fp8train.log
+  ;;
+train)
+  t train; timeout 580 python3 benchmarks/train_h200.py --runs-root /tmp/bench --timeout ${BUDGET:-330} ${TRAIN_ARGS:-} --out $OUT/train_h200.json > $OUT/train.log 2>&1
+  tail -n 25 $OUT/train.log
+  ;;
+esac
+t done
