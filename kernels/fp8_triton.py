@@ -201,8 +201,16 @@ def _quant_dual_kernel(
         tl.store(s_ptr + pid_r * stride_sr + pid_c * stride_sk, scale)
         tl.store(q_ptr + rows[:, None] * C_PAD + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=q_mask)
         if WITH_T:
+            # Wᵀ from a transposed re-read of the tile (cache-hot), not from tl.trans(q): compiled
+            # by Triton 3.6 on the H200, storing tl.trans of the tile whose fp8 copy is also stored
+            # wrote wrong values into Wᵀ (rows of one repeated value; the interpreter was right),
+            # and every block-wise input gradient with it. A plain load/scale/store has no
+            # layout conversion to get wrong; the weight is small, so the second read is cheap.
+            vt = tl.load(x_ptr + cols[:, None] * stride_xc + rows[None, :] * stride_xr,
+                         mask=(cols[:, None] < C) & (rows[None, :] < R), other=0.0).to(tl.float32)
+            qt = tl.minimum(tl.maximum(vt * tl.math.div_rn(1.0, scale), -448.0), 448.0)
             tl.store(st_ptr + pid_c * stride_str + pid_r * stride_stk, scale)
-            tl.store(qt_ptr + cols[:, None] * R_PAD + rows[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=qt_mask)
+            tl.store(qt_ptr + cols[:, None] * R_PAD + rows[None, :], qt.to(qt_ptr.dtype.element_ty), mask=qt_mask)
     else:
         s_row = tl.math.div_rn(tl.maximum(tl.max(a, axis=1), 1e-12), tl.full([BLOCK], 448.0, tl.float32))
         q = tl.minimum(tl.maximum(v * tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s_row)[:, None], -448.0), 448.0)
@@ -339,7 +347,7 @@ def _dual(x: torch.Tensor, square: bool, with_t: bool, q_rows: int, qt_rows: int
     dt = _store_dtype(E4M3)
     q = torch.empty(q_rows, c_pad, device=x.device, dtype=dt)
     qt = torch.empty(qt_rows, r_pad, device=x.device, dtype=dt) if with_t else None
-    if r_pad and c_pad:
+    if r_pad and c_pad and x.device.type != "meta":  # meta: shapes and layouts only (tests)
         st_arg = st if st is not None else s
         _quant_dual_kernel[(r_pad // BLOCK, c_pad // BLOCK)](
             x, q, s, qt if qt is not None else q, st_arg, R, C, q_rows, qt_rows, c_pad, r_pad,
@@ -368,14 +376,15 @@ def quant_act_dual(x: torch.Tensor, with_t: bool, t_rows_granule: int = 16) -> D
 def quant_weight_dual(w: torch.Tensor, with_t: bool, rows_granule: int = 16) -> DualQuant:
     """A weight ``w [N, K]`` (any strides) in 128x128 blocks, in one read: ``q [N→16, K→128]`` and
     (``with_t``) ``qt = wᵀ`` as ``[K→16, N→128]``; one block scale serves both (``s [N/128, K/128]``,
-    ``st = sᵀ``). Both scale tensors are views of buffers whose inner dimension is padded to a
-    multiple of 4 and transposed (stride 1 along the GEMM's N blocks), the layout
-    ``torch._scaled_mm`` takes for a 128x128 operand."""
+    ``st = sᵀ``). Both scale tensors are contiguous: ``torch._scaled_mm`` checks a 128x128
+    operand's scales for strides ``(K/128, 1)`` exactly (its error message's "16-byte aligned
+    strides" notwithstanding): the round-1 buffers, padded to 4 columns, were rejected at every K
+    that is not a multiple of 512 (K = 1216, 256, ...) on the H200."""
     _check_2d(w, "quant_weight_dual")
     N, K = w.shape
     nb, kb = padded(N, BLOCK) // BLOCK, padded(K, BLOCK) // BLOCK
-    s = torch.empty(nb, padded(kb, 4), device=w.device, dtype=torch.float32)[:, :kb]
-    st = torch.empty(kb, padded(nb, 4), device=w.device, dtype=torch.float32)[:, :nb] if with_t else None
+    s = torch.empty(nb, kb, device=w.device, dtype=torch.float32)
+    st = torch.empty(kb, nb, device=w.device, dtype=torch.float32) if with_t else None
     return _dual(w, True, with_t, padded(N, rows_granule), padded(K, rows_granule), s, st)
 
 
@@ -490,23 +499,37 @@ def block_scaled_mm(
 # Block-scaled GEMM through torch._scaled_mm (cuBLAS), where this PyTorch has it
 # --------------------------------------------------------------------------------------------
 
-# (kind, out dtype) -> index of the scale layout torch._scaled_mm accepted, or -1: it rejected all,
-# use the Triton GEMM. Probed on first use: the layout PyTorch wants for block-wise scales has
-# moved between versions (2.11 on the H200, 2.13 here), and a build may lack the path.
+# (kind, out dtype) -> 0: torch._scaled_mm's block-wise path works here; -1: it raised on first
+# use (a build or GPU without it), use the Triton GEMM. The scales are always handed over in the
+# layouts PyTorch's check asks for (scaled_mm_scales_ok), so a later failure is a real error.
 _SCALED_MM_BLOCK: dict[tuple[str, torch.dtype], int] = {}
 SCALED_MM_BLOCK_ERRORS: dict[tuple[str, torch.dtype], str] = {}
 """Why ``torch._scaled_mm`` was not used for a (kind, out dtype), for benchmarks to report."""
 
 
-def _scale_candidates(sa: torch.Tensor, sb: torch.Tensor, b_square: bool):
-    """Layouts to offer ``torch._scaled_mm`` for A's 1x128 scales ``sa [M, K/128]`` and B's
-    ``sb`` (``[N/128, K/128]`` blocks or ``[N, K/128]`` tiles, as this module stores them). First the
-    layout PyTorch 2.9-2.13 document (A outer-dim-major; B as ``[K/128, N/128 | N]`` with stride 1
-    along N), then contiguous copies."""
-    sa_t = sa if sa.stride(0) == 1 else sa.t().contiguous().t()
-    yield sa_t, sb.t()
-    yield sa_t, sb.t().contiguous()
-    yield sa.contiguous(), sb.t().contiguous()
+def scaled_mm_scales_ok(rows: int, cols: int, scale: torch.Tensor, square: bool) -> bool:
+    """Whether ``scale`` is laid out as ``torch._scaled_mm``'s block-wise path checks it for an
+    operand of ``rows x cols`` (quantised along cols), as PyTorch 2.9-2.13 test it: 1x128 tiles
+    ``[rows, cols/128]`` with strides ``(1, rows)`` (outer-dim-major); 128x128 blocks
+    ``[rows/128, cols/128]`` with strides ``(cols/128, 1)`` exactly (contiguous). A dimension of
+    size 1 may have any stride. For B, PyTorch checks ``scale_b.t()`` against ``b.t()``."""
+    kb = -(-cols // BLOCK)
+    want = ((-(-rows // BLOCK), kb), (kb, 1)) if square else ((rows, kb), (1, rows))
+    (shape, strides) = want
+    if tuple(scale.shape) != shape:
+        return False
+    return all(n <= 1 or st == w for n, st, w in zip(scale.shape, scale.stride(), strides))
+
+
+def _cublas_scales(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, b_square: bool):
+    """``scale_a`` and ``scale_b`` for ``torch._scaled_mm(qa, qb.t(), ...)``: this module's own
+    buffers as they are (quant_act_dual / quant_weight_dual write them in cuBLAS's layouts, so no
+    copy per call), else a copy in that layout (e.g. the scales of :func:`quant_tiles`)."""
+    if not scaled_mm_scales_ok(qa.shape[0], qa.shape[1], sa, square=False):
+        sa = sa.t().contiguous().t()
+    if not scaled_mm_scales_ok(qb.shape[0], qb.shape[1], sb, square=b_square):
+        sb = sb.contiguous() if b_square else sb.t().contiguous().t()
+    return sa, sb.t()
 
 
 def scaled_mm_block_kind(b_square: bool) -> str:
@@ -521,22 +544,21 @@ def block_mm(
     1,274 TFLOP/s at 8192³ on the H200 against 654 for :func:`block_scaled_mm`) where this PyTorch
     and GPU take it, else by the Triton kernel. ``qb``'s rows past ``n`` are padding (zeros)."""
     kind = (scaled_mm_block_kind(b_square), out_dtype)
-    if use_scaled_mm and qa.is_cuda and _SCALED_MM_BLOCK.get(kind, 0) >= 0 and qa.shape[0] > 0:
-        known = _SCALED_MM_BLOCK.get(kind)
-        for i, (a_s, b_s) in enumerate(_scale_candidates(sa, sb, b_square)):
-            if known is not None and i != known:
-                continue
-            try:
-                out = torch._scaled_mm(qa, qb.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype)
-            except (RuntimeError, ValueError, TypeError) as e:
-                if known is not None:  # worked before with this layout: a real error
-                    raise
-                SCALED_MM_BLOCK_ERRORS[kind] = f"{type(e).__name__}: {str(e)[:300]}"
-                continue
-            _SCALED_MM_BLOCK[kind] = i
+    state = _SCALED_MM_BLOCK.get(kind)
+    if use_scaled_mm and qa.is_cuda and state != -1 and qa.shape[0] > 0:
+        a_s, b_s = _cublas_scales(qa, sa, qb, sb, b_square)
+        try:
+            out = torch._scaled_mm(qa, qb.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype)
+        except (RuntimeError, ValueError, TypeError) as e:
+            if state is not None:  # this path worked before with the same layouts: a real error
+                raise
+            # first call of this kind: this PyTorch/GPU lacks the path; the Triton GEMM from now on
+            SCALED_MM_BLOCK_ERRORS[kind] = f"{type(e).__name__}: {str(e)[:300]}"
+            _SCALED_MM_BLOCK[kind] = -1
+        else:
+            _SCALED_MM_BLOCK[kind] = 0
             # trimmed N padding copied, so that the op's output is not a view (FSDP2 warns on views)
             return out if out.shape[1] == n else out[:, :n].contiguous()
-        _SCALED_MM_BLOCK[kind] = -1
     return block_scaled_mm(qa, sa, qb, sb, n=n, b_square=b_square,
                            out_dtype=out_dtype if out_dtype != torch.float16 else torch.float32).to(out_dtype)
 
@@ -549,5 +571,5 @@ def block_mm_backend(b_square: bool, out_dtype: torch.dtype) -> str:
 
 __all__ = [
     "BLOCK", "E4M3", "E4M3_MAX", "DualQuant", "block_mm", "block_mm_backend", "block_scaled_mm", "padded",
-    "quant_act_dual", "quant_rows", "quant_tiles", "quant_weight_dual",
+    "quant_act_dual", "quant_rows", "quant_tiles", "quant_weight_dual", "scaled_mm_scales_ok",
 ]

@@ -176,6 +176,35 @@ def test_quant_weight_dual_matches_reference(shape):
     assert torch.equal(d.st.cpu(), sr.t())
 
 
+@pytest.mark.parametrize("M,K,N", [(61000, 1216, 1024), (64, 256, 1024), (2048, 1024, 8), (64, 512, 256), (200, 384, 256),
+                                   (61000, 1024, 4096), (1, 1, 1)])
+def test_block_scales_have_the_layouts_scaled_mm_checks(M, K, N):
+    """Every GEMM of the block-wise op hands torch._scaled_mm scales in the layouts PyTorch's check
+    asks for (exact strides), at the shapes that the H200 rejected in round 1 (K not a multiple of
+    512, N < 128); only shapes and strides matter, so the tensors are empty (meta device)."""
+    x, w = torch.empty(M, K, device="meta"), torch.empty(N, K, device="meta")
+    dy = torch.empty(M, N, device="meta")
+    xq, wq, dq = ft.quant_act_dual(x, with_t=True), ft.quant_weight_dual(w, with_t=True), ft.quant_act_dual(dy, with_t=True)
+    for qa, sa, qb, sb, square in ((xq.q, xq.s, wq.q, wq.s, True),       # forward  x · Wᵀ
+                                   (dq.q, dq.s, wq.qt, wq.st, True),     # dx = dY · W
+                                   (dq.qt, dq.st, xq.qt, xq.st, False)):  # dW = dYᵀ · x
+        assert qa.shape[1] == qb.shape[1]
+        assert ft.scaled_mm_scales_ok(qa.shape[0], qa.shape[1], sa, square=False), (qa.shape, sa.shape, sa.stride())
+        assert ft.scaled_mm_scales_ok(qb.shape[0], qb.shape[1], sb, square=square), (qb.shape, sb.shape, sb.stride())
+
+
+def test_scaled_mm_scale_check_rejects_round_one_layouts():
+    """The check is not vacuous: round 1's weight scales (rows padded to 4 columns) and row-major
+    1x128 scales are refused, so block_mm copies them into cuBLAS's layout."""
+    padded_rows = torch.empty(8, 12)[:, :10]  # K = 1216 -> 10 blocks, padded to 12
+    assert not ft.scaled_mm_scales_ok(1024, 1280, padded_rows, square=True)
+    assert ft.scaled_mm_scales_ok(1024, 1280, padded_rows.contiguous(), square=True)
+    assert not ft.scaled_mm_scales_ok(300, 256, torch.empty(300, 2), square=False)
+    assert ft.scaled_mm_scales_ok(300, 256, torch.empty(2, 300).t(), square=False)
+    a_s, b_s = ft._cublas_scales(torch.empty(300, 256), torch.empty(300, 2), torch.empty(1024, 256), padded_rows[:, :2], True)
+    assert ft.scaled_mm_scales_ok(300, 256, a_s, square=False) and ft.scaled_mm_scales_ok(1024, 256, b_s.t(), square=True)
+
+
 @pytest.mark.parametrize("b_square", [True, False])
 @pytest.mark.parametrize("M,K,N", [(33, 256, 70), (16, 100, 40), (1, 128, 1)])
 def test_block_scaled_mm_matches_reference(M, K, N, b_square):
@@ -376,18 +405,30 @@ def _free_port() -> int:
 
 def _fsdp_worker(rank: int, world: int, port: int, recipe: str, out: dict) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    # On a GPU host each rank owns its GPU, set before the process group and the mesh exist (the
+    # H200 run: with CPU parameters, gloo and no device set, FSDP2 built its default mesh on CUDA
+    # and both ranks segfaulted); on CPU, gloo and an explicit CPU mesh.
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh(device.type, (world,))
     try:
-        model = _mlp(Float8Linear, recipe, seed=0)
-        ref_model = _mlp(Float8Linear, recipe, seed=0)
+        model = _mlp(Float8Linear, recipe, seed=0).to(device)
+        ref_model = _mlp(Float8Linear, recipe, seed=0).to(device)
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-        xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(r)).to(device) for r in range(world)]
         model(xs[rank]).square().mean().backward()
         # The reference: the same FP8 model unsharded, each rank's batch through its own backward
         # (FP8 scales are per batch), gradients averaged as FSDP2's reduce-scatter does.
@@ -403,7 +444,7 @@ def _fsdp_worker(rank: int, world: int, port: int, recipe: str, out: dict) -> No
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="on a 1-GPU host both spawned gloo ranks segfaulted (-11) on the H200; run on CPU or with 2 GPUs")
+                    reason="one GPU per rank (NCCL): needs 2 GPUs, or runs on CPU with gloo")
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
 def test_fsdp2_fully_shard_two_ranks(recipe):
     """Float8Linear under FSDP2 on 2 gloo ranks: the sharded parameters are all-gathered into the op
