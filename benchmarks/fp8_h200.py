@@ -279,6 +279,7 @@ def run_shape(shape: dict, device: str, bench, args) -> dict:
     flops = 2.0 * M * K * N
     res: dict = dict(shape, flops_fwd=flops)
     want = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    want_dx, want_dw = gy.float() @ w.float(), gy.float().t() @ x.float()
 
     def measure(label: str, fwd, with_backward: bool):
         entry = {}
@@ -289,6 +290,13 @@ def run_shape(shape: dict, device: str, bench, args) -> dict:
                 entry["first_call_s"] = first_call_s(step, device)
                 ms = bench(step, grad_to_none=leaves)
                 entry.update(ms=ms, tflops=3 * flops / (ms * 1e-3) / 1e12)
+                # The gradients' errors too: round 1 checked only the forward, and the block-wise
+                # input gradient was wrong on the H200 while the forward was right.
+                for t in leaves:
+                    t.grad = None
+                step()
+                entry["rel_err_dx_vs_fp32"] = rel_err(xg.grad, want_dx)
+                entry["rel_err_dw_vs_fp32"] = rel_err(wg.grad, want_dw)
                 if args.profile_iters:
                     try:
                         entry["device_breakdown"] = device_breakdown(step, device, args.profile_iters)
@@ -560,6 +568,7 @@ def main(argv=None) -> bool:
                 msg += f" | {r} {e['fwd'].get('ms', float('nan')):.3f}/{e['fwd_bwd'].get('ms', float('nan')):.3f} ms " \
                        f"x{e['fwd'].get('speedup', float('nan')):.2f}/x{e['fwd_bwd'].get('speedup', float('nan')):.2f} " \
                        f"gemm x{e['gemm_only'].get('speedup', float('nan')):.2f} err {e['fwd'].get('rel_err_vs_fp32', float('nan')):.1e}"
+                       f" dx {e['fwd_bwd'].get('rel_err_dx_vs_fp32', float('nan')):.1e} dw {e['fwd_bwd'].get('rel_err_dw_vs_fp32', float('nan')):.1e}"
             log(msg)
         except Exception as e:
             s["error"] = f"{type(e).__name__}: {str(e)[:400]}"

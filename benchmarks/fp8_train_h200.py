@@ -23,7 +23,12 @@ overruns is killed and reported, never hangs the script.
 
     python benchmarks/fp8_train_h200.py                                   # on 2 H200s
     python benchmarks/fp8_train_h200.py --device cpu --workload gem-tiny --fp8-mode force \\
-        --steps 12 --warmup 2 --trace-steps 0 --loss-window 4 --data-batches 4    # CPU smoke test
+        --steps 12 --warmup 2 --trace-steps 0 --loss-window 4 --data-batches 4 --control-seed 1   # CPU smoke test
+
+``--control-seed S`` adds a third arm, bf16 with its weights from seed S on the same batches: the
+loss gap two bf16 runs show (at the end and per window along the curve) is reported beside the
+fp8-vs-bf16 gap, whose criterion stays the issue's 0.5%. With two GPUs it runs at the same time
+as the others on the fp8 arm's GPU (``--control-gpu``), so the contention can only slow fp8.
 """
 
 from __future__ import annotations
@@ -46,11 +51,18 @@ from _common import git_commit  # noqa: E402  (the scripts run by path)
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LOSS_TOLERANCE = 0.005
 """Issue 10's bound: final loss within 0.5% (relative) of bf16."""
+CONTROL_ARM = "bf16_control"
+"""The noise-floor arm (``--control-seed``): bf16, same data, weights from another seed."""
 
 KERNEL_FAMILIES = (  # first match wins
-    ("fp8 quantisation (Triton)", r"_quant_rows_kernel|_quant_tiles_kernel"),
+    # Every quantisation kernel of kernels/fp8_triton.py: the 17:12 H200 run matched only two of
+    # them, and the split row-wise path's partial-amax / scale / apply kernels (~7 ms per step)
+    # fell into "other", outside the dense-GEMM total that the 1.23x was computed on.
+    ("fp8 quantisation (Triton)", r"_quant_\w*kernel|_amax_rows_partial_kernel|_rows_scale_kernel"),
     ("fp8 GEMM (block-scaled Triton)", r"_block_scaled_mm_kernel"),
-    ("fp8 GEMM (cuBLAS scaled_mm)", r"e4m3|e5m2|f8f8|fp8|_f8_|Float8"),
+    # cuBLAS's fp8 kernels on Hopper are nvjet_sm90_qq* (both operands "q"uarter precision), not
+    # named after e4m3: the 17:12 run counted them as bf16 GEMMs (the total was right, the split not).
+    ("fp8 GEMM (cuBLAS scaled_mm)", r"e4m3|e5m2|f8f8|fp8|_f8_|Float8|nvjet_sm\d+_qq"),
     ("bf16 GEMM (cuBLAS)", r"nvjet|gemm|cutlass|xmma"),
     ("jagged attention (Triton)", r"^_fwd_kernel|^_bwd_dq_kernel|^_bwd_dkdv_kernel|_block_counts_kernel"),
     ("embedding (FBGEMM TBE)", r"split_embedding|embedding|linearize_index|bounds_check|radix_sort|fbgemm"),
@@ -130,11 +142,11 @@ def build_plans(args) -> tuple[dict, dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def launch(plan_path: Path, arm: str, gpu: str | None, args, data: Path) -> subprocess.Popen:
+def launch(plan_path: Path, arm: str, gpu: str | None, args, data: Path, seed: int | None = None) -> subprocess.Popen:
     trace = f"{args.steps - args.trace_steps}:{args.steps}" if args.trace_steps > 0 else "none"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
            str(plan_path), "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--runs-root", str(args.runs_root), "--run-id", arm, "--data", str(data), "--no-progress", "--seed", str(args.seed),
+           "--runs-root", str(args.runs_root), "--run-id", arm, "--data", str(data), "--no-progress", "--seed", str(args.seed if seed is None else seed),
            "--trace", trace, "--checkpoint-every", "-1", "--log-every", str(args.log_every)]
     env = dict(os.environ, **NO_MULTICAST_ENV, PYTHONUNBUFFERED="1")
     if gpu is not None:
@@ -247,6 +259,19 @@ def analyse(arm: str, args, st: dict) -> dict:
     return out
 
 
+def loss_gap(la: list[float], lb: list[float], window: int) -> dict:
+    """Relative gap of run b's loss to run a's over their common steps: the mean of the last
+    ``window`` steps (|b - a| / a, and signed), and the same per consecutive window along the curve."""
+    n = min(len(la), len(lb))
+    k = max(1, min(window, n))
+    ma, mb = sum(la[n - k:n]) / k, sum(lb[n - k:n]) / k
+    windows = [abs(sum(lb[i:i + k]) - sum(la[i:i + k])) / abs(sum(la[i:i + k])) if sum(la[i:i + k]) else None
+               for i in range(0, n - k + 1, k)]
+    return {"steps": n, "window": k, "a_final": ma, "b_final": mb,
+            "relative_diff": abs(mb - ma) / abs(ma) if ma else float("inf"),
+            "signed_relative_diff": (mb - ma) / abs(ma) if ma else float("inf"), "window_relative_diff": windows}
+
+
 def compare(arms: dict, args) -> dict:
     b, f = arms.get("bf16", {}), arms.get("fp8", {})
     out: dict = {}
@@ -257,22 +282,41 @@ def compare(arms: dict, args) -> dict:
     lb, lf = b.get("loss") or [], f.get("loss") or []
     n = min(len(lb), len(lf))
     if n:
-        k = min(args.loss_window, n)
-        mb, mf = sum(lb[n - k:n]) / k, sum(lf[n - k:n]) / k
-        rel = abs(mf - mb) / abs(mb) if mb else float("inf")
+        gap = loss_gap(lb, lf, args.loss_window)
+        k = gap["window"]
         diffs = [abs(x - y) for x, y in zip(lb[:n], lf[:n])]
-        out["loss"] = {"steps_compared": n, "window": k, "bf16_final": mb, "fp8_final": mf, "relative_diff": rel,
-                       "tolerance": LOSS_TOLERANCE, "within_tolerance": rel <= LOSS_TOLERANCE,
+        out["loss"] = {"steps_compared": n, "window": k, "bf16_final": gap["a_final"], "fp8_final": gap["b_final"],
+                       "relative_diff": gap["relative_diff"], "tolerance": LOSS_TOLERANCE,
+                       "within_tolerance": gap["relative_diff"] <= LOSS_TOLERANCE,
                        "bf16_first": lb[0], "fp8_first": lf[0], "max_abs_step_diff": max(diffs),
-                       "mean_abs_step_diff": sum(diffs) / n, "both_fall": mb < lb[0] and mf < lf[0],
+                       "mean_abs_step_diff": sum(diffs) / n, "both_fall": gap["a_final"] < lb[0] and gap["b_final"] < lf[0],
                        "steps_at_least_500": n >= 500,
                        # the whole curve, not only its end: relative gap of the two arms' mean loss
                        # per window of `window` steps (a gap that opens up at the end alone is noise
                        # or memorisation; one from the start is the numerics)
-                       "window_relative_diff": [
-                           abs(sum(lf[i:i + k]) - sum(lb[i:i + k])) / abs(sum(lb[i:i + k])) if sum(lb[i:i + k]) else None
-                           for i in range(0, n - k + 1, k)],
+                       "window_relative_diff": gap["window_relative_diff"],
                        "data_epochs": n / max(1, args.data_batches)}
+    c = arms.get(CONTROL_ARM, {})
+    lc = c.get("loss") or []
+    if lb and lc:
+        # The noise floor: two bf16 runs on the same batches, the weights initialised from another
+        # seed. The issue's criterion stays the 0.5% bound above; this says how much of the fp8 gap
+        # two bf16 runs show too, at the end and along the curve (same windows as the fp8 gap).
+        ctrl = loss_gap(lb, lc, args.loss_window)
+        out["control"] = {"seed": args.control_seed, "bf16_final": ctrl["a_final"], "control_final": ctrl["b_final"],
+                          "relative_diff": ctrl["relative_diff"], "signed_relative_diff": ctrl["signed_relative_diff"],
+                          "window_relative_diff": ctrl["window_relative_diff"], "steps_compared": ctrl["steps"],
+                          "shares_gpu_with": c.get("shares_gpu_with")}
+        if "loss" in out:
+            fp8_gap = loss_gap(lb, lf, args.loss_window)
+            out["loss"]["signed_relative_diff"] = fp8_gap["signed_relative_diff"]
+            floor = ctrl["relative_diff"]
+            out["loss"]["vs_noise_floor"] = {
+                "fp8_gap": fp8_gap["relative_diff"], "bf16_vs_bf16_gap": floor,
+                "ratio": fp8_gap["relative_diff"] / floor if floor else None,
+                "windows_fp8_gap_above_floor": sum(1 for a, z in zip(fp8_gap["window_relative_diff"], ctrl["window_relative_diff"])
+                                                   if a is not None and z is not None and a > z),
+                "windows": min(len(fp8_gap["window_relative_diff"]), len(ctrl["window_relative_diff"]))}
     kb, kf = (b.get("kernels") or {}).get("by_family_ms_per_step"), (f.get("kernels") or {}).get("by_family_ms_per_step")
     if kb and kf:
         g = lambda d, keys: sum(d.get(x, 0.0) for x in keys)  # noqa: E731
@@ -288,7 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="gem-h200")
     p.add_argument("--topology", default="h200-1gpu")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--gpus", default="0,1", help="GPU of the bf16 arm, GPU of the fp8 arm (the same twice runs them one after the other)")
+    p.add_argument("--gpus", default=os.environ.get("GPUS", "0,1"),
+                   help="GPU of the bf16 arm, GPU of the fp8 arm (the same twice runs them one after the other); default $GPUS or 0,1")
+    p.add_argument("--control-seed", type=int, default=None,
+                   help="also train a third arm, bf16 with its weights from this seed on the same data: the bf16-vs-bf16 noise floor of the loss")
+    p.add_argument("--control-gpu", default=None,
+                   help="GPU of the control arm, run at the same time as the others (default: the fp8 arm's GPU, so that sharing a GPU "
+                        "can only make fp8's step time look worse, never better; the control's own timing is not used)")
     p.add_argument("--fp8-mode", choices=["auto", "force"], default="auto", help="precision.fp8 of the fp8 arm's plan")
     p.add_argument("--fp8-layers", default="",
                    help="comma-separated layers the fp8 arm runs in fp8 instead of the planner's choice (default: the planner's)")
@@ -363,7 +413,18 @@ def main(argv: list[str] | None = None) -> int:
     gpus = [g.strip() for g in args.gpus.split(",")] if args.device == "cuda" else [None, None]
     if len(gpus) == 1:
         gpus = gpus * 2
-    for arm in ("bf16", "fp8"):  # a stale run directory would be resumed or mixed in
+    names = ["bf16", "fp8"]
+    seeds = {"bf16": None, "fp8": None}
+    where = {"bf16": gpus[0], "fp8": gpus[1]}
+    if args.control_seed is not None:
+        names.append(CONTROL_ARM)
+        paths[CONTROL_ARM] = paths["bf16"]
+        seeds[CONTROL_ARM] = args.control_seed
+        where[CONTROL_ARM] = (args.control_gpu if args.control_gpu is not None else gpus[1]) if args.device == "cuda" else None
+        result["control_seed"] = args.control_seed
+    shares = {a: [b for b in names if b != a and where[b] is not None and where[b] == where[a]] for a in names}
+    result["arm_gpus"] = where
+    for arm in names:  # a stale run directory would be resumed or mixed in
         d = args.runs_root / arm
         if d.exists():
             import shutil
@@ -371,21 +432,26 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(d)
     statuses: dict[str, dict] = {}
     if gpus[0] != gpus[1] or args.device == "cpu":
-        procs = {arm: launch(paths[arm], arm, g, args, data) for arm, g in zip(("bf16", "fp8"), gpus)}
+        # Every arm at once (the control arm shares a GPU; its step times are not compared).
+        procs = {arm: launch(paths[arm], arm, where[arm], args, data, seeds[arm]) for arm in names}
         statuses = wait_all(procs, deadline, args)
-    else:  # one GPU: one arm after the other, each with half the remaining budget
-        for i, arm in enumerate(("bf16", "fp8")):
-            share = (deadline - time.monotonic()) / (2 - i)
-            statuses |= wait_all({arm: launch(paths[arm], arm, gpus[0], args, data)}, time.monotonic() + share, args)
+    else:  # one GPU: one arm after the other, each with an equal share of the remaining budget
+        for i, arm in enumerate(names):
+            share = (deadline - time.monotonic()) / (len(names) - i)
+            statuses |= wait_all({arm: launch(paths[arm], arm, gpus[0], args, data, seeds[arm])}, time.monotonic() + share, args)
+        shares = {a: [] for a in names}
     arms = {}
-    for arm in ("bf16", "fp8"):
+    for arm in names:
         try:
             arms[arm] = analyse(arm, args, statuses[arm])
         except Exception as e:
             errors[f"analyse_{arm}"] = f"{type(e).__name__}: {e}"
             arms[arm] = {"ok": False, **statuses.get(arm, {})}
         a = arms[arm]
-        stamp(f"{arm}: ok={a.get('ok')} steps={a.get('steps_logged')} step_ms={a.get('step_time_ms')} mfu={a.get('local_mfu_mean')}")
+        a["gpu"], a["shares_gpu_with"] = where[arm], shares[arm]
+        a["seed"] = args.seed if seeds[arm] is None else seeds[arm]
+        stamp(f"{arm}: ok={a.get('ok')} steps={a.get('steps_logged')} step_ms={a.get('step_time_ms')} mfu={a.get('local_mfu_mean')}"
+              + (f" (shared its GPU with {shares[arm]}: step times include that contention)" if shares[arm] else ""))
     result["arms"] = arms
     try:
         result["comparison"] = compare(arms, args)
@@ -400,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         lc = c["loss"]
         stamp(f"final loss (mean of last {lc['window']}): bf16 {lc['bf16_final']:.5f}, fp8 {lc['fp8_final']:.5f}, "
               f"relative diff {lc['relative_diff']:.3%} (bound {LOSS_TOLERANCE:.1%}) -> {'OK' if lc['within_tolerance'] else 'OVER'}")
+    if "control" in c:
+        cc = c["control"]
+        nf = c.get("loss", {}).get("vs_noise_floor", {})
+        stamp(f"noise floor (bf16 seed {args.seed} vs bf16 seed {args.control_seed}, last {args.loss_window}): "
+              f"{cc['relative_diff']:.3%}; fp8 gap {nf.get('fp8_gap', float('nan')):.3%}; fp8 gap above the floor in "
+              f"{nf.get('windows_fp8_gap_above_floor')}/{nf.get('windows')} windows")
     if "step_time_change" in c:
         stamp(f"step time change (fp8 vs bf16): mean {c['step_time_change']['mean']:+.1%}, p50 {c['step_time_change']['p50']:+.1%}; "
               f"local MFU bf16 {c['local_mfu']['bf16']}, fp8 {c['local_mfu']['fp8']}")
