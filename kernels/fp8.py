@@ -65,9 +65,13 @@ class Fp8InputError(ValueError):
     """An FP8 linear input is malformed: the message names the argument, the numbers and the fix."""
 
 
+_SUPPORTED: dict[int, bool] = {}
+
+
 def fp8_supported(device) -> bool:
     """Whether ``device`` runs FP8 GEMMs natively: CUDA with compute capability ≥ 8.9 (Ada, Hopper
-    and later) and a PyTorch that has ``torch._scaled_mm``."""
+    and later) and a PyTorch that has ``torch._scaled_mm``. Answered once per GPU (every fp8 linear
+    call asks)."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
@@ -75,7 +79,10 @@ def fp8_supported(device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    hit = _SUPPORTED.get(index)
+    if hit is None:
+        hit = _SUPPORTED[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return hit
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,15 +90,31 @@ def fp8_supported(device) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+# Whether torch._scaled_mm's row-wise path takes a bias here (added in its epilogue: one launch and
+# one read + write of the output fewer than `out + bias`); None until the first forward with a bias.
+_ROWWISE_BIAS: list[bool | None] = [None]
+_ROWWISE_BIAS_ERROR: list[str | None] = [None]
+
+
 def _gemm_nt(
     a: Tensor, b: Tensor, recipe: str, *, b_square: bool, out_dtype: torch.dtype, kernels: bool, fast_accum: bool,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """``a [M, K] @ b [N, K]ᵀ`` → ``[M, N]`` in ``out_dtype``, both quantised along K by ``recipe``.
 
     ``b_square``: blockwise B in 128x128 blocks (a weight) rather than 1x128 tiles. ``kernels``:
     Triton quantisation (+ ``torch._scaled_mm`` or the block-scaled Triton GEMM) rather than the
-    emulation.
+    emulation. ``bias``: added to the output (in the GEMM's epilogue where it can be).
     """
+    out = _gemm_nt_core(a, b, recipe, b_square=b_square, out_dtype=out_dtype, kernels=kernels, fast_accum=fast_accum,
+                        bias=bias)
+    if isinstance(out, tuple):  # the bias is added
+        return out[0]
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+def _gemm_nt_core(a, b, recipe, *, b_square, out_dtype, kernels, fast_accum, bias):
+    """:func:`_gemm_nt`'s GEMM; returns ``(out,)`` when the bias was added in it."""
     M, K = a.shape
     N = b.shape[0]
     if M == 0 or N == 0 or K == 0:
@@ -103,6 +126,20 @@ def _gemm_nt(
             qa, sa = quant_rows(a, SCALED_MM_ALIGN)
             qb, sb = quant_rows(b, SCALED_MM_ALIGN, rows_granule=SCALED_MM_ALIGN)
             if a.is_cuda:
+                fuse = (bias is not None and _ROWWISE_BIAS[0] is not False and qb.shape[0] == N
+                        and out_dtype == torch.bfloat16)
+                if fuse:
+                    try:
+                        out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), bias=bias.to(torch.bfloat16),
+                                               out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+                    except (RuntimeError, ValueError) as e:
+                        if _ROWWISE_BIAS[0]:  # it worked before: a real error
+                            raise
+                        _ROWWISE_BIAS[0] = False
+                        _ROWWISE_BIAS_ERROR[0] = f"{type(e).__name__}: {str(e)[:200]}"
+                    else:
+                        _ROWWISE_BIAS[0] = True
+                        return (out,)
                 out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16,
                                        use_fast_accum=fast_accum)
                 # trimmed N padding: copied so that the op's output is not a view (FSDP2 warns on views)
@@ -136,11 +173,12 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.dtypes = (x2d.dtype, weight.dtype)
         if recipe == "blockwise" and kernels:
             out = _block_forward(ctx, x2d, weight)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
         else:
-            out = _gemm_nt(x2d, weight, recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=True)
+            out = _gemm_nt(x2d, weight, recipe, b_square=True, out_dtype=x2d.dtype, kernels=kernels, fast_accum=True,
+                           bias=bias)
             ctx.save_for_backward(x2d, weight)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
         return out
 
     @staticmethod

@@ -470,3 +470,51 @@ def test_fsdp2_fully_shard_two_ranks(recipe):
         assert len(errs) == 6, errs
         assert all(kind == "DTensor" for _, kind in errs.values()), errs  # really sharded
         assert all(e < 1e-5 for e, _ in errs.values()), errs
+
+
+def test_direct_launch_key_is_tritons_specialisation():
+    """The direct launches key a compiled kernel on the class of each argument that Triton
+    specialises on; if Triton's classes change (an upgrade), two arguments it compiles apart must
+    still land on different keys, else a launch would reuse a kernel compiled for other
+    arguments. Checked against Triton's own specialisation function, over the ints and tensors the
+    fp8 kernels take (1, multiples of 16 or not, past int32) and misaligned views."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    base = torch.empty(64)
+    values = [1, 2, 15, 16, 17, 48, 61000, 2**31 - 16, 2**31, 2**31 + 1, 2**40, base, base[1:], base[4:],
+              torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.float8_e4m3fn)]
+    ours = [ft.spec_class(v) for v in values]
+    theirs = [native_specialize_impl(BaseBackend, v, False, True, True) for v in values]
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if theirs[i] != theirs[j]:
+                assert ours[i] != ours[j], (values[i] if isinstance(values[i], int) else "tensor", theirs[i], theirs[j])
+    with pytest.raises(TypeError):
+        ft.spec_class("a string")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="direct launches are for compiled kernels (the interpreter takes the JIT path)")
+def test_direct_launches_match_the_jit_path():
+    """Second calls of each quantisation kernel with the same argument classes launch directly
+    (DIRECT_STATS counts them) and give bit-equal results; another token count of the same class
+    (here 300 vs 200: neither a multiple of 16) does too, against the reference."""
+    if not ft.DIRECT_LAUNCH:
+        pytest.skip("COPLAN_FP8_DIRECT_LAUNCH=0")
+    x, w = randn(200, 260, seed=21).bfloat16(), randn(150, 260, seed=22).bfloat16()
+    runs = []
+    for _ in range(2):
+        before = dict(ft.DIRECT_STATS)
+        got = (ft.quant_rows(x), ft.quant_rows(x.t(), split=True), ft.quant_act_dual(x, with_t=True),
+               ft.quant_weight_dual(w, with_t=True), ft.quant_tiles(x, square=False))
+        runs.append((got, {k: ft.DIRECT_STATS[k] - before[k] for k in before}))
+    assert runs[1][1]["direct"] >= 6 and runs[1][1]["jit"] == 0, runs[1][1]
+    flat = lambda g: [t for item in g for t in item if t is not None]  # noqa: E731
+    for a, b in zip(flat(runs[0][0]), flat(runs[1][0])):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == ft.E4M3 else a, b.view(torch.uint8) if b.dtype == ft.E4M3 else b)
+    x2 = randn(300, 260, seed=23).bfloat16()
+    d = ft.quant_act_dual(x2, with_t=True)
+    qr, sr = ref.quant_tiles_ref(x2.cpu(), square=False)
+    _assert_same_quant(d.q, d.s, qr, sr)
+    qtr, stres = ref.quant_tiles_ref(x2.cpu().t(), square=False)
+    _assert_same_quant(d.qt[:260], d.st[:260], qtr, stres)
