@@ -133,8 +133,14 @@ def kernel_table(path: Path, top: int = 25) -> dict:
         acc = per.setdefault(e["name"][:100], [0.0, 0])
         acc[0] += e["dur"]
         acc[1] += 1
-    step_us = sum(e["dur"] for e in steps) / max(1, len(steps)) if steps else 0.0
+    # Host step ranges only: the GPU timeline can carry more than one `ProfilerStep#N` annotation per
+    # step (work on a side stream, e.g. the next batch's input dist, gets its own), and averaging those
+    # fragments with the host ranges gave a meaningless window (and a negative idle share).
+    host_steps = [e for e in steps if e.get("cat") == "user_annotation"] or steps
+    step_us = sum(e["dur"] for e in host_steps) / len(host_steps) if host_steps else 0.0
     busy_us = sum(e["dur"] for e in kernels) / n
+    # The device window: first kernel start to last kernel end over the profiled steps, per step.
+    window_us = ((max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / n) if kernels else 0.0
     rows = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
     families: dict[str, float] = {}
     for name, (us, _) in per.items():
@@ -143,7 +149,8 @@ def kernel_table(path: Path, top: int = 25) -> dict:
     return {
         "by_family_ms_per_step": dict(sorted(families.items(), key=lambda kv: -kv[1])),
         "profiled_steps": n, "step_ms_under_profiler": step_us / 1e3, "kernel_busy_ms_per_step": busy_us / 1e3,
-        "gpu_idle_share": 1.0 - busy_us / step_us if step_us else None,
+        "device_window_ms_per_step": window_us / 1e3,
+        "gpu_idle_share": 1.0 - busy_us / window_us if window_us else None,
         "top_kernels": [{"kernel": k, "ms_per_step": v[0] / n / 1e3, "calls_per_step": v[1] / n} for k, v in rows],
     }
 
