@@ -37,9 +37,21 @@ BLOCK = 128
 AMAX_FLOOR = 1e-12
 
 
+# Read once: `triton.jit` reads TRITON_INTERPRET when this module's kernels are decorated, so a
+# later change of the variable would not change how they run anyway; and reading os.environ on
+# every call cost ~70 µs of host time per fp8 linear forward + backward (18 calls).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (tests without a GPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host: ``triton.cdiv`` is a JIT function in Triton 3.6+, whose Python
+    call costs ~10 µs, several times per fp8 linear call."""
+    return -(-a // b)
 
 
 def prev_power_of_2(n: int) -> int:
@@ -343,7 +355,7 @@ def _split_rows(x: torch.Tensor, R: int, C: int) -> bool:
         return False
     block_r = 4 if x.stride(1) == 1 else 64
     sms = _sm_count(x.device)
-    return triton.cdiv(R, block_r) < 2 * sms and C >= 2048
+    return cdiv(R, block_r) < 2 * sms and C >= 2048
 
 
 def _quant_rows_split(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, R: int, C: int, c_pad: int) -> None:
@@ -355,16 +367,16 @@ def _quant_rows_split(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, R: int,
     else:  # a transposed view (rows contiguous) or the interpreter: square-ish tiles
         block_r, block_c = (16, 32) if interpreting() else (64, 64)
     steps = 1 if interpreting() else 8
-    n_c = triton.cdiv(C, block_c * steps)
+    n_c = cdiv(C, block_c * steps)
     part = torch.empty(n_c, R, device=x.device, dtype=torch.float32)
-    _launch(_amax_rows_partial_kernel, (n_c, triton.cdiv(R, block_r)), (x, part, R, C, x.stride(0), x.stride(1)),
+    _launch(_amax_rows_partial_kernel, (n_c, cdiv(R, block_r)), (x, part, R, C, x.stride(0), x.stride(1)),
             dict(BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps), 4)
     # The scale in a kernel, not in PyTorch: on CUDA, PyTorch's `tensor / 448.0` multiplies by the
     # rounded reciprocal of the Python scalar (amax · (1/448)), 1 ulp off the IEEE quotient in ~40%
     # of rows (the H200 run failed here); the reference and every kernel divide, IEEE-rounded.
     inv = torch.empty(R, device=x.device, dtype=torch.float32)
-    _launch(_rows_scale_kernel, (triton.cdiv(R, 128),), (part, s, inv, R, n_c), dict(BLOCK_R=128), 4)
-    _launch(_quant_rows_apply_kernel, (triton.cdiv(c_pad, block_c), triton.cdiv(R, block_r)),
+    _launch(_rows_scale_kernel, (cdiv(R, 128),), (part, s, inv, R, n_c), dict(BLOCK_R=128), 4)
+    _launch(_quant_rows_apply_kernel, (cdiv(c_pad, block_c), cdiv(R, block_r)),
             (x, q, inv, R, C, c_pad, x.stride(0), x.stride(1)), dict(BLOCK_R=block_r, BLOCK_C=block_c), 4)
 
 
@@ -398,7 +410,7 @@ def quant_rows(
         block_r, block_c = 4, 512
     else:  # a transposed view: tall tiles so that each column's read is a contiguous run
         block_r, block_c = 64, 64
-    _launch(_quant_rows_kernel, (triton.cdiv(R, block_r),), (x, q, s, R, C, c_pad, x.stride(0), x.stride(1)),
+    _launch(_quant_rows_kernel, (cdiv(R, block_r),), (x, q, s, R, C, c_pad, x.stride(0), x.stride(1)),
             dict(BLOCK_R=block_r, BLOCK_C=block_c), 4)
     return q.to(out_dtype), s
 
@@ -412,12 +424,12 @@ def quant_tiles(x: torch.Tensor, square: bool, out_dtype: torch.dtype = E4M3) ->
     c_pad = padded(C, BLOCK)
     kb = c_pad // BLOCK
     q = torch.empty(R, c_pad, device=x.device, dtype=_store_dtype(out_dtype))
-    s_rows = triton.cdiv(R, BLOCK) if square else R
+    s_rows = cdiv(R, BLOCK) if square else R
     s = torch.empty(s_rows, kb, device=x.device, dtype=torch.float32)
     if R == 0:
         return q.to(out_dtype), s
     block_r = BLOCK if square else (16 if interpreting() else (32 if x.stride(1) == 1 else 64))
-    grid = (triton.cdiv(R, block_r), kb)
+    grid = (cdiv(R, block_r), kb)
     _launch(_quant_tiles_kernel, grid, (x, q, s, R, C, c_pad, x.stride(0), x.stride(1), s.stride(0)),
             dict(BLOCK_R=block_r, GROUP=BLOCK, SQUARE=square), 8 if square else 4)
     return q.to(out_dtype), s
@@ -578,7 +590,7 @@ def block_scaled_mm(
         return c.zero_() if bias is None else c.copy_(bias.to(out_dtype).expand(M, N))
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
     _block_scaled_mm_kernel[grid](
         qa, qb, c, sa, sb, bias if bias is not None else c,
