@@ -104,30 +104,33 @@ class Options:
     along the token dimension, or a weight's input dimension): an amax reduction pass, then a
     scale-cast-transpose pass (assumption: the reduction runs over a dimension that does not fit on chip)."""
 
-    fp8_call_overhead_fwd_s: float = 2.2e-4
+    fp8_call_overhead_fwd_s: float = 3.9e-4
     """Fixed time per FP8 linear call in forward, beyond its GEMM and its quantisation bytes: the host
     side of the quantisation kernels' launches, scale buffers, padding and ``torch._scaled_mm``'s
-    setup. Measured on the H200 (``benchmarks/results/fp8_h200.json``, 2026-11-29): median over the
-    shapes with M ≤ 2,688 (where the GPU work is negligible) of row-wise forward minus the fp8 GEMM
-    alone, 0.22 ms (range 0.15-0.40), against 0.01 ms for a whole bf16 forward; added to the
-    per-kernel launch terms. 0 turns it off. Re-measure when the kernels change
-    (``tests/costmodel/test_fp8_pricing.py`` checks it against the committed measurement)."""
+    setup. Measured on the H200 (``benchmarks/results/fp8_h200.json``, 2026-11-29 17:12 UTC, commit
+    9e19e50): median over the shapes with M ≤ 2,688 (where the GPU work is negligible) of row-wise
+    forward minus the fp8 GEMM alone, 0.39 ms (range 0.33-0.65; the 14:38 run's 0.22 ms was taken
+    before the split row-wise quantisation added launches), against 0.01 ms for a whole bf16
+    forward; added to the per-kernel launch terms. 0 turns it off. Re-measure when the kernels
+    change (``tests/costmodel/test_fp8_pricing.py`` checks it against the committed measurement)."""
 
-    fp8_call_overhead_bwd_s: float = 8.3e-4
+    fp8_call_overhead_bwd_s: float = 9.0e-4
     """The same for the backward of one FP8 linear call: median over the same shapes of row-wise
-    (forward+backward − forward) minus bf16's, 0.83 ms (range 0.55-1.13). Six quantisations and two
-    ``_scaled_mm`` per backward; at these sizes the step waits on the host for them (the end-to-end
-    gem-h200 run with interformer.0-3 in fp8 was +57% step time, ~+63 ms, which the per-shape
-    measurements account for: ~24 fp8 calls per step at 0.2-3.7 ms extra each)."""
+    (forward+backward − forward) minus bf16's, 0.90 ms (range 0.20-1.10; 17:12 run). Six
+    quantisations (three of them split in two passes) and two ``_scaled_mm`` per backward; at these
+    sizes the step waits on the host for them."""
 
-    fp8_blockwise_call_overhead_fwd_s: float | None = None
+    fp8_blockwise_call_overhead_fwd_s: float | None = 3.8e-4
     """Fixed time per forward of a ``blockwise`` FP8 linear call (2 one-read quantisation kernels and
-    one ``torch._scaled_mm``), as ``fp8_call_overhead_fwd_s`` is for ``rowwise``. None: the row-wise
-    figure (not yet measured for these kernels; fewer launches, so an upper estimate); set it from
-    ``benchmarks/fp8_h200.py``'s blockwise forward minus its GEMM at the small shapes."""
+    one ``torch._scaled_mm``), as ``fp8_call_overhead_fwd_s`` is for ``rowwise``: the same median
+    over the 9 small shapes the 17:12 H200 run measured for blockwise (0.38 ms, range 0.32-0.49).
+    None: the row-wise figure."""
 
-    fp8_blockwise_call_overhead_bwd_s: float | None = None
-    """The same for the backward (1 quantisation kernel, 2 ``_scaled_mm``); None: the row-wise figure."""
+    fp8_blockwise_call_overhead_bwd_s: float | None = 5.1e-4
+    """The same for the backward (1 quantisation kernel, 2 ``_scaled_mm``): 0.51 ms (range
+    0.29-0.60) over the same 9 shapes. (That run's block-wise input gradient was numerically wrong,
+    a bad Wᵀ copy, fixed since; its kernels and launches were the same, so the timing stands.)
+    None: the row-wise figure."""
 
 
 @dataclass(slots=True)

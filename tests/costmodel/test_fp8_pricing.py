@@ -113,6 +113,14 @@ def test_call_overhead_matches_the_h200_measurement():
                             - (s["bf16"]["fwd_bwd"]["ms"] - s["bf16"]["fwd"]["ms"]) for s in small) * 1e-3
     assert Options().fp8_call_overhead_fwd_s == pytest.approx(fwd, rel=0.1)
     assert Options().fp8_call_overhead_bwd_s == pytest.approx(bwd, rel=0.1)
+    # the block-wise figures from the shapes where the blockwise recipe ran (some failed in that run)
+    ok = [s for s in small if all("ms" in s.get("blockwise", {}).get(k, {}) for k in ("fwd", "fwd_bwd", "gemm_only"))]
+    assert len(ok) >= 5
+    bfwd = statistics.median(s["blockwise"]["fwd"]["ms"] - s["blockwise"]["gemm_only"]["ms"] for s in ok) * 1e-3
+    bbwd = statistics.median((s["blockwise"]["fwd_bwd"]["ms"] - s["blockwise"]["fwd"]["ms"])
+                             - (s["bf16"]["fwd_bwd"]["ms"] - s["bf16"]["fwd"]["ms"]) for s in ok) * 1e-3
+    assert Options().fp8_blockwise_call_overhead_fwd_s == pytest.approx(bfwd, rel=0.1)
+    assert Options().fp8_blockwise_call_overhead_bwd_s == pytest.approx(bbwd, rel=0.1)
     # the planner's fp8 layers of the measured run (interformer.0-3) no longer gain in the model
     w = load_workload("gem-h200")
     w = w.model_copy(update={"precision": w.precision.model_copy(update={"fp8": "auto"})})
