@@ -567,7 +567,7 @@ def main(argv=None) -> bool:
                 e = s[r]
                 msg += f" | {r} {e['fwd'].get('ms', float('nan')):.3f}/{e['fwd_bwd'].get('ms', float('nan')):.3f} ms " \
                        f"x{e['fwd'].get('speedup', float('nan')):.2f}/x{e['fwd_bwd'].get('speedup', float('nan')):.2f} " \
-                       f"gemm x{e['gemm_only'].get('speedup', float('nan')):.2f} err {e['fwd'].get('rel_err_vs_fp32', float('nan')):.1e}"
+                       f"gemm x{e['gemm_only'].get('speedup', float('nan')):.2f} err {e['fwd'].get('rel_err_vs_fp32', float('nan')):.1e}" \
                        f" dx {e['fwd_bwd'].get('rel_err_dx_vs_fp32', float('nan')):.1e} dw {e['fwd_bwd'].get('rel_err_dw_vs_fp32', float('nan')):.1e}"
             log(msg)
         except Exception as e:
@@ -585,6 +585,12 @@ def main(argv=None) -> bool:
         f"{ft.scaled_mm_block_kind(sq)}/{str(dt).removeprefix('torch.')}": ft.block_mm_backend(sq, dt)
         for sq in (True, False) for dt in (torch.bfloat16, torch.float32)}
     result["scaled_mm_block_errors"] = {f"{k[0]}/{k[1]}": v for k, v in ft.SCALED_MM_BLOCK_ERRORS.items()}
+    # host-side paths taken: quantisation kernels launched directly vs through Triton's JIT
+    # dispatch, and whether the row-wise _scaled_mm took the bias in its epilogue
+    from coplan.kernels import fp8 as f8
+
+    result["launches"] = dict(ft.DIRECT_STATS, direct_enabled=ft.DIRECT_LAUNCH)
+    result["rowwise_bias_in_scaled_mm"] = dict(used=f8._ROWWISE_BIAS[0], error=f8._ROWWISE_BIAS_ERROR[0])
     result["elapsed_s"] = time.perf_counter() - T0
     save()
     print(table(result), flush=True)

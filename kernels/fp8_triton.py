@@ -325,9 +325,19 @@ def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if interpreting() else out_dtype
 
 
+INT32_LIMIT = 2**31
+
+
 def _check_2d(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    # The kernels compute element offsets in int32 (row x stride): past 2^31 they would wrap and
+    # read or write the wrong elements silently. Padded copies add < 128 per dimension.
+    R, C = x.shape
+    reach = (R + BLOCK) * max(abs(x.stride(0)), 1) + (C + BLOCK) * max(abs(x.stride(1)), 1)
+    if max(reach, (R + BLOCK) * (C + BLOCK)) >= INT32_LIMIT:
+        raise ValueError(f"{name}: a {R} x {C} operand (strides {tuple(x.stride())}) has offsets past 2^31, which the "
+                         f"fp8 kernels' int32 offsets cannot address; split the tokens into smaller batches")
 
 
 _SMS: dict[int, int] = {}

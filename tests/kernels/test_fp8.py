@@ -518,3 +518,13 @@ def test_direct_launches_match_the_jit_path():
     _assert_same_quant(d.q, d.s, qr, sr)
     qtr, stres = ref.quant_tiles_ref(x2.cpu().t(), square=False)
     _assert_same_quant(d.qt[:260], d.st[:260], qtr, stres)
+
+
+def test_operands_past_int32_offsets_are_refused():
+    """The kernels' offsets are int32: an operand they cannot address is a named error, not a silent wrap."""
+    big = torch.empty(70000, 32768, device="meta")  # 2.3e9 elements
+    with pytest.raises(ValueError, match="2\\^31"):
+        ft.quant_act_dual(big, with_t=True)
+    with pytest.raises(ValueError, match="2\\^31"):
+        ft.quant_rows(big.t())
+    ft.quant_act_dual(torch.empty(61000, 4096, device="meta"), with_t=True)  # gem-h200's largest: fine
