@@ -142,13 +142,14 @@ def build_plans(args) -> tuple[dict, dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def launch(plan_path: Path, arm: str, gpu: str | None, args, data: Path, seed: int | None = None) -> subprocess.Popen:
-    trace = f"{args.steps - args.trace_steps}:{args.steps}" if args.trace_steps > 0 else "none"
+def launch(plan_path: Path, arm: str, gpu: str | None, args, data: Path, seed: int | None = None,
+           extra_env: dict | None = None, traced: bool = True) -> subprocess.Popen:
+    trace = f"{args.steps - args.trace_steps}:{args.steps}" if args.trace_steps > 0 and traced else "none"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
            str(plan_path), "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--runs-root", str(args.runs_root), "--run-id", arm, "--data", str(data), "--no-progress", "--seed", str(args.seed if seed is None else seed),
            "--trace", trace, "--checkpoint-every", "-1", "--log-every", str(args.log_every)]
-    env = dict(os.environ, **NO_MULTICAST_ENV, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **NO_MULTICAST_ENV, PYTHONUNBUFFERED="1", **(extra_env or {}))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     if args.device == "cpu":
@@ -303,7 +304,8 @@ def compare(arms: dict, args) -> dict:
         # seed. The issue's criterion stays the 0.5% bound above; this says how much of the fp8 gap
         # two bf16 runs show too, at the end and along the curve (same windows as the fp8 gap).
         ctrl = loss_gap(lb, lc, args.loss_window)
-        out["control"] = {"seed": args.control_seed, "bf16_final": ctrl["a_final"], "control_final": ctrl["b_final"],
+        out["control"] = {"seed": args.control_seed if args.control_perturb == "seed" else args.seed,
+                          "perturbation": args.control_perturb, "bf16_final": ctrl["a_final"], "control_final": ctrl["b_final"],
                           "relative_diff": ctrl["relative_diff"], "signed_relative_diff": ctrl["signed_relative_diff"],
                           "window_relative_diff": ctrl["window_relative_diff"], "steps_compared": ctrl["steps"],
                           "shares_gpu_with": c.get("shares_gpu_with")}
@@ -334,8 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--gpus", default=os.environ.get("GPUS", "0,1"),
                    help="GPU of the bf16 arm, GPU of the fp8 arm (the same twice runs them one after the other); default $GPUS or 0,1")
-    p.add_argument("--control-seed", type=int, default=None,
-                   help="also train a third arm, bf16 with its weights from this seed on the same data: the bf16-vs-bf16 noise floor of the loss")
+    env_seed = os.environ.get("FP8_CONTROL_SEED", "").strip()
+    p.add_argument("--control-seed", type=int, default=int(env_seed) if env_seed else None,
+                   help="also train a third arm, bf16 with its weights from this seed on the same data: the bf16-vs-bf16 "
+                        "noise floor of the loss (default $FP8_CONTROL_SEED, else none)")
+    p.add_argument("--control-perturb", choices=["seed", "tf32-off"], default=None,
+                   help="what differs in the control arm: 'seed' (weights from --control-seed) or 'tf32-off' (the same "
+                        "weights, NVIDIA_TF32_OVERRIDE=0: fp32 matmuls without TF32, a small deterministic perturbation "
+                        "of the numerics like fp8's; zero if the model has no TF32 matmul)")
     p.add_argument("--control-gpu", default=None,
                    help="GPU of the control arm, run at the same time as the others (default: the fp8 arm's GPU, so that sharing a GPU "
                         "can only make fp8's step time look worse, never better; the control's own timing is not used)")
@@ -416,12 +424,19 @@ def main(argv: list[str] | None = None) -> int:
     names = ["bf16", "fp8"]
     seeds = {"bf16": None, "fp8": None}
     where = {"bf16": gpus[0], "fp8": gpus[1]}
-    if args.control_seed is not None:
+    if args.control_perturb is None and args.control_seed is not None:
+        args.control_perturb = "seed"
+    if args.control_perturb == "seed" and args.control_seed is None:
+        errors["control"] = "--control-perturb seed needs --control-seed: no control arm"
+        args.control_perturb = None
+    if args.control_perturb is not None:
         names.append(CONTROL_ARM)
         paths[CONTROL_ARM] = paths["bf16"]
-        seeds[CONTROL_ARM] = args.control_seed
+        seeds[CONTROL_ARM] = args.control_seed if args.control_perturb == "seed" else None
         where[CONTROL_ARM] = (args.control_gpu if args.control_gpu is not None else gpus[1]) if args.device == "cuda" else None
         result["control_seed"] = args.control_seed
+    envs = {a: ({"NVIDIA_TF32_OVERRIDE": "0"} if a == CONTROL_ARM and args.control_perturb == "tf32-off" else None) for a in names}
+    result["control_perturb"] = args.control_perturb
     shares = {a: [b for b in names if b != a and where[b] is not None and where[b] == where[a]] for a in names}
     result["arm_gpus"] = where
     for arm in names:  # a stale run directory would be resumed or mixed in
@@ -433,12 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     statuses: dict[str, dict] = {}
     if gpus[0] != gpus[1] or args.device == "cpu":
         # Every arm at once (the control arm shares a GPU; its step times are not compared).
-        procs = {arm: launch(paths[arm], arm, where[arm], args, data, seeds[arm]) for arm in names}
+        procs = {arm: launch(paths[arm], arm, where[arm], args, data, seeds[arm], envs[arm], arm != CONTROL_ARM) for arm in names}
         statuses = wait_all(procs, deadline, args)
     else:  # one GPU: one arm after the other, each with an equal share of the remaining budget
         for i, arm in enumerate(names):
             share = (deadline - time.monotonic()) / (len(names) - i)
-            statuses |= wait_all({arm: launch(paths[arm], arm, gpus[0], args, data, seeds[arm])}, time.monotonic() + share, args)
+            statuses |= wait_all({arm: launch(paths[arm], arm, gpus[0], args, data, seeds[arm], envs[arm], arm != CONTROL_ARM)},
+                                 time.monotonic() + share, args)
         shares = {a: [] for a in names}
     arms = {}
     for arm in names:
@@ -469,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     if "control" in c:
         cc = c["control"]
         nf = c.get("loss", {}).get("vs_noise_floor", {})
-        stamp(f"noise floor (bf16 seed {args.seed} vs bf16 seed {args.control_seed}, last {args.loss_window}): "
+        what = f"seed {args.control_seed}" if args.control_perturb == "seed" else "TF32 off"
+        stamp(f"noise floor (bf16 vs bf16 with {what}, last {args.loss_window}): "
               f"{cc['relative_diff']:.3%}; fp8 gap {nf.get('fp8_gap', float('nan')):.3%}; fp8 gap above the floor in "
               f"{nf.get('windows_fp8_gap_above_floor')}/{nf.get('windows')} windows")
     if "step_time_change" in c:
