@@ -422,6 +422,50 @@ SPLITS = ("fit", "heldout", "fresh")
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`)."""
 
 
+def _plan_attention(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "plan.json").read_text())["kernels"]["attention"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def known_longest(run_dir: Path, plan, data_batches: int = 8) -> tuple[dict | None, str]:
+    """Per step, per sequence, the longest length of the run's (one) micro-batch, read from its data set
+    regenerated here (:func:`run_all` writes it deterministically: seed 0, ``local batch x data_batches``
+    samples), and checked against the run's own ``seq_stats`` (n, ΣL, ΣL² of every step): a data set that
+    does not reproduce them is not used. (None, why) when the run's batches cannot be known this way."""
+    import tempfile
+
+    import numpy as np
+
+    from coplan.trainer.data import ParquetSource, feature_layout, generate_dataset
+
+    w = plan.workload
+    lb = w.batch.local_batch_size or w.batch.global_batch_size
+    if plan.mesh.dense_shard * plan.mesh.dense_replicate != 1:
+        return None, "more than one rank: the balancer's split would be needed"
+    if (w.batch.micro_batches or 1) != 1:
+        return None, "more than one micro-batch: the trainer's micro-batch split would be needed"
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        n = int(lb) * data_batches
+        generate_dataset(w, Path(tmp), n, seed=0, rows_per_file=n, progress=False)
+        src = ParquetSource(Path(tmp), feature_layout(w))
+        out: dict[int, dict[str, list[int]]] = {}
+        for m in metrics:
+            if "step" not in m or not m.get("seq_stats"):
+                continue
+            t = src.rows(int(m["step"]) * int(lb), int(lb))
+            row = {}
+            for seq, st in m["seq_stats"].items():
+                L = t.column(f"len_{seq}").to_numpy().astype(np.int64)
+                if [float(len(L)), float(L.sum()), float((L * L).sum())] != [float(x) for x in st]:
+                    return None, f"step {m['step']}: regenerated '{seq}' lengths differ from the run's seq_stats"
+                row[seq] = [int(L.max()) if len(L) else 0]
+            out[int(m["step"])] = row
+    return out, "regenerated data set, every step's (n, ΣL, ΣL²) equal to the run's"
+
+
 def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     import numpy as np
 
@@ -444,7 +488,13 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         if not v.get("ok") or not (d / "summary.json").is_file():
             continue
         try:
-            rs = run_samples(d)
+            longest = None
+            if _plan_attention(d) == "reference":
+                # the padded reference pads each micro-batch to its longest: price it at the batches that ran
+                from coplan.spec import load_plan
+
+                longest, row["padded_lengths"] = known_longest(d, load_plan(d / "plan.json"))
+            rs = run_samples(d, longest=longest)
             s = load_run_result(d / "summary.json")
             mom = rs.step_moments or rs.moments
             runs[name] = (d, rs)
@@ -532,12 +582,19 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         for key in STEP_KEYS:
             if r.get(f"predicted_step_{key}_s") is not None and r.get("measured_step_s"):
                 r[f"step_error_{key}"] = _err(r[f"predicted_step_{key}_s"], r["measured_step_s"])
+        # a reading: the pricer prices an expected step, and a run whose step cost swings with its batch
+        # (the padded reference: its longest length) has a mean well above its p50
+        if r.get("predicted_step_calibrated_s") is not None and r.get("measured_step_mean_s"):
+            r["step_error_calibrated_vs_mean"] = _err(r["predicted_step_calibrated_s"], r["measured_step_mean_s"])
 
     def summary(names: list[str]) -> dict:
         o: dict = {}
         for key in STEP_KEYS:
             e = [abs(rows[n][f"step_error_{key}"]) for n in names if rows[n].get(f"step_error_{key}") is not None]
             o[f"step_{key}"] = {"median_abs": float(np.median(e)) if e else None, "max_abs": float(np.max(e)) if e else None, "n": len(e)}
+        e = [abs(rows[n]["step_error_calibrated_vs_mean"]) for n in names if rows[n].get("step_error_calibrated_vs_mean") is not None]
+        o["step_calibrated_vs_mean_reading"] = {"median_abs": float(np.median(e)) if e else None,
+                                                "max_abs": float(np.max(e)) if e else None, "n": len(e)}
         # per op class: summed traced time vs summed roofline, over the runs' samples
         samples = [s for n in names for s in runs[n][1].samples]
         if samples:

@@ -143,6 +143,7 @@ def measured_moments(metrics: Sequence[dict], steps: Iterable[int] | None = None
     (``{"<sequence>": [n, ΣL, ΣL²]}`` per rank-local batch); empty when the run did not log them."""
     want = set(steps) if steps is not None else None
     acc: dict[str, list[float]] = {}
+    longest: dict[str, list[float]] = {}
     for row in metrics:
         if want is not None and row.get("step") not in want:
             continue
@@ -151,13 +152,43 @@ def measured_moments(metrics: Sequence[dict], steps: Iterable[int] | None = None
             a[0] += v[0]
             a[1] += v[1]
             a[2] += v[2]
-    return {s: (a[1] / a[0], a[2] / a[0]) for s, a in acc.items() if a[0] > 0}
+        for seq, maxima in (row.get("seq_max") or {}).items():
+            longest.setdefault(seq, []).extend(float(x) for x in maxima)
+    out = {s: (a[1] / a[0], a[2] / a[0]) for s, a in acc.items() if a[0] > 0}
+    for seq, xs in longest.items():
+        if xs:
+            x = np.asarray(xs)
+            out[seq + PADDED_SUFFIX] = (float(x.mean()), float((x * x).mean()))
+    return out
 
 
-def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host_gaps: bool = False) -> RunSamples:
+PADDED_SUFFIX = "@max"
+"""Key suffix, in a moments dict, of (E[M], E[M²]) of M, each micro-batch's longest length: what the
+padded reference attention pads to. From ``seq_max`` lines of metrics.jsonl (``{"<sequence>": [longest per
+micro-batch]}``) or given to :func:`run_samples`; the pricer uses the length pmf's expectation without it.
+A small data set repeats a few batches, whose longest lengths can sit far from that expectation (on
+the H200's reference runs the profiled batches' E[M²] was up to ~1.9x it), and the padded reference's
+quadratic terms scale with E[M²]: comparing such a run with the expectation misprices it by construction."""
+
+
+def apply_moments(ctx, moments: dict[str, tuple[float, float]] | None) -> None:
+    """Price ``ctx`` at measured moments: (E[L], E[L²]) per sequence, and per ``<seq>@max`` the padded
+    reference's (E[M], E[M²]) (see :data:`PADDED_SUFFIX`)."""
+    for seq, m in (moments or {}).items():
+        if seq.endswith(PADDED_SUFFIX):
+            ctx.padded_moments[seq[: -len(PADDED_SUFFIX)]] = (float(m[0]), float(m[1]))
+        elif seq in ctx.moments:
+            ctx.moments[seq] = m
+    ctx.cache.clear()
+
+
+def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host_gaps: bool = False,
+                longest: dict[int, dict[str, list[int]]] | None = None) -> RunSamples:
     """Attribute one run's trace (of ``rank``) and pair each measured op with its roofline terms.
 
     ``host_gaps``: count the GPU idle time each op ended as part of its time (see the module docstring).
+    ``longest``: per step, per sequence, the longest length of each of ``rank``'s micro-batches, when
+    metrics.jsonl does not log them (``seq_max``) but the caller knows the batches (see :data:`PADDED_SUFFIX`).
     """
     d = Path(run_dir)
     if not d.is_dir():
@@ -173,6 +204,9 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
     att: TraceAttribution = attribute_file(traces[0])
     device = (result.device if result and result.device else plan.topology.gpu.name)
     metrics = _read_metrics(d)
+    if longest:
+        metrics = [({**m, "seq_max": longest[m["step"]]} if m.get("step") in longest and "seq_max" not in m else m)
+                   for m in metrics]
     profiled = _profiled_steps(d, metrics)
     moments = measured_moments(metrics, profiled)
     warm = result.warmup_steps if result else 0
@@ -226,10 +260,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
     from coplan.costmodel.pricer import _assignment, default_assignment, embedding_loads
 
     ctx = build_context(plan.workload, plan.topology, plan.mesh, _unit_calibration(plan.topology.gpu.name), force_calibration=True)
-    for seq, m in (moments or {}).items():
-        if seq in ctx.moments:
-            ctx.moments[seq] = m
-    ctx.cache.clear()
+    apply_moments(ctx, moments)
     fp8 = frozenset(lp.name for lp in plan.layers if lp.precision == "fp8")
     arr = op_arrays(ctx, plan.kernels, fp8)
     mb = ctx.micro_batches
@@ -460,10 +491,7 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
 
     calibration = _for_backend(plan, calibration)
     ctx = build_context(plan.workload, plan.topology, plan.mesh, calibration, force_calibration=True)
-    for seq, m in (moments or {}).items():
-        if seq in ctx.moments:
-            ctx.moments[seq] = m
-    ctx.cache.clear()
+    apply_moments(ctx, moments)
     return float(price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False).step_time_s)
 
 

@@ -176,6 +176,9 @@ class Context:
     """Achieved TBE bandwidth, bytes/s."""
 
     cache: dict = field(default_factory=dict)
+    padded_moments: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Measured (E[M], E[M²]) of M, a micro-batch's longest length, per sequence, for the padded
+    reference (calibration against runs whose batches are known); empty: expected from the length pmf."""
 
     # ------------------------------------------------------------------ helpers
     def model(self, group: str, kind: str) -> CollectiveModel:
@@ -436,7 +439,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         if o.op_class == "attention" and o.sequence is not None:
             if kernels.attention == "reference":
                 if o.sequence not in pad_len:
-                    pad_len[o.sequence] = _expected_max_moments(w.sequence(o.sequence).length, n)
+                    pad_len[o.sequence] = ctx.padded_moments.get(o.sequence) or _expected_max_moments(w.sequence(o.sequence).length, n)
                 # padded to the batch's longest: the quadratic terms cost E[max²], which a heavy-tailed
                 # length distribution puts well above E[max]² (or the quantile's square)
                 real_m1 = m1

@@ -19,9 +19,11 @@ Attribution, per trace (one rank):
    distribution ranges are ``sparse.dist``; the cost model does not price these two on one GPU, so they
    stay visible as their own rows instead of vanishing into "unattributed".
 
-On a GPU trace only the profiled steps count (the device-side ``ProfilerStep#N`` windows; kernels the
-previous step left queued when the profiler started fall outside them), memory copies and sets count as
-device work, and the GPU's *idle* time is attributed too: each gap on the device timeline (no kernel
+On a GPU trace only the profiled steps count: a kernel belongs to the step whose host ``ProfilerStep#N``
+range launched it (by correlation id), wherever it ran; a step's device window is the hull of its
+device-side ``ProfilerStep#N`` annotations and of its kernels, and steps are counted by name (a side
+stream gets its own annotation of the same step). Kernels the previous step left queued when the
+profiler started fall outside. Memory copies and sets count as device work, and the GPU's *idle* time is attributed too: each gap on the device timeline (no kernel
 running) goes to the unit that ended it, i.e. the launch the GPU was waiting for, as that op's
 ``idle_s``. A host-bound step is mostly such gaps; the calibration can then fit a per-launch cost
 that includes the host's issue time instead of pretending the step is its kernels.
@@ -199,20 +201,25 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
     fwd_seq_ops: list[tuple[Any, float, int]] = []
     launches: dict[Any, tuple[Any, float]] = {}
     kernels: list[dict] = []
-    steps = 0
+    step_names: set[str] = set()
+    cpu_steps: list[tuple[float, float, str]] = []
+    gpu_steps: list[tuple[float, float, str]] = []
     for e in events:
         cat, name = e.get("cat", ""), str(e.get("name", ""))
         ts, dur, tid = float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), e.get("tid")
         args = e.get("args") or {}
         if cat == "user_annotation":
             if name.startswith("ProfilerStep#"):
-                steps += 1
+                step_names.add(name)
+                cpu_steps.append((ts, ts + dur, name))
             else:
                 owner = named_range(name)
                 if owner is not None:
                     op_ranges[tid].append((ts, ts + dur, owner))
         elif cat == "gpu_user_annotation" and name.startswith("ProfilerStep#"):
-            windows.append((ts, ts + dur))
+            # a side stream's kernels give the same step a second device annotation: counted by name
+            step_names.add(name)
+            gpu_steps.append((ts, ts + dur, name))
         elif cat == "cpu_op":
             cpu_ops[tid].append((ts, ts + dur, e))
             m = _BWD_NODE.match(name)
@@ -225,8 +232,38 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append(e)
     on_device = any(k.get("cat") == "kernel" for k in kernels)
-    n_windows = len(windows) if on_device else 0  # profiled steps, before touching windows are merged
-    windows = _merge(windows) if on_device else []
+    steps = len(step_names)
+    # Which kernels a profiled step owns: those its host range launched (by correlation), wherever
+    # they ran on the device; kernels without a launch in a step range (queued by the step before the
+    # profiler, or launched between steps) count only if they start inside a step's device annotation.
+    # A step's device window is the hull of its annotations and of its own kernels: the annotation
+    # alone can miss kernels the step launched (work for the next batch, issued ahead on the same
+    # stream, ran after it on the H200), which left ~12% of the step's device work uncounted.
+    cpu_steps.sort()
+    cpu_starts = [a for a, _, _ in cpu_steps]
+
+    def step_of_launch(t: float | None) -> str | None:
+        if t is None:
+            return None
+        i = bisect.bisect_right(cpu_starts, t) - 1
+        return cpu_steps[i][2] if i >= 0 and cpu_steps[i][0] <= t <= cpu_steps[i][1] else None
+
+    kernel_step: list[str | None] = []
+    if on_device:
+        hull: dict[str, list[float]] = {}
+        for a, b, n in gpu_steps:
+            h = hull.setdefault(n, [a, b])
+            h[0], h[1] = min(h[0], a), max(h[1], b)
+        for k in kernels:
+            corr = (k.get("args") or {}).get("correlation")
+            owner_step = step_of_launch(launches[corr][1]) if corr in launches else None
+            kernel_step.append(owner_step)
+            if owner_step is not None:
+                a, b = float(k.get("ts", 0.0)), float(k.get("ts", 0.0)) + float(k.get("dur", 0.0))
+                h = hull.setdefault(owner_step, [a, b])
+                h[0], h[1] = min(h[0], a), max(h[1], b)
+        # a trace without device step annotations has no windows: all its kernels count (as before)
+        windows = _merge([(a, b) for a, b in hull.values()]) if gpu_steps else []
     # cost-model op ranges win over hook ranges (TorchRec's "[lookup]" sits inside "sparse.tbe")
     op_index = {tid: _Ranges([x for x in r if x[2][1] != "hook"]) for tid, r in op_ranges.items()}
     hook_index = {tid: _Ranges([x for x in r if x[2][1] == "hook"]) for tid, r in op_ranges.items()}
@@ -243,12 +280,12 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
     # work units: (tid, launch time, duration, kernel name, device start or None)
     units: list[tuple[Any, float, float, str, float | None]] = []
     if on_device:
-        for k in kernels:
+        for k, owner_step in zip(kernels, kernel_step):
             start = float(k.get("ts", 0.0))
-            if windows and not _inside(windows, start):
-                continue  # queued by a step outside the profiled ones
             corr = (k.get("args") or {}).get("correlation")
             tid, ts = launches.get(corr, (None, start))
+            if windows and owner_step is None and (not _inside(windows, start) or (tid is not None and cpu_steps and ts < cpu_starts[0])):
+                continue  # queued by a step outside the profiled ones
             units.append((tid, ts, float(k.get("dur", 0.0)), str(k.get("name", "")), start))
     else:
         # CPU: every op's *self* time (its duration less its direct children's) is a unit at its own
@@ -336,7 +373,7 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
     return TraceAttribution(
         path=path,
         on_device=on_device,
-        steps=max(n_windows if windows else steps, 1),
+        steps=max(steps, 1),
         ops=ops,
         by_class_s={k: v * 1e-6 for k, v in sorted(by_class.items())},
         total_s=total * 1e-6,

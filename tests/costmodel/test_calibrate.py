@@ -316,3 +316,37 @@ def test_padded_reference_is_priced_as_it_runs():
     terms = {(t.name, t.phase): t for t in unit_terms(plan.model_copy(update={"workload": ref, "kernels": plan.kernels.model_copy(update={"attention": "reference"})}))}
     assert terms[("interformer.0.gdpa", "fwd")].dtype == "tf32"
     assert terms[("interformer.0.qkv", "fwd")].dtype == "bf16"
+
+
+def test_padded_reference_priced_at_the_batches_longest_lengths_when_known():
+    """A run's known longest lengths per micro-batch (``seq_max``, or given to run_samples) replace the
+    length pmf's E[max L], E[max L²] for the padded reference: its GDPA FLOPs scale with the measured
+    E[M²] exactly, and the Triton backend ignores them."""
+    from coplan.costmodel.calibrate import PADDED_SUFFIX, apply_moments, measured_moments
+    from coplan.costmodel.context import build_context, op_arrays
+
+    plan = _plan(8, 512)
+    w = plan.workload
+    ref = w.model_copy(update={"kernels": w.kernels.model_copy(update={"attention": "reference"})})
+    rows = [{"step": 3, "seq_stats": {"history": [8, 4000, 2.5e6]}, "seq_max": {"history": [1000]}},
+            {"step": 4, "seq_stats": {"history": [8, 4800, 3.5e6]}, "seq_max": {"history": [3000]}},
+            {"step": 5, "seq_stats": {"history": [8, 9999, 9e9]}, "seq_max": {"history": [4096]}}]
+    mom = measured_moments(rows, [3, 4])
+    assert mom["history"] == pytest.approx((8800 / 16, 6.0e6 / 16))
+    assert mom["history" + PADDED_SUFFIX] == pytest.approx((2000.0, (1000**2 + 3000**2) / 2))
+    assert "history" + PADDED_SUFFIX not in measured_moments([{k: v for k, v in r.items() if k != "seq_max"} for r in rows])
+
+    ctx = build_context(ref, plan.topology, plan.mesh)
+    names = [ctx.ops[i].name for i in ctx.dense_idx]
+    g = names.index("interformer.0.gdpa")
+    blk = next(b for b in w.blocks if b.name == "interformer")
+    apply_moments(ctx, mom)
+    pad = op_arrays(ctx, ref.kernels)
+    assert pad.fwd_flops[g] == pytest.approx(ctx.mb_batch * 4 * blk.num_heads * blk.head_dim * mom["history" + PADDED_SUFFIX][1])
+    apply_moments(ctx, {"history" + PADDED_SUFFIX: (4000.0, 4000.0**2)})
+    assert op_arrays(ctx, ref.kernels).fwd_flops[g] == pytest.approx(pad.fwd_flops[g] * 16e6 / 5e6)
+    # the fused kernels never pad: the same measured maxima change nothing there
+    plain = build_context(w, plan.topology, plan.mesh)
+    before = op_arrays(plain, w.kernels).fwd_flops[g]
+    apply_moments(plain, {"history" + PADDED_SUFFIX: (4000.0, 4000.0**2)})
+    assert op_arrays(plain, w.kernels).fwd_flops[g] == pytest.approx(before)

@@ -98,3 +98,31 @@ def test_touching_step_windows_still_count_as_steps():
     assert att.window_s == pytest.approx(1500e-6)
     assert att.total_s + att.idle_s == pytest.approx(att.window_s)
     assert att.per_step()[("kunlun.0.qkv", "fwd")] == pytest.approx((300 + 100) * 1e-6 / 2)
+
+
+def test_side_stream_annotation_and_kernels_launched_ahead_belong_to_their_step():
+    """A side stream's second ``ProfilerStep#5`` device annotation is not a second step, and a kernel
+    the step launched that ran after its annotation ended (work issued ahead on the same stream) is the
+    step's work, with the window extended to it (the H200 runs of trainer v4 had both: the step count
+    was 3 for 2 steps and ~12% of the device work fell outside the annotations)."""
+    tr = _gpu_trace()
+    tr["traceEvents"] += [
+        # the side stream's own annotation of the same step, inside the main one
+        _ev("gpu_user_annotation", "ProfilerStep#5", 1200, 30, 20),
+        _ev("cuda_runtime", "cudaLaunchKernel", 1440, 2, 1, correlation=7),
+        _ev("kernel", "void at::native::vectorized_elementwise_kernel<8, copy>", 1210, 20, 20, correlation=7),
+        # launched inside the step (host range 900-2100), ran after the annotation's end (2000)
+        _ev("user_annotation", "sparse.seq_tbe", 2050, 40, 1),
+        _ev("cuda_runtime", "cudaLaunchKernel", 2060, 2, 1, correlation=8),
+        _ev("kernel", "split_embedding_nobag_codegen_forward_unweighted_kernel", 2100, 150, 7, correlation=8),
+    ]
+    att = attribute(tr)
+    assert att.steps == 1
+    ops = {(o.name, o.phase): o for o in att.ops}
+    assert ops[("sparse.seq_tbe", "fwd")].time_s == pytest.approx(150e-6)
+    assert att.window_s == pytest.approx((2250 - 1000) * 1e-6)
+    assert att.total_s == pytest.approx((100 + 20 + 300 + 10 + 200 + 20 + 150) * 1e-6)
+    # the side-stream copy (1210-1230) splits the 100 us gap before the GEMM into 40 + 40; 200 us of
+    # gap before the launched-ahead lookup; no tail (the window ends with it)
+    assert att.idle_s == pytest.approx((50 + 40 + 40 + 10 + 110 + 200) * 1e-6)
+    assert att.total_s + att.idle_s == pytest.approx(att.window_s)
