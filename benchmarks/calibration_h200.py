@@ -33,7 +33,12 @@ prices the step at max(device step, priced launches × h), host and device runni
 (the device fit without the host cost), ``additive`` (device step + priced launches × h_add, h_add
 fitted on the T half: the form used before the max form) and ``device_factor`` (the device step times the T half's median
 measured/device ratio). Per op class: the runs' traced device time per (op, phase) against the
-roofline under the default and the fitted efficiencies, summed per class.
+roofline under the default and the fitted efficiencies, summed per class. The padded reference pads
+each micro-batch to its longest history: its runs are priced at the longest lengths of the batches that
+ran (``known_longest``: the data set regenerated here, deterministic, and used only when every step's
+(n, ΣL, ΣL²) equals the run's ``seq_stats``), as the other runs are at their measured E[L], E[L²].
+``step_error_calibrated_vs_mean`` is a reading against the mean step (the pricer prices an expected
+step; the reference's step swings with its batch's longest length, so its mean is far above its p50).
 
     python benchmarks/calibration_h200.py --budget-s 420                       # on the 2-GPU H200 host
     python benchmarks/calibration_h200.py --analyze runs/calib                 # re-run the analysis only
