@@ -498,7 +498,10 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
                 # the padded reference pads each micro-batch to its longest: price it at the batches that ran
                 from coplan.spec import load_plan
 
-                longest, row["padded_lengths"] = known_longest(d, load_plan(d / "plan.json"))
+                try:
+                    longest, row["padded_lengths"] = known_longest(d, load_plan(d / "plan.json"))
+                except Exception as e:  # without them the run is priced at the length pmf's E[max]
+                    row["padded_lengths"] = f"not known ({type(e).__name__}: {e})"
             rs = run_samples(d, longest=longest)
             s = load_run_result(d / "summary.json")
             mom = rs.step_moments or rs.moments
