@@ -63,6 +63,16 @@ SMOKE_SHAPES = {
 DEFAULT_METHODS = "triton_softmax,triton_gdpa_silu,sdpa_padded,flex_document_mask,silu_padded_eager,silu_padded_compile"
 # --quick: the baselines the goals are judged against, without the slow padded SiLU ones.
 QUICK_METHODS = "triton_softmax,triton_gdpa_silu,sdpa_padded,flex_document_mask"
+# On request only (--methods): triton_softmax with the forward's switches in triton_attention set
+# otherwise (module attribute -> value while the call launches), to A/B the defaults in one process.
+# LAZY_RESCALE: rescale acc only when a running max grows by > 2^8 (else on every key tile);
+# ONE_LOOP: unmasked and diagonal key tiles in one loop (else two). Both off by default.
+SOFTMAX_VARIANTS = {
+    "triton_softmax_lazy": dict(LAZY_RESCALE=True, ONE_LOOP=False),
+    "triton_softmax_one_loop": dict(LAZY_RESCALE=False, ONE_LOOP=True),
+    "triton_softmax_one_loop_lazy": dict(LAZY_RESCALE=True, ONE_LOOP=True),
+}
+EXTRA_METHODS = ",".join(SOFTMAX_VARIANTS)
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 T0 = time.perf_counter()
@@ -164,6 +174,24 @@ def method_fns(shape, lengths, offsets):
     # As the trainer calls them: max_len given and offsets trusted, so no call reads the device.
     fns["triton_softmax"] = ("jagged", lambda q, k, v: jagged_attention(
         q, k, v, offsets, causal=True, max_len=cap, validate=False, backend="triton"))
+
+    def variant(switches):
+        def call(q, k, v):
+            from coplan.kernels import triton_attention as ta
+
+            # The switches are read when the forward launches (the backward does not depend on them).
+            before = {name: getattr(ta, name) for name in switches}
+            for name, value in switches.items():
+                setattr(ta, name, value)
+            try:
+                return fns["triton_softmax"][1](q, k, v)
+            finally:
+                for name, value in before.items():
+                    setattr(ta, name, value)
+        return call
+
+    for name, switches in SOFTMAX_VARIANTS.items():
+        fns[name] = ("jagged", variant(switches))
     fns["triton_gdpa_silu"] = ("jagged", lambda q, k, v: gdpa(
         q, k, v, offsets, activation="silu", causal=True, max_len=cap, out_scale=1.0 / cap, validate=False, backend="triton"))
     fns["sdpa_padded"] = ("padded", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
@@ -436,16 +464,30 @@ def precompile(shape_keys, ops, processes):
 # ---- one shape ---------------------------------------------------------------------------------
 
 
+def _softmax_switches(name: str = "triton_softmax") -> dict[str, bool]:
+    """The forward's switches a softmax method runs with (the defaults, or its variant's)."""
+    from coplan.kernels import triton_attention as ta
+
+    return {k: bool(v) for k, v in dict(dict(LAZY_RESCALE=ta.LAZY_RESCALE, ONE_LOOP=ta.ONE_LOOP),
+                                        **SOFTMAX_VARIANTS.get(name, {})).items()}
+
+
 def autotune_record(name: str) -> dict:
     """Per kernel of this method: the config its calls now run (the autotuner's choice, or the fixed
     one without autotuning) and the last tuning's median ms per candidate config."""
     from coplan.kernels import triton_attention as ta
 
-    mode = ta.SOFTMAX if name == "triton_softmax" else ta.ACTIVATION
+    softmax = name.startswith("triton_softmax")
+    mode = ta.SOFTMAX if softmax else ta.ACTIVATION
+    # The forward's key also holds LAZY and ONE_LOOP (after the 6 shared constants): the softmax
+    # variants are tuned apart and recorded apart.
+    switches = _softmax_switches(name)
+    flags = (softmax and switches["LAZY_RESCALE"], softmax and switches["ONE_LOOP"])
     out = {}
     for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned)):
         chosen = {str(key[1:4]): dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
-                  for key, cfg in ta._CHOSEN.items() if key[0] == kind and key[4] == mode}
+                  for key, cfg in ta._CHOSEN.items()
+                  if key[0] == kind and key[4] == mode and (kind != "fwd" or key[10:12] == flags)}
         rec = dict(chosen_per_bucket=chosen)
         if not chosen:
             rec["fixed"] = ta._fixed_config(kind, SHAPE_HEAD_DIM[0]) if SHAPE_HEAD_DIM else None
@@ -488,7 +530,7 @@ def run_method(name, kind, fn, entry, shape, lengths, q, k, v, do, fwd_flops, re
         entry["autotune"] = autotune_record(name)
 
     # Correctness on the benchmark's own inputs, against fp32 per sample.
-    act = None if name in ("triton_softmax", "sdpa_padded", "flex_document_mask") else "silu"
+    act = None if name.startswith("triton_softmax") or name in ("sdpa_padded", "flex_document_mask") else "silu"
     if act not in refs:
         refs[act] = fp32_reference(q, k, v, do, lengths, act, shape["cap"])
     got = [to_jagged(kind, t, lengths) for t in (out.detach(), *(t.grad for t in xs))]
@@ -651,7 +693,8 @@ def main(argv=None):
 
     shapes = args.shapes.split(",")
     methods = (args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS)).split(",")
-    unknown = [m for m in methods if m not in DEFAULT_METHODS.split(",")] + [s for s in shapes if s not in SHAPES]
+    unknown = ([m for m in methods if m not in f"{DEFAULT_METHODS},{EXTRA_METHODS}".split(",")]
+               + [s for s in shapes if s not in SHAPES])
     if unknown:
         log(f"unknown shapes or methods: {unknown}")
         return False
@@ -668,6 +711,10 @@ def main(argv=None):
         dtype=str(DTYPE).replace("torch.", ""), causal=True, backward_over_forward=BWD_OVER_FWD,
         goals={f"{s}/{m}": g for (s, m), g in GOALS.items()},
         earlier={f"{s}/{m}": g for (s, m), g in EARLIER.items()},
+        # triton_softmax's forward switches (COPLAN_SOFTMAX_LAZY_RESCALE, COPLAN_SOFTMAX_ONE_LOOP);
+        # the triton_softmax_* variants set them otherwise (SOFTMAX_VARIANTS).
+        softmax_switches=_softmax_switches(),
+        softmax_variants=SOFTMAX_VARIANTS,
         shapes={},
     )
 

@@ -59,6 +59,19 @@ def _tanh(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _log2(x, FAST: tl.constexpr):
+    if FAST:
+        # One special-function-unit op instead of libdevice's ~25-instruction log2f, per row in
+        # the softmax epilogue (short samples run only a few key tiles per program). Its absolute
+        # error (~2^-22) is far below what the backward's exp2(s - lse) can see; x = l >= 1 here
+        # (the running max's own key contributes exp2(0) = 1), so no denormals.
+        y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = tl.math.log2(x)
+    return y
+
+
+@triton.jit
 def _activation(s, scale, ACT: tl.constexpr, FAST: tl.constexpr):
     """act(x) with x = scale * s, for the codes of `Activation.code`; the scale folds into the first multiply."""
     x = s * scale
@@ -207,10 +220,12 @@ def _key_range(m0, q_len, k_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
+    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale, mask_from,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr,
 ):
+    """Key tiles [lo, hi). MASKED: False, every tile unmasked; True, every tile masked; 2 (softmax
+    only), one loop over all tiles with loads masked and scores masked from ``mask_from`` on."""
     arange_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
@@ -233,21 +248,47 @@ def _fwd_tiles(
             v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MODE == 0:
-            if MASKED:
+            if MASKED == 2:
+                if start >= mask_from:
+                    s = tl.where(mask, s, float("-inf"))
+            elif MASKED:
                 s = tl.where(mask, s, float("-inf"))
             # The running max is kept in scaled base-2 units; the scale (> 0) then folds into the
             # exponent's fused multiply-add below instead of a separate multiply per score.
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            if MASKED:
-                # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_tile = tl.max(s, 1) * qk_scale
+            if LAZY:
+                # Conditional rescaling (as in FlashAttention-4): the reference max m_i stays stale
+                # until some row's tile max exceeds it by more than 8 (base 2), so most tiles skip
+                # the multiply of acc. The probabilities are then at most 2^8, far inside fp32 (l)
+                # and bf16/fp16 (p fed to tl.dot); the result is exact because the epilogue
+                # divides by l and the lse adds m_i, both on the same stale reference. One
+                # block-wide test (Triton has no per-row branch), and only the multiply of acc
+                # under it: the per-row values are a select, and less is live across the branch.
+                grow = tl.max((m_tile > m_i + 8.0).to(tl.int32), 0) > 0
+                m_new = tl.where(grow, tl.maximum(m_i, m_tile), m_i)
+                if MASKED:
+                    # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_ref = m_new
+                p = tl.math.exp2(s * qk_scale - m_ref[:, None])
+                alpha = tl.math.exp2(m_i - m_ref)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if grow:
+                    acc = acc * alpha[:, None]
+                m_i = m_new
             else:
-                m_ref = m_new
-            p = tl.math.exp2(s * qk_scale - m_ref[:, None])
-            alpha = tl.math.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+                m_new = tl.maximum(m_i, m_tile)
+                if MASKED:
+                    # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_ref = m_new
+                p = tl.math.exp2(s * qk_scale - m_ref[:, None])
+                alpha = tl.math.exp2(m_i - m_ref)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                m_i = m_new
         else:
             p = _activation(s, qk_scale, ACT, FAST)
             if MASKED:
@@ -266,6 +307,7 @@ def _fwd_kernel(
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LAZY: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     rank, h, q_start, q_len, k_start, k_len = _locate(CUM_Q, batch, num_heads, q_offsets, k_offsets, BLOCK_M)
     if rank < 0:
@@ -283,16 +325,27 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     diag = k_len - q_len
     full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
-                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
-                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N)
+    if ONE_LOOP and MODE == 0:
+        # One pipelined loop: on short samples a program has one or two tiles, and two loops
+        # would each wait for their first K/V tile (the diagonal tile's loads could not start
+        # during the unmasked ones). Costs a mask test per tile and masked loads throughout.
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, hi,
+                                   k_len, diag, qk_scale, full_end, MODE, ACT, CAUSAL, 2, FAST, PRECISION, BLOCK_N, LAZY)
+    else:
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
+                                   k_len, diag, qk_scale, full_end, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N,
+                                   LAZY)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
+                                   k_len, diag, qk_scale, full_end, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N,
+                                   LAZY)
     if MODE == 0:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
-        acc = acc / l_safe[:, None]
+        # One division per row, then a multiply per element: a division per element is a
+        # multi-instruction sequence, as many as one or two key tiles take on short samples.
+        acc = acc * (1.0 / l_safe)[:, None]
         # +inf for a row that saw no key: the backward's exp2(s - lse) is then 0, not inf.
-        lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
+        lse = tl.where(empty, float("inf"), m_i + _log2(l_safe, FAST))
         tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
     else:
         acc = acc * out_scale
@@ -790,6 +843,32 @@ def _consts(activation: Activation | None, causal: bool, d_pad: int, dtype: torc
     return hit
 
 
+# Two switches of the softmax forward, read per call through _fwd_consts (so a benchmark can
+# compare them in one process: benchmarks/attention.py --methods triton_softmax_*). Both off by
+# default until an H200 run says otherwise; what the sm_90 compiler (Triton 3.7's ptxas) reports
+# for d = 64, 64x64 tiles, 4 warps:
+# - LAZY_RESCALE, conditional rescaling (_fwd_tiles): 139 registers instead of 127, so 3 programs
+#   per SM instead of 4, and the block-wide test (a cross-warp reduction, two more barriers) adds
+#   ~27 instructions per tile to the ~300 of a tile, about the 32 multiplies a skipped rescale saves.
+# - ONE_LOOP (_fwd_kernel): 132 registers, ~400 instructions per tile instead of ~300 unmasked and
+#   ~400 diagonal, one pipeline fill per program instead of two.
+LAZY_RESCALE = os.environ.get("COPLAN_SOFTMAX_LAZY_RESCALE", "0") != "0"
+ONE_LOOP = os.environ.get("COPLAN_SOFTMAX_ONE_LOOP", "0") != "0"
+_FWD_CONSTS: dict[tuple, dict] = {}
+
+
+def _fwd_consts(activation: Activation | None, causal: bool, d_pad: int, dtype: torch.dtype) -> dict:
+    """The forward kernel's constants: the shared ones (same order, so keys built from them line
+    up with the backward's) plus LAZY and ONE_LOOP, which only softmax reads."""
+    lazy = activation is None and LAZY_RESCALE
+    one_loop = activation is None and ONE_LOOP
+    key = (activation, causal, d_pad, dtype, lazy, one_loop)
+    hit = _FWD_CONSTS.get(key)
+    if hit is None:
+        hit = _FWD_CONSTS[key] = dict(_consts(activation, causal, d_pad, dtype), LAZY=lazy, ONE_LOOP=one_loop)
+    return hit
+
+
 _I32_MAX = 2**31 - 1
 
 
@@ -834,7 +913,7 @@ def attention_forward(
         total_q, batch, heads, float(scale * LOG2E if softmax else scale), float(out_scale),
         *_keys(batch, max_q_len, max_k_len),
     ]
-    consts = _consts(activation, causal, d_pad, q.dtype)
+    consts = _fwd_consts(activation, causal, d_pad, q.dtype)
     dtypes = (q.dtype, q_offsets.dtype, k_offsets.dtype)
     aligned = DIRECT_LAUNCH and total_q <= _I32_MAX and _aligned(*tensors)
     _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts, dtypes, aligned)
