@@ -94,11 +94,15 @@ class StepRecord:
     seq_stats: dict[str, list[float]] = field(default_factory=dict)
     """This rank's jagged lengths per sequence, ``[n, ΣL, ΣL²]``: what calibration prices the
     profiled steps with (their real length moments, not the distribution's)."""
+    seq_max: dict[str, list[int]] = field(default_factory=dict)
+    """This rank's longest length per sequence, one entry per micro-batch (the trainer runs one per
+    step): what the padded reference attention pads to, read by calibration as ``seq_max``."""
 
     def as_json(self) -> dict:
         d = {k: getattr(self, k) for k in ("step", "loss", "step_time_s", "tokens", "samples", "model_flops", "mfu", "imbalance")}
         d["task_loss"] = self.task_loss
         d["seq_stats"] = self.seq_stats
+        d["seq_max"] = self.seq_max
         for k, v in list(d.items()):
             if isinstance(v, float) and not math.isfinite(v):
                 d[k] = None

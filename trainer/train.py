@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
         done = [p for p in pending if p[0] in durs]
         for item in done:
             pending.remove(item)
-            step, loss_t, bad_t, task_t, tokens, samples, flops, imb, seq_stats = item
+            step, loss_t, bad_t, task_t, tokens, samples, flops, imb, seq_stats, seq_max = item
             loss = float(loss_t.item())  # type: ignore[union-attr]
             bad = float(bad_t.item())  # type: ignore[union-attr]
             if not math.isfinite(loss) or not math.isfinite(bad):
@@ -373,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
             dt = durs[step]
             rec = StepRecord(step=step, loss=loss, step_time_s=dt, tokens=tokens, samples=samples, model_flops=flops,
                              mfu=mfu(flops, dt, world, peak), imbalance=imb, task_loss=dict(zip(tasks, tl)),
-                             seq_stats=seq_stats)
+                             seq_stats=seq_stats, seq_max=seq_max)
             records.append(rec)
             if rank == 0:
                 with metrics_path.open("a") as f:
@@ -428,7 +428,10 @@ def run(args: argparse.Namespace) -> int:
                 imb = float(rc.max() / rc.mean()) if rc is not None and rc.mean() > 0 else 1.0
                 seq_stats = {k: [float(v.size), float(v.sum()), float((v.astype(np.float64) ** 2).sum())]
                              for k, v in hb.seq_lengths.items()}
-                pending.append((step, parts[0], parts[1], parts[2:], g_tokens, global_batch, flops, imb, seq_stats))
+                # the longest history of this rank's micro-batch (one per step here), from the host
+                # lengths: no device read-back
+                seq_max = {k: [int(v.max()) if v.size else 0] for k, v in hb.seq_lengths.items()}
+                pending.append((step, parts[0], parts[1], parts[2:], g_tokens, global_batch, flops, imb, seq_stats, seq_max))
                 tw.step()
                 if bar is not None:
                     bar.update(1)

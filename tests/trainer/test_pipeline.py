@@ -45,3 +45,22 @@ def test_host_overhead_switches_keep_the_losses(tmp_path):
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
     assert [r["task_loss"] for r in on] == [r["task_loss"] for r in off]
     assert on[-1]["loss"] != on[0]["loss"]  # it trains: equal curves are not two frozen models
+
+    # seq_max (what calibration reads for the padded reference) is each step's longest history, and
+    # agrees with the same line's seq_stats: regenerate the batches on the host and compare
+    from coplan.costmodel.calibrate import PADDED_SUFFIX, measured_moments
+    from coplan.trainer.data import BatchReader
+
+    w = load_workload("gem-tiny")
+    reader = BatchReader(w, tmp_path / "data", world_size=1, rank=0, policy=json.loads(plan.read_text())["balancing"]["policy"],
+                         global_batch=w.batch.global_(1))
+    for row in on:
+        lengths = reader.read(row["step"]).seq_lengths
+        assert set(row["seq_max"]) == set(lengths) and lengths
+        for seq, v in lengths.items():
+            assert row["seq_max"][seq] == [int(v.max())]
+            n, total, _ = row["seq_stats"][seq]
+            assert n == v.size and total == v.sum() and row["seq_max"][seq][0] * n >= total
+    moments = measured_moments(on)
+    for seq in on[0]["seq_max"]:
+        assert moments[seq + PADDED_SUFFIX][0] == pytest.approx(sum(r["seq_max"][seq][0] for r in on) / len(on))
