@@ -87,6 +87,11 @@ class Sample:
     mem_s: float
     """(B + B_fixed) / datasheet HBM bandwidth: seconds at memory efficiency 1."""
     launches: float
+    serial_mem_s: float = 0.0
+    """Bytes of the op's separate elementwise kernels / HBM bandwidth (an unfused op: the padded
+    reference), priced at the elementwise class's memory efficiency and added to the roofline."""
+    mem_class: str = ""
+    """Class whose memory efficiency prices ``mem_s`` ("": the op's own; an unfused op's matmuls: "gemm")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +226,8 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
         priced.update((n, t.phase) for n in members)
         meas = sum(per_step.get((n, t.phase), 0.0) for n in members) / t.micro_batches
         if meas > 0:
-            out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches))
+            out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches,
+                              t.serial_mem_s, t.mem_class))
     unpriced = {f"{n}:{ph}": v for (n, ph), v in sorted(per_step.items()) if (n, ph) not in priced and v > 0}
     steps = max(1, att.steps)
     unpriced["unattributed"] = (att.unattributed_s + (att.unattributed_idle_s if host_gaps else 0.0)) / steps
@@ -248,6 +254,10 @@ class UnitTerm:
     micro_batches: int
     members: tuple[str, ...] = ()
     """For the merged embedding sample ('sparse'): the op names whose measured time it sums."""
+    serial_mem_s: float = 0.0
+    """See :attr:`Sample.serial_mem_s`."""
+    mem_class: str = ""
+    """See :attr:`Sample.mem_class`."""
 
 
 def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None, *, rank: int = 0) -> list[UnitTerm]:
@@ -271,10 +281,14 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         if plan.kernels.attention == "reference" and o.op_class == "attention" and o.sequence:
             # priced as the padded reference runs (context.op_arrays): fitted under its own key
             dt = REFERENCE_ATTENTION_DTYPE
+        unfused = bool(arr.fwd_serial_s[k] > 0 or arr.bwd_serial_s[k] > 0)
+        mc = "gemm" if unfused else ""
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
-                            float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb))
+                            float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb,
+                            serial_mem_s=float(arr.fwd_serial_s[k]), mem_class=mc))
         out.append(UnitTerm(o.name, "bwd", o.op_class, dt, float(arr.bwd_flop_s[k]),
-                            float(arr.bwd_mem_s[k] + arr.bwd_fixed_mem_s[k]), float(arr.bwd_launches[k]), mb))
+                            float(arr.bwd_mem_s[k] + arr.bwd_fixed_mem_s[k]), float(arr.bwd_launches[k]), mb,
+                            serial_mem_s=float(arr.bwd_serial_s[k]), mem_class=mc))
     sparse = tuple(o.name for o in ctx.ops if o.layer == "sparse")
     if ctx.tables.num and sparse:
         a = _assignment(ctx, plan.tables) if plan.tables else default_assignment(ctx)
@@ -282,12 +296,18 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         r = rank % ctx.mesh.sparse_shard
         for phase, key in (("fwd", "fwd_s"), ("bwd", "bwd_s")):
             out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, float(loads[key][r]), float(len(sparse)), 1, sparse))
-    # the dense optimizer, once per step, as the pricer prices it (memory-bound elementwise, 20 launches)
-    from coplan.costmodel.context import dense_fixed_costs
+    # the dense optimizer, once per step, as the pricer prices it (memory-bound elementwise, with the
+    # trainer's gradient norm), and FSDP2's copies per micro-batch (the trace's "fsdp.hooks")
+    from coplan.costmodel.context import FSDP_COPY_LAUNCHES, dense_fixed_costs, fsdp_copy_bytes
 
     opt = dense_fixed_costs(ctx).optimizer_step_s  # unit efficiencies: bytes / HBM bandwidth exactly
     if opt > 0:
         out.append(UnitTerm("optimizer.step", "optimizer", "elementwise", "fp32", 0.0, float(opt), OPTIMIZER_LAUNCHES, 1))
+    cf, cbk = fsdp_copy_bytes(ctx)
+    bw = ctx.topology.gpu.hbm_bw_bytes_per_s
+    for phase, nbytes, nl in (("fwd", cf, FSDP_COPY_LAUNCHES[0]), ("bwd", cbk, FSDP_COPY_LAUNCHES[1])):
+        if nbytes > 0:
+            out.append(UnitTerm("fsdp.hooks", phase, "elementwise", "fp32", 0.0, float(nbytes / bw), nl, mb))
     return out
 
 
@@ -298,8 +318,7 @@ from coplan.costmodel.flops import REFERENCE_MATMUL_DTYPE as REFERENCE_ATTENTION
 apart from the fused kernels' (one class, two very different implementations), and the pricer reads it
 under the same key."""
 
-OPTIMIZER_LAUNCHES = 20.0
-"""Launches the pricer charges the dense optimizer step (``context.dense_fixed_costs``)."""
+from coplan.costmodel.context import OPTIMIZER_LAUNCHES  # noqa: E402  (the pricer's launches of the optimizer step)
 
 
 def _profiled_steps(run_dir: Path, metrics: Sequence[dict]) -> list[int] | None:
@@ -345,8 +364,10 @@ def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], me
     out = np.empty(len(samples))
     for i, s in enumerate(samples):
         e = compute.get((s.op_class, s.dtype), 1.0)
-        m = memory.get(s.op_class, 1.0)
-        out[i] = max(s.flop_s / e, s.mem_s / m) + s.launches * launch_s.get(s.op_class, 0.0)
+        m = memory.get(s.mem_class or s.op_class, 1.0)
+        # an unfused op: its separate elementwise kernels run after its matmuls, so their time adds
+        serial = s.serial_mem_s / memory.get("elementwise", 1.0) if s.serial_mem_s > 0 else 0.0
+        out[i] = max(s.flop_s / e, s.mem_s / m) + serial + s.launches * launch_s.get(s.op_class, 0.0)
     return out
 
 
@@ -359,7 +380,8 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
     if not samples:
         raise CalibrationError("nothing to fit: no measured op")
     keys_c = sorted({(s.op_class, s.dtype) for s in samples if s.flop_s > 0})
-    keys_m = sorted({s.op_class for s in samples if s.mem_s > 0})
+    keys_m = sorted({s.mem_class or s.op_class for s in samples if s.mem_s > 0}
+                    | {"elementwise" for s in samples if s.serial_mem_s > 0})
     keys_l = sorted({s.op_class for s in samples if s.launches > 0})
     # parameters in log space: efficiencies in (1e-6, 1], launch overhead in (1e-8 s, 0.5 s) (the upper end
     # only matters for CPU traces, where an "op launch" can be a whole interpreted kernel)

@@ -370,13 +370,18 @@ class OpArrays:
     fwd_launches: np.ndarray
     """Kernels per call of each op as priced for this backend (the padded reference launches more)."""
     bwd_launches: np.ndarray
+    fwd_serial_s: np.ndarray
+    """Separate memory-bound kernels of an unfused op (:attr:`coplan.costmodel.flops.Op.fwd_serial_bytes`),
+    at the elementwise class's bandwidth: they run after the op's main kernels, so they add to its
+    roofline instead of hiding under it (an op of several kernels costs the sum of theirs)."""
+    bwd_serial_s: np.ndarray
 
     def times(self, rho: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds per op per micro-batch when the per-sample work is scaled by ``rho``."""
         f = np.maximum(rho * self.fwd_flop_s, rho * self.fwd_mem_s + self.fwd_fixed_mem_s) + self.fwd_launch_s
         b = np.maximum(rho * self.bwd_flop_s, rho * self.bwd_mem_s + self.bwd_fixed_mem_s) + self.bwd_launch_s
-        f = f + rho * self.fwd_quant_s + self.fwd_quant_fixed_s
-        b = b + rho * self.bwd_quant_s + self.bwd_quant_fixed_s
+        f = f + rho * (self.fwd_quant_s + self.fwd_serial_s) + self.fwd_quant_fixed_s
+        b = b + rho * (self.bwd_quant_s + self.bwd_serial_s) + self.bwd_quant_fixed_s
         return f, b
 
 
@@ -456,7 +461,11 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
             dt = "fp8"
         peak = gpu.peak_flops_per_s.get(dt) or gpu.peak_flops_per_s["bf16"]
         ce = eff.compute_eff(o.op_class, dt) * flops_eff
-        bw = gpu.hbm_bw_bytes_per_s * eff.memory.get(o.op_class, 0.85)
+        # an unfused op's matmuls are library GEMMs, its other kernels PyTorch elementwise ones: each
+        # part moves its bytes at the efficiency of the kernels that run it
+        unfused = not (o.fwd_serial_bytes.is_zero and o.bwd_serial_bytes.is_zero)
+        bw = gpu.hbm_bw_bytes_per_s * eff.memory.get("gemm" if unfused else o.op_class, 0.85)
+        bw_serial = gpu.hbm_bw_bytes_per_s * eff.memory.get("elementwise", 0.85)
         launch = eff.launch_s.get(o.op_class, 3e-6)
         load = 1.0
         fixed_f, fixed_b = o.fixed_fwd_bytes, o.fixed_bwd_bytes
@@ -483,8 +492,12 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         out["bwd_launch_s"][i] = o.bwd_launches * launch
         out["fwd_launches"][i] = o.fwd_launches
         out["bwd_launches"][i] = o.bwd_launches
-        out["fwd_bytes"][i] = fb + fixed_f
-        out["bwd_bytes"][i] = bb + fixed_b
+        sf = n * load * o.fwd_serial_bytes.expect(m1, m2)
+        sb = n * load * o.bwd_serial_bytes.expect(m1, m2)
+        out["fwd_serial_s"][i] = sf / bw_serial
+        out["bwd_serial_s"][i] = sb / bw_serial
+        out["fwd_bytes"][i] = fb + fixed_f + sf
+        out["bwd_bytes"][i] = bb + fixed_b + sb
         out["act_bytes"][i] = n * o.act_bytes.expect(m1, m2)
         if dt == "fp8":
             _price_fp8_quantisation(out, i, o, n * load * o.fwd_bytes.expect(m1, m2), fixed_f, ctx)
@@ -575,16 +588,17 @@ def seq_cost(ctx: Context, kernels: Kernels | None = None):
     prim = ctx.primary_sequence
     for i, oi in enumerate(ctx.dense_idx):
         o = ctx.ops[oi]
-        for flops_c, bytes_c, comp_s, mem_s in (
-            (o.fwd_flops, o.fwd_bytes, arr.fwd_flop_s[i], arr.fwd_mem_s[i]),
-            (o.bwd_flops + o.bwd_extra_flops, o.bwd_bytes, arr.bwd_flop_s[i], arr.bwd_mem_s[i]),
+        for flops_c, bytes_c, comp_s, mem_s, serial_s in (
+            (o.fwd_flops, o.fwd_bytes, arr.fwd_flop_s[i], arr.fwd_mem_s[i], arr.fwd_serial_s[i]),
+            (o.bwd_flops + o.bwd_extra_flops, o.bwd_bytes, arr.bwd_flop_s[i], arr.bwd_mem_s[i], arr.bwd_serial_s[i]),
         ):
             m1, m2 = ctx.moments[o.sequence]
+            # an unfused op's separate kernels scale with the same length terms as its main roof
             if comp_s >= mem_s:
-                scale = comp_s / max(flops_c.expect(m1, m2), 1e-300)
+                scale = (comp_s + serial_s) / max(flops_c.expect(m1, m2), 1e-300)
                 co = flops_c
             else:
-                scale = mem_s / max(bytes_c.expect(m1, m2), 1e-300)
+                scale = (mem_s + serial_s) / max(bytes_c.expect(m1, m2), 1e-300)
                 co = bytes_c
             scale /= ctx.mb_batch
             if o.sequence is not None and o.sequence == prim:
@@ -696,6 +710,11 @@ class DenseFixedCosts:
     optimizer_bytes: float
     fsdp_buffer_bytes: float
     optimizer_step_s: float
+    fsdp_copy_fwd_s: float = 0.0
+    """FSDP2's copies around its collectives, per micro-batch, forward (:func:`fsdp_copy_bytes`), at the
+    elementwise class's bandwidth, launches included."""
+    fsdp_copy_bwd_s: float = 0.0
+    """The same, backward (gradient copy-in, the one-rank divided copy, the cast to the parameter dtype)."""
 
     @property
     def comm_total_s(self) -> float:
@@ -755,14 +774,85 @@ def dense_fixed_costs(ctx: Context) -> DenseFixedCosts:
         fsdp_buf = 2.0 * mx * cb + mx * rb
     else:
         fsdp_buf = float((P + E).sum()) * cb  # compute-dtype copies of all weights kept for backward
-    # optimizer: read/write params and state, read grads (fused multi-tensor kernels)
+    # optimizer: read/write params and state, read grads (fused multi-tensor kernels); plus the trainer's
+    # per-step gradient norm (its non-finite check, one foreach norm: the gradients read once, as
+    # gradient clipping would), which runs just before the optimizer
     st = w.optimizer.dense_state_bytes_per_param
-    opt_bytes = n_local * (2 * pb + rb + 2 * st)
+    opt_bytes = n_local * (2 * pb + rb + 2 * st) + n_local * rb
     bw = ctx.topology.gpu.hbm_bw_bytes_per_s * ctx.eff.memory.get("elementwise", 0.85)
-    opt_s = opt_bytes / bw + 20 * ctx.eff.launch_s.get("elementwise", 2e-6) if n_local else 0.0
-    out = DenseFixedCosts(ctx.layer_names, ag_f, ag_b, rs_s, rep, ep_s, params_b, grads_b, opt_b, fsdp_buf, opt_s)
+    launch = ctx.eff.launch_s.get("elementwise", 2e-6)
+    opt_s = opt_bytes / bw + OPTIMIZER_LAUNCHES * launch if n_local else 0.0
+    cf, cbk = fsdp_copy_bytes(ctx)
+    cp_f = cf / bw + FSDP_COPY_LAUNCHES[0] * launch if cf > 0 else 0.0
+    cp_b = cbk / bw + FSDP_COPY_LAUNCHES[1] * launch if cbk > 0 else 0.0
+    out = DenseFixedCosts(ctx.layer_names, ag_f, ag_b, rs_s, rep, ep_s, params_b, grads_b, opt_b, fsdp_buf, opt_s, cp_f, cp_b)
     ctx.cache["dense_fixed"] = out
     return out
+
+
+OPTIMIZER_LAUNCHES = 20.0
+"""Launches the pricer charges the dense optimizer step (fused multi-tensor kernels and the gradient norm)."""
+
+FSDP_COPY_LAUNCHES = (2.0, 3.0)
+"""Launches the pricer charges FSDP2's copies per micro-batch (forward: the parameter cast and the
+copy into the gathered buffer; backward: the gradient copy-in, the divided copy, the cast), as if each
+pass were one multi-tensor kernel. (On one rank FSDP2 launches the forward passes per parameter
+tensor, ~2 per tensor; the cost model does not know tensor counts, and ``h`` is per *priced* launch.)"""
+
+EMBEDDING_OUTPUT_BYTES = 4
+"""Bytes per element of the sparse arch's outputs as the dense module receives them: TorchRec's fused
+TBE writes fp32 unless ``output_dtype`` is set (the trainer does not set it)."""
+
+
+def fsdp_copy_bytes(ctx: Context) -> tuple[float, float]:
+    """HBM bytes of FSDP2's own copies per micro-batch on one rank: (forward, backward).
+
+    What FSDP2 (``torch.distributed.fsdp._fully_shard``) runs around its collectives, with the
+    trainer's mixed precision (parameters kept in ``param_dtype``, gathered in ``compute_dtype``,
+    gradients reduced in ``reduce_dtype``; divide factor 1), for ``N`` dense parameters on the rank
+    (routed experts: their ``1/ep`` share) sharded ``ds`` ways:
+
+    - forward: the cast of the local shard to the compute dtype, ``N/ds·(pb+cb)`` (when the dtypes
+      differ); on one rank the cast shard is copied into the unsharded parameters, ``N·2cb``; with
+      ``ds > 1`` the copy into the all-gather input, ``N/ds·2cb``, and the copy-out of the gathered
+      buffer, ``N·2cb``; again in backward for every layer but the last when parameters are resharded
+      after forward;
+    - backward: the copy of the unsharded gradients into the reduce-scatter input in the reduce dtype
+      (``chunk_cat``), ``N·(cb+rb)``; on one rank the reduce-scatter is a divided copy (a division
+      pass and a copy, ``2·N·2rb``); the cast of the reduced shard to the parameter dtype,
+      ``N/ds·(rb+pb)``, when they differ;
+    - the cast of the dense module's floating inputs to the compute dtype (``cast_forward_inputs``:
+      the embedding outputs, :data:`EMBEDDING_OUTPUT_BYTES` each, at the workload's expected lengths)
+      and of their gradients back.
+
+    Nothing here is fitted: it is bytes, priced like every other memory-bound pass. Without FSDP
+    (no dense parameters) both are 0."""
+    w = ctx.workload
+    cb = ctx.compute_bytes
+    pb = F.DTYPE_BYTES[w.precision.param_dtype]
+    rb = F.DTYPE_BYTES[w.precision.reduce_dtype]
+    ds, ep = ctx.mesh.dense_shard, ctx.mesh.expert_parallel
+    P, E = ctx.layer_params, ctx.layer_expert_params
+    N = float(P.sum() + E.sum() / ep)
+    if N <= 0:
+        return 0.0, 0.0
+    cast = (pb + cb) if pb != cb else 0.0
+    if ds > 1:
+        gather = N / ds * cast + N / ds * 2 * cb + N * 2 * cb
+    else:
+        gather = N * cast + N * 2 * cb
+    fwd = gather
+    bwd = N * (cb + rb) + (2 * N * 2 * rb if ds == 1 else 0.0) + (N / ds * (rb + pb) if rb != pb else 0.0)
+    if ds > 1 and ctx.options.reshard_after_forward and len(P):
+        last = float(P[-1] + E[-1] / ep)
+        bwd += gather * (1.0 - last / N)
+    ta = ctx.tables
+    if ta.num and cb != EMBEDDING_OUTPUT_BYTES:
+        vec = np.where(ta.is_seq, ctx.mb_batch * ta.lookups_per_sample, ctx.mb_batch * ta.features)
+        elems = float((vec * ta.dim).sum())
+        fwd += elems * (EMBEDDING_OUTPUT_BYTES + cb)
+        bwd += elems * (cb + EMBEDDING_OUTPUT_BYTES)
+    return fwd, bwd
 
 
 def table_option_costs(ctx: Context, sharding_type: str, num_shards=1, *, kernel: str | None = None) -> TableOptionCosts:
@@ -824,5 +914,5 @@ def table_option_cost(ctx: Context, table: str, sharding_type: str, num_shards: 
 
 __all__ = [
     "Context", "DenseFixedCosts", "LayerCost", "OpArrays", "Options", "TableOptionCost", "build_context",
-    "dense_fixed_costs", "fp8_allowed", "fp8_capable", "fp8_guard", "imbalance", "layer_costs", "op_arrays", "seq_cost", "table_option_cost", "table_option_costs",
+    "dense_fixed_costs", "fp8_allowed", "fsdp_copy_bytes", "fp8_capable", "fp8_guard", "imbalance", "layer_costs", "op_arrays", "seq_cost", "table_option_cost", "table_option_costs",
 ]

@@ -241,6 +241,15 @@ class Op:
     min_dim: int = 0
     """Smallest GEMM dimension (K or N) of the op's linear layers; fp8 is allowed from the workload's ``fp8_min_dim``."""
 
+    fwd_serial_bytes: Coeffs = ZERO
+    """HBM bytes per sample of *separate* memory-bound kernels the forward runs one after another with
+    its main kernel(s) (an unfused op: the padded reference's score passes and pad copies). Each kernel
+    of an op costs its own roofline time and they run in sequence, so these are priced as their own
+    term and added, not folded into one ``max(compute, memory)`` with the main kernels' work."""
+
+    bwd_serial_bytes: Coeffs = ZERO
+    """The same for the backward."""
+
     @property
     def flops(self) -> Coeffs:
         """Model FLOPs (forward + backward) per sample."""
@@ -738,6 +747,10 @@ TF32 (``torch.set_float32_matmul_precision("high")`` on CUDA): their peak is the
 # input, writes (12), ×scale (8), the QKᵀ matmuls read dS twice (8). Softmax adds two masked fills
 # and the softmax's own pass instead of the activation (forward 48, backward 60).
 _REF_SCORE_BYTES = {"gdpa": (32.0, 44.0), "softmax": (48.0, 60.0)}
+_REF_SCORE_GEMM_BYTES = (8.0, 16.0)
+"""Of those, what the matmul kernels themselves move (forward: S written by QKᵀ, W read by PV;
+backward: dW written and W read by PV's matmuls, dS read by QKᵀ's): the rest are separate
+elementwise kernels, priced apart and added (:attr:`Op.fwd_serial_bytes`)."""
 _REF_MASK_BYTES = 6.0
 """Bytes per (query, key) pair of a sample for building the boolean mask (compares and ands, shared by heads)."""
 # Per element of a padded input tensor (Q, K or V; fp32): forward zeros (4) and a contiguous copy for
@@ -745,9 +758,11 @@ _REF_MASK_BYTES = 6.0
 # index_copy (8); backward the gradient's transposed copy and write (12) and per real row the
 # index_select (8) and cast back (6). The output: forward the matmul's write, ×out_scale, the
 # unpadding reshape and concat (28 per padded element), index_select and cast (14 per real one);
-# backward the same.
+# backward the same. Of the per-padded-element bytes, 4 are the matmul's own read or write (forward
+# reads Q, K, V and writes the output; backward writes dQ, dK, dV and reads dO); the rest are copies.
 _REF_IN_BYTES = {"fwd": (16.0, 14.0), "bwd": (12.0, 14.0)}
 _REF_OUT_BYTES = (28.0, 14.0)
+_REF_GEMM_IO_BYTES = 4.0
 # Launches stay the fused op's (1 forward, 2 backward) although the reference runs ~50 kernels per
 # call: launches are what the host cost h is per (Calibration.host_launch_s), and h is fitted per
 # *priced* launch (about a fifth of those that run, the rest being unpriced bookkeeping), so counting
@@ -794,11 +809,17 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
         return (q_pad * p + q_real * r) * wq + (kv_pad * p + kv_real * r) * (2 * wkv)
 
     out_bytes = (q_pad * _REF_OUT_BYTES[0] + q_real * _REF_OUT_BYTES[1]) * wq
+    # what the matmuls move themselves (priced with their FLOPs in one roofline per matmul) ...
+    g_io = (q_pad * wq * 2 + kv_pad * (2 * wkv)) * _REF_GEMM_IO_BYTES  # Q, K, V and the output (or their gradients)
+    gemm_f = elems * _REF_SCORE_GEMM_BYTES[0] + g_io
+    gemm_b = elems * _REF_SCORE_GEMM_BYTES[1] + g_io
+    # ... and the separate elementwise kernels around them, which run after them, not under them
+    serial_f = elems * f_score + mask + inputs("fwd") + out_bytes + gemm_f * -1.0
+    serial_b = elems * b_score + inputs("bwd") + out_bytes + gemm_b * -1.0
     return replace(
         op, dtype=REFERENCE_MATMUL_DTYPE,
         fwd_flops=elems * (4.0 * dh), bwd_flops=elems * (8.0 * dh), bwd_extra_flops=ZERO,
-        fwd_bytes=elems * f_score + mask + inputs("fwd") + out_bytes,
-        bwd_bytes=elems * b_score + inputs("bwd") + out_bytes,
+        fwd_bytes=gemm_f, bwd_bytes=gemm_b, fwd_serial_bytes=serial_f, bwd_serial_bytes=serial_b,
         # saved for backward: the scaled scores and the weights [H, Lq, P] (fp32), padded Q, K, V
         act_bytes=elems * 8.0 + (q_pad * wq + kv_pad * (2 * wkv)) * 4.0,
     )

@@ -32,7 +32,16 @@ from typing import Sequence
 import numpy as np
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.context import Context, dense_fixed_costs, imbalance, op_arrays, table_option_costs
+from coplan.costmodel.context import (
+    FSDP_COPY_LAUNCHES,
+    OPTIMIZER_LAUNCHES,
+    Context,
+    dense_fixed_costs,
+    fsdp_copy_bytes,
+    imbalance,
+    op_arrays,
+    table_option_costs,
+)
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment
 from coplan.costmodel.goodput import goodput as goodput_of
 from coplan.costmodel.results import CommCost, Memory, OpCost, Perf, StepCost
@@ -132,8 +141,10 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
         dense += arr.fwd_launches[k] * (2.0 if o.layer in recomputed else 1.0) + arr.bwd_launches[k]
         if arr.fp8[k]:
             dense += o.fwd_launches * (3 * k_row + 3 * k_col)
-    opt = 20.0 if dense_fixed_costs(ctx).optimizer_step_s > 0 else 0.0
-    return float((dense + 3.0 * emb_kernels) * ctx.micro_batches + opt)
+    fixed = dense_fixed_costs(ctx)
+    opt = OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0
+    fsdp = (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0) + (FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0)
+    return float((dense + 3.0 * emb_kernels + fsdp) * ctx.micro_batches + opt)
 
 
 def price(
@@ -273,6 +284,7 @@ def price(
     first_need = int(np.flatnonzero(needs)[0]) if needs.any() else -1
     last_rs: list[int] = []
     sparse_sm = not sparse_model.sm_free
+    fixed = dense_fixed_costs(ctx)
     for m in range(M):
         ids_task = None
         if loads is not None and not ctx.options.pipeline_input_dist:
@@ -291,6 +303,10 @@ def price(
 
         if nl:
             ag_task[0] = gather(0, None, "fwd")
+        if fixed.fsdp_copy_fwd_s > 0:
+            # FSDP2's parameter casts and copies (and the inputs' cast) run before the first layer on
+            # the compute stream: memory-bound kernels of their own, not hidden under any op
+            S.add("fsdp.hooks", COMPUTE, fixed.fsdp_copy_fwd_s, (ag_task[0] if nl else None,), phase="fwd", layer="fsdp")
         for i in range(nl):
             if i + 1 < nl:
                 ag_task[i + 1] = gather(i + 1, fwd_task[i - 1] if i >= 1 else None, "fwd")
@@ -340,6 +356,9 @@ def price(
             if i == first_need and loads is not None:
                 grad_a2a = comm_add("sparse.all_to_all_bwd", a2a_t, (bwd_task[i],), phase="bwd", layer="sparse", sm=sparse_sm,
                                  meta=("all_to_all", "sparse_shard", a2a_bytes))
+        if fixed.fsdp_copy_bwd_s > 0:
+            # the gradients' copy-in, the one-rank divided copy and casts: after the layers' backward
+            S.add("fsdp.hooks", COMPUTE, fixed.fsdp_copy_bwd_s, (bwd_task[0] if nl else None,), phase="bwd", layer="fsdp")
         if loads is not None:
             if grad_a2a is None:
                 grad_a2a = comm_add("sparse.all_to_all_bwd", a2a_t, (), phase="bwd", layer="sparse", sm=sparse_sm,
@@ -354,7 +373,6 @@ def price(
         rm = ctx.model("sparse_replicate", "all_reduce")
         comm_add("sparse.replica_sync", rm.time(rsync) / ctx.options.sparse_sync_interval_steps, (), phase="bwd", layer="sparse",
               sm=not rm.sm_free, meta=("all_reduce", "sparse_replicate", rsync))
-    fixed = dense_fixed_costs(ctx)
     if fixed.optimizer_step_s > 0:
         S.add("optimizer.step", COMPUTE, fixed.optimizer_step_s, tuple(last_rs), phase="optimizer", layer="optimizer")
     if loads is not None and ctx.options.pipeline_input_dist:
@@ -420,6 +438,10 @@ def price(
             ops_out.append(OpCost("sparse.tbe", "embedding", "bwd", emb_bwd * M * fac("sparse"), 0.0, 0.0, "sparse"))
         if fixed.optimizer_step_s > 0:
             ops_out.append(OpCost("optimizer.step", "elementwise", "optimizer", fixed.optimizer_step_s * fac("optimizer"), 0.0, 0.0, "optimizer"))
+        if fixed.fsdp_copy_fwd_s > 0 or fixed.fsdp_copy_bwd_s > 0:
+            cf, cbk = fsdp_copy_bytes(ctx)
+            ops_out.append(OpCost("fsdp.hooks", "elementwise", "fwd", fixed.fsdp_copy_fwd_s * M * fac("fsdp"), 0.0, cf * M, "fsdp"))
+            ops_out.append(OpCost("fsdp.hooks", "elementwise", "bwd", fixed.fsdp_copy_bwd_s * M * fac("fsdp"), 0.0, cbk * M, "fsdp"))
         for (name, ph), (kind, group, nbytes, t, e, calls) in comm_acc.items():
             g = ctx.groups[group]
             comms_out.append(CommCost(name, kind, g.size, g.tiers, float(nbytes), t, e, ph, calls))

@@ -16,8 +16,11 @@ Attribution, per trace (one rank):
 5. Work the cost model prices outside its dense ops has names of its own: the optimizer's
    ``Optimizer.step#...`` range is ``optimizer.step`` (phase ``optimizer``); FSDP2's hooks
    (``FSDP::...``: parameter casts, gradient copies) are ``fsdp.hooks`` and TorchRec's input and output
-   distribution ranges are ``sparse.dist``; the cost model does not price these two on one GPU, so they
-   stay visible as their own rows instead of vanishing into "unattributed".
+   distribution ranges are ``sparse.dist``; the backward of an autograd op made inside such a range
+   (FSDP2's cast of the forward inputs) belongs to it too. The cost model prices FSDP2's copies
+   (``context.fsdp_copy_bytes``), not TorchRec's distribution on one GPU, which stays visible as its
+   own row instead of vanishing into "unattributed". The trainer's gradient norm (``aten::_foreach_norm``
+   outside any range) is the optimizer's.
 
 On a GPU trace only the profiled steps count: a kernel belongs to the step whose host ``ProfilerStep#N``
 range launched it (by correlation id), wherever it ran; a step's device window is the hull of its
@@ -170,6 +173,10 @@ class _Ranges:
         return None
 
 
+_OPTIMIZER_CPU_OPS = frozenset({"aten::_foreach_norm"})
+"""CPU ops outside any named range whose kernels are the optimizer step's: the trainer's per-step
+gradient norm (its non-finite check, priced with the optimizer as gradient clipping would be)."""
+
 _TORCHREC_RANGE = re.compile(r"^(\[[a-z_]+\]_\[sparse|## .* ##$)")
 
 
@@ -196,6 +203,7 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
     events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
     windows: list[tuple[float, float]] = []
     op_ranges: dict[Any, list] = defaultdict(list)
+    aux_ranges: dict[Any, list] = defaultdict(list)
     bwd_nodes: dict[Any, list] = defaultdict(list)
     cpu_ops: dict[Any, list] = defaultdict(list)
     fwd_seq_ops: list[tuple[Any, float, int]] = []
@@ -222,6 +230,8 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
             gpu_steps.append((ts, ts + dur, name))
         elif cat == "cpu_op":
             cpu_ops[tid].append((ts, ts + dur, e))
+            if name in _OPTIMIZER_CPU_OPS:
+                aux_ranges[tid].append((ts, ts + dur, ("optimizer.step", "optimizer")))
             m = _BWD_NODE.match(name)
             if m and "Sequence number" in args:
                 bwd_nodes[tid].append((ts, ts + dur, int(args["Sequence number"])))
@@ -268,14 +278,22 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
     op_index = {tid: _Ranges([x for x in r if x[2][1] != "hook"]) for tid, r in op_ranges.items()}
     hook_index = {tid: _Ranges([x for x in r if x[2][1] == "hook"]) for tid, r in op_ranges.items()}
     bwd_index = {tid: _Ranges(r) for tid, r in bwd_nodes.items()}
+    aux_index = {tid: _Ranges(r) for tid, r in aux_ranges.items()}
 
-    # forward sequence numbers -> the op range they ran in
+    # forward sequence numbers -> the op range they ran in; an autograd op made inside a hook range
+    # (FSDP2's cast of the forward inputs) has its backward (the gradients' cast back) in that hook
     seq_name: dict[int, str] = {}
     for tid, ts, seq in fwd_seq_ops:
+        if seq in seq_name:
+            continue
         idx = op_index.get(tid)
         owner = idx.innermost(ts) if idx else None
-        if owner is not None and owner[1] == "op" and seq not in seq_name:
+        if owner is not None and owner[1] == "op":
             seq_name[seq] = owner[0]
+        elif owner is None and tid in hook_index:
+            hook = hook_index[tid].innermost(ts)
+            if hook is not None:
+                seq_name[seq] = hook[0]
 
     # work units: (tid, launch time, duration, kernel name, device start or None)
     units: list[tuple[Any, float, float, str, float | None]] = []
@@ -354,6 +372,8 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
             owner = (name, phase)
         elif bwd is not None and bwd in seq_name:
             owner = (seq_name[bwd], "bwd")
+        elif bwd is None and tid in aux_index and (aux := aux_index[tid].innermost(ts)) is not None:
+            owner = aux
         if owner is None:
             unattributed += dur
             un_idle += gap
