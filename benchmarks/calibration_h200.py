@@ -31,8 +31,10 @@ device time, and a host cost h per priced launch fitted to the T half's measured
 prices the step at max(device step, priced launches × h), host and device running concurrently (see
 ``coplan.costmodel.calibrate``). Three readings outside the cost model, for context: ``device_only``
 (the device fit without the host cost), ``additive`` (device step + priced launches × h_add, h_add
-fitted on the T half: the form used before the max form) and ``device_factor`` (the device step times the T half's median
-measured/device ratio). Per op class: the runs' traced device time per (op, phase) against the
+fitted on the T half: the form used before the max form), ``device_factor`` (the device step times the T half's median
+measured/device ratio) and ``phases`` (the sum over forward, backward and optimizer of max(device_p,
+launches_p × h_ph), h_ph fitted on the T half: what the step would be if the host could not run ahead
+across a phase boundary; the trainer has no sync there, so this is a reading, not the model). Per op class: the runs' traced device time per (op, phase) against the
 roofline under the default and the fitted efficiencies, summed per class. The padded reference pads
 each micro-batch to its longest history: its runs are priced at the longest lengths of the batches that
 ran (``known_longest``: the data set regenerated here, deterministic, and used only when every step's
@@ -391,7 +393,7 @@ def _write_manifest(root: Path, manifest: dict, jobs: list[list["Job"]]) -> None
 # ---------------------------------------------------------------------------------------------
 
 
-STEP_KEYS = ("default", "calibrated", "device_only", "additive", "device_factor")
+STEP_KEYS = ("default", "calibrated", "device_only", "additive", "device_factor", "phases")
 """Step-time predictions compared: the cost model with default efficiencies; with the calibration
 (device fit, and the step priced at max(device step, priced launches x host cost h), what ``coplan plan
 --calibration`` prices); and three readings outside the cost model, for context: the device fit alone,
@@ -578,6 +580,22 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             if hf is not None and r.get("predicted_step_calibrated_s") is not None:
                 rebuilt = max(r["predicted_step_device_only_s"], hf.h_s * r["priced_launches_per_step"])
                 r["max_form_consistency"] = _err(r["predicted_step_calibrated_s"], rebuilt)
+    # per-phase reading (not in the cost model): step = sum over forward, backward, optimizer of
+    # max(device_p, launches_p x h_ph), h_ph fitted on the fit half like h; it would hold if the host could
+    # not run ahead across a phase boundary (see the module docstring: the traces say it does)
+    from coplan.costmodel.calibrate import fit_host_phase_form, step_phases
+
+    h_ph, _ = fit_host_phase_form(fit_rs, res)
+    out["host_phase_form"] = {"host_s_per_launch": h_ph, "meaning": "step = sum over phases (fwd, bwd, optimizer) of "
+                              "max(device_p, priced launches_p x h_ph); not in the cost model"}
+    for n in fit_names + held_names + fresh_names:
+        r = rows[n]
+        try:
+            D, N = step_phases(runs[n][1].plan, res, r["_moments"])
+            r["device_s_by_phase"], r["priced_launches_by_phase"] = D.tolist(), N.tolist()
+            r["predicted_step_phases_s"] = float(np.maximum(D, h_ph * N).sum())
+        except Exception as e:
+            r["phase_reading_error"] = f"{type(e).__name__}: {e}"
     ratios = [rows[n]["measured_step_s"] / rows[n]["predicted_step_device_only_s"] for n in fit_names
               if rows[n].get("measured_step_s") and rows[n].get("predicted_step_device_only_s")]
     k = float(np.median(ratios)) if ratios else 1.0
@@ -666,7 +684,8 @@ def print_table(res: dict) -> None:
             v, e = r.get(f"predicted_step_{c}_s"), r.get(f"step_error_{c}")
             cells.append(f"{v * 1e3:6.1f} {100 * e:+4.0f}%" if v is not None and e is not None else f"{'-':>11}")
         print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
-    for label, part, gkey in (("held-out", "heldout", "goals"), ("fresh held-out", "fresh", "goals_fresh")):
+    for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
+                              ("fresh held-out", "fresh", "goals_fresh")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -684,6 +703,8 @@ def print_table(res: dict) -> None:
         print(f"{label} goals:", json.dumps(res.get(gkey, {})))
     if res.get("host_fit"):
         print(f"host cost per priced launch: {res['host_fit']['host_s_per_launch'] * 1e6:.1f} us")
+    if res.get("host_phase_form"):
+        print(f"per-phase reading: host cost per priced launch {res['host_phase_form']['host_s_per_launch'] * 1e6:.1f} us")
     if res.get("error"):
         print("error:", res["error"])
 

@@ -7,6 +7,10 @@ function of the parameters of its op class ``c``:
 
     t̂ = max(F / (peak · e_c), (B + B_fixed) / (hbm_bw · m_c)) + launches · λ_c
 
+(an unfused op, the padded reference attention, adds ``S / (hbm_bw · m_elementwise)`` for the bytes
+``S`` of its separate elementwise kernels, which run after its matmuls; its matmuls' bytes use the gemm
+class's ``m``: each kernel costs its own roofline and the op costs their sum)
+
 ``F``, ``B``, ``launches`` come from the same context the planner prices with (built once with unit
 efficiencies, so ``F/peak`` and ``B/hbm_bw`` are read off directly) and the *measured* length moments
 of the profiled steps. ``e_c`` (compute efficiency, for the dtype the ops ran in), ``m_c`` (fraction of
@@ -27,6 +31,12 @@ would count the overlapped part twice: it overstated device-bound variants by up
 least squares on log ratios. With ``calibrate(..., host=True)`` (``coplan calibrate --host-cost``) it is
 written as the Calibration's ``host_launch_s`` (launch overheads stay the device fit's), and
 ``coplan plan`` prices each step at the longer of its device time and its priced launches × ``h``.
+Why the max and not a sum of per-phase maxima (forward, backward, optimizer): the trainer never
+waits for the device inside or between steps (no device-to-host copy or synchronisation in its
+profiled steps), so the host's lead carries across phase and step boundaries; in the H200 traces the
+launch-to-start lag reaches 14-21 ms at the end of ``base``'s backward and is drained in the next
+forward, and ``rc-nomoe``/``L6`` start their steps with a 13-21 ms backlog. The per-phase sum would hold
+only with a sync at each phase boundary; :func:`fit_host_phase_form` computes it as a reading.
 Limits: ``N`` counts the launches the cost model prices (about a fifth of those that run), so ``h`` is
 per *priced* launch; a host sync (the MoE routing counts read back, the reference attention's longest
 length) serialises host and device around it, which the max form does not capture; both are stated
@@ -565,6 +575,62 @@ def step_launches(plan: Plan, res: FitResult, moments: dict[str, tuple[float, fl
     p0 = predict_step_time(plan, _device_calibration(plan, res), moments)
     p1 = predict_step_time(plan, _device_calibration(plan, res, delta), moments)
     return p0, max(0.0, (p1 - p0) / delta)
+
+
+PHASES = ("fwd", "bwd", "optimizer")
+
+
+def step_phases(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per phase (forward, backward with recompute, optimizer): the pricer's device time under the device
+    fit (compute plus the communication it did not hide) and the launches it charges there (each phase's
+    slope in the launch cost, read off numerically as :func:`step_launches` does for the step); they sum
+    to the step and to :func:`coplan.costmodel.pricer.priced_launches`. For the per-phase host reading."""
+    from coplan.costmodel.pricer import price
+
+    def phases(extra: float) -> np.ndarray:
+        cal = _for_backend(plan, _device_calibration(plan, res, extra))
+        ctx = build_context(plan.workload, plan.topology, plan.mesh, cal, force_calibration=True)
+        apply_moments(ctx, moments)
+        p = price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False).perf
+        return np.array([p.fwd_compute_s + p.fwd_exposed_s, p.bwd_compute_s + p.recompute_s + p.bwd_exposed_s, p.optimizer_s])
+
+    delta = 1e-6
+    d0 = phases(0.0)
+    return d0, np.maximum(0.0, (phases(delta) - d0) / delta)
+
+
+def fit_host_phase_form(runs: Sequence[RunSamples], res: FitResult) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """``h`` of the per-phase reading, step = Σ over phases of max(device_p, launches_p · h), fitted like
+    the max form's (log ratios, host-syncing backends left out; see :func:`fit_host_launch_cost`).
+    Returns (h, per fitted run: its phase arrays). A reading only: it holds where the host cannot run
+    ahead of the device across a phase boundary (a sync at each boundary), which the trainer does not do."""
+    from scipy.optimize import minimize_scalar
+
+    plain = [r for r in runs if r.plan.kernels.attention not in HOST_SYNCING_BACKENDS]
+    per: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    meas = []
+    for r in plain or runs:
+        st = r.result.step_time if r.result else None
+        if st is None or not st.p50_s:
+            continue
+        per[r.run] = step_phases(r.plan, res, r.step_moments or r.moments or None)
+        meas.append(float(st.p50_s))
+    if not per:
+        return 0.0, per
+    m = np.array(meas)
+    D = np.array([v[0] for v in per.values()])
+    N = np.array([v[1] for v in per.values()])
+
+    def loss(h: float) -> float:
+        return float(np.sum(np.log(np.maximum(D, h * N).sum(axis=1) / m) ** 2))
+
+    hi = float(max(1e-9, np.max(m / np.maximum(N.sum(axis=1), 1.0)) * 2))
+    grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
+    losses = [loss(float(g)) for g in grid]
+    k = int(np.argmin(losses))
+    r = minimize_scalar(loss, bounds=(grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]), method="bounded",
+                        options={"xatol": 1e-10})
+    return (float(r.x) if r.fun <= losses[k] else float(grid[k])), per
 
 
 HOST_FORMS = ("max", "additive")

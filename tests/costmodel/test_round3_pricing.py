@@ -198,3 +198,23 @@ def test_trace_attributes_the_input_casts_backward_and_the_gradient_norm():
     assert ops[("fsdp.hooks", "bwd")] == pytest.approx(90e-6)
     assert ops[("optimizer.step", "optimizer")] == pytest.approx(125e-6)
     assert att.unattributed_s == pytest.approx(7e-6)
+
+
+def test_step_phases_add_up_to_the_step_and_its_priced_launches():
+    """The per-phase reading's parts are the pricer's own: device time per phase sums to the step under
+    the device fit, launches per phase to the step's launch slope; and with every phase host-bound or
+    every phase device-bound the per-phase form equals the max form."""
+    from coplan.costmodel.calibrate import FitResult, step_launches, step_phases
+
+    plan = _plan(8, 512)
+    res = FitResult({("gemm", "bf16"): 0.6, ("attention", "bf16"): 0.4}, {"gemm": 0.8, "attention": 0.7, "elementwise": 0.7,
+                    "embedding": 0.1}, {"gemm": 4e-6, "attention": 6e-6, "elementwise": 2e-6, "embedding": 5e-6},
+                    np.zeros(0), np.zeros(0), ())
+    D, N = step_phases(plan, res)
+    p0, n = step_launches(plan, res)
+    assert D.sum() == pytest.approx(p0, rel=1e-9) and N.sum() == pytest.approx(n, rel=1e-6)
+    assert (D > 0).all() and (N > 0).all()
+    h_hi = float((D / N).max()) * 2  # every phase host-bound
+    assert float(np.maximum(D, h_hi * N).sum()) == pytest.approx(max(p0, h_hi * n))
+    h_lo = float((D / N).min()) / 2  # every phase device-bound
+    assert float(np.maximum(D, h_lo * N).sum()) == pytest.approx(max(p0, h_lo * n))
