@@ -25,7 +25,10 @@ Cases (``--cases``, default the first seven, run in this order, each skipped whe
 - ``triton-fsdp-layers``: only ``--fsdp-units layers`` (one FSDP2 unit per layer, as on many ranks);
 - ``triton-baseline``: all of the above off, and ``--moe-grouped off --fused-optimizer off`` (v2's loop);
 - ``reference`` (not by default): the PyTorch reference attention;
-- ``triton-compile`` (not by default): ``--compile layers``, 2 more warm-up steps.
+- ``triton-compile`` (not by default): ``--compile layers``, 2 more warm-up steps, its own time limit
+  (``--compile-case-timeout``, default 420 s: v3's 120 s ended with no step and no Inductor output) and
+  ``TORCH_LOGS=recompiles,graph_breaks,dynamo,inductor``, whose timestamped compile stages the JSON keeps
+  (``compile_log``), so that a slow compilation can be told from a stuck one.
 
 The A/B cases measure 30 steps each (the whole default run takes ~4 min on the H200).
 
@@ -313,6 +316,28 @@ CASES = {
 DEFAULT_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-segment-reduce",
                  "triton-fsdp-layers", "triton-baseline")
 MIN_CASE_S = 45  # below this a launch cannot reach its measured steps: skip the case instead
+# the compile case's logs: Dynamo's and Inductor's INFO lines name each compile stage with a timestamp
+COMPILE_LOGS = "recompiles,graph_breaks,dynamo,inductor"
+_COMPILE_STAGE = re.compile(r"(Step \d: |Graph break in user code|Recompiling function|Restarting analysis|"
+                            r"TorchDynamo compilation metrics|Traceback|Error)")
+
+
+def compile_log(log: str) -> dict:
+    """The compile stages of a ``--compile layers`` run's log (TORCH_LOGS as :data:`COMPILE_LOGS`):
+    how many graphs were compiled, broken and recompiled, and the last stages reached, with their
+    timestamps (the last one of a timed-out run says where it stood)."""
+    lines = log.splitlines()
+    stages = [ln[:300] for ln in lines if _COMPILE_STAGE.search(ln)]
+    return {
+        "dynamo_frames_traced": sum("torchdynamo start tracing" in ln for ln in lines),
+        "inductor_graphs_done": sum("torchinductor done compiling" in ln for ln in lines),
+        "inductor_graphs_started": sum("torchinductor compiling" in ln for ln in lines),
+        "graph_breaks": sum("Graph break in user code" in ln for ln in lines),
+        "recompiles": sum("Recompiling function" in ln for ln in lines),
+        "restarts": sum("Restarting analysis" in ln for ln in lines),
+        "stages_first": stages[:40],
+        "stages_last": stages[-40:],
+    }
 
 
 def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str] | None = None, *,
@@ -326,25 +351,36 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
            "--trace", f"{steps - args.trace_steps}:{steps}", "--checkpoint-every", "-1",
            "--log-every", str(steps), *(extra or [])]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    compiling = "--compile" in (extra or [])
+    if compiling:
+        env["TORCH_LOGS"] = env.get("TORCH_LOGS") or COMPILE_LOGS
     t0 = time.monotonic()
     limit = timeout or args.timeout
-    # its own session, so that a timeout kills torchrun's workers too (they would hold the GPU)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        _kill_run(proc)
-        try:  # helpers outside the group (Inductor's compile workers) may hold the pipe open a while
-            log, _ = proc.communicate(timeout=10)
+    # the log goes to a file as it is written: a killed run keeps all of it (a pipe read at the end
+    # lost it when Inductor's compile workers held the pipe open)
+    log_path = args.runs_root / f"{run_id}.log"
+    with open(log_path, "w") as log_f:
+        # its own session, so that a timeout kills torchrun's workers too (they would hold the GPU)
+        proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=limit)
+            timed_out = False
         except subprocess.TimeoutExpired:
-            log = "(log lost: the pipe stayed open after the kill)"
-        return {"ok": False, "error": f"timed out after {limit:.0f} s", "wall_s": time.monotonic() - t0,
-                "command": cmd, "log_tail": (log or "")[-5000:]}
+            _kill_run(proc)
+            timed_out = True
     wall = time.monotonic() - t0
+    log = log_path.read_text(errors="replace")
+    extra_out = {"log_file": str(log_path)}
+    if compiling:
+        extra_out["compile_log"] = compile_log(log)
+        extra_out["torch_logs"] = env["TORCH_LOGS"]
+    if timed_out:
+        return {"ok": False, "error": f"timed out after {limit:.0f} s", "wall_s": wall, "command": cmd,
+                "log_tail": log[-5000:], **extra_out}
     run_dir = args.runs_root / run_id
     if proc.returncode != 0:
         return {"ok": False, "returncode": proc.returncode, "wall_s": wall, "command": cmd,
-                "log_tail": (log or "")[-5000:]}
+                "log_tail": log[-5000:], **extra_out}
     s = load_run_result(run_dir / "summary.json")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     measured = [x for x in lines if warmup <= x["step"] < steps - args.trace_steps]
@@ -363,8 +399,10 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
         "mfu_per_step": [x["mfu"] for x in measured],
         "step_time_ms_per_step": [x["step_time_s"] * 1e3 for x in measured],
         "step_spread": step_spread([x["step_time_s"] for x in measured]),
-        "versions": s.versions, "device": s.device, "notes": s.notes,
+        "versions": s.versions, "device": s.device, "notes": s.notes, **extra_out,
     }
+    if compiling:  # compile time shows in the warm-up steps' times
+        out["warmup_step_time_ms"] = [x["step_time_s"] * 1e3 for x in lines if x["step"] < warmup]
     trace = run_dir / "traces" / "rank0.json"
     if trace.is_file() and args.keep_traces:
         # the evidence stays with the figures (v3's trace was lost with the device): gzipped beside --out
@@ -441,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=280,
                    help=f"seconds for all cases together (a case is skipped when under {MIN_CASE_S} s are left)")
     p.add_argument("--case-timeout", type=int, default=120, help="seconds for one case at most")
+    p.add_argument("--compile-case-timeout", type=int, default=420,
+                   help="seconds for the triton-compile case at most (compilation happens in its first steps)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
     p.add_argument("--reanalyze", nargs=2, metavar=("BACKEND", "TRACE"), default=None,
                    help="add the per-kernel and host tables of a saved trace (.json or .json.gz) to --out's BACKEND entry, then stop")
@@ -510,13 +550,18 @@ def main(argv: list[str] | None = None) -> int:
                 wb = w.model_copy(update={"batch": w.batch.model_copy(update={"local_batch_size": args.reference_batch, "global_batch_size": None})})
             plan = single_process_plan(wb, topo, attention_backend=backend)
             plan_path = dump_spec(plan, args.runs_root / f"plan-{backend}.json")
-            _log(f"{case}: start ({min(left, args.case_timeout):.0f} s allowed)")
+            cap = args.compile_case_timeout if "--compile" in extra else args.case_timeout
+            _log(f"{case}: start ({min(left, cap):.0f} s allowed)")
             results[case] = run_backend(plan_path, args, f"{w.name}-{case}", data, extra, warmup=args.warmup + more_warmup,
-                                        timeout=min(left, args.case_timeout), measured=measured, case=case)
+                                        timeout=min(left, cap), measured=measured, case=case)
         except Exception as e:  # one failing case must not lose the others
             results[case] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         r = results[case]
         _log(f"{case}: " + json.dumps({k: v for k, v in r.items() if k in ("ok", "measured_local_mfu", "tokens_per_s", "step_time_ms", "peak_memory_gib", "error", "skipped")}, default=str))
+        if r.get("compile_log"):
+            cl = r["compile_log"]
+            _log(f"{case}: compile " + json.dumps({k: v for k, v in cl.items() if not k.startswith("stages")}))
+            print("\n".join(cl["stages_last"][-12:]), flush=True)
         if not r.get("ok") and r.get("log_tail"):
             print(r["log_tail"][-2000:], flush=True)
         write()

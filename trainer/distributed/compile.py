@@ -4,20 +4,49 @@ Why per layer, and why the ``forward`` rather than the module: the step is host-
 small elementwise, norm and cast kernels per layer, each a Python op and a launch); Inductor fuses
 them into a few kernels per layer. The layers' hooks (FSDP2's gather and reduce, activation
 checkpointing's wrapper) stay outside the compiled code, as they are for eager layers, and the
-module tree, parameter names and checkpoints do not change. History lengths change the token count
-every step, so the regions are compiled with dynamic shapes: one compilation per layer kind (the op
-ranges read no layer name when compiling, see ``layers._op_range``), not one per batch or per layer.
-The profiler ranges inside a compiled region are dropped, so its kernels are unattributed in traces.
-The Triton attention is a custom op with a fake implementation: Inductor calls it as is.
-The MoE layer stays eager (its grouped GEMM and routing are already few kernels).
+module tree, parameter names and checkpoints do not change. The profiler ranges inside a compiled
+region are dropped, so its kernels are unattributed in traces. The Triton attention is a custom op
+with a fake implementation: Inductor calls it as is. The MoE layer stays eager (its grouped GEMM and
+routing are already few kernels).
+
+Which dimensions are dynamic, and why not ``dynamic=True``: only the jagged token dimension changes
+from step to step (an InterFormer layer's ``h`` rows); the batch, the summary and non-sequence token
+counts and the widths are fixed by the model. ``dynamic=True`` makes *every* dimension and every
+float a symbol, including the layers' float attributes (the attention scales): the attention
+wrapper's ``math.isfinite(scale)`` on a symbolic float then broke each InterFormer layer into 18
+graphs (Dynamo's restarts for symbolic floats on top), so the region was neither one graph nor fused
+across the attention (``benchmarks/compile_probe.py``, CPU, 2026-11-29). So the regions compile with
+static shapes by default and the token dimension is marked dynamic before each call: one compilation
+per layer kind (the op ranges read no layer name when compiling, see ``layers._op_range``), not one
+per batch or per layer; a batch size that does change (a reference run's smaller batch) recompiles
+once, after which Dynamo's automatic dynamic shapes keep it symbolic.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from coplan.trainer.model.layers import InterFormerLayer, KunlunLayer
+
+
+def compile_layer(layer: nn.Module, backend: str = "inductor") -> None:
+    """Compile ``layer.forward`` in place, as ``--compile layers`` does (the compile probe calls this too;
+    tests pass Dynamo's ``eager`` backend: graphs, breaks and recompiles are decided before the backend)."""
+    compiled = torch.compile(layer.forward, backend=backend)
+    if not isinstance(layer, InterFormerLayer):
+        layer.forward = compiled
+        return
+
+    @functools.wraps(compiled)
+    def forward(h: torch.Tensor, *args, **kwargs):
+        # the history's token count is the only dimension that changes from batch to batch
+        torch._dynamo.maybe_mark_dynamic(h, 0)
+        return compiled(h, *args, **kwargs)
+
+    layer.forward = forward
 
 
 def apply_compile(dense: nn.Module, enabled: bool) -> list[str]:
@@ -28,9 +57,9 @@ def apply_compile(dense: nn.Module, enabled: bool) -> list[str]:
     for name, holder, i in dense.iter_layers():
         layer = getattr(holder[i], "_checkpoint_wrapped_module", holder[i])
         if isinstance(layer, (InterFormerLayer, KunlunLayer)):
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+            compile_layer(layer)
             done.append(name)
     return done
 
 
-__all__ = ["apply_compile"]
+__all__ = ["apply_compile", "compile_layer"]
