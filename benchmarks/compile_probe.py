@@ -268,6 +268,7 @@ def _run_case(case: str, args, limit: float, log_path: Path) -> dict:
     if rc == 0 and log_path.with_suffix(".json").is_file():
         res = json.loads(log_path.with_suffix(".json").read_text())
         res["ok"] = True
+        log_path.with_suffix(".json").unlink()  # merged into --out (the device returns few files)
     else:
         res = {"ok": False, "error": f"timed out after {limit:.0f} s" if rc is None else f"exit code {rc}"}
     res.update({"wall_s": wall, "log_stages": stages[-60:], "log_tail": log[-4000:], "command": cmd,

@@ -77,7 +77,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: one FSDP2 unit per layer, except on one rank, where the dense root is the only unit "
                         "(bf16 mixed precision, no per-layer hooks); layers: one unit per layer everywhere")
     p.add_argument("--compile", choices=["off", "layers"], default="off",
-                   help="layers: torch.compile each InterFormer and Kunlun layer (dynamic shapes); the compilation "
+                   help="layers: torch.compile each InterFormer and Kunlun layer (static shapes but for the history's "
+                        "token dimension: one graph per layer kind); the compilation "
                         "happens in the first steps, so keep them in --warmup")
     p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
