@@ -236,6 +236,43 @@ def _child(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+_TS = re.compile(r"^\[?(?:rank\d+\]:)?[IVWE](\d{4}) (\d\d):(\d\d):(\d\d\.\d+) .*?\[(\d+/\d+)(?:_\d+)?\] (.*)$")
+
+
+def compile_stage_times(log: str) -> dict:
+    """Seconds per compile stage from Dynamo's and Inductor's INFO lines (their timestamps): per frame
+    (``[frame/recompile]``), from Dynamo's first start of tracing to its compiler call's end, and
+    each Inductor graph's forward and backward compilation. AOTAutograd compiles the backward graph
+    during the first forward call, so the first step's forward time holds both."""
+    frames: dict[str, dict] = {}
+    graphs: list[dict] = []
+    open_graph: dict[tuple[str, str], float] = {}
+    for ln in log.splitlines():
+        m = _TS.match(ln)
+        if not m:
+            continue
+        t = int(m.group(2)) * 3600 + int(m.group(3)) * 60 + float(m.group(4))
+        fid, msg = m.group(5), m.group(6)
+        f = frames.setdefault(fid, {})
+        if "torchdynamo start tracing" in msg:
+            f.setdefault("start", t)
+            f["code"] = msg.rsplit("tracing ", 1)[-1][:120]
+        elif "done compiler function" in msg:
+            f["end"] = t
+        elif (g := re.search(r"torchinductor (done )?compiling (FORWARDS|BACKWARDS) graph (\d+)", msg)):
+            key = (g.group(2), g.group(3))
+            if g.group(1):
+                if key in open_graph:
+                    graphs.append({"frame": fid, "graph": int(key[1]), "pass": key[0].lower(),
+                                   "s": round(t - open_graph.pop(key), 3)})
+            else:
+                open_graph[key] = t
+    per_frame = {k: {"code": v.get("code"), "s": round(v["end"] - v["start"], 3)} for k, v in frames.items()
+                 if "start" in v and "end" in v}
+    return {"frames": per_frame, "inductor_graphs": graphs, "total_s": round(sum(v["s"] for v in per_frame.values()), 3),
+            "unfinished_frames": sorted(k for k, v in frames.items() if "start" in v and "end" not in v)}
+
+
 def _run_case(case: str, args, limit: float, log_path: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--workload", args.workload,
            "--device", args.device, "--steps", str(args.steps), "--max-tokens", str(args.max_tokens),
@@ -271,6 +308,10 @@ def _run_case(case: str, args, limit: float, log_path: Path) -> dict:
         log_path.with_suffix(".json").unlink()  # merged into --out (the device returns few files)
     else:
         res = {"ok": False, "error": f"timed out after {limit:.0f} s" if rc is None else f"exit code {rc}"}
+    try:
+        res["compile_stage_s"] = compile_stage_times(log)
+    except Exception as e:  # the figures stand without it
+        res["compile_stage_s"] = {"error": f"{type(e).__name__}: {e}"}
     res.update({"wall_s": wall, "log_stages": stages[-60:], "log_tail": log[-4000:], "command": cmd,
                 "torch_logs": env["TORCH_LOGS"]})
     return res
@@ -302,7 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/compile_probe.json"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, default=1e9, help=argparse.SUPPRESS)
+    p.add_argument("--reparse", action="store_true",
+                   help="recompute each case's compile_stage_s in --out from its kept log (<out stem>_logs/), then stop")
     args = p.parse_args(argv)
+
+    if args.reparse:
+        res = json.loads(args.out.read_text())
+        for case, r in res["cases"].items():
+            log = args.out.parent / f"{args.out.stem}_logs" / f"{case}.log"
+            if log.is_file():
+                r["compile_stage_s"] = compile_stage_times(log.read_text(errors="replace"))
+        args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        return 0
 
     if args.worker:
         args.case = args.worker
