@@ -116,6 +116,11 @@ def _child(args) -> dict:
     if not stack:
         layers = layers[:1]
     layers = [m.to(device=device, dtype=dtype) for m in layers]
+    if device.type == "cuda" and dtype != torch.float32:
+        # the FiLM backward's sums as the trainer runs them on CUDA (one-hot GEMMs), checked as it checks them
+        from coplan.trainer.model.layers import enable_segment_sum_gemm, segment_sum_gemm_works
+
+        enable_segment_sum_gemm(segment_sum_gemm_works(device, dtype))
     eager = [copy.deepcopy(m) for m in layers]  # eager twins with the same weights, for the comparison
     for m in layers:
         if args.dynamic_all:  # the trainer's regions before 2026-11-29 18:00 UTC, for the before/after
@@ -195,7 +200,8 @@ def _child(args) -> dict:
         _log(f"{args.case}: step {step} fwd {fwd_s:.2f} s bwd {bwd_s:.2f} s, new graphs {steps[-1]['new_graphs']}")
         last = (xs, outs, grads)
     out: dict = {"case": args.case, "layers": len(layers), "compile": "dynamic=True" if args.dynamic_all else "compile_layer", "attention_backend": backend, "dtype": str(dtype),
-                 "batch": batch, "steps": steps}
+                 "batch": batch, "steps": steps,
+                 "segment_sum_gemm": bool(__import__("coplan.trainer.model.layers", fromlist=["_"])._segment_sum_gemm)}
     if steps:
         rest_f = sorted(s["fwd_s"] for s in steps[1:]) or [0.0]
         rest_b = sorted(s["bwd_s"] for s in steps[1:]) or [0.0]

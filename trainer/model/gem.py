@@ -34,7 +34,6 @@ from coplan.spec.workload import DenseMLPBlock, InterFormerBlock, KunlunBlock, M
 from coplan.trainer.features import FeatureLayout, feature_layout
 from coplan.trainer.model.layers import MLP, InterFormerLayer, KunlunLayer, segment_ids, segment_sum
 from coplan.trainer.model.moe import MoELayer
-from coplan.trainer.model.sparse import SparseArch
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +308,9 @@ class GEMModel(nn.Module):
         super().__init__()
         self.workload = workload
         self.layout = feature_layout(workload)
+        # imported here: the dense arch alone (benchmarks/compile_probe.py) then needs no TorchRec/FBGEMM
+        from coplan.trainer.model.sparse import SparseArch
+
         self.sparse = SparseArch(self.layout, device="meta")
         # Dense weights are drawn on the CPU from one seed, so every rank (and the reference) starts equal.
         with torch.random.fork_rng(devices=[]):
