@@ -3,7 +3,8 @@
 # GPU benchmarks, from the repository root copy that the device tool provides.
 #   1. Wheels into /tmp/site: the small ones in .whl (pydantic, torchrec, ...; see
 #      shared/offline-gpu/prepare.sh), any extras in .whl2, and fbgemm-gpu when /tmp/fb holds its
-#      parts (carried by earlier calls from .fb1 ... .fb8).
+#      parts (carried by earlier calls from .fb1 ... .fb10: 48 MiB each, since one call carries at most
+#      64 MiB with the ~7 MB working tree; 58 MiB parts stopped fitting once the tree grew past 6 MB).
 #   2. coplan: assembled as a package in /tmp/pkg/coplan following pyproject.toml's package-dir
 #      (the repository's own coplan/ folder would otherwise shadow the mapped subpackages).
 # Afterwards: cd /tmp && PYTHONPATH=/tmp/pkg:/tmp/site python3 <script>.
