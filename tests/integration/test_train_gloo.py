@@ -233,7 +233,12 @@ def test_calibrate_from_trainer_traces(fsdp_ep_stock):
     cal, res, runs = calibrate([fsdp_ep_stock["sharded"]])
     run = runs[0]
     assert cal.device == "cpu"
-    assert set(run.moments) == {"history"}  # the profiled steps' own lengths, from metrics.jsonl
+    # The profiled steps' own lengths, from metrics.jsonl: E[L], E[L^2] per sequence feature, and the
+    # longest length per micro-batch (`seq_max`) as "<feature>@max" moments for padded backends.
+    assert set(run.moments) == {"history", "history@max"}
+    (mean, second), (max_mean, max_second) = run.moments["history"], run.moments["history@max"]
+    assert 0 < mean and second >= mean**2 * (1 - 1e-9), run.moments  # Jensen: E[L^2] >= E[L]^2
+    assert max_mean >= 1 and max_second >= max_mean**2 * (1 - 1e-9), run.moments
     # On a CPU trace every op's host self time counts. What no op range claims is FSDP's hooks and
     # gloo collectives, DTensor/TorchRec Python dispatch and the optimizer step (~40-60% of a
     # gem-tiny step on 2 cores); it is reported (`unattributed_s`), not hidden.
