@@ -8,9 +8,7 @@ import pytest
 
 from coplan.costmodel.traces import attribute, classify_kernel, named_range
 
-
-def _ev(cat, name, ts, dur, tid, **args):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+from ._trace import _ev
 
 
 def _gpu_trace() -> dict:

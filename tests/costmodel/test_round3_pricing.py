@@ -23,6 +23,8 @@ from coplan.costmodel.pricer import price, priced_launches
 from coplan.costmodel.traces import attribute
 from coplan.spec import MeshPlan, Plan, load_topology, load_workload, spec_sha256
 
+from ._trace import _ev
+
 
 def _plan(batch: int = 8, mean_len: int = 512, attention: str = "triton") -> Plan:
     from coplan.spec import Workload, parse_spec
@@ -159,10 +161,6 @@ def test_fsdp_copies_with_sharding_follow_fsdp2s_all_gather_and_reduce_scatter_c
 
 
 # ------------------------------------------------------------------ attribution
-
-
-def _ev(cat, name, ts, dur, tid, **args):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
 
 
 def test_trace_attributes_the_input_casts_backward_and_the_gradient_norm():
