@@ -23,6 +23,16 @@ kernels)
   t tests; timeout 160 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_cuda_graph.py tests/kernels/test_fp8.py tests/kernels/test_launch.py > $OUT/pytest_kernels.txt 2>&1; tail -n 15 $OUT/pytest_kernels.txt
   t fp8; timeout 190 python3 benchmarks/fp8_h200.py --commit $commit --timeout 150 --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1; tail -n 8 $OUT/fp8_h200.log
   ;;
+probe)
+  # Two GPUs at once: attention variants (a, b) then the kernel GPU tests on GPU 0; the compile probe then the fp8 GEMMs on GPU 1.
+  ( export CUDA_VISIBLE_DEVICES=0
+    timeout 240 python3 benchmarks/attention.py --shapes ${SHAPES:-a,b} --quick --precompile 12 --timeout 220 --methods ${METHODS:-triton_softmax,triton_softmax_lazy,triton_softmax_one_loop,triton_softmax_one_loop_lazy,triton_gdpa_silu} --out $OUT/attention.json > $OUT/attention.log 2>&1
+    timeout 170 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_cuda_graph.py tests/kernels/test_fp8.py tests/kernels/test_launch.py > $OUT/pytest_kernels.txt 2>&1 ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 300 python3 benchmarks/compile_probe.py --device cuda --workload gem-h200 --timeout 280 --case-timeout 200 --out $OUT/compile_probe_cuda.json > $OUT/compile_probe.log 2>&1
+    timeout 200 python3 benchmarks/fp8_h200.py --commit $commit --timeout 160 --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1 ) &
+  wait; for f in attention.log pytest_kernels.txt compile_probe.log fp8_h200.log; do echo "== $f"; tail -n 10 $OUT/$f; done
+  ;;
 calib)
   t calib; timeout 560 python3 benchmarks/calibration_h200.py --gpus ${NGPU:-1} --only ${ONLY:-ref-b8,ref-b8-h512,ref-b12-h768,b48-h768,d896-L5,rc-L3-b48,nomoe-b48-h1280,h2048-b16} \
     --budget-s ${BUDGET:-500} --analysis-reserve-s 40 --runs-root /tmp/calib2 --keep $OUT/runs --out $OUT/calibration_h200_remeasure.json > $OUT/calib.log 2>&1
