@@ -21,6 +21,8 @@ Cases (``--cases``, default the first seven, run in this order, each skipped whe
   --fsdp-units layers`` (the trainer as v3 measured it): the A/B of this round's changes together;
 - ``triton-dtensor-optim``: only ``--local-optimizer off`` (AdamW, its guard norm through DTensor);
 - ``triton-no-pipeline``: only ``--sparse-pipeline off`` (pinning, copies, input dist at the step's start);
+- ``triton-seq-whole`` (not by default): only ``--seq-chunk 0`` (each sample's history one bag of the
+  sequence lookup, as before chunked bags; the default is bags of at most 32 ids);
 - ``triton-segment-reduce``: only ``--segment-sum reduce`` (fp32 segment reduction over a cast copy);
 - ``triton-fsdp-layers``: only ``--fsdp-units layers`` (one FSDP2 unit per layer, as on many ranks);
 - ``triton-baseline``: all of the above off, and ``--moe-grouped off --fused-optimizer off`` (v2's loop);
@@ -306,6 +308,7 @@ CASES = {
                              "--fsdp-units", "layers"], 0, 30),
     "triton-dtensor-optim": ("triton", ["--local-optimizer", "off"], 0, 30),
     "triton-no-pipeline": ("triton", ["--sparse-pipeline", "off"], 0, 30),
+    "triton-seq-whole": ("triton", ["--seq-chunk", "0"], 0, 30),
     "triton-segment-reduce": ("triton", ["--segment-sum", "reduce"], 0, 30),
     "triton-fsdp-layers": ("triton", ["--fsdp-units", "layers"], 0, 30),
     "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off", "--local-optimizer", "off",

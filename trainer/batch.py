@@ -1,4 +1,9 @@
-"""A rank's batch as the model takes it: TorchRec KeyedJaggedTensors, history offsets, dense features, labels."""
+"""A rank's batch as the model takes it: TorchRec KeyedJaggedTensors, history offsets, dense features, labels.
+
+The sequence KJTs hold each sample's history as :meth:`FeatureLayout.chunks_per_sample` bags when the
+layout's ``seq_chunk`` is set (:func:`chunk_lengths`): the same ids in the same order, so the lookup's
+output rows, and the per-sample offsets the dense arch reads (``Batch.offsets``), do not change.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
-from coplan.trainer.data import HostBatch
+from coplan.trainer.data import DataError, HostBatch
 from coplan.trainer.features import FeatureLayout
 
 
@@ -79,20 +84,37 @@ class HostTensors:
     tokens: int
 
 
+def chunk_lengths(lengths: np.ndarray, chunk: int, num_chunks: int) -> np.ndarray:
+    """Per-sample lengths ``[B]`` as ``[B * num_chunks]`` bag lengths: sample b's bags are
+    ``min(chunk, L_b - j * chunk)`` for j = 0, 1, ... while ids remain, then zeros."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and int(lengths.max()) > chunk * num_chunks:
+        raise DataError(
+            f"a history of {int(lengths.max())} events does not fit {num_chunks} bags of {chunk} ids: the workload's "
+            "sequence cap (max_len) is exceeded; regenerate the dataset for this workload, or run with --seq-chunk 0"
+        )
+    starts = np.arange(num_chunks, dtype=np.int64) * chunk
+    return np.clip(lengths[:, None] - starts[None, :], 0, chunk).reshape(-1)
+
+
 def host_tensors(hb: HostBatch, layout: FeatureLayout, pin: bool) -> HostTensors:
     """``hb`` as (pinned when ``pin``) CPU tensors; numpy and the pinning copy only, so it can run on the data thread."""
 
     def jagged(keys: list[str], values: np.ndarray, lengths: np.ndarray):
         # The per-key totals are known here, on the host. Left out, TorchRec computes them from the
         # device lengths (a read-back that waits for all the GPU work queued before it) on every step.
-        per_key = lengths.reshape(len(keys), hb.size).sum(axis=1).tolist() if keys else []
+        per_key = lengths.reshape(len(keys), -1).sum(axis=1).tolist() if keys else []
         return keys, _tensor(values, pin), _tensor(lengths.astype(np.int32), pin), per_key
 
     pooled = jagged(layout.pooled_names, hb.pooled_values, hb.pooled_lengths) if layout.pooled else None
     seqs = {}
     t2s = layout.table_to_sequence
     for name, tables in layout.sequence_groups.items():
-        lengths = np.concatenate([hb.seq_lengths[t2s[t.name]] for t in tables])
+        if layout.seq_chunk:
+            c = layout.chunks_per_sample(name)
+            lengths = np.concatenate([chunk_lengths(hb.seq_lengths[t2s[t.name]], layout.seq_chunk, c) for t in tables])
+        else:
+            lengths = np.concatenate([hb.seq_lengths[t2s[t.name]] for t in tables])
         values = np.concatenate([hb.seq_values[t.name] for t in tables])
         seqs[name] = jagged([t.name for t in tables], values, lengths)
     return HostTensors(
@@ -115,7 +137,9 @@ def to_device(ht: HostTensors, device: torch.device) -> Batch:
 
     def kjt(parts) -> KeyedJaggedTensor:
         keys, values, lengths, per_key = parts
-        return KeyedJaggedTensor(keys=keys, values=dev(values), lengths=dev(lengths), stride=ht.size,
+        # bags per key: the samples, or samples x chunks for chunked sequence features
+        stride = lengths.numel() // len(keys) if keys else ht.size
+        return KeyedJaggedTensor(keys=keys, values=dev(values), lengths=dev(lengths), stride=stride,
                                  length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
 
     return Batch(
@@ -134,4 +158,4 @@ def to_batch(hb: HostBatch, layout: FeatureLayout, device: torch.device) -> Batc
     return to_device(host_tensors(hb, layout, device.type == "cuda"), device)
 
 
-__all__ = ["Batch", "HostTensors", "host_tensors", "to_batch", "to_device"]
+__all__ = ["Batch", "HostTensors", "chunk_lengths", "host_tensors", "to_batch", "to_device"]

@@ -4,11 +4,18 @@ A pooled table with ``num_features = k`` is looked up by ``k`` features (``<tabl
 ``<table>__<j>`` otherwise), each a bag of ids per sample. A sequence table is looked up once per
 event of its sequence, so its feature is named after the table and its length per sample is the
 sequence's length. Torch-free: the data generator uses it without torch.
+
+How a sample's history is cut into bags for the sequence lookup (:attr:`FeatureLayout.seq_chunk`)
+lives here too, since the batch builder and the run's summary both read it: with ``seq_chunk = 0``
+each sample's whole history is one bag; with ``seq_chunk = n`` it is ``C`` bags of at most ``n`` ids
+(:meth:`FeatureLayout.chunks_per_sample`). FBGEMM's sequence (no-bag) lookup gives each bag one
+32-thread group, so one bag per sample runs a 1,000-id history on one warp; chunks spread it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from coplan.errors import MismatchError
 from coplan.spec import Workload
@@ -53,6 +60,32 @@ class FeatureLayout:
 
     tasks: tuple[str, ...]
     """Binary tasks (label columns ``label_<task>``)."""
+
+    sequence_max_len: dict[str, int]
+    """Sequence name -> its length distribution's cap, in events (no history is longer)."""
+
+    seq_chunk: int = 0
+    """Ids per bag of the sequence lookups' KeyedJaggedTensors: 0 = one bag per sample (its whole
+    history); n > 0 = each history cut into :meth:`chunks_per_sample` bags of at most n ids (then
+    empty ones). The ids, their order and so the lookup's output rows are the same either way."""
+
+    def with_seq_chunk(self, chunk: int) -> "FeatureLayout":
+        """This layout with the sequence lookups' bags of at most ``chunk`` ids (0: whole histories)."""
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise MismatchError(f"seq_chunk must be a non-negative integer (0: one bag per sample); got {chunk!r}")
+        return replace(self, seq_chunk=chunk)
+
+    def chunks_per_sample(self, group: str) -> int:
+        """Bags per sample of every feature of sequence-table collection ``group`` (``ec_d<dim>``).
+
+        ``ceil(cap / seq_chunk)`` with cap the longest history any of its features can have: a
+        KeyedJaggedTensor has one stride for all its keys, and the same on every rank and every step
+        (TorchRec's input all-to-alls split the lengths by it), so it comes from the workload, not the batch."""
+        if self.seq_chunk == 0:
+            return 1
+        t2s = self.table_to_sequence
+        cap = max(self.sequence_max_len[t2s[t.name]] for t in self.sequence_groups[group])
+        return max(1, math.ceil(cap / self.seq_chunk))
 
     @property
     def pooled_names(self) -> list[str]:
@@ -108,6 +141,7 @@ def feature_layout(workload: Workload) -> FeatureLayout:
         sequence_tables={k: tuple(v) for k, v in seq_tables.items()},
         num_dense=sum(b.num_dense_features for b in dense),
         tasks=tuple(heads[0].tasks),
+        sequence_max_len={s.name: int(s.length.max_len) for s in workload.sequences if s.name in used},
     )
 
 

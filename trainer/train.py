@@ -6,8 +6,8 @@ model, loss = this rank's share of the global mean BCE, backward (the fused embe
 updates in backward), dense and data-parallel-table optimizer steps. Warm-up steps are excluded
 from the statistics; metrics are read back from the device only every ``--log-every`` steps.
 
-Run directory (``runs/<id>/``): ``plan.json``, ``metrics.jsonl``, ``summary.json``,
-``traces/rank<k>.json``, ``checkpoints/step_<n>/``.
+Run directory (``runs/<id>/``): ``plan.json``, ``config.json`` (this launch's switches),
+``metrics.jsonl``, ``summary.json``, ``traces/rank<k>.json``, ``checkpoints/step_<n>/``.
 
 Reliability (docs/reliability.md): ``--resume auto`` with a fixed ``--run-id`` continues the run
 directory from its newest complete checkpoint when it has one, so that ``torchrun --max-restarts``
@@ -34,6 +34,13 @@ import numpy as np
 from coplan import __version__
 from coplan.errors import CoplanError, MismatchError
 from coplan.spec import Plan, RunResult, dump_spec, load_plan, spec_sha256
+
+
+def _non_negative(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return n
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -80,6 +87,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="layers: torch.compile each InterFormer and Kunlun layer (static shapes but for the history's "
                         "token dimension: one graph per layer kind); the compilation "
                         "happens in the first steps, so keep them in --warmup")
+    p.add_argument("--seq-chunk", type=_non_negative, default=32, metavar="N",
+                   help="sequence lookups: each sample's history as bags of at most N ids (ceil(max_len / N) per "
+                        "sample, the same on every rank and step), so FBGEMM's no-bag lookup spreads a history over "
+                        "many thread groups; 0: one bag per sample (its whole history). The output rows are the same")
     p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -207,6 +218,14 @@ def _enable_segment_sum_gemm(plan: Plan, device, mode: str) -> list[str]:
     return ["segment sums (FiLM backward): " + ("one-hot GEMM" if on else "segment reduction")]
 
 
+def _seq_chunk_note(layout) -> str:
+    """The summary's record of the sequence lookups' bags (``seq_chunk=N``: what calibration parses)."""
+    if not layout.seq_chunk:
+        return "sequence lookup bags: seq_chunk=0 (one bag per sample)"
+    per = ", ".join(f"{g} {layout.chunks_per_sample(g)}" for g in layout.sequence_groups)
+    return f"sequence lookup bags: seq_chunk={layout.seq_chunk} (bags of at most {layout.seq_chunk} ids; per sample: {per})"
+
+
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -330,7 +349,11 @@ def run(args: argparse.Namespace) -> int:
     log_every = max(1, args.log_every or (10 if device_type == "cuda" else 1))
     warmup = args.warmup if args.warmup is not None else min(5, steps // 4)
     reader = BatchReader(workload, data_dir, world_size=world, rank=rank, policy=plan.balancing.policy, global_batch=global_batch)
-    layout = model.layout
+    layout = model.layout.with_seq_chunk(args.seq_chunk)
+    if rank == 0:  # this launch's switches, machine-readable (calibration reads seq_chunk from here)
+        cfg = {k: v for k, v in vars(args).items()}
+        cfg["seq_chunks_per_sample"] = {g: layout.chunks_per_sample(g) for g in layout.sequence_groups}
+        (run_dir / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
     timer = StepTimer(device)
     peak = plan.topology.gpu.peak_flops_per_s.get("bf16", 0.0)
     tasks = layout.tasks
@@ -472,7 +495,8 @@ def run(args: argparse.Namespace) -> int:
                  f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor'}",
                  f"sparse input dist {'one batch ahead' + (' on a side stream' if pipe.stream is not None else '') if pipe.enabled else 'in forward'}",
                  f"FSDP2 units: {'one per layer' if pm.fsdp_per_layer else 'the dense root only'}",
-                 f"compile {args.compile}"]
+                 f"compile {args.compile}",
+                 _seq_chunk_note(layout)]
         if device_type == "cpu":
             notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")
         result = RunResult(
