@@ -111,6 +111,10 @@ class SparseArch(nn.Module):
         ``dist``: the inputs' distribution done ahead (:meth:`input_dist`); collections not in it
         distribute their input here. The op ranges are the cost model's: ``sparse.tbe`` (pooled lookups,
         their all-to-alls included) and ``sparse.seq_tbe`` (sequence lookups).
+
+        A sequence feature's output is its rows in input order and nothing else: its KJT may cut each
+        history into several bags (``FeatureLayout.seq_chunk``), and the bag lengths of the output are
+        never read; the per-sample offsets come with the batch.
         """
         pooled_values, keys, widths = None, (), []
         if self.ebc is not None and pooled is not None:
