@@ -33,6 +33,28 @@ probe)
     timeout 200 python3 benchmarks/fp8_h200.py --commit $commit --timeout 160 --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1 ) &
   wait; for f in attention.log pytest_kernels.txt compile_probe.log fp8_h200.log; do echo "== $f"; tail -n 10 $OUT/$f; done
   ;;
+pair)
+  # Two jobs at once, one per GPU. GPU 0: $JOB0, GPU 1: $JOB1, each one of
+  #   train            trainer benchmark cases ($TRAIN_ARGS, budget $BUDGET)
+  #   calib:<v1,v2..>  calibration runs of those variants (analysis here later)
+  #   fp8train         bf16 vs fp8 arms one after the other on that GPU ($RECIPE, $STEPS, $FP8_ARGS)
+  job() {
+    local gpu=$1 spec=$2 tag=g$1
+    # (the calibration and fp8 scripts set CUDA_VISIBLE_DEVICES of their children from their own GPU lists,
+    #  which index the parent's visible devices)
+    export CUDA_VISIBLE_DEVICES=$gpu
+    case $spec in
+      train) timeout 570 python3 benchmarks/train_h200.py --runs-root /tmp/bench$gpu --timeout ${BUDGET:-480} ${TRAIN_ARGS:-} --out $OUT/train_h200.json > $OUT/train.log 2>&1 ;;
+      calib:*) timeout 570 python3 benchmarks/calibration_h200.py --gpus 1 --only ${spec#calib:} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 \
+                 --runs-root /tmp/calib$gpu --keep $OUT/runs_$tag --out $OUT/calib_$tag.json > $OUT/calib_$tag.log 2>&1
+               (cd $OUT && tar czf runs_$tag.tgz runs_$tag && rm -rf runs_$tag) ;;
+      fp8train) timeout 570 python3 benchmarks/fp8_train_h200.py --gpus $gpu,$gpu --recipe ${RECIPE:-rowwise} --steps ${STEPS:-510} ${FP8_ARGS:-} \
+                 --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3 --runs-root /tmp/runs/fp8 --timeout 550 --out $OUT/fp8_train_h200.json > $OUT/fp8train.log 2>&1 ;;
+    esac
+  }
+  (job 0 "$JOB0") & (job 1 "$JOB1") & wait
+  for f in train.log calib_g0.log calib_g1.log fp8train.log; do [ -f $OUT/$f ] && { echo "== $f"; tail -n 14 $OUT/$f; }; done
+  ;;
 calib)
   t calib; timeout 560 python3 benchmarks/calibration_h200.py --gpus ${NGPU:-1} --only ${ONLY:-ref-b8,ref-b8-h512,ref-b12-h768,b48-h768,d896-L5,rc-L3-b48,nomoe-b48-h1280,h2048-b16} \
     --budget-s ${BUDGET:-500} --analysis-reserve-s 40 --runs-root /tmp/calib2 --keep $OUT/runs --out $OUT/calibration_h200_remeasure.json > $OUT/calib.log 2>&1
