@@ -121,7 +121,25 @@ them): new values of the same factors (batch 48 and 16, history means 768/1,280/
 used to choose anything. It is predicted from the calibration fitted on the ``fit`` runs only and
 reported apart (``fresh``)."""
 
-ALL_VARIANTS: dict[str, Variant] = {v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
+FRESH2: tuple[Variant, ...] = (
+    Variant("b40-h640", "fresh2", batch=0.625, history_mean=0.625, history_sigma=0.75),
+    Variant("d640-L7", "fresh2", width=0.625, depth=1.75),
+    Variant("d1152-b56", "fresh2", width=1.125, batch=0.875, history_sigma=0.85),
+    Variant("rc-L2-h896", "fresh2", recompute=True, depth=0.5, history_mean=0.875, history_sigma=0.65),
+    Variant("nomoe-b56-s05", "fresh2", moe=False, batch=0.875, history_sigma=0.5),
+    Variant("ref-b10-h384", "fresh2", attention="reference", ref_batch=10, history_mean=0.375, history_sigma=0.55),
+)
+"""A third held-out set, **defined on 2026-11-29 before any run of it existed** (after rounds 2-3 had
+seen every run of ``VARIANTS`` and ``FRESH``, and after the host-time and sequence-lookup pricing of
+issue 8 were written): six variants with factor values no earlier variant used: local batch 40, 56
+and the reference backend at 10; history means 640, 896 and 384 with σ 0.75, 0.65, 0.55 and σ 0.85 /
+0.5 at the base mean; widths 640 and 1,152; depth 7; recompute on 2 layers; MoE off at batch 56. Runs of
+the trainer with sequence bags of ``seq_chunk`` ids (its default, 32) test the lookup pricing at a bag
+layout the fit runs (whole histories) never had. Predicted from the calibration fitted on the ``fit``
+runs only and reported as its own split (``fresh2``); nothing may be chosen on its results."""
+
+ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
+                                    | {v.name: v for v in FRESH2})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,12 +311,14 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = [ALL_VARIANTS[n] for n in names]
     elif args.variant_set == "fresh":
         chosen = list(FRESH)
+    elif args.variant_set == "fresh2":
+        chosen = list(FRESH2)
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
         if args.variant_set == "main":
             return list(main)
-        chosen = [v for pair in main for v in pair] + list(FRESH)
+        chosen = [v for pair in main for v in pair] + list(FRESH) + list(FRESH2)
     k = 2 if args.gpus >= 2 else 1
     return [tuple(chosen[i : i + k]) for i in range(0, len(chosen), k)]
 
@@ -424,9 +444,10 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh")
+SPLITS = ("fit", "heldout", "fresh", "fresh2")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
-BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`)."""
+BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
+third (:data:`FRESH2`), defined before any of its runs existed."""
 
 
 def _plan_attention(run_dir: Path) -> str | None:
@@ -525,7 +546,11 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     fit_names = [n for n, r in rows.items() if r["split"] == "fit" and n in runs]
     held_names = [n for n, r in rows.items() if r["split"] == "heldout" and n in runs]
     fresh_names = [n for n, r in rows.items() if r["split"] == "fresh" and n in runs]
+    fresh2_names = [n for n, r in rows.items() if r["split"] == "fresh2" and n in runs]
+    # every split the predictions below cover (fresh2 reported apart, like fresh)
+    fresh_names_all = fresh_names + fresh2_names
     out: dict = {"variants": rows, "fit_runs": fit_names, "heldout_runs": held_names, "fresh_runs": fresh_names,
+                 "fresh2_runs": fresh2_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -533,9 +558,9 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     cal, res, fit_rs = calibrate([runs[n][0] for n in fit_names], force=True, host=True,
                                  prepared=[runs[n][1] for n in fit_names])
     out["calibration"] = cal.model_dump(mode="json")
-    hf = fit_host_launch_cost(fit_rs, res)
+    hf = fit_host_launch_cost(fit_rs, res, per_sample=True)
     out["host_fit"] = None if hf is None else {
-        "host_s_per_launch": hf.h_s, "runs": hf.runs, "measured_step_s": hf.measured_s, "device_step_s": hf.device_s,
+        "host_s_per_launch": hf.h_s, "host_s_per_sample": hf.sample_s, "local_batch": hf.batch, "runs": hf.runs, "measured_step_s": hf.measured_s, "device_step_s": hf.device_s,
         "launches_per_step_priced": hf.launches, "fit_median_abs_error": hf.median_abs_error, "fit_max_abs_error": hf.max_abs_error}
     topo = runs[fit_names[0]][1].plan.topology
     default = resolve_efficiencies(topo)
@@ -545,23 +570,25 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         if c == "attention" and dt == topo_dtype(runs[fit_names[0]][1].plan):
             dflt_compute.setdefault(("attention", "fp32"), v)
     cal_launch = {**default.launch_s, **res.launch_s}
-    for n in fit_names + held_names + fresh_names:  # per run and class: traced device time vs the fitted roofline
+    for n in fit_names + held_names + fresh_names_all:  # per run and class: traced device time vs the fitted roofline
         smp = runs[n][1].samples
         mm = np.array([x.measured_s for x in smp])
-        pp = predict(smp, res.compute, res.memory, cal_launch)
+        pp = predict(smp, res.compute, res.memory, cal_launch, res.lookup_id_s)
         rows[n]["op_class_calibrated"] = {c: _err(float(pp[[i for i, x in enumerate(smp) if x.op_class == c]].sum()),
                                                   float(mm[[i for i, x in enumerate(smp) if x.op_class == c]].sum()))
                                           for c in sorted({x.op_class for x in smp})}
 
     # step times: (i) default, (ii) calibrated = max(device fit step, priced launches x h) (what `coplan plan`
     # prices with the calibration), plus readings that are not in the cost model
-    for n in fit_names + held_names + fresh_names:
+    for n in fit_names + held_names + fresh_names_all:
         r = rows[n]
         plan = runs[n][1].plan
         try:
-            r["predicted_step_default_s"] = predict_step_time(plan, None, r["_moments"])
-            r["predicted_step_calibrated_s"] = predict_step_time(plan, cal, r["_moments"])
-            dev, nl = step_launches(plan, res, r["_moments"])
+            ch = runs[n][1].seq_chunk
+            r["seq_chunk"] = ch
+            r["predicted_step_default_s"] = predict_step_time(plan, None, r["_moments"], seq_chunk=ch)
+            r["predicted_step_calibrated_s"] = predict_step_time(plan, cal, r["_moments"], seq_chunk=ch)
+            dev, nl = step_launches(plan, res, r["_moments"], seq_chunk=ch)
             r["predicted_step_device_only_s"] = dev
             r["priced_launches_per_step"] = nl
         except Exception as e:
@@ -572,13 +599,14 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     h_add = ha.h_s if ha else 0.0
     out["host_additive_form"] = {"host_s_per_launch": h_add, "fitted_on": list(ha.runs) if ha else [],
                                  "meaning": "step = device step under the device fit + priced launches x h_add; not in the cost model"}
-    for n in fit_names + held_names + fresh_names:
+    for n in fit_names + held_names + fresh_names_all:
         r = rows[n]
         if r.get("predicted_step_device_only_s") is not None:
             r["predicted_step_additive_s"] = r["predicted_step_device_only_s"] + h_add * r["priced_launches_per_step"]
             # the pricer's max form against the same form rebuilt from its parts (the fit's slope): must agree
             if hf is not None and r.get("predicted_step_calibrated_s") is not None:
-                rebuilt = max(r["predicted_step_device_only_s"], hf.h_s * r["priced_launches_per_step"])
+                lb = runs[n][1].plan.workload.batch.local(runs[n][1].plan.mesh.world_size)
+                rebuilt = max(r["predicted_step_device_only_s"], hf.h_s * r["priced_launches_per_step"] + hf.sample_s * lb)
                 r["max_form_consistency"] = _err(r["predicted_step_calibrated_s"], rebuilt)
     # per-phase reading (not in the cost model): step = sum over forward, backward, optimizer of
     # max(device_p, launches_p x h_ph), h_ph fitted on the fit half like h; it would hold if the host could
@@ -588,10 +616,10 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     h_ph, _ = fit_host_phase_form(fit_rs, res)
     out["host_phase_form"] = {"host_s_per_launch": h_ph, "meaning": "step = sum over phases (fwd, bwd, optimizer) of "
                               "max(device_p, priced launches_p x h_ph); not in the cost model"}
-    for n in fit_names + held_names + fresh_names:
+    for n in fit_names + held_names + fresh_names_all:
         r = rows[n]
         try:
-            D, N = step_phases(runs[n][1].plan, res, r["_moments"])
+            D, N = step_phases(runs[n][1].plan, res, r["_moments"], seq_chunk=runs[n][1].seq_chunk)
             r["device_s_by_phase"], r["priced_launches_by_phase"] = D.tolist(), N.tolist()
             r["predicted_step_phases_s"] = float(np.maximum(D, h_ph * N).sum())
         except Exception as e:
@@ -601,7 +629,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     k = float(np.median(ratios)) if ratios else 1.0
     out["step_factor"] = {"value": k, "fitted_on": fit_names, "ratios": ratios,
                           "meaning": "median measured / device-fit step over the fit half; not in the cost model"}
-    for n in fit_names + held_names + fresh_names:
+    for n in fit_names + held_names + fresh_names_all:
         r = rows[n]
         if r.get("predicted_step_device_only_s") is not None:
             r["predicted_step_device_factor_s"] = k * r["predicted_step_device_only_s"]
@@ -627,7 +655,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             meas = np.array([s.measured_s for s in samples])
             for key, (ce, me, la) in (("default", (dflt_compute, default.memory, default.launch_s)),
                                       ("calibrated", (res.compute, res.memory, cal_launch))):
-                pred = predict(samples, ce, me, la)
+                pred = predict(samples, ce, me, la, None if key == "default" else res.lookup_id_s)
                 per = {}
                 for c in sorted({s.op_class for s in samples}):
                     idx = [i for i, s in enumerate(samples) if s.op_class == c]
@@ -651,6 +679,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["fit"] = summary(fit_names)
     out["heldout"] = summary(held_names)
     out["fresh"] = summary(fresh_names) if fresh_names else {}
+    out["fresh2"] = summary(fresh2_names) if fresh2_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -666,6 +695,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
 
     out["goals"] = goals(out["heldout"])
     out["goals_fresh"] = goals(out["fresh"])
+    out["goals_fresh2"] = goals(out["fresh2"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -685,7 +715,7 @@ def print_table(res: dict) -> None:
             cells.append(f"{v * 1e3:6.1f} {100 * e:+4.0f}%" if v is not None and e is not None else f"{'-':>11}")
         print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
     for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
-                              ("fresh held-out", "fresh", "goals_fresh")):
+                              ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -702,7 +732,10 @@ def print_table(res: dict) -> None:
                 print(f"{label} attention per backend ({key}): " + ", ".join(f"{b} {100 * v['error']:+.1f}%" for b, v in be.items()))
         print(f"{label} goals:", json.dumps(res.get(gkey, {})))
     if res.get("host_fit"):
-        print(f"host cost per priced launch: {res['host_fit']['host_s_per_launch'] * 1e6:.1f} us")
+        print(f"host cost per priced launch: {res['host_fit']['host_s_per_launch'] * 1e6:.1f} us, "
+              f"per local sample: {res['host_fit'].get('host_s_per_sample', 0.0) * 1e6:.1f} us")
+    if (res.get("calibration") or {}).get("lookup_id_latency_s") is not None:
+        print(f"sequence lookup: {res['calibration']['lookup_id_latency_s'] * 1e9:.0f} ns per serial id")
     if res.get("host_phase_form"):
         print(f"per-phase reading: host cost per priced launch {res['host_phase_form']['host_s_per_launch'] * 1e6:.1f} us")
     if res.get("error"):
@@ -757,8 +790,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "all"], default="main",
-                   help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; all: both")
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "all"], default="main",
+                   help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
+                        "(defined before any of its runs); all: every set")
     p.add_argument("--only", default="", metavar="NAMES",
                    help="run only these variants (comma-separated names, any set), e.g. ref-b8,ref-b8-h512")
     p.add_argument("--analyze", type=Path, default=None, metavar="DIR", help="only analyse the runs under DIR (its manifest.json)")

@@ -102,6 +102,11 @@ class Sample:
     reference), priced at the elementwise class's memory efficiency and added to the roofline."""
     mem_class: str = ""
     """Class whose memory efficiency prices ``mem_s`` ("": the op's own; an unfused op's matmuls: "gemm")."""
+    lookup_groups: tuple[tuple[float, float], ...] = ()
+    """The sequence lookups' kernels within this sample (the embedding forward), one per group of
+    tables: (bytes / HBM bandwidth, serial ids: waves × ids in the longest bag × micro-batches). Each
+    costs max(bytes time / m_embedding, serial ids × lookup_id_s) and adds to the rest (``mem_s``);
+    see :func:`coplan.costmodel.context.seq_lookup_floor_s`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +132,8 @@ class RunSamples:
     unpriced_s: dict[str, float] = field(default_factory=dict)
     """Per step: measured time (with the idle it ended) the cost model has no op for, by name and phase
     (FSDP hooks, TorchRec distribution, 'unattributed')."""
+    seq_chunk: int = 0
+    """Ids per bag of the run's sequence lookups (:func:`run_seq_chunk`; 0: whole histories)."""
 
 
 def _unit_calibration(device: str) -> Calibration:
@@ -135,7 +142,34 @@ def _unit_calibration(device: str) -> Calibration:
     return Calibration(
         device=device,
         op_classes={c: OpClassCalibration(compute_efficiency=ones, memory_efficiency=1.0, launch_overhead_s=0.0) for c in CLASSES},
+        lookup_id_latency_s=0.0,
     )
+
+
+def run_seq_chunk(run_dir: str | Path) -> int:
+    """Ids per bag the run's sequence lookups used: ``seq_chunk`` of its ``config.json`` (the trainer's
+    launch switches), else a ``seq_chunk=N`` in its summary's notes, else 0 (runs from before the switch:
+    one bag per sample's whole history)."""
+    import re
+
+    d = Path(run_dir)
+    cfg = d / "config.json"
+    if cfg.is_file():
+        try:
+            v = json.loads(cfg.read_text()).get("seq_chunk")
+            if v is not None:
+                return int(v)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise CalibrationError(f"{cfg}: unreadable ({e}); the run's launch switches are corrupt") from None
+    summ = d / "summary.json"
+    if summ.is_file():
+        try:
+            m = re.search(r"seq_chunk=(\d+)", json.loads(summ.read_text()).get("notes", "") or "")
+        except (ValueError, AttributeError):
+            m = None
+        if m:
+            return int(m.group(1))
+    return 0
 
 
 def _read_metrics(run_dir: Path) -> list[dict]:
@@ -222,6 +256,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
     if longest:
         metrics = [({**m, "seq_max": longest[m["step"]]} if m.get("step") in longest and "seq_max" not in m else m)
                    for m in metrics]
+    seq_chunk = run_seq_chunk(d)
     profiled = _profiled_steps(d, metrics)
     moments = measured_moments(metrics, profiled)
     warm = result.warmup_steps if result else 0
@@ -231,13 +266,13 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
     per_step = att.per_step(with_idle=host_gaps)
     out: list[Sample] = []
     priced: set[tuple[str, str]] = set()
-    for t in unit_terms(plan, moments, rank=rank):
+    for t in unit_terms(plan, moments, rank=rank, seq_chunk=seq_chunk):
         members = t.members or (t.name,)
         priced.update((n, t.phase) for n in members)
         meas = sum(per_step.get((n, t.phase), 0.0) for n in members) / t.micro_batches
         if meas > 0:
             out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches,
-                              t.serial_mem_s, t.mem_class))
+                              t.serial_mem_s, t.mem_class, t.lookup_groups))
     unpriced = {f"{n}:{ph}": v for (n, ph), v in sorted(per_step.items()) if (n, ph) not in priced and v > 0}
     steps = max(1, att.steps)
     unpriced["unattributed"] = (att.unattributed_s + (att.unattributed_idle_s if host_gaps else 0.0)) / steps
@@ -247,7 +282,8 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
             "the trainer names its record_function ranges '<block>.<layer>.<op>'"
         )
     return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
-                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced)
+                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced,
+                      seq_chunk=seq_chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +304,18 @@ class UnitTerm:
     """See :attr:`Sample.serial_mem_s`."""
     mem_class: str = ""
     """See :attr:`Sample.mem_class`."""
+    lookup_groups: tuple[tuple[float, float], ...] = ()
+    """See :attr:`Sample.lookup_groups`."""
 
 
-def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None, *, rank: int = 0) -> list[UnitTerm]:
+def _options(seq_chunk: int | None):
+    from coplan.costmodel.context import Options
+
+    return Options() if seq_chunk is None else Options(seq_chunk=int(seq_chunk))
+
+
+def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None, *, rank: int = 0,
+               seq_chunk: int | None = None) -> list[UnitTerm]:
     """Per (op, phase) of ``plan`` on ``rank``: F/peak, B/hbm_bw and kernel launches, from the same
     context the planner prices with (unit efficiencies) and, when given, measured length moments.
 
@@ -279,7 +324,8 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
     """
     from coplan.costmodel.pricer import _assignment, default_assignment, embedding_loads
 
-    ctx = build_context(plan.workload, plan.topology, plan.mesh, _unit_calibration(plan.topology.gpu.name), force_calibration=True)
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, _unit_calibration(plan.topology.gpu.name),
+                        options=_options(seq_chunk), force_calibration=True)
     apply_moments(ctx, moments)
     fp8 = frozenset(lp.name for lp in plan.layers if lp.precision == "fp8")
     arr = op_arrays(ctx, plan.kernels, fp8)
@@ -304,8 +350,11 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         a = _assignment(ctx, plan.tables) if plan.tables else default_assignment(ctx)
         loads = embedding_loads(ctx, a)
         r = rank % ctx.mesh.sparse_shard
+        groups = _lookup_groups(ctx) if ctx.mesh.sparse_shard == 1 else ()
         for phase, key in (("fwd", "fwd_s"), ("bwd", "bwd_s")):
-            out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, float(loads[key][r]), float(len(sparse)), 1, sparse))
+            g = groups if phase == "fwd" else ()
+            rest = max(0.0, float(loads[key][r]) - sum(x[0] for x in g))
+            out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, rest, float(len(sparse)), 1, sparse, lookup_groups=g))
     # the dense optimizer, once per step, as the pricer prices it (memory-bound elementwise, with the
     # trainer's gradient norm), and FSDP2's copies per micro-batch (the trace's "fsdp.hooks")
     from coplan.costmodel.context import FSDP_COPY_LAUNCHES, dense_fixed_costs, fsdp_copy_bytes
@@ -329,6 +378,31 @@ apart from the fused kernels' (one class, two very different implementations), a
 under the same key."""
 
 from coplan.costmodel.context import OPTIMIZER_LAUNCHES  # noqa: E402  (the pricer's launches of the optimizer step)
+
+
+def _lookup_groups(ctx) -> tuple[tuple[float, float], ...]:
+    """Per sequence-lookup kernel (tables of one sequence and one dim) on a one-rank sparse group: (its
+    forward bytes / HBM bandwidth, its serial ids per step), from a context at unit efficiencies (its
+    lookups priced at their bytes alone); the floor at one second per id gives the serial ids."""
+    from dataclasses import replace
+
+    from coplan.costmodel.context import seq_lookup_floor_s, table_option_costs
+
+    ta = ctx.tables
+    if not ta.num or not ta.is_seq.any():
+        return ()
+    mem = table_option_costs(ctx, "table_wise").fwd_s
+    eff = ctx.eff
+    ctx.eff = replace(eff, lookup_id_s=1.0)
+    try:
+        ids = seq_lookup_floor_s(ctx, ctx.local_batch / ctx.micro_batches)
+    finally:
+        ctx.eff = eff
+    out = []
+    for key in sorted({(sq, float(d)) for sq, d, s in zip(ta.sequence, ta.dim, ta.is_seq) if s}):
+        idx = np.array([i for i in range(ta.num) if ta.is_seq[i] and ta.sequence[i] == key[0] and float(ta.dim[i]) == key[1]])
+        out.append((float(mem[idx].sum()), float(ids[idx].sum())))
+    return tuple(out)
 
 
 def _profiled_steps(run_dir: Path, metrics: Sequence[dict]) -> list[int] | None:
@@ -356,6 +430,9 @@ class FitResult:
     predicted_s: np.ndarray
     measured_s: np.ndarray
     samples: tuple[Sample, ...]
+    lookup_id_s: float | None = None
+    """Fitted seconds per id of the sequence lookups' serial bag walk (None: not identified, no sample
+    has a sequence lookup)."""
 
     def rel_errors(self) -> np.ndarray:
         return np.abs(self.predicted_s - self.measured_s) / self.measured_s
@@ -369,21 +446,30 @@ class FitResult:
         return out
 
 
-def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], memory: dict[str, float], launch_s: dict[str, float]) -> np.ndarray:
-    """The roofline of each sample under the given efficiencies (the same form the pricer uses)."""
+def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], memory: dict[str, float], launch_s: dict[str, float],
+            lookup_id_s: float | None = None) -> np.ndarray:
+    """The roofline of each sample under the given efficiencies (the same form the pricer uses);
+    ``lookup_id_s``: the sequence lookups' seconds per serial id (None: the default)."""
+    from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S
+
+    t_id = DEFAULT_LOOKUP_ID_LATENCY_S if lookup_id_s is None else lookup_id_s
     out = np.empty(len(samples))
     for i, s in enumerate(samples):
         e = compute.get((s.op_class, s.dtype), 1.0)
         m = memory.get(s.mem_class or s.op_class, 1.0)
         # an unfused op: its separate elementwise kernels run after its matmuls, so their time adds
         serial = s.serial_mem_s / memory.get("elementwise", 1.0) if s.serial_mem_s > 0 else 0.0
-        out[i] = max(s.flop_s / e, s.mem_s / m) + serial + s.launches * launch_s.get(s.op_class, 0.0)
+        # the sequence lookups: each kernel the longer of its bytes and its warps' serial bag walk
+        look = sum(max(gm / m, gi * t_id) for gm, gi in s.lookup_groups)
+        out[i] = max(s.flop_s / e, s.mem_s / m) + look + serial + s.launches * launch_s.get(s.op_class, 0.0)
     return out
 
 
 def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float], defaults_memory: dict[str, float],
-        defaults_launch: dict[str, float]) -> FitResult:
-    """Least-squares fit of (e, m, λ) per op class present in ``samples``."""
+        defaults_launch: dict[str, float], default_lookup_id_s: float | None = None) -> FitResult:
+    """Least-squares fit of (e, m, λ) per op class present in ``samples``, and of the sequence lookups'
+    seconds per serial id when a sample has a sequence lookup (:attr:`Sample.lookup_groups`)."""
+    from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S
     from scipy.optimize import least_squares
 
     samples = tuple(samples)
@@ -393,15 +479,19 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
     keys_m = sorted({s.mem_class or s.op_class for s in samples if s.mem_s > 0}
                     | {"elementwise" for s in samples if s.serial_mem_s > 0})
     keys_l = sorted({s.op_class for s in samples if s.launches > 0})
+    has_lookup = any(gi > 0 for s in samples for _, gi in s.lookup_groups)
+    t0 = default_lookup_id_s if default_lookup_id_s else DEFAULT_LOOKUP_ID_LATENCY_S
     # parameters in log space: efficiencies in (1e-6, 1], launch overhead in (1e-8 s, 0.5 s) (the upper end
     # only matters for CPU traces, where an "op launch" can be a whole interpreted kernel)
     x0 = np.array(
         [math.log(min(1.0, max(1e-6, defaults_compute.get(k, 0.5)))) for k in keys_c]
         + [math.log(min(1.0, max(1e-6, defaults_memory.get(k, 0.8)))) for k in keys_m]
         + [math.log(min(1e-2, max(1e-8, defaults_launch.get(k, 3e-6)))) for k in keys_l]
+        + ([math.log(t0)] if has_lookup else [])
     )
-    lo = np.array([math.log(1e-6)] * (len(keys_c) + len(keys_m)) + [math.log(1e-8)] * len(keys_l))
-    hi = np.array([0.0] * (len(keys_c) + len(keys_m)) + [math.log(0.5)] * len(keys_l))
+    # seconds per serial id: (1e-10 s, 1e-3 s), last in x when present
+    lo = np.array([math.log(1e-6)] * (len(keys_c) + len(keys_m)) + [math.log(1e-8)] * len(keys_l) + [math.log(1e-10)] * has_lookup)
+    hi = np.array([0.0] * (len(keys_c) + len(keys_m)) + [math.log(0.5)] * len(keys_l) + [math.log(1e-3)] * has_lookup)
     # start inside the box, from the measured data's own scale where the defaults are far off
     x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
     meas = np.array([s.measured_s for s in samples])
@@ -411,8 +501,11 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
         nc, nm = len(keys_c), len(keys_m)
         comp = {k: math.exp(v) for k, v in zip(keys_c, x[:nc])}
         mem = {k: math.exp(v) for k, v in zip(keys_m, x[nc : nc + nm])}
-        lau = {k: math.exp(v) for k, v in zip(keys_l, x[nc + nm :])}
+        lau = {k: math.exp(v) for k, v in zip(keys_l, x[nc + nm : nc + nm + len(keys_l)])}
         return comp, mem, lau
+
+    def t_id(x) -> float:
+        return math.exp(x[-1]) if has_lookup else t0
 
     groups: dict[tuple[str, str], list[int]] = {}
     for i, s in enumerate(samples):
@@ -422,7 +515,7 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
 
     def residuals(x):
         comp, mem, lau = unpack(x)
-        pred = predict(samples, comp, mem, lau)
+        pred = predict(samples, comp, mem, lau, t_id(x))
         gpred = np.array([pred[g].sum() for g in gidx])
         # robust (soft-L1) per sample, plain squares on the class sums: an outlier op must not move a
         # class total, and a class total must not be discounted as an outlier
@@ -440,8 +533,8 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
         if best is None or r.cost < best.cost:
             best = r
     comp, mem, lau = unpack(best.x)
-    pred = predict(samples, comp, mem, lau)
-    return FitResult(comp, mem, lau, pred, meas, samples)
+    pred = predict(samples, comp, mem, lau, t_id(best.x))
+    return FitResult(comp, mem, lau, pred, meas, samples, t_id(best.x) if has_lookup else None)
 
 
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host_gaps: bool = False,
@@ -465,8 +558,9 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     samples = [s for r in runs for s in r.samples]
     res = fit(samples, eff.compute, eff.memory, eff.launch_s)
     rel = res.rel_errors()
-    host_fit = fit_host_launch_cost(runs, res) if host else None
+    host_fit = fit_host_launch_cost(runs, res, per_sample=True) if host else None
     h = host_fit.h_s if host_fit else 0.0
+    hs = host_fit.sample_s if host_fit else 0.0
     op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
     for c in CLASSES:
         ce = {dt: min(1.0, v) for (cc, dt), v in res.compute.items() if cc == c}
@@ -485,6 +579,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         source_runs=tuple(str(d) for d in run_dirs),
         op_classes=op_classes,
         host_launch_s=min(1.0, h) if h > 0 else None,
+        host_sample_s=min(1.0, hs) if hs > 0 else None,
+        lookup_id_latency_s=res.lookup_id_s,
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
             max_abs_rel_error=float(np.max(rel)),
@@ -495,8 +591,9 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; "
             f"trace time attributed: {min(r.attributed_share for r in runs):.1%} (worst run); "
             + ("per-op samples include the GPU idle time each op's launches ended; " if host_gaps else "")
-            + (f"host cost {h * 1e6:.2f} us per priced launch (host_launch_s) fitted to {len(host_fit.runs)} measured "
-               f"step time(s) (step = max(device step, launches x host cost): host and device run concurrently; "
+            + (f"host cost {h * 1e6:.2f} us per priced launch (host_launch_s) and {hs * 1e6:.1f} us per local sample "
+               f"(host_sample_s) fitted to {len(host_fit.runs)} measured step time(s) (step = max(device step, launches x "
+               f"host cost + samples x per-sample host cost): host and device run concurrently; "
                f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
                f"fit_error is of device time, without it); "
                if host_fit else ("no host cost fitted (no measured step times); " if host else ""))
@@ -514,17 +611,44 @@ def _for_backend(plan: Plan, calibration: Calibration | None) -> Calibration | N
     return calibration
 
 
-def predict_step_time(plan: Plan, calibration: Calibration | None = None,
-                      moments: dict[str, tuple[float, float]] | None = None) -> float:
-    """The pricer's step time for ``plan`` (as ``coplan plan`` prices it), under ``calibration`` (None:
-    the topology's defaults) and, when given, the measured length moments of the steps it is compared
-    with. A calibration from another GPU is used as given (the caller chose it)."""
+def _price_step(plan: Plan, calibration: Calibration | None, moments, seq_chunk: int | None) -> float:
     from coplan.costmodel.pricer import price
 
-    calibration = _for_backend(plan, calibration)
-    ctx = build_context(plan.workload, plan.topology, plan.mesh, calibration, force_calibration=True)
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, _for_backend(plan, calibration), options=_options(seq_chunk),
+                        force_calibration=True)
     apply_moments(ctx, moments)
     return float(price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False).step_time_s)
+
+
+def predict_step_time(plan: Plan, calibration: Calibration | None = None,
+                      moments: dict[str, tuple[float, float]] | None = None, *, seq_chunk: int | None = None) -> float:
+    """The pricer's step time for ``plan`` (as ``coplan plan`` prices it), under ``calibration`` (None:
+    the topology's defaults) and, when given, the measured length moments of the steps it is compared
+    with and the ids per bag of its sequence lookups (None: the cost model's default,
+    :attr:`coplan.costmodel.context.Options.seq_chunk`). A calibration from another GPU is used as given.
+
+    With a per-sample host cost (``host_sample_s``) the step is max(device step, priced launches ×
+    ``host_launch_s`` + local samples × ``host_sample_s``): read off the pricer's device step and its
+    launch slope here, so the figure holds whether or not the pricer adds the per-sample term itself
+    (:func:`coplan.costmodel.context.host_work_s`)."""
+    step = _price_step(plan, calibration, moments, seq_chunk)
+    if calibration is None or not calibration.host_sample_s:
+        return step
+    dev_cal = calibration.model_copy(update={"host_launch_s": None, "host_sample_s": None})
+    # the launches the pricer charges: its step's slope in every class's launch cost (as step_launches)
+    delta = 1e-6
+    dflt = resolve_efficiencies(plan.topology).launch_s
+    bumped_cls = {}
+    for c in CLASSES:
+        oc = dev_cal.op_classes.get(c, OpClassCalibration())
+        base = oc.launch_overhead_s if oc.launch_overhead_s is not None else dflt.get(c, 0.0)
+        bumped_cls[c] = oc.model_copy(update={"launch_overhead_s": base + delta})
+    bumped = dev_cal.model_copy(update={"op_classes": bumped_cls})
+    p0 = _price_step(plan, dev_cal, moments, seq_chunk)
+    n = max(0.0, (_price_step(plan, bumped, moments, seq_chunk) - p0) / delta)
+    B = plan.workload.batch.local(plan.mesh.world_size)
+    host = (calibration.host_launch_s or 0.0) * n + calibration.host_sample_s * B
+    return max(p0, host, step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,9 +665,14 @@ class HostFit:
     form: str = "max"
     """"max": step = max(device, launches · h), host and device concurrent (what the pricer prices);
     "additive": step = device + launches · h (kept as a reading for comparison only)."""
+    sample_s: float = 0.0
+    """Host seconds per local sample per step (fitted with ``per_sample=True``), added to launches · h."""
+    batch: tuple[float, ...] = ()
+    """Local samples per step of each run."""
 
     def predicted(self) -> np.ndarray:
-        return _host_form(np.array(self.device_s), np.array(self.launches), self.h_s, self.form)
+        b = np.array(self.batch) if self.batch else np.zeros(len(self.runs))
+        return _host_form(np.array(self.device_s), np.array(self.launches), self.h_s, self.form, self.sample_s * b)
 
     @property
     def median_abs_error(self) -> float:
@@ -557,6 +686,7 @@ class HostFit:
 
 
 def _device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0) -> Calibration:
+    """The device fit alone (no host cost) as a Calibration, every class's launch cost raised by ``extra_launch_s``."""
     cls: dict[ComputeOpClass, OpClassCalibration] = {}
     eff = resolve_efficiencies(plan.topology)
     for c in CLASSES:
@@ -565,22 +695,24 @@ def _device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0)
         la = res.launch_s.get(c, eff.launch_s.get(c, 0.0)) + extra_launch_s
         cls[c] = OpClassCalibration(compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me),
                                     launch_overhead_s=min(1.0, la))
-    return Calibration(device=plan.topology.gpu.name, op_classes=cls)
+    return Calibration(device=plan.topology.gpu.name, op_classes=cls, lookup_id_latency_s=res.lookup_id_s)
 
 
-def step_launches(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None) -> tuple[float, float]:
+def step_launches(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None, *,
+                  seq_chunk: int | None = None) -> tuple[float, float]:
     """(the pricer's step time under the device fit, launches per step it charges): the pricer is
     linear in the launch cost, so the second is its slope, read off numerically."""
     delta = 1e-6
-    p0 = predict_step_time(plan, _device_calibration(plan, res), moments)
-    p1 = predict_step_time(plan, _device_calibration(plan, res, delta), moments)
+    p0 = predict_step_time(plan, _device_calibration(plan, res), moments, seq_chunk=seq_chunk)
+    p1 = predict_step_time(plan, _device_calibration(plan, res, delta), moments, seq_chunk=seq_chunk)
     return p0, max(0.0, (p1 - p0) / delta)
 
 
 PHASES = ("fwd", "bwd", "optimizer")
 
 
-def step_phases(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def step_phases(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None, *,
+                seq_chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per phase (forward, backward with recompute, optimizer): the pricer's device time under the device
     fit (compute plus the communication it did not hide) and the launches it charges there (each phase's
     slope in the launch cost, read off numerically as :func:`step_launches` does for the step); they sum
@@ -589,7 +721,7 @@ def step_phases(plan: Plan, res: FitResult, moments: dict[str, tuple[float, floa
 
     def phases(extra: float) -> np.ndarray:
         cal = _for_backend(plan, _device_calibration(plan, res, extra))
-        ctx = build_context(plan.workload, plan.topology, plan.mesh, cal, force_calibration=True)
+        ctx = build_context(plan.workload, plan.topology, plan.mesh, cal, options=_options(seq_chunk), force_calibration=True)
         apply_moments(ctx, moments)
         p = price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False).perf
         return np.array([p.fwd_compute_s + p.fwd_exposed_s, p.bwd_compute_s + p.recompute_s + p.bwd_exposed_s, p.optimizer_s])
@@ -613,7 +745,7 @@ def fit_host_phase_form(runs: Sequence[RunSamples], res: FitResult) -> tuple[flo
         st = r.result.step_time if r.result else None
         if st is None or not st.p50_s:
             continue
-        per[r.run] = step_phases(r.plan, res, r.step_moments or r.moments or None)
+        per[r.run] = step_phases(r.plan, res, r.step_moments or r.moments or None, seq_chunk=r.seq_chunk)
         meas.append(float(st.p50_s))
     if not per:
         return 0.0, per
@@ -636,11 +768,11 @@ def fit_host_phase_form(runs: Sequence[RunSamples], res: FitResult) -> tuple[flo
 HOST_FORMS = ("max", "additive")
 
 
-def _host_form(device_s: np.ndarray, launches: np.ndarray, h: float, form: str) -> np.ndarray:
+def _host_form(device_s: np.ndarray, launches: np.ndarray, h: float, form: str, extra: np.ndarray | float = 0.0) -> np.ndarray:
     if form == "max":
-        return np.maximum(device_s, h * launches)
+        return np.maximum(device_s, h * launches + extra)
     if form == "additive":
-        return device_s + h * launches
+        return device_s + h * launches + extra
     raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
 
@@ -652,7 +784,8 @@ max form does not describe. Their runs are left out of the fit of ``h`` (they st
 efficiencies); the pricer's step for such plans is a lower bound."""
 
 
-def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max") -> HostFit | None:
+def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max", *,
+                         per_sample: bool = False) -> HostFit | None:
     """Fit ``h`` (host seconds per priced launch) to the runs' measured steps (CUDA-event p50).
 
     ``form="max"`` (the cost model's): step = max(device step under the device fit, launches · h). The
@@ -661,13 +794,17 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     longer of the two, not their sum. ``form="additive"``: step = device + launches · h (a reading only).
     Least squares on log ratios; the max form's loss is piecewise smooth in ``h``, so a log-spaced grid
     picks the basin and a bounded scalar search refines it.
+
+    ``per_sample``: the host's time also holds a per-sample cost ``s`` (host = launches · h + local samples
+    · s): fitted with ``h`` (an outer grid and bounded search over ``s``, ``h`` fitted for each). Needs
+    runs at two or more local batches to tell ``s`` from ``h``; with one batch ``s`` is 0.
     """
     from scipy.optimize import minimize_scalar
 
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
-    names, meas, dev, nl = [], [], [], []
+    names, meas, dev, nl, bs = [], [], [], [], []
     # a run whose attention syncs the host on every call breaks the overlap the form assumes: it would
     # bias the one h every plan is priced with; it informs h only when no other run is there
     plain = [r for r in runs if r.plan.kernels.attention not in HOST_SYNCING_BACKENDS]
@@ -675,25 +812,27 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         st = r.result.step_time if r.result else None
         if st is None or not st.p50_s or st.p50_s <= 0:
             continue
-        p0, n = step_launches(r.plan, res, r.step_moments or r.moments or None)
+        p0, n = step_launches(r.plan, res, r.step_moments or r.moments or None, seq_chunk=r.seq_chunk)
         if p0 <= 0:
             continue
         names.append(r.run)
         meas.append(float(st.p50_s))
         dev.append(p0)
         nl.append(n)
+        bs.append(float(r.plan.workload.batch.local(r.plan.mesh.world_size)))
     if not names:
         return None
-    m, d, n = np.array(meas), np.array(dev), np.array(nl)
+    m, d, n, bt = np.array(meas), np.array(dev), np.array(nl), np.array(bs)
 
-    def loss(h: float) -> float:
-        return float(np.sum(np.log(_host_form(d, n, h, form) / m) ** 2))
+    def fit_h(extra: np.ndarray) -> tuple[float, float]:
+        def loss(h: float) -> float:
+            return float(np.sum(np.log(_host_form(d, n, h, form, extra) / m) ** 2))
 
-    if form == "additive":
-        hi = float(max(1e-9, np.max((m - d) / np.maximum(n, 1.0)) * 2 + 1e-6))
-        r = minimize_scalar(loss, bounds=(0.0, hi), method="bounded", options={"xatol": 1e-9})
-        h = float(max(0.0, r.x))
-    else:
+        if form == "additive":
+            hi = float(max(1e-9, np.max((m - d) / np.maximum(n, 1.0)) * 2 + 1e-6))
+            r = minimize_scalar(loss, bounds=(0.0, hi), method="bounded", options={"xatol": 1e-9})
+            h = float(max(0.0, r.x))
+            return h, loss(h)
         hi = float(max(1e-9, np.max(m / np.maximum(n, 1.0)) * 2))
         grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
         losses = [loss(float(g)) for g in grid]
@@ -701,4 +840,17 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         a, b = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
         r = minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-10})
         h = float(r.x) if r.fun <= losses[k] else float(grid[k])
-    return HostFit(max(0.0, h), tuple(names), tuple(meas), tuple(dev), tuple(nl), form)
+        return h, min(float(r.fun), losses[k])
+
+    s_best = 0.0
+    h, best = fit_h(np.zeros_like(m))
+    if per_sample and len(set(bs)) > 1:
+        s_hi = float(np.max(m / np.maximum(bt, 1.0)))
+        s_grid = np.concatenate(([0.0], np.geomspace(s_hi * 1e-4, s_hi, 120)))
+        s_losses = [fit_h(sv * bt)[1] for sv in s_grid]
+        k = int(np.argmin(s_losses))
+        r = minimize_scalar(lambda sv: fit_h(sv * bt)[1], bounds=(s_grid[max(0, k - 1)], s_grid[min(len(s_grid) - 1, k + 1)]),
+                            method="bounded", options={"xatol": 1e-10})
+        s_best = float(r.x) if r.fun <= s_losses[k] else float(s_grid[k])
+        h, best = fit_h(s_best * bt)
+    return HostFit(max(0.0, h), tuple(names), tuple(meas), tuple(dev), tuple(nl), form, max(0.0, s_best), tuple(bs))

@@ -104,6 +104,16 @@ class Options:
     along the token dimension, or a weight's input dimension): an amax reduction pass, then a
     scale-cast-transpose pass (assumption: the reduction runs over a dimension that does not fit on chip)."""
 
+    seq_chunk: int = 32
+    """Ids per bag of the sequence lookups' KeyedJaggedTensors, as the trainer feeds them (its
+    ``--seq-chunk``, default 32; 0 = each sample's whole history is one bag). Sets the sequence
+    lookup's latency-bound floor (:func:`seq_lookup_floor_s`); calibration prices each run at the
+    value its ``config.json`` records (absent: 0, the trainer before the switch existed)."""
+
+    lookup_warps_per_sm: int = 64
+    """Resident warps per SM of FBGEMM's no-bag lookup forward (one warp per bag): Hopper's limit of
+    64 warps per SM (assumption: occupancy not limited by registers)."""
+
     fp8_call_overhead_fwd_s: float = 3.9e-4
     """Fixed time per FP8 linear call in forward, beyond its GEMM and its quantisation bytes: the host
     side of the quantisation kernels' launches, scale buffers, padding and ``torch._scaled_mm``'s
@@ -318,6 +328,68 @@ def _expected_max_length(dist, n: float) -> float:
     vals, probs = length_pmf(dist)
     c = np.cumsum(probs)
     return float(vals[min(len(vals) - 1, int(np.searchsorted(c, q)))])
+
+
+def seq_lookup_floor_s(ctx: "Context", samples_per_micro_batch: float, shards=1.0) -> np.ndarray:
+    """Per table, seconds per step: the latency-bound floor of FBGEMM's no-bag (sequence) lookup forward,
+    0 for pooled tables. The lookup of a table is priced at max(its bytes / TBE bandwidth, this floor).
+
+    The kernel gives each bag one warp, which walks the bag's ids one after another (each id: load
+    the index, then the row: dependent loads, ``lookup_id_s`` apart at low occupancy). One kernel runs
+    the bags of all sequence tables of one dim (TorchRec groups them so: the trainer's ``ec_d<dim>``);
+    its warps run in ``ceil(non-empty bags / resident warps)`` waves, each as long as its longest bag:
+
+        floor_group = micro-batches × waves × (ids in the longest bag) × lookup_id_s
+
+    With whole histories as bags (``seq_chunk = 0``) there are as many bags as samples × tables, far
+    fewer than the 8,448 resident warps of an H200, in one wave as long as the batch's longest history
+    (E[max L], the same for every table of a sequence): latency-bound (the round-2 H200 runs: 64-320
+    warps, ~1.3-3 ms per call). With bags of at most ``c`` ids the longest bag is ``c`` and the waves
+    are ``samples × tables × E[ceil(L / c)] / resident warps``: a few waves of ``c`` ids, under the
+    bytes' time (bandwidth-bound). The group's floor is split among its tables by their bytes (exact
+    when the group's tables sit on one rank, as on one GPU; with table-wise sharding across ranks it
+    under-prices a rank holding part of a group). ``shards`` (scalar or per table): a row-wise shard
+    walks 1/k of each bag's ids.
+    """
+    from coplan.costmodel.jagged import length_pmf
+
+    ta = ctx.tables
+    out = np.zeros(ta.num)
+    t_id = ctx.eff.lookup_id_s
+    if not ta.num or t_id <= 0 or not ta.is_seq.any():
+        return out
+    chunk = int(ctx.options.seq_chunk)
+    resident = float(ctx.topology.gpu.num_sms * ctx.options.lookup_warps_per_sm)
+    S = float(samples_per_micro_batch)
+    k = np.broadcast_to(np.asarray(shards, dtype=float), ta.rows.shape)
+    seq_bytes = ta.features * ta.dim * ta.wbytes  # split of a group's floor: bytes per id of each table
+    seqs = {sq for sq, is_s in zip(ta.sequence, ta.is_seq) if is_s and sq is not None}
+    for sq in seqs:
+        dist = ctx.workload.sequence(sq).length
+        e_max = (ctx.padded_moments.get(sq) or _expected_max_moments(dist, max(1.0, S)))[0]
+        if chunk > 0:
+            try:
+                vals, probs = length_pmf(dist)
+                bags_per_sample = float((probs * np.ceil(vals.astype(np.float64) / chunk)).sum())
+            except ValueError:
+                bags_per_sample = ctx.moments.get(sq, (e_max, 0.0))[0] / chunk + 0.5
+            longest = min(float(chunk), e_max)
+        else:
+            bags_per_sample, longest = 1.0, e_max
+        for dim in sorted({float(d) for d, sq2, is_s in zip(ta.dim, ta.sequence, ta.is_seq) if is_s and sq2 == sq}):
+            idx = np.flatnonzero(ta.is_seq & (ta.dim == dim) & np.array([x == sq for x in ta.sequence]))
+            bags = S * float(ta.features[idx].sum()) * bags_per_sample
+            waves = math.ceil(bags / resident) if bags > 0 else 0
+            floor = ctx.micro_batches * waves * longest * t_id
+            share = seq_bytes[idx] / seq_bytes[idx].sum()
+            out[idx] = floor * share / k[idx]
+    return out
+
+
+def host_work_s(ctx: "Context") -> float:
+    """Host seconds per step that grow with the rank's local batch (``host_sample_s`` per sample): added
+    to the priced launches' host time before the step takes the longer of host and device."""
+    return float(ctx.eff.host_sample_s * ctx.local_batch)
 
 
 def _expected_max_moments(dist, n: float) -> tuple[float, float]:
@@ -864,9 +936,14 @@ def table_option_costs(ctx: Context, sharding_type: str, num_shards=1, *, kernel
     hit = ctx.cache.get(key)
     if hit is not None:
         return hit
-    out = _shared(ctx.workload, key + (ctx.mesh.sparse_shard, ctx.local_batch, ctx.micro_batches, ctx.emb_bw),
+    # the sequence lookups' latency floor: a table-wise (or sharded) table sees the sparse group's samples
+    dp = sharding_type == "data_parallel"
+    S = ctx.local_batch * (1 if dp else ctx.mesh.sparse_shard) / ctx.micro_batches
+    k = num_shards if sharding_type in ("row_wise", "table_row_wise") else 1.0
+    floor = seq_lookup_floor_s(ctx, S, k)
+    out = _shared(ctx.workload, key + (ctx.mesh.sparse_shard, ctx.local_batch, ctx.micro_batches, ctx.emb_bw, floor.tobytes()),
                   lambda: option_costs(ctx.tables, sharding_type, num_shards, ctx.mesh.sparse_shard, ctx.local_batch,
-                                       ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw, kernel=kernel))
+                                       ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw, kernel=kernel, fwd_floor_s=floor))
     if len(ctx.cache) < 4096:
         ctx.cache[key] = out
     return out

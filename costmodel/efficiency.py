@@ -56,6 +56,13 @@ DEFAULT_LAUNCH_OVERHEAD_S: dict[str, float] = {
 kernel on Hopper with the CPU running ahead (assumption; NVIDIA Nsight traces of eager PyTorch show
 2-5 µs gaps). The embedding figure includes the TBE's index bucketing."""
 
+DEFAULT_LOOKUP_ID_LATENCY_S = 0.5e-6
+"""Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup forward:
+two dependent HBM loads per id (the index, then the row), about two HBM latencies (assumption, of the
+order of the fit on the H200 round-2 runs, ``benchmarks/calibration_h200.py``; a calibration's
+``lookup_id_latency_s`` replaces it). Sets the latency-bound floor of the sequence lookup
+(:func:`coplan.costmodel.context.seq_lookup_floor_s`)."""
+
 DEFAULT_COLLECTIVE_EFFICIENCY = 1.0
 """Topology tiers carry their own per-collective efficiency; a missing entry means 1.0 × this."""
 
@@ -108,6 +115,13 @@ class Efficiencies:
 
     host_launch_s: float = 0.0
     """Host seconds per priced kernel launch (a calibration's ``host_launch_s``); 0: the step is device time."""
+
+    host_sample_s: float = 0.0
+    """Host seconds per local sample per step (a calibration's ``host_sample_s``), added to the host's time."""
+
+    lookup_id_s: float = DEFAULT_LOOKUP_ID_LATENCY_S
+    """Seconds per id of a warp's serial walk through a no-bag lookup bag (a calibration's
+    ``lookup_id_latency_s``; default :data:`DEFAULT_LOOKUP_ID_LATENCY_S`)."""
 
     def compute_eff(self, op_class: str, dtype: str) -> float:
         return self.compute.get((op_class, dtype)) or self.compute.get((op_class, "bf16"), 0.5)
@@ -166,11 +180,19 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     host = calibration.host_launch_s if calibration is not None and calibration.host_launch_s else 0.0
     if host:
         sources["host_launch"] = f"calibration ({calibration.device})"
-    return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources, host_launch_s=host)
+    per_sample = calibration.host_sample_s if calibration is not None and calibration.host_sample_s else 0.0
+    if per_sample:
+        sources["host_sample"] = f"calibration ({calibration.device})"
+    lookup_id = DEFAULT_LOOKUP_ID_LATENCY_S
+    if calibration is not None and calibration.lookup_id_latency_s is not None:
+        lookup_id = calibration.lookup_id_latency_s
+        sources["lookup_id_latency"] = f"calibration ({calibration.device})"
+    return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources,
+                        host_launch_s=host, host_sample_s=per_sample, lookup_id_s=lookup_id)
 
 
 __all__ = [
-    "COLLECTIVE_BASE_LATENCY_S", "DEFAULT_ATTENTION_EFFICIENCY", "DEFAULT_GEMM_EFFICIENCY", "DEFAULT_LAUNCH_OVERHEAD_S",
+    "COLLECTIVE_BASE_LATENCY_S", "DEFAULT_ATTENTION_EFFICIENCY", "DEFAULT_LOOKUP_ID_LATENCY_S", "DEFAULT_GEMM_EFFICIENCY", "DEFAULT_LAUNCH_OVERHEAD_S",
     "DEFAULT_MEMORY_EFFICIENCY", "Efficiencies", "IN_SWITCH_ALLREDUCE_GAIN", "P2P_PER_PEER_S", "SM_CONTENTION",
     "resolve_efficiencies",
 ]

@@ -157,11 +157,14 @@ class TableOptionCosts:
 
 def option_costs(
     ta: TableArrays, sharding_type: str, num_shards, group_size: int, local_batch: float, num_micro_batches: int,
-    out_bytes: float, hbm_bytes_per_s: float, *, kernel: str = "fused",
+    out_bytes: float, hbm_bytes_per_s: float, *, kernel: str = "fused", fwd_floor_s: np.ndarray | None = None,
 ) -> TableOptionCosts:
     """Vectorised :class:`TableOptionCosts` of all tables under ``sharding_type`` with ``num_shards``
     (scalar or per table). ``hbm_bytes_per_s`` is the achieved TBE bandwidth (peak × efficiency);
-    ``kernel='dense'`` (one module per table) halves it, a stated guess for unfused lookups."""
+    ``kernel='dense'`` (one module per table) halves it, a stated guess for unfused lookups.
+    ``fwd_floor_s``: per table, a latency-bound floor of the forward lookup (seconds per step): the
+    forward costs max(bytes / bandwidth, floor) (the sequence lookups' serial bag walk:
+    :func:`coplan.costmodel.context.seq_lookup_floor_s`)."""
     code = SHARDING_CODES[sharding_type]
     k = np.broadcast_to(np.asarray(num_shards, dtype=float), ta.rows.shape).copy()
     if code in (TW, DP):
@@ -206,7 +209,7 @@ def option_costs(
         allred = zero
     io = (send + recv + ids_r) / num_micro_batches
     return TableOptionCosts(
-        sharding_type, k, fwd_bytes / bw, bwd_bytes / bw, weight, opt, send, recv, ids_s, ids_r, intra, allred, io,
+        sharding_type, k, fwd_bytes / bw if fwd_floor_s is None else np.maximum(fwd_bytes / bw, fwd_floor_s), bwd_bytes / bw, weight, opt, send, recv, ids_s, ids_r, intra, allred, io,
     )
 
 

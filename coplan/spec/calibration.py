@@ -70,6 +70,18 @@ class Calibration(Spec):
     time is the step's priced launches times this, concurrent with the device's, and the step is priced
     at the longer of the two (``coplan calibrate --host-cost``). None: device time alone."""
 
+    host_sample_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Host time per sample of the rank's local batch per step, in seconds, added to the host's time
+    (priced launches × ``host_launch_s``) before the step takes the longer of host and device: the
+    trainer's per-sample host work (the data thread's batch read, balancing, KJT building and pinning,
+    competing with the launching threads for the GIL; see ``coplan.costmodel.calibrate``). None: none
+    (calibrations written before it existed load unchanged)."""
+
+    lookup_id_latency_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup
+    forward, the latency-bound floor of that kernel (``coplan.costmodel.context.seq_lookup_floor_s``).
+    None: the default (``coplan.costmodel.efficiency.DEFAULT_LOOKUP_ID_LATENCY_S``); 0: no floor."""
+
     fit_error: FitError | None = None
     """Fit quality."""
 

@@ -18,6 +18,8 @@ from coplan.spec import MeshPlan, Plan, dump_spec, load_topology, load_workload,
 TRUE_COMPUTE = {("gemm", "bf16"): 0.62, ("attention", "bf16"): 0.41, ("elementwise", "bf16"): 0.5}
 TRUE_MEMORY = {"gemm": 0.8, "attention": 0.7, "elementwise": 0.72, "embedding": 0.55}
 TRUE_LAUNCH = {"gemm": 5e-6, "attention": 7e-6, "elementwise": 3e-6, "embedding": 9e-6}
+TRUE_LOOKUP_ID_S = 0.7e-6
+"""Seconds per serial id of the sequence lookups (the runs have no config.json: whole-history bags)."""
 
 
 def _plan(batch: int, mean_len: int) -> Plan:
@@ -37,7 +39,7 @@ def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, nois
     d = root / name
     (d / "traces").mkdir(parents=True)
     dump_spec(plan, d / "plan.json")
-    terms = unit_terms(plan)
+    terms = unit_terms(plan, seq_chunk=0)  # as calibrate reads a run without config.json
     events: list[dict] = []
     t, corr, seq = 0.0, 0, 0
     for step in range(steps):
@@ -45,7 +47,7 @@ def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, nois
         fwd_seq = {}
         for term in [x for x in terms if x.phase == "fwd"]:
             names = term.members or (term.name,)
-            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH)[0]
+            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH, TRUE_LOOKUP_ID_S)[0]
             for nm in names:
                 dur_us = truth * 1e6 / len(names) * (1 + noise * rng.standard_normal())
                 corr += 1
@@ -60,7 +62,7 @@ def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, nois
                 t += 10 + max(dur_us, 0.01) + 20
         for term in [x for x in terms if x.phase == "bwd"]:
             names = term.members or (term.name,)
-            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH)[0]
+            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH, TRUE_LOOKUP_ID_S)[0]
             for nm in names:
                 dur_us = truth * 1e6 / len(names) * (1 + noise * rng.standard_normal())
                 corr += 1
@@ -93,6 +95,7 @@ def test_fit_recovers_known_efficiencies(tmp_path):
     for cls in ("gemm", "attention", "elementwise", "embedding"):
         assert cal.op_classes[cls].memory_efficiency == pytest.approx(TRUE_MEMORY[cls], rel=0.08), cls
     assert cal.op_classes["gemm"].launch_overhead_s == pytest.approx(TRUE_LAUNCH["gemm"], rel=0.3)
+    assert cal.lookup_id_latency_s == pytest.approx(TRUE_LOOKUP_ID_S, rel=0.08)
     assert cal.fit_error.median_abs_rel_error < 0.04
     assert all(r.unattributed_s > 0 and r.attributed_share > 0.9 for r in parsed)
 
@@ -178,15 +181,15 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     device = Calibration(device="NVIDIA H200", op_classes={
         c: OpClassCalibration(compute_efficiency={dt: v for (cc, dt), v in TRUE_COMPUTE.items() if cc == c},
                               memory_efficiency=TRUE_MEMORY[c], launch_overhead_s=TRUE_LAUNCH[c])
-        for c in TRUE_MEMORY})
+        for c in TRUE_MEMORY}, lookup_id_latency_s=TRUE_LOOKUP_ID_S)
     shapes = [(8, 256), (16, 512), (64, 1024), (256, 2048)]
     plans = [_plan(b, L) for b, L in shapes]
     # h between the smallest and the largest run's device time per launch: some runs host-bound, some not
     dev, nl = [], []
     for p in plans:
-        d0 = predict_step_time(p, device)
+        d0 = predict_step_time(p, device, seq_chunk=0)
         d1 = predict_step_time(p, device.model_copy(update={"op_classes": {
-            c: oc.model_copy(update={"launch_overhead_s": oc.launch_overhead_s + 1e-6}) for c, oc in device.op_classes.items()}}))
+            c: oc.model_copy(update={"launch_overhead_s": oc.launch_overhead_s + 1e-6}) for c, oc in device.op_classes.items()}}), seq_chunk=0)
         dev.append(d0)
         nl.append((d1 - d0) / 1e-6)
     per = sorted(d / n for d, n in zip(dev, nl))
@@ -197,7 +200,7 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     dirs = []
     for i, plan in enumerate(plans):
         d = _synth_run(tmp_path, f"r{i}", plan, rng, noise=0.02)
-        step = predict_step_time(plan, truth)
+        step = predict_step_time(plan, truth, seq_chunk=0)
         assert step == pytest.approx(max(dev[i], h_true * nl[i]), rel=1e-9)
         st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
         dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
@@ -212,7 +215,7 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     assert "host cost" in cal.notes
     for r in runs:
         meas = r.result.step_time.p50_s
-        assert predict_step_time(r.plan, cal) == pytest.approx(meas, rel=0.1)
+        assert predict_step_time(r.plan, cal, seq_chunk=r.seq_chunk) == pytest.approx(meas, rel=0.1)
     # the additive form cannot fit device-bound and host-bound runs at once as well
     ha = fit_host_launch_cost(runs, res, form="additive")
     assert ha.max_abs_error > hf.max_abs_error
