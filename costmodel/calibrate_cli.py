@@ -73,6 +73,13 @@ def _print_runs(cal, runs) -> None:
         err = fe.per_op_class.get(cls)
         print(f"{cls:<12} {ce:>12} {me:>11} {la:>10} {('%.1f%%' % (100 * err)) if err is not None else '-':>7}")
     print(f"per-op error: median {fe.median_abs_rel_error:.1%}, max {fe.max_abs_rel_error:.1%}")
+    if cal.lookup_id_latency_s is not None:
+        chunks = sorted({r.seq_chunk for r in runs})
+        print(f"sequence lookup: {cal.lookup_id_latency_s * 1e9:.0f} ns per serial id of a bag "
+              f"(runs' seq_chunk: {', '.join(str(c) for c in chunks)}; 0 = whole histories)")
+    if cal.host_launch_s is not None:
+        print(f"host: {cal.host_launch_s * 1e6:.1f} us per priced launch, "
+              f"{(cal.host_sample_s or 0.0) * 1e6:.1f} us per local sample (step = max(device, host))")
 
 
 def _print_fit(fit) -> None:
@@ -96,8 +103,9 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--host-cost", action="store_true",
-                   help="also fit a host cost per priced kernel launch to the runs' measured step times; the pricer then "
-                        "prices a step at max(device time, launches x host cost) (host-bound steps; see coplan.costmodel.calibrate)")
+                   help="also fit a host cost per priced kernel launch and one per local sample to the runs' measured step "
+                        "times (host_launch_s, host_sample_s); a step is then priced at max(device time, launches x host cost "
+                        "+ samples x per-sample cost) (host-bound steps; see coplan.costmodel.calibrate)")
     g = p.add_argument_group("collectives", "fit a tier's latency and per-collective efficiency to a sweep "
                              "(benchmarks/collectives_h200.py)")
     g.add_argument("--collectives", metavar="SWEEP.json", help="collective sweep JSON to fit")

@@ -56,11 +56,12 @@ DEFAULT_LAUNCH_OVERHEAD_S: dict[str, float] = {
 kernel on Hopper with the CPU running ahead (assumption; NVIDIA Nsight traces of eager PyTorch show
 2-5 µs gaps). The embedding figure includes the TBE's index bucketing."""
 
-DEFAULT_LOOKUP_ID_LATENCY_S = 0.5e-6
-"""Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup forward:
-two dependent HBM loads per id (the index, then the row), about two HBM latencies (assumption, of the
-order of the fit on the H200 round-2 runs, ``benchmarks/calibration_h200.py``; a calibration's
-``lookup_id_latency_s`` replaces it). Sets the latency-bound floor of the sequence lookup
+DEFAULT_LOOKUP_ID_LATENCY_S = 0.45e-6
+"""Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup forward
+(two dependent HBM loads per id: the index, then the row). Fitted (449 ns) with the device fit on the
+six round-2 fit runs of ``benchmarks/calibration_h200.py`` (NVIDIA H200, FBGEMM 1.6.0, whole-history
+bags of ~1,000-4,096 ids in 64-320 warps; CPU re-analysis 2026-11-29); a calibration's
+``lookup_id_latency_s`` replaces it. Sets the latency-bound floor of the sequence lookup
 (:func:`coplan.costmodel.context.seq_lookup_floor_s`)."""
 
 DEFAULT_COLLECTIVE_EFFICIENCY = 1.0

@@ -1,0 +1,218 @@
+"""Issue 8, host time and the sequence lookup: the per-sample host cost recovered from synthetic runs,
+the no-bag lookup priced by its bag layout (``seq_chunk``), runs' bag layout read from their files, and
+calibration files written before these fields still loading."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from coplan.costmodel.calibrate import calibrate, fit_host_launch_cost, predict_step_time, run_seq_chunk
+from coplan.costmodel.context import Options, build_context, seq_lookup_floor_s, table_option_costs
+from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S, resolve_efficiencies
+from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, Workload, dump_spec, load_calibration
+from coplan.spec import load_topology, load_workload, parse_spec, spec_sha256
+
+from .test_calibrate import TRUE_COMPUTE, TRUE_LAUNCH, TRUE_LOOKUP_ID_S, TRUE_MEMORY, _synth_run
+
+
+def _plan(batch: int, mean_len: float, layers: int = 4, *, sigma: float | None = None, fixed: int | None = None) -> Plan:
+    t = load_topology("h200-1gpu")
+    doc = load_workload("gem-h200").model_dump(mode="json")
+    doc["batch"] = {"local_batch_size": batch}
+    if fixed is not None:
+        doc["sequences"][0]["length"] = {"kind": "fixed", "length": fixed}
+    else:
+        doc["sequences"][0]["length"]["mean"] = mean_len
+        if sigma is not None:
+            doc["sequences"][0]["length"]["sigma"] = sigma
+    for b in doc["blocks"]:
+        if b["type"] == "interformer":
+            b["num_layers"] = layers
+    w = parse_spec(Workload, doc, "gem-h200 variant")
+    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1),
+                topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
+
+
+DEVICE = Calibration(device="NVIDIA H200", op_classes={
+    c: OpClassCalibration(compute_efficiency={dt: v for (cc, dt), v in TRUE_COMPUTE.items() if cc == c},
+                          memory_efficiency=TRUE_MEMORY[c], launch_overhead_s=TRUE_LAUNCH[c])
+    for c in TRUE_MEMORY}, lookup_id_latency_s=TRUE_LOOKUP_ID_S)
+
+
+def _device_and_launches(plan: Plan) -> tuple[float, float]:
+    d0 = predict_step_time(plan, DEVICE, seq_chunk=0)
+    bumped = DEVICE.model_copy(update={"op_classes": {
+        c: oc.model_copy(update={"launch_overhead_s": oc.launch_overhead_s + 1e-6}) for c, oc in DEVICE.op_classes.items()}})
+    return d0, (predict_step_time(plan, bumped, seq_chunk=0) - d0) / 1e-6
+
+
+def test_per_sample_host_cost_is_recovered_from_noisy_runs(tmp_path):
+    """Runs of different depths (launches) and batches (samples), host-bound at a known h per launch and s
+    per sample plus 2% noise on the measured step: the fit on their traces and steps recovers both,
+    and the calibration prices each step with them."""
+    from coplan.spec import RunResult
+    from coplan.spec.run import StepTimeStats
+
+    rng = np.random.default_rng(11)
+    shapes = [(8, 256, 2), (32, 256, 2), (64, 256, 6), (16, 256, 6), (48, 256, 4), (96, 256, 3)]
+    plans = [_plan(b, L, n) for b, L, n in shapes]
+    dev_n = [_device_and_launches(p) for p in plans]
+    # h and s such that both terms matter: s·B of the order of h·N on the mid-sized runs
+    n_mid = float(np.median([n for _, n in dev_n]))
+    h_true = 1.2 * max(d / n for d, n in dev_n)
+    s_true = h_true * n_mid / 48.0
+    dirs = []
+    for i, (plan, (d0, n)) in enumerate(zip(plans, dev_n)):
+        b = plan.workload.batch.local_batch_size
+        step = max(d0, h_true * n + s_true * b) * (1 + 0.02 * rng.standard_normal())
+        assert h_true * n + s_true * b > d0  # host-bound: the step carries both host terms
+        d = _synth_run(tmp_path, f"r{i}", plan, rng, noise=0.02)
+        st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
+        dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
+                  d / "summary.json")
+        dirs.append(d)
+    cal, res, runs = calibrate(dirs, host=True)
+    assert cal.host_sample_s == pytest.approx(s_true, rel=0.15)
+    assert cal.host_launch_s == pytest.approx(h_true, rel=0.15)
+    assert "per local sample" in cal.notes
+    for r in runs:
+        assert predict_step_time(r.plan, cal, seq_chunk=r.seq_chunk) == pytest.approx(r.result.step_time.p50_s, rel=0.06)
+    # without the per-sample term the same runs fit worse
+    h_only = fit_host_launch_cost(runs, res)
+    both = fit_host_launch_cost(runs, res, per_sample=True)
+    assert both.max_abs_error < 0.06 < h_only.max_abs_error
+    # the CLI writes and reads back the same figures
+    from coplan.cli import main
+
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *map(str, dirs), "-o", str(out), "--host-cost", "--json"]) == 0
+    back = load_calibration(out)
+    assert back.host_sample_s == pytest.approx(cal.host_sample_s, rel=1e-6)
+    assert back.lookup_id_latency_s == pytest.approx(cal.lookup_id_latency_s, rel=1e-6)
+    assert resolve_efficiencies(plans[0].topology, back).host_sample_s == pytest.approx(back.host_sample_s)
+
+
+def test_one_batch_leaves_the_per_sample_cost_at_zero(tmp_path):
+    """With every run at one local batch, s cannot be told from h: it stays 0."""
+    from coplan.spec import RunResult
+    from coplan.spec.run import StepTimeStats
+
+    rng = np.random.default_rng(5)
+    plans = [_plan(32, 256, n) for n in (2, 4, 6)]
+    dirs = []
+    for i, p in enumerate(plans):
+        d0, n = _device_and_launches(p)
+        step = max(d0, 2e-4 * n + 1e-3)
+        d = _synth_run(tmp_path, f"r{i}", p, rng, noise=0.0)
+        st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
+        dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
+                  d / "summary.json")
+        dirs.append(d)
+    cal, _, _ = calibrate(dirs, host=True)
+    assert cal.host_sample_s is None and cal.host_launch_s > 0
+
+
+def _lookup(plan: Plan, chunk: int, cal: Calibration | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(forward seconds per table as priced, the bytes' time alone, the latency floor), sequence tables only."""
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, cal, options=Options(seq_chunk=chunk), force_calibration=True)
+    priced = table_option_costs(ctx, "table_wise").fwd_s
+    floor = seq_lookup_floor_s(ctx, ctx.local_batch)
+    no_floor = (cal or Calibration(device="NVIDIA H200")).model_copy(update={"lookup_id_latency_s": 0.0})
+    ctx0 = build_context(plan.workload, plan.topology, plan.mesh, no_floor, options=Options(seq_chunk=chunk), force_calibration=True)
+    bytes_s = table_option_costs(ctx0, "table_wise").fwd_s
+    seq = ctx.tables.is_seq
+    return priced[seq], bytes_s[seq], floor[seq]
+
+
+# the round-2 H200 fit (CPU re-analysis of its six fit runs, 2026-11-29): TBE at 7.5% of HBM bandwidth,
+# 449 ns per serial id
+H200_ROUND2 = Calibration(device="NVIDIA H200", op_classes={"embedding": OpClassCalibration(memory_efficiency=0.0746)},
+                          lookup_id_latency_s=449e-9)
+
+
+@pytest.mark.parametrize("cal", [None, H200_ROUND2], ids=["default", "h200-round2"])
+def test_sequence_lookup_latency_bound_whole_histories_bandwidth_bound_in_chunks(cal):
+    """Histories of 1,000 ids at 64 samples (gem-h200's 8 sequence tables: dims 256 x2, 128 x5, 64 x1).
+    As whole-sample bags (64-320 warps, one wave as long as a 1,000-id walk) the lookup is latency-bound:
+    every table at the default TBE bandwidth (floor > 4x its bytes' time); at the H200's fitted one (TBE at
+    7.5% of HBM bandwidth) the 256- and 64-dim kernels, the whole lookup 1.5x its bytes' time. In bags of
+    32 ids the floor is a few waves of 32 ids: bandwidth-bound at the fitted bandwidth; at the default one
+    every table of 128 or more dims is, while the lone 64-dim table (128-byte rows, one wave of 32 ids:
+    14 us) stays latency-bound, its bytes taking 5 us."""
+    plan = _plan(64, 0.0, fixed=1000)
+    t_id = cal.lookup_id_latency_s if cal else DEFAULT_LOOKUP_ID_LATENCY_S
+    priced, bytes_s, floor = _lookup(plan, 0, cal)
+    ta = build_context(plan.workload, plan.topology, plan.mesh).tables
+    dims = ta.dim[ta.is_seq]
+    assert np.allclose(priced, np.maximum(floor, bytes_s))
+    # one wave per dim group: the group's floor is 1,000 serial ids (tables of one dim share it by bytes)
+    for d in set(dims.tolist()):
+        assert floor[dims == d].sum() == pytest.approx(1000 * t_id, rel=1e-9)
+    if cal is None:
+        assert np.all(floor > 4 * bytes_s)
+    else:
+        lat = (dims == 256) | (dims == 64)
+        assert np.all(floor[lat] > bytes_s[lat]) and priced.sum() > 1.5 * bytes_s.sum()
+    priced32, bytes32, floor32 = _lookup(plan, 32, cal)
+    assert np.allclose(bytes32, bytes_s)  # the bag layout moves no bytes
+    # ceil(64 samples x tables x 32 bags (1000/32 rounded up) / 8,448 resident warps) waves of 32 ids
+    for d in set(dims.tolist()):
+        n_tab = int((dims == d).sum())
+        waves = -(-64 * n_tab * 32 // (132 * 64))
+        assert floor32[dims == d].sum() == pytest.approx(waves * 32 * t_id, rel=1e-9)
+    wide = dims >= 128
+    assert np.all(floor32[wide] < bytes32[wide]) and np.allclose(priced32[wide], bytes32[wide])
+    if cal is None:
+        assert floor32[dims == 64][0] > bytes32[dims == 64][0]
+        assert priced32.sum() < 1.1 * bytes32.sum()
+    else:
+        assert np.allclose(priced32, bytes32)
+    assert priced32.sum() < priced.sum() / 1.5
+
+
+def test_chunked_bags_price_below_whole_histories_in_the_step():
+    """The pricer's step for gem-h200 is lower with the trainer's 32-id bags than with whole histories,
+    by about the sequence lookups' latency floor."""
+    w = load_workload("gem-h200")
+    plan = _plan(64, w.sequences[0].length.mean)
+    s0 = predict_step_time(plan, H200_ROUND2, seq_chunk=0)
+    s32 = predict_step_time(plan, H200_ROUND2, seq_chunk=32)
+    whole, _, _ = _lookup(plan, 0, H200_ROUND2)
+    chunked, _, _ = _lookup(plan, 32, H200_ROUND2)
+    assert s32 < s0
+    assert s0 - s32 == pytest.approx(whole.sum() - chunked.sum(), rel=0.05)
+
+
+def test_run_seq_chunk_reads_config_then_notes_else_zero(tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "config.json").write_text(json.dumps({"seq_chunk": 32, "steps": 16}))
+    assert run_seq_chunk(a) == 32
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "summary.json").write_text(json.dumps({"notes": "x; sequence lookup bags: seq_chunk=16 (bags of at most 16 ids)"}))
+    assert run_seq_chunk(b) == 16
+    c = tmp_path / "c"
+    c.mkdir()
+    assert run_seq_chunk(c) == 0  # runs from before the switch: whole histories
+    (c / "config.json").write_text("{not json")
+    from coplan.costmodel.calibrate import CalibrationError
+
+    with pytest.raises(CalibrationError, match="config.json"):
+        run_seq_chunk(c)
+
+
+def test_calibration_files_without_the_new_fields_still_load(tmp_path):
+    old = {"schema_version": 1, "device": "NVIDIA H200", "op_classes": {"gemm": {"memory_efficiency": 0.8}},
+           "host_launch_s": 2.16e-4, "notes": "written before host_sample_s and lookup_id_latency_s"}
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(old))
+    cal = load_calibration(p)
+    assert cal.host_sample_s is None and cal.lookup_id_latency_s is None
+    eff = resolve_efficiencies(load_topology("h200-1gpu"), cal)
+    assert eff.host_sample_s == 0.0 and eff.lookup_id_s == DEFAULT_LOOKUP_ID_LATENCY_S and eff.host_launch_s == 2.16e-4
+    with pytest.raises(Exception, match="host_sample_s"):
+        Calibration.model_validate({**old, "host_sample_s": -1.0})
