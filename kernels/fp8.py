@@ -43,6 +43,19 @@ are zero-padded by the quantisation kernels (zeros change no amax and no product
 Without an FP8 GPU (``fp8_supported`` False), both recipes are *emulated*: the same quantisation,
 values really rounded to e4m3, then dequantised and multiplied in fp32 (:mod:`.fp8_reference`),
 so the numerics can be tested and a model trained on CPU.
+
+**torchao-tensorwise**, **torchao-rowwise**: not ours. torchao's float8 training
+(``torchao.float8.convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``, the
+recipe torchtitan uses), meant to run under ``torch.compile``, which fuses each amax, scale and
+cast into the neighbouring elementwise ops instead of running them as separate kernels.
+:func:`torchao_float8_config` and :func:`convert_torchao` apply it: the chosen ``nn.Linear``
+modules become torchao ``Float8Linear`` holding the same parameter objects; FSDP2's float8
+all-gather stays off (FSDP2 gathers the weight in its ``param_dtype``, as for our recipes), and the
+contraction dimension is zero-padded to a multiple of 16 inside the GEMM (``pad_inner_dim``: the
+weight gradient contracts over the tokens, whose count is jagged). ``torch._scaled_mm`` also needs
+``in_features`` and ``out_features`` multiples of 16: :func:`torchao_eligible` says so for a layer.
+torchao is an optional dependency (``pip install torchao==0.18.0``); its absence is a
+:class:`Fp8RecipeUnavailable` naming the recipe and the fix.
 """
 
 from __future__ import annotations
@@ -57,12 +70,22 @@ from . import fp8_reference as ref
 Recipe = Literal["rowwise", "blockwise"]
 Backend = Literal["auto", "kernels", "emulate"]
 RECIPES: tuple[str, ...] = get_args(Recipe)
+TorchaoRecipe = Literal["torchao-tensorwise", "torchao-rowwise"]
+TORCHAO_RECIPES: tuple[str, ...] = get_args(TorchaoRecipe)
+ALL_RECIPES: tuple[str, ...] = RECIPES + TORCHAO_RECIPES
+"""Every recipe a plan may name: ours (:class:`Float8Linear`) and torchao's (:func:`convert_torchao`)."""
+TORCHAO_VERSION = "0.18.0"
+"""The torchao release these recipes were written and checked against."""
 SCALED_MM_ALIGN = 16
 """``torch._scaled_mm`` needs K and N (and M where M is the contraction axis) multiples of 16."""
 
 
 class Fp8InputError(ValueError):
     """An FP8 linear input is malformed: the message names the argument, the numbers and the fix."""
+
+
+class Fp8RecipeUnavailable(ImportError):
+    """An FP8 recipe needs a library that is not installed (torchao): the message names the recipe and the fix."""
 
 
 _SUPPORTED: dict[int, bool] = {}
@@ -325,4 +348,88 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
-__all__ = ["Float8Linear", "Fp8InputError", "RECIPES", "Recipe", "fp8_linear", "fp8_supported"]
+# --------------------------------------------------------------------------------------------
+# torchao's float8 training
+# --------------------------------------------------------------------------------------------
+
+
+def _torchao_float8(recipe: str):
+    """``torchao.float8``, or :class:`Fp8RecipeUnavailable` naming ``recipe`` and the fix."""
+    try:
+        import torchao.float8 as tf8
+    except ImportError as e:
+        raise Fp8RecipeUnavailable(
+            f"fp8 recipe {recipe!r} needs torchao's float8 training, which does not import here ({type(e).__name__}: "
+            f"{str(e)[:160]}); install it with `pip install torchao=={TORCHAO_VERSION}`, or choose one of "
+            f"{', '.join(map(repr, RECIPES))} (no extra dependency)"
+        ) from e
+    return tf8
+
+
+def torchao_float8_config(recipe: str):
+    """torchao's ``Float8LinearConfig`` of ``recipe`` ('torchao-tensorwise' or 'torchao-rowwise'):
+    ``from_recipe_name`` with FSDP2 float8 all-gather off and the inner dimension padded to 16."""
+    if recipe not in TORCHAO_RECIPES:
+        raise Fp8InputError(f"recipe={recipe!r} is not a torchao recipe; choose one of {', '.join(map(repr, TORCHAO_RECIPES))}")
+    tf8 = _torchao_float8(recipe)
+    import dataclasses
+
+    base = tf8.Float8LinearConfig.from_recipe_name(recipe.removeprefix("torchao-"))
+    return dataclasses.replace(base, enable_fsdp_float8_all_gather=False, pad_inner_dim=True)
+
+
+def torchao_eligible(linear: nn.Linear) -> str | None:
+    """None when torchao's float8 can run ``linear``, else why not (``torch._scaled_mm`` needs
+    ``in_features`` and ``out_features`` multiples of 16; the token dimension is padded)."""
+    if linear.in_features % SCALED_MM_ALIGN or linear.out_features % SCALED_MM_ALIGN:
+        return (f"{linear.in_features}x{linear.out_features}: torch._scaled_mm needs in and out features "
+                f"multiples of {SCALED_MM_ALIGN}")
+    return None
+
+
+def is_torchao_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear`` (False where torchao is not installed)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear as TaoFloat8Linear
+    except ImportError:
+        return False
+    return isinstance(module, TaoFloat8Linear)
+
+
+def convert_torchao(module: nn.Module, recipe: str, linears) -> list[nn.Module]:
+    """Swap exactly the ``nn.Linear`` modules in ``linears`` (objects inside ``module``) for torchao
+    ``Float8Linear`` by ``recipe``, in place (they keep their parameter objects); returns the new
+    modules, in ``linears``' order. A linear torchao cannot run (:func:`torchao_eligible`) or one
+    not inside ``module`` is an :class:`Fp8InputError`: the caller chooses the layers."""
+    linears = list(linears)
+    config = torchao_float8_config(recipe)
+    tf8 = _torchao_float8(recipe)
+    for lin in linears:
+        if not isinstance(lin, nn.Linear) or isinstance(lin, Float8Linear) or is_torchao_float8(lin):
+            raise Fp8InputError(f"convert_torchao: expected plain nn.Linear modules, got {type(lin).__name__}")
+        why = torchao_eligible(lin)
+        if why:
+            raise Fp8InputError(f"convert_torchao({recipe!r}): a layer torchao's float8 cannot run, {why}")
+    if isinstance(module, nn.Linear):
+        raise Fp8InputError("convert_torchao: pass the module that holds the linear layers, not a bare nn.Linear")
+    wanted = {id(lin): k for k, lin in enumerate(linears)}
+    found: dict[int, int] = {}
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        k = wanted.get(id(mod))
+        if k is None or is_torchao_float8(mod):
+            return False
+        found[id(mod)] = k
+        return True
+
+    tf8.convert_to_float8_training(module, module_filter_fn=keep, config=config)
+    missing = [k for i, k in wanted.items() if i not in found]
+    if missing:
+        raise Fp8InputError(f"convert_torchao: {len(missing)} of the {len(linears)} linear layers are not inside the module")
+    by_param = {id(m.weight): m for m in module.modules() if is_torchao_float8(m)}
+    return [by_param[id(lin.weight)] for lin in linears]
+
+
+__all__ = ["ALL_RECIPES", "Float8Linear", "Fp8InputError", "Fp8RecipeUnavailable", "RECIPES", "Recipe", "TORCHAO_RECIPES",
+           "TORCHAO_VERSION", "TorchaoRecipe", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8",
+           "torchao_eligible", "torchao_float8_config"]

@@ -587,9 +587,12 @@ class Precision(Spec):
     fp8_min_dim: PosInt = 1024
     """Numerics guard: linear layers with a dimension under this stay in bf16 unless forced."""
 
-    fp8_recipe: Literal["rowwise", "blockwise"] = "rowwise"
+    fp8_recipe: Literal["rowwise", "blockwise", "torchao-tensorwise", "torchao-rowwise"] = "rowwise"
     """Scaling of the FP8 GEMMs: one scale per row of each operand (e4m3, ``torch._scaled_mm``), or
-    per 1×128 activation tile and 128×128 weight block (DeepSeek-V3 style, a Triton GEMM)."""
+    per 1×128 activation tile and 128×128 weight block (DeepSeek-V3 style, a Triton GEMM); or
+    torchao's float8 training (``torchao==0.18.0``, optional) with one scale per tensor or per row,
+    meant for ``--compile layers`` (Inductor fuses its casts). The cost model prices the torchao
+    recipes as ``rowwise``."""
 
 
 class Optimizer(Spec):

@@ -50,7 +50,14 @@ def layer_linears(dense: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Li
 
 def apply_fp8(dense: nn.Module, plan: Plan) -> list[str]:
     """Swap the linear layers of the plan's fp8 layers (before activation checkpointing and FSDP2);
-    returns the swapped modules as '<layer>:<in>x<out>' descriptions."""
+    returns the swapped modules as '<layer>:<in>x<out>' descriptions.
+
+    Our recipes swap in :class:`~coplan.kernels.fp8.Float8Linear`; the torchao recipes
+    ('torchao-tensorwise', 'torchao-rowwise') convert the same linears with torchao's
+    ``convert_to_float8_training`` (FSDP2 float8 all-gather off), except those whose in or out
+    features are not multiples of 16, which ``torch._scaled_mm`` refuses (they stay in the compute
+    dtype even under ``force``). Same numerics guard either way. A torchao recipe without torchao
+    installed is a :class:`~coplan.kernels.fp8.Fp8RecipeUnavailable` before anything is swapped."""
     fp8_layers = {lp.name for lp in plan.layers if lp.precision == "fp8"}
     if not fp8_layers:
         return []
@@ -59,8 +66,13 @@ def apply_fp8(dense: nn.Module, plan: Plan) -> list[str]:
         raise MismatchError(
             f"the plan puts {sorted(fp8_layers)[:4]} in fp8 while precision.fp8 is 'off'; re-plan, or set precision.fp8 to auto or force"
         )
-    from coplan.kernels.fp8 import Float8Linear
+    from coplan.kernels.fp8 import TORCHAO_RECIPES, Float8Linear, is_torchao_float8
 
+    torchao = prec.fp8_recipe in TORCHAO_RECIPES
+    if torchao:
+        from coplan.kernels.fp8 import _torchao_float8
+
+        _torchao_float8(prec.fp8_recipe)  # before anything is swapped: a clear error naming the recipe and the fix
     entries = list(layer_linears(dense))
     known = {e[0] for e in entries}
     unknown = sorted(fp8_layers - known)
@@ -68,18 +80,30 @@ def apply_fp8(dense: nn.Module, plan: Plan) -> list[str]:
         raise MismatchError(f"the plan puts {unknown} in fp8, which are not layers with linear layers in this model ({sorted(known)})")
     force = prec.fp8 == "force"
     done = []
+    chosen: list[nn.Linear] = []
     for name, parent, attr, lin, head in entries:
-        if name not in fp8_layers or isinstance(lin, Float8Linear):
+        if name not in fp8_layers or isinstance(lin, Float8Linear) or is_torchao_float8(lin):
             continue
         small = min(lin.in_features, lin.out_features) < prec.fp8_min_dim
         if not force and (small or head):
             continue  # the numerics guard, as the cost model applies it
+        if torchao:
+            from coplan.kernels.fp8 import torchao_eligible
+
+            if torchao_eligible(lin) is None:  # else torch._scaled_mm refuses it: bf16, forced or not
+                chosen.append(lin)
+                done.append(f"{name}:{lin.in_features}x{lin.out_features}")
+            continue
         new = Float8Linear.from_linear(lin, prec.fp8_recipe)
         if isinstance(parent, (nn.ModuleList, nn.Sequential)):
             parent[int(attr)] = new
         else:
             setattr(parent, attr, new)
         done.append(f"{name}:{lin.in_features}x{lin.out_features}")
+    if chosen:
+        from coplan.kernels.fp8 import convert_torchao
+
+        convert_torchao(dense, prec.fp8_recipe, chosen)
     return done
 
 
