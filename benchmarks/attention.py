@@ -72,7 +72,12 @@ SOFTMAX_VARIANTS = {
     "triton_softmax_one_loop": dict(LAZY_RESCALE=False, ONE_LOOP=True),
     "triton_softmax_one_loop_lazy": dict(LAZY_RESCALE=True, ONE_LOOP=True),
 }
-EXTRA_METHODS = ",".join(SOFTMAX_VARIANTS)
+# On request only: a Triton method with the one-kernel backward (dK, dV and fp32-atomic dQ per key
+# block: triton_attention.ATTN_BWD = "atomic" while its backward launches; else the default, split
+# into dQ and dK/dV kernels, or what COPLAN_ATTN_BWD says). Not bitwise repeatable: see
+# repeat_bitwise_equal.
+BWD_VARIANTS = {"triton_softmax_atomic": "triton_softmax", "triton_gdpa_silu_atomic": "triton_gdpa_silu"}
+EXTRA_METHODS = ",".join([*SOFTMAX_VARIANTS, *BWD_VARIANTS])
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 T0 = time.perf_counter()
@@ -195,6 +200,35 @@ def method_fns(shape, lengths, offsets):
     fns["triton_gdpa_silu"] = ("jagged", lambda q, k, v: gdpa(
         q, k, v, offsets, activation="silu", causal=True, max_len=cap, out_scale=1.0 / cap, validate=False, backend="triton"))
     fns["sdpa_padded"] = ("padded", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
+
+    class SetBackward(torch.autograd.Function):
+        """Identity (views, no kernels) whose backward sets triton_attention.ATTN_BWD: on a method's
+        output it runs before the attention's backward, on its inputs after it. The backward is
+        launched by autograd, after the method's call returned, so a switch set around the call
+        (as for SOFTMAX_VARIANTS) would not reach it. Costs two autograd nodes of host time."""
+
+        @staticmethod
+        def forward(ctx, mode, *xs):
+            ctx.mode = mode
+            return tuple(x.view_as(x) for x in xs)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            from coplan.kernels import triton_attention as ta
+
+            ta.ATTN_BWD = ctx.mode
+            return (None, *grads)
+
+    def bwd_variant(base, mode):
+        def call(q, k, v):
+            from coplan.kernels import triton_attention as ta
+
+            q, k, v = SetBackward.apply(ta.ATTN_BWD, q, k, v)  # the mode to put back, once the gradients are in
+            return SetBackward.apply(mode, fns[base][1](q, k, v))[0]
+        return call
+
+    for name, base in BWD_VARIANTS.items():
+        fns[name] = ("jagged", bwd_variant(base, "atomic"))
 
     def flex_setup():
         if DEVICE != "cuda":
@@ -434,7 +468,7 @@ def _precompile_worker(task):
 
     shape = SHAPES[shape_key]
     d = shape["head_dim"]
-    for kind in ("fwd", "dq", "dkdv"):
+    for kind in ("fwd", "dq", "dkdv", "atomic"):
         configs = ta.configs_for(kind, d)
         c = configs[min(index, len(configs) - 1)]
         ta.UNTUNED_CONFIGS[kind] = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
@@ -452,7 +486,7 @@ def precompile(shape_keys, ops, processes):
 
     tasks = []
     for s in shape_keys:
-        n = max(len(ta.configs_for(kind, SHAPES[s]["head_dim"])) for kind in ("fwd", "dq", "dkdv"))
+        n = max(len(ta.configs_for(kind, SHAPES[s]["head_dim"])) for kind in ("fwd", "dq", "dkdv", "atomic"))
         tasks += [(s, op, i) for op in ops for i in range(n)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(min(processes, len(tasks))) as pool:
@@ -484,7 +518,9 @@ def autotune_record(name: str) -> dict:
     switches = _softmax_switches(name)
     flags = (softmax and switches["LAZY_RESCALE"], softmax and switches["ONE_LOOP"])
     out = {}
-    for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned)):
+    backward = ((("atomic", ta._atomic_tuned),) if name in BWD_VARIANTS
+                else (("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned)))
+    for kind, tuned in (("fwd", ta._fwd_tuned), *backward):
         chosen = {str(key[1:4]): dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
                   for key, cfg in ta._CHOSEN.items()
                   if key[0] == kind and key[4] == mode and (kind != "fwd" or key[10:12] == flags)}
@@ -746,7 +782,8 @@ def main(argv=None):
         result["shapes"][s] = run_shape(s, methods, deadline, args.quick)
         result["shapes"][s]["autotuned"] = {
             kind: {str(k): str(v) for k, v in tuned.cache.items()}
-            for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned))
+            for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned),
+                                ("atomic", ta._atomic_tuned))
         } if not ta.INTERPRETED else "interpreter: fixed configs"
         save()
     result["wall_s"] = time.perf_counter() - T0
