@@ -185,6 +185,37 @@ def test_two_gloo_ranks_row_wise_and_table_wise(tmp_path):
         assert any(k.startswith("out:") for k in results[0])
 
 
+@pytest.mark.slow
+def test_trainer_losses_do_not_depend_on_the_bags(tmp_path):
+    """End to end: ``coplan.trainer.train`` with whole histories and with bags of 7 ids gives the same
+    losses bit for bit, and records the layout in the run's config and summary."""
+    import json
+
+    from coplan.spec import dump_spec
+    from coplan.trainer.plans import single_process_plan
+
+    plan = dump_spec(single_process_plan(load_workload("gem-tiny"), load_topology("h200-1gpu"), attention_backend="reference"),
+                     tmp_path / "plan.json")
+    runs = {}
+    for chunk in (0, 7):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
+               str(plan), "--device", "cpu", "--steps", "2", "--warmup", "0", "--runs-root", str(tmp_path / "runs"),
+               "--run-id", f"c{chunk}", "--data", str(tmp_path / "data"), "--data-samples", "64", "--no-progress",
+               "--checkpoint-every", "-1", "--trace", "none", "--seq-chunk", str(chunk)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"trainer run timed out after {TIMEOUT_S} s")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        d = tmp_path / "runs" / f"c{chunk}"
+        runs[chunk] = [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["seq_chunk"] == chunk and cfg["seq_chunks_per_sample"] == {"ec_d16": 10 if chunk else 1}
+        assert f"seq_chunk={chunk}" in json.loads((d / "summary.json").read_text())["notes"]
+    assert len(runs[0]) == 2 and runs[0][-1] != runs[0][0]
+    assert runs[7] == runs[0]
+
+
 def _worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
