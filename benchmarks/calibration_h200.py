@@ -42,6 +42,12 @@ ran (``known_longest``: the data set regenerated here, deterministic, and used o
 ``step_error_calibrated_vs_mean`` is a reading against the mean step (the pricer prices an expected
 step; the reference's step swings with its batch's longest length, so its mean is far above its p50).
 
+Sequence lookups are priced at the bag layout each run used (``seq_chunk`` from its ``config.json``;
+absent: 0, whole histories, all runs before the trainer's switch), and the calibrated step adds the
+fitted per-sample host cost to the launches' host time (``coplan.costmodel.calibrate``). ``FRESH2`` is
+a third held-out set, defined before any of its runs existed (``--variant-set fresh2``), reported as
+its own split.
+
     python benchmarks/calibration_h200.py --budget-s 420                       # on the 2-GPU H200 host
     python benchmarks/calibration_h200.py --analyze runs/calib                 # re-run the analysis only
     python benchmarks/calibration_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2 \\

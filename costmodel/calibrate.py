@@ -46,6 +46,24 @@ The trace's GPU idle time per op
 kernel-plus-idle time per op instead).
 The fit also matches each run's per-class *sums* (the figure the step time is made of), beside each
 sample's log-ratio.
+
+Per-sample host work. The host's time may also hold work that grows with the local batch ``B`` (the
+data thread's batch read, balancing, KJT building and pinning run concurrently with the launching
+threads and compete with them for the GIL): host = ``N · h + B · s``. ``s`` (``host_sample_s``) is
+fitted with ``h`` on the same runs (``fit_host_launch_cost(..., per_sample=True)``, what
+``calibrate(..., host=True)`` writes); it needs runs at two or more batch sizes and comes out 0 when
+the data say the batch adds nothing beyond the launches. On the H200 round-2 fit runs it is 0: among
+the Triton fit runs, ``d512-L6`` (64 samples, 336 priced launches) measured a shorter step than
+``b32-h512`` (32 samples, 268), and the profiled host threads' busy time across all Triton runs is
+explained by launches alone as well as by launches and samples (12.3% vs 12.4% rms); the step-to-step
+spread of one run's host-bound steps is about ±20%.
+
+The sequence lookup. FBGEMM's no-bag forward gives one warp per bag and walks a bag's ids one after
+another, so with whole histories as bags (a few hundred warps) it is latency-bound: each sequence-lookup
+kernel costs max(bytes / (HBM bandwidth · m_embedding), waves × ids in the longest bag × ``t_id``)
+(:func:`coplan.costmodel.context.seq_lookup_floor_s`, the bag layout from the run's ``seq_chunk``:
+:func:`run_seq_chunk`). ``t_id`` (``lookup_id_latency_s``) is fitted with the efficiencies on the
+embedding forward samples (:attr:`Sample.lookup_groups`).
 """
 
 from __future__ import annotations
