@@ -18,6 +18,18 @@ at each shape, what a planner choosing per layer can get. Plus the ceilings at 8
 ``torch.mm``, ``torch._scaled_mm`` e4m3 with tensor-wise, row-wise and (if this PyTorch has it)
 1x128/128x128 block-wise scales, and the block-scaled Triton GEMM.
 
+torchao's recipes (``torchao-tensorwise``, ``torchao-rowwise``: ``torchao.float8``'s
+``Float8Linear``, :func:`coplan.kernels.fp8.convert_torchao`) are meant to run under
+``torch.compile``: they are timed as a ``torch.compile``d ``Float8Linear`` (static shapes, default
+mode, Dynamo reset before each case so nothing is shared or falls back to eager), forward and
+forward + backward, against the same ``torch.compile`` of a bf16 ``nn.Linear`` (``bf16_compiled``;
+the uncompiled bf16 figure stays the reference of every ``speedup``; ``speedup_vs_compiled`` is
+against the compiled one). Per shape also a "layer norm → linear" pair, compiled, in bf16 and in
+each torchao recipe (``ln_linear``): there Inductor can fuse the fp8 cast's amax and scaling into
+the norm's kernel, which the device breakdown's kernel list shows. Where torchao cannot run on the
+device (not installed, or this PyTorch's CPU ``_scaled_mm`` lacks the scaling), its recipes are
+skipped with the reason in the JSON (``torchao``).
+
     python benchmarks/fp8_h200.py                                 # on the H200, < 2 minutes
     python benchmarks/fp8_h200.py --device cpu --m-scale 0.002 --max-shapes 4 --out /tmp/fp8_cpu.json   # smoke test
 """
@@ -40,7 +52,8 @@ import torch.nn.functional as F
 
 T0 = time.perf_counter()
 GOAL_SPEEDUP = 1.25
-RECIPES = ("rowwise", "blockwise")
+RECIPES = ("rowwise", "blockwise", "torchao-tensorwise", "torchao-rowwise")
+TORCHAO = ("torchao-tensorwise", "torchao-rowwise")
 
 
 def log(msg: str) -> None:
@@ -281,22 +294,27 @@ def run_shape(shape: dict, device: str, bench, args) -> dict:
     want = F.linear(x.float(), w.float(), b.float() if b is not None else None)
     want_dx, want_dw = gy.float() @ w.float(), gy.float().t() @ x.float()
 
-    def measure(label: str, fwd, with_backward: bool):
+    def measure(label: str, fwd, with_backward: bool, params=None, want_y=None):
+        """``params``: the (x, weight, bias) leaves ``fwd`` differentiates (a module's own parameters
+        for the compiled cases); ``want_y``: the fp32 output to compare with (default: the linear's)."""
+        xg_, wg_, bg_ = params or (xg, wg, bg)
+        leaves_ = [t for t in (xg_, wg_, bg_) if t is not None]
         entry = {}
         try:
             if with_backward:
                 def step():
-                    fwd(xg, wg, bg).backward(gy)
+                    fwd(xg_, wg_, bg_).backward(gy)
                 entry["first_call_s"] = first_call_s(step, device)
-                ms = bench(step, grad_to_none=leaves)
+                ms = bench(step, grad_to_none=leaves_)
                 entry.update(ms=ms, tflops=3 * flops / (ms * 1e-3) / 1e12)
                 # The gradients' errors too: round 1 checked only the forward, and the block-wise
                 # input gradient was wrong on the H200 while the forward was right.
-                for t in leaves:
+                for t in leaves_:
                     t.grad = None
                 step()
-                entry["rel_err_dx_vs_fp32"] = rel_err(xg.grad, want_dx)
-                entry["rel_err_dw_vs_fp32"] = rel_err(wg.grad, want_dw)
+                if want_y is None:
+                    entry["rel_err_dx_vs_fp32"] = rel_err(xg_.grad, want_dx)
+                    entry["rel_err_dw_vs_fp32"] = rel_err(wg_.grad, want_dw)
                 if args.profile_iters:
                     try:
                         entry["device_breakdown"] = device_breakdown(step, device, args.profile_iters)
@@ -306,7 +324,7 @@ def run_shape(shape: dict, device: str, bench, args) -> dict:
                 with torch.no_grad():
                     entry["first_call_s"] = first_call_s(lambda: fwd(x, w, b), device)
                     ms = bench(lambda: fwd(x, w, b))
-                    entry["rel_err_vs_fp32"] = rel_err(fwd(x, w, b), want)
+                    entry["rel_err_vs_fp32"] = rel_err(fwd(x, w, b), want if want_y is None else want_y)
                 entry.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
         except Exception as e:  # one failing case must not lose the others
             entry["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -315,7 +333,24 @@ def run_shape(shape: dict, device: str, bench, args) -> dict:
         return entry
 
     res["bf16"] = dict(fwd=measure("bf16 fwd", F.linear, False), fwd_bwd=measure("bf16 fwd+bwd", F.linear, True))
+    compiled = [r for r in args.recipes if r in TORCHAO and r not in args.torchao_skipped]
+    if compiled:
+        res.update(compiled_cases(compiled, x, w, b, measure, args))
     for r in args.recipes:
+        if r in TORCHAO:
+            if r in args.torchao_skipped:
+                why = dict(skipped=args.torchao_skipped[r])
+                res[r] = dict(fwd=why, fwd_bwd=why, gemm_only=why, ln_linear=dict(fwd=why, fwd_bwd=why))
+            for k in ("fwd", "fwd_bwd"):
+                e, c = res[r][k], res.get("bf16_compiled", {}).get(k, {})
+                if "ms" in e and "ms" in res["bf16"][k]:
+                    e["speedup"] = res["bf16"][k]["ms"] / e["ms"]
+                if "ms" in e and "ms" in c:
+                    e["speedup_vs_compiled"] = c["ms"] / e["ms"]
+                e2, c2 = res[r].get("ln_linear", {}).get(k, {}), res.get("bf16_compiled", {}).get("ln_linear", {}).get(k, {})
+                if "ms" in e2 and "ms" in c2:
+                    e2["speedup_vs_compiled"] = c2["ms"] / e2["ms"]
+            continue
         fn = (lambda rr: lambda a, ww, bb: fp8_linear(a, ww, bb, rr, backend=args.backend))(r)
         entry = dict(fwd=measure(f"{r} fwd", fn, False), fwd_bwd=measure(f"{r} fwd+bwd", fn, True))
         try:
@@ -336,6 +371,100 @@ def run_shape(shape: dict, device: str, bench, args) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def _compile(mod: torch.nn.Module, backend: str):
+    """A fresh ``torch.compile`` of ``mod``: Dynamo reset first, so that a case neither reuses another
+    shape's graph (automatic dynamic shapes would make M symbolic) nor hits the recompile limit and
+    silently runs eager."""
+    torch._dynamo.reset()
+    return torch.compile(mod, backend=backend)
+
+
+def compiled_cases(recipes, x, w, b, measure, args) -> dict:
+    """bf16 ``nn.Linear`` and torchao ``Float8Linear`` (per recipe), each ``torch.compile``d the same
+    way, forward and forward + backward; and the same for a "layer norm → linear" pair."""
+    from torch import nn
+
+    from coplan.kernels.fp8 import convert_torchao
+
+    K, N = x.shape[1], w.shape[0]
+    dev, dt = x.device, x.dtype
+    g = torch.Generator(device="cpu").manual_seed(2)
+    ln_w = (1.0 + 0.1 * torch.randn(K, generator=g)).to(device=dev, dtype=dt)
+    ln_b = (0.1 * torch.randn(K, generator=g)).to(device=dev, dtype=dt)
+    want_ln = F.linear(F.layer_norm(x.float(), (K,), ln_w.float(), ln_b.float()), w.float(), b.float() if b is not None else None)
+
+    def linear():
+        lin = nn.Linear(K, N, bias=b is not None, device=dev, dtype=dt)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if b is not None:
+                lin.bias.copy_(b)
+        return lin
+
+    def pair(lin):
+        ln = nn.LayerNorm(K, device=dev, dtype=dt)
+        with torch.no_grad():
+            ln.weight.copy_(ln_w)
+            ln.bias.copy_(ln_b)
+        return nn.Sequential(ln, lin)
+
+    out: dict = {}
+    for name in ["bf16_compiled", *recipes]:
+        entry: dict = {}
+        for what in ("linear", "ln_linear"):
+            lin = linear()
+            mod = nn.Sequential(lin) if what == "linear" else pair(lin)
+            if name != "bf16_compiled":
+                try:
+                    convert_torchao(mod, name, [lin])
+                except Exception as e:
+                    err = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
+                    entry.update({"fwd": err, "fwd_bwd": err} if what == "linear" else {"ln_linear": dict(fwd=err, fwd_bwd=err)})
+                    continue
+            target = mod[-1]
+            params = lambda: (x.clone().requires_grad_(True), target.weight, target.bias)  # noqa: E731
+            want_y = None if what == "linear" else want_ln
+            cases = {}
+            for k, bwd in (("fwd", False), ("fwd_bwd", True)):
+                fn = _compile(mod, args.compile_backend)
+                cases[k] = measure(f"{name} {what} {k}", lambda a, ww, bb, fn=fn: fn(a), bwd, params=params(), want_y=want_y)
+            if what == "linear":
+                entry.update(cases)
+            else:
+                entry["ln_linear"] = cases
+        entry["gemm_only"] = dict(note="not measured for compiled modules")
+        out[name] = entry
+    return out
+
+
+def torchao_probe(recipes, device: str) -> tuple[dict, dict]:
+    """(skipped recipe → why, facts): whether torchao's float8 converts and runs a small layer here."""
+    facts: dict = {}
+    skipped: dict = {}
+    try:
+        import torchao
+
+        facts["version"] = torchao.__version__
+    except Exception as e:
+        facts["version"] = None
+        facts["import_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    from torch import nn
+
+    from coplan.kernels.fp8 import convert_torchao
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    for r in recipes:
+        try:
+            m = nn.Sequential(nn.Linear(32, 16, device=device, dtype=dt))
+            convert_torchao(m, r, [m[0]])
+            m(torch.randn(8, 32, device=device, dtype=dt, requires_grad=True)).sum().backward()
+        except Exception as e:
+            skipped[r] = f"torchao cannot run {r} on {device} here: {type(e).__name__}: {str(e)[:300]}"
+            log(f"{r}: skipped ({skipped[r]})")
+    facts["skipped"] = skipped
+    return skipped, facts
 
 
 def ceilings(device: str, size: int, bench) -> dict:
@@ -399,7 +528,9 @@ def ceilings(device: str, size: int, bench) -> dict:
 def totals(shapes: list[dict], recipes) -> dict:
     """Σ over layers (shape time × layers with that shape) per method, forward and forward+backward."""
     out: dict = {}
+    all_recipes = recipes
     for k in ("fwd", "fwd_bwd"):
+        recipes = [r for r in all_recipes if any("ms" in s.get(r, {}).get(k, {}) for s in shapes)]  # skipped ones out
         ok = [s for s in shapes if "ms" in s.get("bf16", {}).get(k, {})
               and all("ms" in s.get(r, {}).get(k, {}) for r in recipes)]
         if not ok:
@@ -410,6 +541,11 @@ def totals(shapes: list[dict], recipes) -> dict:
         for r in recipes:
             t = sum(s[r][k]["ms"] * n(s) for s in ok)
             entry[f"{r}_ms"], entry[f"{r}_speedup"] = t, bf16 / t
+        if all("ms" in s.get("bf16_compiled", {}).get(k, {}) for s in ok):
+            entry["bf16_compiled_ms"] = sum(s["bf16_compiled"][k]["ms"] * n(s) for s in ok)
+            for r in recipes:
+                if r in TORCHAO:
+                    entry[f"{r}_speedup_vs_compiled"] = entry["bf16_compiled_ms"] / entry[f"{r}_ms"]
         best = sum(min([s["bf16"][k]["ms"]] + [s[r][k]["ms"] for r in recipes]) * n(s) for s in ok)
         entry["best_per_layer_ms"], entry["best_per_layer_speedup"] = best, bf16 / best
         entry["best_per_layer_choice"] = {
@@ -433,6 +569,9 @@ def dense_gemm_goal(shapes: list[dict], recipes) -> dict:
             continue
         t = sum(s[r]["fwd_bwd"]["ms"] * len(s["fp8_modules"]) for s in sel)
         e = dict(ms=t, speedup=out["bf16_ms"] / t, goal_met=out["bf16_ms"] / t >= GOAL_SPEEDUP)
+        if all("ms" in s.get("bf16_compiled", {}).get("fwd_bwd", {}) for s in sel):
+            tc = sum(s["bf16_compiled"]["fwd_bwd"]["ms"] * len(s["fp8_modules"]) for s in sel)
+            e.update(bf16_compiled_ms=tc, speedup_vs_compiled=tc / t)
         fam: dict[str, float] = {}
         for s in sel:
             for f, v in s[r]["fwd_bwd"].get("device_breakdown", {}).get("ms_per_call", {}).items():
@@ -478,9 +617,32 @@ def table(result: dict) -> str:
                          f"{'met' if g[r]['goal_met'] else 'not met'}; device "
                          + ", ".join(f"{f} {v:.2f}" for f, v in sorted(g[r]['device_ms_by_family'].items())) + ")"
                          for r in rs if r in g))
+    comp = [s for s in result["shapes"] if "bf16_compiled" in s]
+    if comp:
+        lines += ["", "compiled (torch.compile of the module; x vs compiled bf16): linear | layer norm → linear",
+                  "| M x K x N | bf16 compiled fwd / fwd+bwd ms | " + " | ".join(
+                      f"{r} fwd / fwd+bwd ms (x) | {r} LN→linear fwd+bwd ms (x)" for r in rs if r in TORCHAO)
+                  + " | bf16 compiled LN→linear fwd+bwd ms |", "|---|---:|" + "---:|---:|" * sum(r in TORCHAO for r in rs) + "---:|"]
+
+        def cc(e):
+            if "ms" not in e:
+                return "failed" if "error" in e else "-"
+            return f"{e['ms']:.3f}" + (f" ({e['speedup_vs_compiled']:.2f})" if "speedup_vs_compiled" in e else "")
+
+        for s in comp:
+            c = s["bf16_compiled"]
+            row = [f"{s['M']}x{s['K']}x{s['N']}", f"{cc(c['fwd'])} / {cc(c['fwd_bwd'])}"]
+            for r in rs:
+                if r in TORCHAO:
+                    row += [f"{cc(s[r]['fwd'])} / {cc(s[r]['fwd_bwd'])}", cc(s[r].get("ln_linear", {}).get("fwd_bwd", {}))]
+            row.append(cc(c.get("ln_linear", {}).get("fwd_bwd", {})))
+            lines.append("| " + " | ".join(row) + " |")
     for k, t in result.get("totals", {}).items():
-        lines.append(f"total {k} over {t['shapes']}/{t['of_shapes']} shapes: bf16 {t['bf16_ms']:.3f} ms; " + "; ".join(
-            f"{r} {t[f'{r}_ms']:.3f} ms ({t[f'{r}_speedup']:.2f}x)" for r in rs)
+        lines.append(f"total {k} over {t['shapes']}/{t['of_shapes']} shapes: bf16 {t['bf16_ms']:.3f} ms; "
+                     + (f"bf16 compiled {t['bf16_compiled_ms']:.3f} ms; " if "bf16_compiled_ms" in t else "") + "; ".join(
+            f"{r} {t[f'{r}_ms']:.3f} ms ({t[f'{r}_speedup']:.2f}x"
+            + (f", {t[f'{r}_speedup_vs_compiled']:.2f}x vs compiled" if f"{r}_speedup_vs_compiled" in t else "") + ")"
+            for r in rs if f"{r}_ms" in t)
             + f"; best per layer {t['best_per_layer_ms']:.3f} ms ({t['best_per_layer_speedup']:.2f}x)")
     return "\n".join(lines)
 
@@ -501,6 +663,8 @@ def main(argv=None) -> bool:
                    help="planner layers taken as fp8 for the dense-GEMM goal total (the planner's choice for gem-h200)")
     p.add_argument("--profile-iters", type=int, default=3, help="fwd+bwd calls per torch.profiler breakdown; 0: none")
     p.add_argument("--timeout", type=float, default=110.0, help="seconds; shapes not started by then are skipped")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled cases (torchao recipes, bf16_compiled); 'aot_eager' for a fast CPU smoke test")
     p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse in the script's folder)")
     p.add_argument("--out", default="benchmarks/results/fp8_h200.json")
     p.add_argument("--table-from", help="print the Markdown table of an earlier JSON result and exit")
@@ -510,6 +674,9 @@ def main(argv=None) -> bool:
             print(table(json.load(f)))
         return True
     args.recipes = [r for r in args.recipes.split(",") if r]
+    bad = [r for r in args.recipes if r not in RECIPES]
+    if bad:
+        p.error(f"--recipes: unknown {bad}; choose from {', '.join(RECIPES)}")
     device = args.device
     import triton
 
@@ -523,8 +690,12 @@ def main(argv=None) -> bool:
         git_commit=args.commit or git_commit(), command=" ".join([sys.executable, *sys.argv]),
         fp8_native=fp8_supported(device), recipes=args.recipes, goal_speedup=GOAL_SPEEDUP,
         timing=f"triton.testing.do_bench warmup={args.warmup_ms} ms rep={args.rep_ms} ms" if device == "cuda" else "perf_counter",
-        m_scale=args.m_scale, backend=args.backend,
+        m_scale=args.m_scale, backend=args.backend, compile_backend=args.compile_backend,
     )
+    args.torchao_skipped = {}
+    tao = [r for r in args.recipes if r in TORCHAO]
+    if tao:
+        args.torchao_skipped, result["torchao"] = torchao_probe(tao, device)
     if device == "cuda":
         result["capability"] = list(torch.cuda.get_device_capability())
     log(f"device {result['device']} torch {result['torch']} triton {result['triton']} fp8 native {result['fp8_native']}")
