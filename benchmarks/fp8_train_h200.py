@@ -60,6 +60,11 @@ KERNEL_FAMILIES = (  # first match wins
     # fell into "other", outside the dense-GEMM total that the 1.23x was computed on.
     ("fp8 quantisation (Triton)", r"_quant_\w*kernel|_amax_rows_partial_kernel|_rows_scale_kernel"),
     ("fp8 GEMM (block-scaled Triton)", r"_block_scaled_mm_kernel"),
+    # torchao's recipes under --compile layers: Inductor fuses each tensor's abs-amax (the scale) into a
+    # neighbouring kernel (a layer norm's, an activation's): the kernels whose fused ops include abs and
+    # amax hold fp8 scaling and possibly other work, counted here whole (an upper bound); the kernels that
+    # apply the scale and cast to e4m3 carry no such name and fall into "other" (the step time decides).
+    ("fp8 scaling fused (Inductor)", r"^triton_\w*fused\w*abs\w*amax|^triton_\w*fused\w*amax\w*abs"),
     # cuBLAS's fp8 kernels on Hopper are nvjet_sm90_qq* (both operands "q"uarter precision), not
     # named after e4m3: the 17:12 run counted them as bf16 GEMMs (the total was right, the split not).
     ("fp8 GEMM (cuBLAS scaled_mm)", r"e4m3|e5m2|f8f8|fp8|_f8_|Float8|nvjet_sm\d+_qq"),
@@ -149,6 +154,8 @@ def launch(plan_path: Path, arm: str, gpu: str | None, args, data: Path, seed: i
            str(plan_path), "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--runs-root", str(args.runs_root), "--run-id", arm, "--data", str(data), "--no-progress", "--seed", str(args.seed if seed is None else seed),
            "--trace", trace, "--checkpoint-every", "-1", "--log-every", str(args.log_every)]
+    if args.compile != "off":  # every arm alike: the comparison is fp8 vs bf16 under the same compilation
+        cmd += ["--compile", args.compile]
     env = dict(os.environ, **NO_MULTICAST_ENV, PYTHONUNBUFFERED="1", **(extra_env or {}))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -322,7 +329,8 @@ def compare(arms: dict, args) -> dict:
     kb, kf = (b.get("kernels") or {}).get("by_family_ms_per_step"), (f.get("kernels") or {}).get("by_family_ms_per_step")
     if kb and kf:
         g = lambda d, keys: sum(d.get(x, 0.0) for x in keys)  # noqa: E731
-        gemm_keys = ("bf16 GEMM (cuBLAS)", "fp8 GEMM (cuBLAS scaled_mm)", "fp8 GEMM (block-scaled Triton)", "fp8 quantisation (Triton)")
+        gemm_keys = ("bf16 GEMM (cuBLAS)", "fp8 GEMM (cuBLAS scaled_mm)", "fp8 GEMM (block-scaled Triton)", "fp8 quantisation (Triton)",
+                     "fp8 scaling fused (Inductor)")
         out["dense_gemm_ms_per_step"] = {"bf16": g(kb, gemm_keys), "fp8_with_quantisation": g(kf, gemm_keys)}
         if g(kf, gemm_keys) > 0:
             out["dense_gemm_speedup"] = g(kb, gemm_keys) / g(kf, gemm_keys)
@@ -350,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp8-mode", choices=["auto", "force"], default="auto", help="precision.fp8 of the fp8 arm's plan")
     p.add_argument("--fp8-layers", default="",
                    help="comma-separated layers the fp8 arm runs in fp8 instead of the planner's choice (default: the planner's)")
-    p.add_argument("--recipe", choices=["rowwise", "blockwise"], default="rowwise")
+    p.add_argument("--recipe", choices=["rowwise", "blockwise", "torchao-tensorwise", "torchao-rowwise"], default="rowwise",
+                   help="fp8 recipe of the fp8 arm; the torchao ones need torchao==0.18.0 and are meant for --compile layers")
+    p.add_argument("--compile", choices=["off", "layers"], default="off",
+                   help="the trainer's --compile for every arm (layers: torch.compile each InterFormer and Kunlun layer)")
     p.add_argument("--attention", choices=["triton", "reference", "flex"], default="triton")
     p.add_argument("--steps", type=int, default=520)
     p.add_argument("--warmup", type=int, default=20)
@@ -381,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(),
         "host": {"hostname": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count()},
         "versions": versions(), "device": args.device, "workload": args.workload, "topology": args.topology,
-        "fp8_mode": args.fp8_mode, "recipe": args.recipe, "steps": args.steps, "warmup": args.warmup,
+        "fp8_mode": args.fp8_mode, "recipe": args.recipe, "compile": args.compile, "steps": args.steps, "warmup": args.warmup,
         "loss_window": args.loss_window, "seed": args.seed, "env": NO_MULTICAST_ENV,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
