@@ -12,9 +12,12 @@ PIP="python -m pip"
 $PIP install -q --upgrade pip
 $PIP install -q "torch==2.13.0" "triton==3.7.1" "fbgemm-gpu-cpu==1.8.0"
 $PIP install -q --no-deps "torchrec==1.8.0"
+# torchao's float8 training (the fp8 recipes torchao-tensorwise / torchao-rowwise); also in the test extra
+$PIP install -q "torchao==0.18.0"
 $PIP install -q "tensordict>=0.10" "torchmetrics==1.0.3" "pyre-extensions" "iopath" "tqdm>=4.66"
 $PIP install -q -e ".[test]"
 python - <<'PY'
-import torch, torchrec, triton, coplan
-print(f"coplan {coplan.__version__}: torch {torch.__version__}, torchrec {torchrec.__version__}, triton {triton.__version__}")
+import torch, torchao, torchrec, triton, coplan
+print(f"coplan {coplan.__version__}: torch {torch.__version__}, torchrec {torchrec.__version__}, triton {triton.__version__}, "
+      f"torchao {torchao.__version__}")
 PY
