@@ -218,9 +218,13 @@ def prequantised_gemm(recipe: str, x: torch.Tensor, w: torch.Tensor, device: str
         return lambda: ref.rowwise_mm_ref(qa, sa, qb, sb, N)
     if device == "cuda" or ft.interpreting():
         # the recipe's own GEMM: torch._scaled_mm's block-wise path where it runs, else the Triton kernel
+        # (and, as the recipe does, the Triton kernel where cuBLAS would refuse or misread the scales:
+        # kernels.fp8.scaled_mm_block_refusal; the 11-29 run timed K = 1216 and 256 through cuBLAS, wrong)
+        from coplan.kernels.fp8 import _block_mm
+
         xq = ft.quant_act_dual(x, with_t=False)
         wq = ft.quant_weight_dual(w, with_t=False)
-        return lambda: ft.block_mm(xq.q, xq.s, wq.q, wq.s, n=N, b_square=True, out_dtype=x.dtype)
+        return lambda: _block_mm(xq.q, xq.s, wq.q, wq.s, n=N, b_square=True, out_dtype=x.dtype)
     qa, sa = ref.quant_tiles_ref(x, square=False)
     qb, sb = ref.quant_tiles_ref(w, square=True)
     return lambda: ref.block_scaled_mm_ref(qa, sa, qb, sb, b_square=True, n=N)

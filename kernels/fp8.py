@@ -188,6 +188,46 @@ def _gemm_nt_core(a, b, recipe, *, b_square, out_dtype, kernels, fast_accum, bia
     return out.to(out_dtype)
 
 
+def scaled_mm_block_refusal(a_rows: int, k: int, b_rows: int, b_square: bool) -> str | None:
+    """None where ``torch._scaled_mm``'s block-wise path (cuBLAS) computes ``qa @ qbᵀ`` right for an
+    ``a [a_rows, k]`` in 1x128 tiles and a ``b [b_rows, k]`` in 128x128 blocks (``b_square``) or 1x128
+    tiles, with the scale layouts :mod:`.fp8_triton` hands over; else why not (the recipe then takes
+    the Triton block GEMM). The rules, from the H200 runs of 2026-11-29 (torch 2.11.0+cu130):
+
+    * **128x128 B**: cuBLAS reads B's block scales K-block-major with a leading dimension of
+      ``round_up(ceil(k/128), 4)`` (the cuBLAS docs' L4; PyTorch's own tests pad the scales so),
+      while the legacy ``torch._scaled_mm`` accepts only the unpadded contiguous
+      ``[ceil(b_rows/128), ceil(k/128)]``. The two agree only when ``ceil(k/128)`` is a multiple
+      of 4 or B has a single block row; otherwise every block row after the first reads another
+      row's scales: silently wrong output (forward at 61000x1216x1024: error 4e5; 64x256x1024: 3e4;
+      the input gradients with N = 8, 256: inf, 12.6), the first 128 columns right.
+    * **1x128 A or B**: its scales are stored row-major-outer (``[rows, k/128]``, strides
+      ``(1, rows)``); cuBLAS refuses (``CUBLAS_STATUS_NOT_SUPPORTED`` from
+      ``cublasLtMatmulAlgoGetHeuristic``) rows that are not a multiple of 4, which leaves that
+      leading dimension short of 16 bytes: it failed at 10, 21, 50 and 130 token rows and ran at 40,
+      64, 200, 512, 2048, 2688 and 61000. (Inferred from which shapes failed, not from a document.)
+    """
+    kb = -(-k // 128)
+    if a_rows % 4:
+        return f"A's {a_rows} rows are not a multiple of 4 (its 1x128 scales' leading dimension): cuBLAS refuses it"
+    if b_square:
+        if kb % 4 and -(-b_rows // 128) > 1:
+            return (f"B's 128x128 scales have {kb} K blocks, not a multiple of 4: cuBLAS reads them with a leading "
+                    f"dimension of {-(-kb // 4) * 4} where torch._scaled_mm passes {kb} (wrong output)")
+    elif b_rows % 4:
+        return f"B's {b_rows} rows are not a multiple of 4 (its 1x128 scales' leading dimension): cuBLAS refuses it"
+    return None
+
+
+def _block_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, n: int, b_square: bool, out_dtype: torch.dtype) -> Tensor:
+    """:func:`~coplan.kernels.fp8_triton.block_mm`, through cuBLAS only where
+    :func:`scaled_mm_block_refusal` finds nothing against it."""
+    from .fp8_triton import block_mm
+
+    ok = scaled_mm_block_refusal(qa.shape[0], qa.shape[1], qb.shape[0], b_square) is None
+    return block_mm(qa, sa, qb, sb, n=n, b_square=b_square, out_dtype=out_dtype, use_scaled_mm=ok)
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, weight: Tensor, bias: Tensor | None, recipe: str, kernels: bool) -> Tensor:
@@ -229,7 +269,7 @@ def _block_forward(ctx, x2d: Tensor, weight: Tensor) -> Tensor:
     copy the forward needs and, when a gradient will need it, the transposed copy the backward needs
     (xᵀ in 1x128 tiles along the tokens for dW; Wᵀ in the same 128x128 blocks for dx). The backward
     then saves the fp8 copies instead of x and W (half the bytes of bf16 x), and re-reads neither."""
-    from .fp8_triton import block_mm, quant_act_dual, quant_weight_dual
+    from .fp8_triton import quant_act_dual, quant_weight_dual
 
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     M, K = x2d.shape
@@ -242,7 +282,7 @@ def _block_forward(ctx, x2d: Tensor, weight: Tensor) -> Tensor:
     ctx.empty = False
     xq = quant_act_dual(x2d, with_t=need_dw)
     wq = quant_weight_dual(weight, with_t=need_dx)
-    out = block_mm(xq.q, xq.s, wq.q, wq.s, n=N, b_square=True, out_dtype=x2d.dtype)
+    out = _block_mm(xq.q, xq.s, wq.q, wq.s, n=N, b_square=True, out_dtype=x2d.dtype)
     ctx.shapes = (M, K, N)
     saved = [t if t is not None else torch.empty(0) for t in (xq.qt, xq.st, wq.qt, wq.st)]
     ctx.save_for_backward(*saved)
@@ -250,7 +290,7 @@ def _block_forward(ctx, x2d: Tensor, weight: Tensor) -> Tensor:
 
 
 def _block_backward(ctx, dy: Tensor):
-    from .fp8_triton import block_mm, quant_act_dual
+    from .fp8_triton import quant_act_dual
 
     M, K, N = ctx.shapes
     x_dtype, w_dtype = ctx.dtypes
@@ -262,8 +302,8 @@ def _block_backward(ctx, dy: Tensor):
     qxt, sxt, qwt, swt = ctx.saved_tensors
     # dY read once: row-wise 1x128 tiles for dx = dY·W, and dYᵀ in 1x128 tiles along the tokens for dW.
     dq = quant_act_dual(dy, with_t=need_dw)
-    dx = block_mm(dq.q, dq.s, qwt, swt, n=K, b_square=True, out_dtype=x_dtype) if need_dx else None
-    dw = block_mm(dq.qt, dq.st, qxt, sxt, n=K, b_square=False, out_dtype=w_dtype) if need_dw else None
+    dx = _block_mm(dq.q, dq.s, qwt, swt, n=K, b_square=True, out_dtype=x_dtype) if need_dx else None
+    dw = _block_mm(dq.qt, dq.st, qxt, sxt, n=K, b_square=False, out_dtype=w_dtype) if need_dw else None
     if dw is not None and dw.shape[0] != N:  # dYᵀ's rows padded to 16 for _scaled_mm
         dw = dw[:N].contiguous()
     return dx, dw
@@ -431,5 +471,5 @@ def convert_torchao(module: nn.Module, recipe: str, linears) -> list[nn.Module]:
 
 
 __all__ = ["ALL_RECIPES", "Float8Linear", "Fp8InputError", "Fp8RecipeUnavailable", "RECIPES", "Recipe", "TORCHAO_RECIPES",
-           "TORCHAO_VERSION", "TorchaoRecipe", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8",
+           "TORCHAO_VERSION", "TorchaoRecipe", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8", "scaled_mm_block_refusal",
            "torchao_eligible", "torchao_float8_config"]
