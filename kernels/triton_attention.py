@@ -6,6 +6,10 @@ memory. Softmax keeps an online max and sum and saves a base-2 log-sum-exp per r
 normalisation. The backward is deterministic, without atomics: one kernel computes dQ (and the
 softmax row term delta = rowsum(dO * O)), a second computes dK and dV per key block; both recompute
 the scores, which costs two extra matrix products over a single fused kernel with atomic dQ.
+That fused kernel is here too, behind COPLAN_ATTN_BWD=atomic (see ATTN_BWD); not deterministic.
+On an H200 (2026-11-29, benchmarks/attention.py --quick, bf16, causal) it was slower than the
+split pair: its one kernel took 972 us against 527 + 375 us on shape (a) GDPA-SiLU, 225 against
+223 us on (b), plus 40-110 us of dQ zeroing/delta and cast; so the default stays split.
 
 The grid holds one program per real block and head, found from cumulative block counts (no
 programs for padding up to max_len). Within a sample the heaviest block starts first (causal:
