@@ -244,7 +244,9 @@ def _env(args, gpu: int) -> dict:
     env = dict(os.environ)
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", OMP_NUM_THREADS="4")
     if args.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        # ``gpu`` indexes this process's visible devices (a parent may have narrowed them to one GPU)
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if gpu < len(visible) else str(gpu)
     else:
         env.setdefault("TRITON_INTERPRET", "1")
     return env

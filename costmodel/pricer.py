@@ -38,6 +38,7 @@ from coplan.costmodel.context import (
     Context,
     dense_fixed_costs,
     fsdp_copy_bytes,
+    host_work_s,
     imbalance,
     op_arrays,
     table_option_costs,
@@ -412,13 +413,14 @@ def price(
     perf = Perf(ph_compute["fwd"], ph_compute["bwd"], ph_compute["recompute"], ph_compute["optimizer"],
                 ph_comm["fwd"], ph_comm["bwd"], ph_exp["fwd"], ph_exp["bwd"])
     step = S.makespan
-    if ctx.eff.host_launch_s > 0:
-        # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost,
-        # concurrently with the device; the step is the longer of the two, never their sum
-        host_s = ctx.eff.host_launch_s * priced_launches(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
+    if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
+        # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost and
+        # does its per-sample work, concurrently with the device; the step is the longer of the two
+        host_s = ctx.eff.host_launch_s * priced_launches(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0) + host_work_s(ctx)
         if host_s > step:
-            notes.append(f"host-bound: {host_s * 1e3:.2f} ms of kernel launches at {ctx.eff.host_launch_s * 1e6:.1f} us each "
-                         f"exceed the device's {step * 1e3:.2f} ms; step priced at the host's time")
+            notes.append(f"host-bound: {host_s * 1e3:.2f} ms of host time (kernel launches at {ctx.eff.host_launch_s * 1e6:.1f} us "
+                         f"each, {host_work_s(ctx) * 1e3:.2f} ms per-sample work) exceed the device's {step * 1e3:.2f} ms; "
+                         "step priced at the host's time")
             step = host_s
     layers_perf = {k: Perf(*v) for k, v in perf_by_layer.items()}
 

@@ -102,8 +102,8 @@ def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, 
         topo = rs.plan.topology
         e0 = resolve_efficiencies(topo)
         e1 = resolve_efficiencies(topo, cal, force=True)
-        b = predict(rs.samples, e0.compute, e0.memory, e0.launch_s)
-        a = predict(rs.samples, e1.compute, e1.memory, e1.launch_s)
+        b = predict(rs.samples, e0.compute, e0.memory, e0.launch_s, e0.lookup_id_s)
+        a = predict(rs.samples, e1.compute, e1.memory, e1.launch_s, e1.lookup_id_s)
         runs.append(rs.run)
         for s, pb, pa in zip(rs.samples, b, a):
             names.append(f"{rs.run}: {s.name} ({s.phase})")
