@@ -657,9 +657,14 @@ def block_mm(
 ) -> torch.Tensor:
     """``(qa·sa) @ (qb·sb)ᵀ`` → ``[M, n]``: by ``torch._scaled_mm``'s block-wise path (cuBLAS;
     1,274 TFLOP/s at 8192³ on the H200 against 654 for :func:`block_scaled_mm`) where this PyTorch
-    and GPU take it, else by the Triton kernel. ``qb``'s rows past ``n`` are padding (zeros)."""
+    and GPU take it and the shapes pass :func:`coplan.kernels.fp8.scaled_mm_block_refusal`, else by
+    the Triton kernel. ``qb``'s rows past ``n`` are padding (zeros)."""
+    from .fp8 import scaled_mm_block_refusal  # (the layout rules cuBLAS's block-wise path needs; lazy: fp8 imports this module)
+
     kind = (scaled_mm_block_kind(b_square), out_dtype)
     state = _SCALED_MM_BLOCK.get(kind)
+    if use_scaled_mm and scaled_mm_block_refusal(qa.shape[0], qa.shape[1], qb.shape[0], b_square) is not None:
+        use_scaled_mm = False  # cuBLAS would refuse it or, for 128x128 B, read the scales wrongly
     if use_scaled_mm and qa.is_cuda and state != -1 and qa.shape[0] > 0:
         a_s, b_s = _cublas_scales(qa, sa, qb, sb, b_square)
         try:
