@@ -45,15 +45,18 @@ pair)
     export CUDA_VISIBLE_DEVICES=$gpu
     case $spec in
       train) timeout 570 python3 benchmarks/train_h200.py --runs-root /tmp/bench$gpu --timeout ${BUDGET:-480} ${TRAIN_ARGS:-} --out $OUT/train_h200.json > $OUT/train.log 2>&1 ;;
-      calib:*) timeout 570 python3 benchmarks/calibration_h200.py --gpus 1 --only ${spec#calib:} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 \
+      calib:*) timeout 570 python3 benchmarks/calibration_h200.py --gpus 1 --only ${spec#calib:} --steps ${CALIB_STEPS:-16} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 \
                  --runs-root /tmp/calib$gpu --keep $OUT/runs_$tag --out $OUT/calib_$tag.json > $OUT/calib_$tag.log 2>&1
                (cd $OUT && tar czf runs_$tag.tgz runs_$tag && rm -rf runs_$tag) ;;
+      kern) timeout 150 python3 benchmarks/attention.py --shapes a,b --quick --precompile 12 --timeout 130 --methods ${METHODS:-triton_gdpa_silu,triton_gdpa_silu_atomic,triton_softmax,triton_softmax_atomic} --out $OUT/attention.json > $OUT/attention.log 2>&1
+            timeout 120 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_fp8_block_rules.py tests/kernels/test_fp8_torchao.py tests/kernels/test_atomic_bwd.py > $OUT/pytest_kernels.txt 2>&1
+            timeout ${FP8_GEMM_S:-280} python3 benchmarks/fp8_h200.py --commit $commit --recipes ${FP8_RECIPES:-torchao-tensorwise,torchao-rowwise,blockwise} --timeout $(( ${FP8_GEMM_S:-280} - 30 )) --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1 ;;
       fp8train) timeout 570 python3 benchmarks/fp8_train_h200.py --gpus $gpu,$gpu --recipe ${RECIPE:-rowwise} --steps ${STEPS:-510} ${FP8_ARGS:-} \
                  --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3 --runs-root /tmp/runs/fp8 --timeout 550 --out $OUT/fp8_train_h200.json > $OUT/fp8train.log 2>&1 ;;
     esac
   }
   (job 0 "$JOB0") & (job 1 "$JOB1") & wait
-  for f in train.log calib_g0.log calib_g1.log fp8train.log; do [ -f $OUT/$f ] && { echo "== $f"; tail -n 14 $OUT/$f; }; done
+  for f in train.log calib_g0.log calib_g1.log attention.log pytest_kernels.txt fp8_h200.log fp8train.log; do [ -f $OUT/$f ] && { echo "== $f"; tail -n 14 $OUT/$f; }; done
   ;;
 calib)
   t calib; timeout 560 python3 benchmarks/calibration_h200.py --gpus ${NGPU:-1} --only ${ONLY:-ref-b8,ref-b8-h512,ref-b12-h768,b48-h768,d896-L5,rc-L3-b48,nomoe-b48-h1280,h2048-b16} \
