@@ -12,6 +12,8 @@ from coplan.kernels import fp8 as f8
 from coplan.kernels import fp8_triton as ft
 from coplan.kernels.fp8 import fp8_linear, scaled_mm_block_refusal
 
+from .conftest import DEVICE
+
 # (A rows, K, B rows as handed over (weights padded to 16), b_square) -> what cuBLAS did on the H200
 OBSERVED = [
     # forward (B = W in 128x128 blocks), benchmark shapes M x K x N
@@ -53,7 +55,7 @@ def test_rule_matches_the_h200(shape, outcome):
 
 def test_the_recipe_asks_for_cublas_only_where_the_rule_allows(monkeypatch):
     """The block-wise op's three GEMMs (forward, input and weight gradients) each pass
-    ``use_scaled_mm`` as the rule says for their operands (recorded on CPU; the GEMMs still run)."""
+    ``use_scaled_mm`` as the rule says for their operands (the GEMMs still run, on the test device)."""
     calls = []
     real = ft.block_mm
 
@@ -65,8 +67,8 @@ def test_the_recipe_asks_for_cublas_only_where_the_rule_allows(monkeypatch):
     g = torch.Generator().manual_seed(0)
     for M, K, N in ((50, 200, 70), (64, 512, 256), (64, 640, 16)):
         calls.clear()
-        x = torch.randn(M, K, generator=g, requires_grad=True)
-        w = torch.randn(N, K, generator=g, requires_grad=True)
+        x = torch.randn(M, K, generator=g).to(DEVICE).requires_grad_()
+        w = torch.randn(N, K, generator=g).to(DEVICE).requires_grad_()
         fp8_linear(x, w, None, "blockwise", backend="kernels").sum().backward()
         assert len(calls) == 3
         for qa, qb, sq, used in calls:
