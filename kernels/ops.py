@@ -27,6 +27,10 @@ def jagged_softmax_attention(
     max_q_len: int, max_k_len: int, causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Output [total_q, H, D] and the base-2 log-sum-exp [H, total_q] that the backward reuses."""
+    return _softmax_impl(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale)
+
+
+def _softmax_impl(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale):
     return attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                              causal=causal, scale=scale, activation=None)
 
@@ -41,6 +45,10 @@ def jagged_softmax_attention_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_offsets: Tensor, k_offsets: Tensor,
     max_q_len: int, max_k_len: int, causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    return _softmax_backward_impl(grad_out, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale)
+
+
+def _softmax_backward_impl(grad_out, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale):
     return attention_backward(grad_out, q, k, v, out, lse, q_offsets, k_offsets, max_q_len=max_q_len,
                               max_k_len=max_k_len, causal=causal, scale=scale, activation=None)
 
@@ -77,6 +85,10 @@ def jagged_gdpa(
     max_q_len: int, max_k_len: int, causal: bool, scale: float, out_scale: float, activation: str,
 ) -> Tensor:
     """``out_scale * sum_j act(scale * q.k_j) v_j``, [total_q, H, D]."""
+    return _gdpa_impl(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale, activation)
+
+
+def _gdpa_impl(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale, activation):
     out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                                causal=causal, scale=scale, activation=parse_activation(activation), out_scale=out_scale)
     return out
@@ -92,6 +104,12 @@ def jagged_gdpa_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Tensor,
     max_q_len: int, max_k_len: int, causal: bool, scale: float, out_scale: float, activation: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    return _gdpa_backward_impl(grad_out, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale,
+                               out_scale, activation)
+
+
+def _gdpa_backward_impl(grad_out, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, causal, scale, out_scale,
+                        activation):
     return attention_backward(grad_out, q, k, v, None, None, q_offsets, k_offsets, max_q_len=max_q_len,
                               max_k_len=max_k_len, causal=causal, scale=scale,
                               activation=parse_activation(activation), out_scale=out_scale)
@@ -202,3 +220,71 @@ def eager_gdpa(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Te
     out, _ = attention_forward(q, k, v, q_offsets, k_offsets, max_q_len=max_q_len, max_k_len=max_k_len,
                                causal=causal, scale=scale, activation=activation, out_scale=out_scale)
     return out
+
+
+# ---- direct dispatch of the custom ops (inside compiled graphs) ------------------------------
+#
+# Inductor calls the custom ops above from its generated wrapper as
+# ``torch.ops.coplan.jagged_gdpa.default(...)``. The dispatcher then runs ``custom_op``'s Python
+# autograd kernel, which finds no gradient wanted (AOTAutograd's compiled forward and backward run
+# under no_grad), re-dispatches from Python, and reaches the implementation through a Dynamo-disabled
+# wrapper and an output-alias check: ~35 us of host time per call on a 2-core CPU against ~10 us
+# for the launcher itself (``benchmarks/compile_host.py --dispatch``), 16 calls a step in the
+# gem-h200 model. ``enable_direct_dispatch()`` registers one kernel per op at AutogradCPU and
+# AutogradCUDA (which take precedence over ``custom_op``'s ``Autograd`` alias) that calls the same
+# implementation directly when nothing else can be involved: plain tensors, no dispatch mode or
+# functorch transform, and no gradient wanted. Anything else (tracing with fake or functional
+# tensors, a call that needs the autograd graph) goes on to ``custom_op``'s own autograd kernel,
+# unchanged. Same launchers, same arguments: the numbers do not change. ``--compile layers`` turns
+# it on (``coplan.trainer.distributed.compile``); ``disable_direct_dispatch()`` turns it off.
+
+_DIRECT_LIB: torch.library.Library | None = None
+_DIRECT_ON = False
+
+
+def _plain(*tensors: Tensor) -> bool:
+    T = torch.Tensor
+    for t in tensors:
+        if type(t) is not T:
+            return False
+    return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
+
+
+def _direct_kernel(op, impl, n_tensors: int):
+    from torch._library.autograd import make_autograd_impl  # custom_op's own autograd kernel, for the fallback
+
+    fallback = make_autograd_impl(op._opoverload, op)
+    any_requires_grad = torch._C._any_requires_grad
+
+    def kernel(keyset, *args):
+        if _DIRECT_ON and _plain(*args[:n_tensors]) and not (torch.is_grad_enabled() and any_requires_grad(*args)):
+            return impl(*args)
+        return fallback(keyset, *args)
+
+    return kernel
+
+
+def enable_direct_dispatch() -> None:
+    """Calls of the custom ops on plain tensors that need no gradient skip ``custom_op``'s Python dispatch layers."""
+    global _DIRECT_LIB, _DIRECT_ON
+    if _DIRECT_LIB is None:
+        lib = torch.library.Library("coplan", "FRAGMENT")
+        for op, impl, n in ((jagged_softmax_attention, _softmax_impl, 5),
+                            (jagged_softmax_attention_backward, _softmax_backward_impl, 8),
+                            (jagged_gdpa, _gdpa_impl, 5),
+                            (jagged_gdpa_backward, _gdpa_backward_impl, 6)):
+            kernel = _direct_kernel(op, impl, n)
+            for key in ("AutogradCPU", "AutogradCUDA"):
+                lib.impl(op._name, kernel, key, with_keyset=True)
+        _DIRECT_LIB = lib
+    _DIRECT_ON = True
+
+
+def disable_direct_dispatch() -> None:
+    """Back to ``custom_op``'s own dispatch (the registrations stay and pass every call on)."""
+    global _DIRECT_ON
+    _DIRECT_ON = False
+
+
+def direct_dispatch_enabled() -> bool:
+    return _DIRECT_ON

@@ -20,6 +20,14 @@ static shapes by default and the token dimension is marked dynamic before each c
 per layer kind (the op ranges read no layer name when compiling, see ``layers._op_range``), not one
 per batch or per layer; a batch size that does change (a reference run's smaller batch) recompiles
 once, after which Dynamo's automatic dynamic shapes keep it symbolic.
+
+The attention custom op as Inductor's wrapper calls it: through the dispatcher and ``custom_op``'s
+Python autograd kernel, re-dispatch and Dynamo-disabled wrapper, about 2x (forward) and 1.7x
+(backward) the host time of the launch itself (``benchmarks/compile_host.py --dispatch``; in the H200
+trace, 0.40 ms a forward call against 0.23 ms for the eager ``autograd.Function``). Compiling the
+layers therefore turns on the kernels' direct dispatch (``coplan.kernels.ops.enable_direct_dispatch``):
+calls on plain tensors that need no gradient (AOTAutograd's compiled forward and backward) go
+straight to the implementation; everything else takes ``custom_op``'s path. Same launches, same numbers.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ import functools
 import torch
 from torch import nn
 
+from coplan.kernels.ops import enable_direct_dispatch
 from coplan.trainer.model.layers import InterFormerLayer, KunlunLayer
 
 
 def compile_layer(layer: nn.Module, backend: str = "inductor") -> None:
     """Compile ``layer.forward`` in place, as ``--compile layers`` does (the compile probe calls this too;
     tests pass Dynamo's ``eager`` backend: graphs, breaks and recompiles are decided before the backend)."""
+    enable_direct_dispatch()
     compiled = torch.compile(layer.forward, backend=backend)
     if not isinstance(layer, InterFormerLayer):
         layer.forward = compiled
