@@ -298,6 +298,55 @@ def _print(case: str, r: dict) -> None:
             print(f"    {o['ms']:6.2f} ms  {o['op']}")
 
 
+SPEED_OPS = ("aten::empty", "aten::empty_strided", "aten::view", "aten::as_strided", "aten::detach", "aten::copy_",
+             "cudaLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync")
+
+
+def host_speed(path: Path) -> dict:
+    """Median duration (us) of C++-only host ops that both cases run: the same op slower in one trace
+    means a slower host (clock, contention), not more Python."""
+    events, _ = _load(path)
+    return {n: statistics.median(d) for n in SPEED_OPS if (d := [e["dur"] for e in events if e["name"] == n])}
+
+
+def dispatch_bench(calls: int = 3000) -> dict:
+    """Host us per call of the GDPA custom op under no_grad (as a compiled graph calls it), launches
+    stubbed (CPU tensors; only the Python and dispatcher path is timed), custom_op's path against
+    the direct dispatch of ``coplan.kernels.ops``."""
+    import time
+
+    import torch
+
+    from coplan.kernels import ops, triton_attention as ta
+
+    ta._launch = lambda *a, **k: None
+    ops.attention_forward.__globals__["block_counts"] = lambda qo, ko: (qo, ko)
+    ops.attention_backward.__globals__["block_counts"] = lambda qo, ko: (qo, ko)
+    q, k, v, g = (torch.randn(4096, 4, 64) for _ in range(4))
+    off = torch.arange(0, 4097, 256, dtype=torch.int32)
+    fwd = lambda: torch.ops.coplan.jagged_gdpa.default(q, k, v, off, off, 256, 256, True, 0.125, 1 / 256, "silu")  # noqa: E731
+    bwd = lambda: torch.ops.coplan.jagged_gdpa_backward.default(g, q, k, v, off, off, 256, 256, True, 0.125, 1 / 256, "silu")  # noqa: E731
+
+    def us(f) -> float:
+        for _ in range(200):
+            f()
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(calls):
+                f()
+            best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        return best
+
+    out = {}
+    with torch.no_grad():
+        ops.disable_direct_dispatch()
+        out["custom_op_path_us"] = {"fwd": us(fwd), "bwd": us(bwd)}
+        ops.enable_direct_dispatch()
+        out["direct_dispatch_us"] = {"fwd": us(fwd), "bwd": us(bwd)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="triton,triton-compile,triton-seq-whole")
@@ -305,15 +354,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--out", type=Path, default=None, help="default: <results>/compile_host_<tag>.json")
+    p.add_argument("--dispatch", action="store_true", help="also time the custom op's host path here (imports torch)")
     args = p.parse_args(argv)
-    out = {"benchmark": "compile_host", "tag": args.tag, "cases": {}}
+    out = {"benchmark": "compile_host", "tag": args.tag, "cases": {}, "host_speed_median_us": {}}
     for case in args.cases.split(","):
         path = args.results / f"train_h200_trace_{case}_{args.tag}.json.gz"
         if not path.exists():
             print(f"{case}: no trace at {path}; skipped")
             continue
         out["cases"][case] = analyze(path, args.top)
+        out["host_speed_median_us"][case] = host_speed(path)
         _print(case, out["cases"][case])
+    print("\nhost speed (median us of the same C++ ops): " + json.dumps(out["host_speed_median_us"], indent=None))
+    if args.dispatch:
+        out["dispatch_micro_bench"] = dispatch_bench()
+        print("custom op host path (us/call, launches stubbed): " + json.dumps(out["dispatch_micro_bench"]))
     dest = args.out or args.results / f"compile_host_{args.tag}.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {dest}")
