@@ -80,7 +80,8 @@ import numpy as np
 from coplan import __version__
 from coplan.costmodel.context import build_context, op_arrays
 from coplan.costmodel.efficiency import resolve_efficiencies
-from coplan.costmodel.traces import TraceAttribution, TraceError, attribute_file
+from coplan.costmodel.traces import (HostProfile, TraceAttribution, TraceError, attribute, host_profile, host_speed_index,
+                                     load_trace)
 from coplan.errors import CoplanError
 from coplan.spec import Calibration, FitError, OpClassCalibration, Plan, RunResult, load_plan, load_run_result
 from coplan.spec.calibration import ComputeOpClass
@@ -152,6 +153,9 @@ class RunSamples:
     (FSDP hooks, TorchRec distribution, 'unattributed')."""
     seq_chunk: int = 0
     """Ids per bag of the run's sequence lookups (:func:`run_seq_chunk`; 0: whole histories)."""
+    host: HostProfile | None = None
+    """The host side of the profiled steps (:func:`coplan.costmodel.traces.host_profile`); None when the
+    trace has no profiled trainer step."""
 
 
 def _unit_calibration(device: str) -> Calibration:
@@ -268,7 +272,13 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
     traces = sorted((d / "traces").glob(f"rank{rank}*.json*")) if (d / "traces").is_dir() else []
     if not traces:
         raise CalibrationError(f"{d}: no trace for rank {rank} under traces/ (run with profiling on)")
-    att: TraceAttribution = attribute_file(traces[0])
+    trace = load_trace(traces[0])
+    att: TraceAttribution = attribute(trace, str(traces[0]))
+    try:
+        hp: HostProfile | None = host_profile(trace, str(traces[0]))
+    except TraceError:
+        hp = None
+    del trace
     device = (result.device if result and result.device else plan.topology.gpu.name)
     metrics = _read_metrics(d)
     if longest:
@@ -301,7 +311,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
         )
     return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
                       idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced,
-                      seq_chunk=seq_chunk)
+                      seq_chunk=seq_chunk, host=hp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,14 +566,17 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
 
 
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host_gaps: bool = False,
-              host: bool = False, prepared: Sequence[RunSamples] | None = None) -> tuple[Calibration, FitResult, list[RunSamples]]:
+              host: bool = False, prepared: Sequence[RunSamples] | None = None,
+              host_speed: bool = False) -> tuple[Calibration, FitResult, list[RunSamples]]:
     """Fit a Calibration to the runs; all must come from one device unless ``force``.
 
     ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times (module
     docstring, max form) when their summaries have them, written as ``host_launch_s``; the
     ``fit_error`` stays that of the device-time fit (per op, without ``h``). ``host_gaps``: per-op
     samples include the GPU idle time they ended. ``prepared``: the runs' :func:`run_samples`, already
-    read (same order as ``run_dirs``), to save parsing their traces again.
+    read (same order as ``run_dirs``), to save parsing their traces again. ``host_speed`` (with ``host``):
+    fit the host costs to the runs' steps each scaled by its host's speed (``fit_host_launch_cost``);
+    either way the fitted runs' host speed is recorded (``host_op_median_us``) when their traces have it.
     """
     if not run_dirs:
         raise CalibrationError("give at least one run directory")
@@ -576,7 +589,10 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     samples = [s for r in runs for s in r.samples]
     res = fit(samples, eff.compute, eff.memory, eff.launch_s)
     rel = res.rel_errors()
-    host_fit = fit_host_launch_cost(runs, res, per_sample=True) if host else None
+    host_fit = fit_host_launch_cost(runs, res, per_sample=True, host_speed=host_speed) if host else None
+    host_ref = (host_fit.host_reference_us if host_fit and host_fit.host_reference_us else
+                host_reference_us([r.host for r in runs if r.host is not None and r.host.op_median_us])
+                if host and any(r.host is not None and r.host.op_median_us for r in runs) else {})
     h = host_fit.h_s if host_fit else 0.0
     hs = host_fit.sample_s if host_fit else 0.0
     op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
@@ -598,6 +614,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         op_classes=op_classes,
         host_launch_s=min(1.0, h) if h > 0 else None,
         host_sample_s=min(1.0, hs) if hs > 0 else None,
+        host_op_median_us=host_ref,
         lookup_id_latency_s=res.lookup_id_s,
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
@@ -614,6 +631,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
                f"host cost + samples x per-sample host cost): host and device run concurrently; "
                f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
                f"fit_error is of device time, without it); "
+               + (f"each run's host time scaled by its host's speed (index {min(host_fit.speed):.2f}-{max(host_fit.speed):.2f} "
+                  "against the runs' mean, host_op_median_us); " if host_fit.speed else "")
                if host_fit else ("no host cost fitted (no measured step times); " if host else ""))
             + "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
         ),
@@ -687,10 +706,15 @@ class HostFit:
     """Host seconds per local sample per step (fitted with ``per_sample=True``), added to launches · h."""
     batch: tuple[float, ...] = ()
     """Local samples per step of each run."""
+    speed: tuple[float, ...] = ()
+    """Each run's host speed index against ``host_reference_us`` (empty: not used, all 1)."""
+    host_reference_us: dict[str, float] = field(default_factory=dict)
+    """The fitted runs' host speed (:func:`host_reference_us`) the fit is for (empty: not used)."""
 
     def predicted(self) -> np.ndarray:
         b = np.array(self.batch) if self.batch else np.zeros(len(self.runs))
-        return _host_form(np.array(self.device_s), np.array(self.launches), self.h_s, self.form, self.sample_s * b)
+        k = np.array(self.speed) if self.speed else np.ones(len(self.runs))
+        return _host_form(np.array(self.device_s), k * np.array(self.launches), self.h_s, self.form, k * self.sample_s * b)
 
     @property
     def median_abs_error(self) -> float:
@@ -802,27 +826,91 @@ max form does not describe. Their runs are left out of the fit of ``h`` (they st
 efficiencies); the pricer's step for such plans is a lower bound."""
 
 
+def host_reference_us(profiles: Sequence[HostProfile]) -> dict[str, float]:
+    """The host speed of a set of runs: per call of :data:`coplan.costmodel.traces.HOST_SPEED_OPS` that
+    every one of them made, the geometric mean of their median host durations (µs)."""
+    ops = set.intersection(*(set(p.op_median_us) for p in profiles)) if profiles else set()
+    return {k: float(np.exp(np.mean([np.log(p.op_median_us[k]) for p in profiles])))
+            for k in sorted(ops) if all(p.op_median_us[k] > 0 for p in profiles)}
+
+
+def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
+                   batch: Sequence[float] | None = None, *, form: str = "max", per_sample: bool = False,
+                   speed: Sequence[float] | None = None) -> tuple[float, float]:
+    """(h, s): host seconds per priced launch and per local sample fitted to measured steps, step =
+    max(device, k · (launches · h + batch · s)) (``form="max"``) or device + that (``"additive"``), where
+    ``k`` is each run's host speed (``speed``: how much slower its host ran the same calls than the
+    reference host the fit is for, 1 = as fast; None: all 1). Least squares on log ratios; the max form's
+    loss is piecewise smooth in ``h``, so a log-spaced grid picks the basin and a bounded scalar search
+    refines it; ``s`` (``per_sample``, needs two or more batch sizes) by an outer grid and search."""
+    from scipy.optimize import minimize_scalar
+
+    if form not in HOST_FORMS:
+        raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
+    m, d, n = np.asarray(measured_s, float), np.asarray(device_s, float), np.asarray(launches, float)
+    bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
+    k = np.ones_like(m) if speed is None else np.asarray(speed, float)
+    if not (len(m) == len(d) == len(n) == len(bt) == len(k)) or len(m) == 0:
+        raise CalibrationError("fit_host_terms: measured, device, launches, batch and speed need one value per run")
+    if np.any(m <= 0) or np.any(k <= 0):
+        raise CalibrationError("fit_host_terms: measured steps and host speeds must be positive")
+
+    def fit_h(extra: np.ndarray) -> tuple[float, float]:
+        def loss(h: float) -> float:
+            return float(np.sum(np.log(_host_form(d, k * n, h, form, k * extra) / m) ** 2))
+
+        if form == "additive":
+            hi = float(max(1e-9, np.max((m - d) / np.maximum(k * n, 1.0)) * 2 + 1e-6))
+            r = minimize_scalar(loss, bounds=(0.0, hi), method="bounded", options={"xatol": 1e-9})
+            h = float(max(0.0, r.x))
+            return h, loss(h)
+        hi = float(max(1e-9, np.max(m / np.maximum(k * n, 1.0)) * 2))
+        grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
+        losses = [loss(float(g)) for g in grid]
+        j = int(np.argmin(losses))
+        a, b = grid[max(0, j - 1)], grid[min(len(grid) - 1, j + 1)]
+        r = minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-10})
+        h = float(r.x) if r.fun <= losses[j] else float(grid[j])
+        return h, min(float(r.fun), losses[j])
+
+    s_best = 0.0
+    h, _ = fit_h(np.zeros_like(m))
+    if per_sample and len(set(bt.tolist())) > 1:
+        s_hi = float(np.max(m / np.maximum(k * bt, 1.0)))
+        s_grid = np.concatenate(([0.0], np.geomspace(s_hi * 1e-4, s_hi, 120)))
+        s_losses = [fit_h(sv * bt)[1] for sv in s_grid]
+        j = int(np.argmin(s_losses))
+        r = minimize_scalar(lambda sv: fit_h(sv * bt)[1], bounds=(s_grid[max(0, j - 1)], s_grid[min(len(s_grid) - 1, j + 1)]),
+                            method="bounded", options={"xatol": 1e-10})
+        s_best = float(r.x) if r.fun <= s_losses[j] else float(s_grid[j])
+        h, _ = fit_h(s_best * bt)
+    return max(0.0, h), max(0.0, s_best)
+
+
 def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max", *,
-                         per_sample: bool = False) -> HostFit | None:
+                         per_sample: bool = False, host_speed: bool = False) -> HostFit | None:
     """Fit ``h`` (host seconds per priced launch) to the runs' measured steps (CUDA-event p50).
 
     ``form="max"`` (the cost model's): step = max(device step under the device fit, launches · h). The
     host issues a step's launches while the GPU runs earlier ones, so on a host-bound step the device
     work hides under the host's, and on a device-bound one the launches hide under the kernels: the
     longer of the two, not their sum. ``form="additive"``: step = device + launches · h (a reading only).
-    Least squares on log ratios; the max form's loss is piecewise smooth in ``h``, so a log-spaced grid
-    picks the basin and a bounded scalar search refines it.
+    See :func:`fit_host_terms`.
 
     ``per_sample``: the host's time also holds a per-sample cost ``s`` (host = launches · h + local samples
-    · s): fitted with ``h`` (an outer grid and bounded search over ``s``, ``h`` fitted for each). Needs
-    runs at two or more local batches to tell ``s`` from ``h``; with one batch ``s`` is 0.
-    """
-    from scipy.optimize import minimize_scalar
+    · s): fitted with ``h``. Needs runs at two or more local batches to tell ``s`` from ``h``; with one
+    batch ``s`` is 0.
 
+    ``host_speed``: each run's host time is scaled by how fast its host ran (the median host duration
+    of the same ATen and launch calls in its profiled steps, against the fitted runs' geometric mean:
+    :func:`coplan.costmodel.traces.host_speed_index`), so that ``h`` and ``s`` are those of the fitted
+    runs' typical host and a run measured on a slowed host (a shared CPU) does not bend them. Needs every
+    fitted run's host profile; without one the runs count as equally fast.
+    """
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
-    names, meas, dev, nl, bs = [], [], [], [], []
+    names, meas, dev, nl, bs, prof = [], [], [], [], [], []
     # a run whose attention syncs the host on every call breaks the overlap the form assumes: it would
     # bias the one h every plan is priced with; it informs h only when no other run is there
     plain = [r for r in runs if r.plan.kernels.attention not in HOST_SYNCING_BACKENDS]
@@ -838,37 +926,15 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         dev.append(p0)
         nl.append(n)
         bs.append(float(r.plan.workload.batch.local(r.plan.mesh.world_size)))
+        prof.append(r.host)
     if not names:
         return None
-    m, d, n, bt = np.array(meas), np.array(dev), np.array(nl), np.array(bs)
-
-    def fit_h(extra: np.ndarray) -> tuple[float, float]:
-        def loss(h: float) -> float:
-            return float(np.sum(np.log(_host_form(d, n, h, form, extra) / m) ** 2))
-
-        if form == "additive":
-            hi = float(max(1e-9, np.max((m - d) / np.maximum(n, 1.0)) * 2 + 1e-6))
-            r = minimize_scalar(loss, bounds=(0.0, hi), method="bounded", options={"xatol": 1e-9})
-            h = float(max(0.0, r.x))
-            return h, loss(h)
-        hi = float(max(1e-9, np.max(m / np.maximum(n, 1.0)) * 2))
-        grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
-        losses = [loss(float(g)) for g in grid]
-        k = int(np.argmin(losses))
-        a, b = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
-        r = minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-10})
-        h = float(r.x) if r.fun <= losses[k] else float(grid[k])
-        return h, min(float(r.fun), losses[k])
-
-    s_best = 0.0
-    h, best = fit_h(np.zeros_like(m))
-    if per_sample and len(set(bs)) > 1:
-        s_hi = float(np.max(m / np.maximum(bt, 1.0)))
-        s_grid = np.concatenate(([0.0], np.geomspace(s_hi * 1e-4, s_hi, 120)))
-        s_losses = [fit_h(sv * bt)[1] for sv in s_grid]
-        k = int(np.argmin(s_losses))
-        r = minimize_scalar(lambda sv: fit_h(sv * bt)[1], bounds=(s_grid[max(0, k - 1)], s_grid[min(len(s_grid) - 1, k + 1)]),
-                            method="bounded", options={"xatol": 1e-10})
-        s_best = float(r.x) if r.fun <= s_losses[k] else float(s_grid[k])
-        h, best = fit_h(s_best * bt)
-    return HostFit(max(0.0, h), tuple(names), tuple(meas), tuple(dev), tuple(nl), form, max(0.0, s_best), tuple(bs))
+    speed: tuple[float, ...] = ()
+    reference: dict[str, float] = {}
+    if host_speed and all(p is not None and p.op_median_us for p in prof):
+        reference = host_reference_us(prof)
+        ks = [host_speed_index(p, reference) for p in prof]
+        if reference and all(x is not None for x in ks):
+            speed = tuple(float(x) for x in ks)
+    h, s = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None)
+    return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference)

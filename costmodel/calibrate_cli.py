@@ -19,7 +19,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.runs:
         from coplan.costmodel.calibrate import calibrate
 
-        cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force, host=args.host_cost)
+        cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force, host=args.host_cost or args.host_speed,
+                                    host_speed=args.host_speed)
         report["runs"] = [{"run": r.run, "attributed_share": r.attributed_share, "unattributed_s": r.unattributed_s,
                            "samples": len(r.samples)} for r in runs]
         if not args.json:
@@ -106,6 +107,10 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="also fit a host cost per priced kernel launch and one per local sample to the runs' measured step "
                         "times (host_launch_s, host_sample_s); a step is then priced at max(device time, launches x host cost "
                         "+ samples x per-sample cost) (host-bound steps; see coplan.costmodel.calibrate)")
+    p.add_argument("--host-speed", action="store_true",
+                   help="with the host cost (implies --host-cost): scale each run's host time by how fast its host ran the "
+                        "same calls in its profiled steps, so that runs measured on a slowed (shared) host do not bend the "
+                        "fitted host costs")
     g = p.add_argument_group("collectives", "fit a tier's latency and per-collective efficiency to a sweep "
                              "(benchmarks/collectives_h200.py)")
     g.add_argument("--collectives", metavar="SWEEP.json", help="collective sweep JSON to fit")

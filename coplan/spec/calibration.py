@@ -77,6 +77,13 @@ class Calibration(Spec):
     competing with the launching threads for the GIL; see ``coplan.costmodel.calibrate``). None: none
     (calibrations written before it existed load unchanged)."""
 
+    host_op_median_us: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """The host speed the host costs were fitted at: per host call that every fitted run made many times
+    (``coplan.costmodel.traces.HOST_SPEED_OPS``), the geometric mean over the fitted runs of its median
+    host duration in their profiled steps, in µs. A later run's trace read against it says how much
+    slower or faster its host ran (``coplan.costmodel.traces.host_speed_index``); the host costs hold for
+    a host this fast. Empty: not recorded (calibrations written before it existed load unchanged)."""
+
     lookup_id_latency_s: Annotated[float, Field(ge=0, le=1)] | None = None
     """Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup
     forward, the latency-bound floor of that kernel (``coplan.costmodel.context.seq_lookup_floor_s``).
