@@ -46,7 +46,14 @@ Sequence lookups are priced at the bag layout each run used (``seq_chunk`` from 
 absent: 0, whole histories, all runs before the trainer's switch), and the calibrated step adds the
 fitted per-sample host cost to the launches' host time (``coplan.costmodel.calibrate``). ``FRESH2`` is
 a third held-out set, defined before any of its runs existed (``--variant-set fresh2``), reported as
-its own split.
+its own split; ``FRESH3`` (``--variant-set fresh3``), a fourth, likewise.
+
+The host side. Each run's profiled steps are also read on the host (``coplan.costmodel.traces.host_profile``:
+forward, backward and after-backward host time, launches issued in each, FSDP2's hooks, the optimizer,
+TorchRec's ranges, and the median host duration of common ATen and launch calls, i.e. how fast that host
+ran); ``host_speed_index`` is each run's host speed against the fit runs' mean. The readings
+``speed_fit`` and ``speed_known`` are the host fit with that speed taken into account (see
+:data:`STEP_KEYS`).
 
     python benchmarks/calibration_h200.py --budget-s 420                       # on the 2-GPU H200 host
     python benchmarks/calibration_h200.py --analyze runs/calib                 # re-run the analysis only
@@ -144,8 +151,26 @@ the trainer with sequence bags of ``seq_chunk`` ids (its default, 32) test the l
 layout the fit runs (whole histories) never had. Predicted from the calibration fitted on the ``fit``
 runs only and reported as its own split (``fresh2``); nothing may be chosen on its results."""
 
+FRESH3: tuple[Variant, ...] = (
+    Variant("b72-h1152", "fresh3", batch=1.125, history_mean=1.125, history_sigma=0.95),
+    Variant("d1280-L1", "fresh3", width=1.25, depth=0.25),
+    Variant("d384-L9", "fresh3", width=0.375, depth=2.25),
+    Variant("rc-L8-b24", "fresh3", recompute=True, depth=2.0, batch=0.375),
+    Variant("nomoe-b44-h256", "fresh3", moe=False, batch=0.6875, history_mean=0.25, history_sigma=0.45),
+    Variant("ref-b14-s04", "fresh3", attention="reference", ref_batch=14, history_sigma=0.4),
+)
+"""A fourth held-out set, **defined on 2026-11-29 at about 20:30 UTC, before any run of it existed** (after
+round 4 had seen every run of ``VARIANTS``, ``FRESH`` and ``FRESH2``, and after the host-speed reading of
+the host fit was written on round 4's runs): six variants whose changed factors take values no earlier
+variant used: local batch 72, 24 and 44, the reference backend at 14; history means 1,152 and 256 with σ
+0.95 and 0.45, σ 0.4 at the base mean; widths 1,280 (one InterFormer layer) and 384 (nine layers);
+recompute over eight layers; MoE off at batch 44. They span the host-bound extreme (d384-L9: many small
+launches), the device-bound one (b72-h1152, d1280-L1) and a small batch over many launches (rc-L8-b24).
+Predicted from the calibration fitted on the ``fit`` runs only and reported as its own split
+(``fresh3``); nothing may be chosen on its results."""
+
 ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
-                                    | {v.name: v for v in FRESH2})
+                                    | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,12 +346,14 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = list(FRESH)
     elif args.variant_set == "fresh2":
         chosen = list(FRESH2)
+    elif args.variant_set == "fresh3":
+        chosen = list(FRESH3)
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
         if args.variant_set == "main":
             return list(main)
-        chosen = [v for pair in main for v in pair] + list(FRESH) + list(FRESH2)
+        chosen = [v for pair in main for v in pair] + list(FRESH) + list(FRESH2) + list(FRESH3)
     k = 2 if args.gpus >= 2 else 1
     return [tuple(chosen[i : i + k]) for i in range(0, len(chosen), k)]
 
@@ -421,12 +448,15 @@ def _write_manifest(root: Path, manifest: dict, jobs: list[list["Job"]]) -> None
 # ---------------------------------------------------------------------------------------------
 
 
-STEP_KEYS = ("default", "calibrated", "device_only", "additive", "device_factor", "phases")
+STEP_KEYS = ("default", "calibrated", "device_only", "additive", "device_factor", "phases", "speed_fit", "speed_known")
 """Step-time predictions compared: the cost model with default efficiencies; with the calibration
 (device fit, and the step priced at max(device step, priced launches x host cost h), what ``coplan plan
 --calibration`` prices); and three readings outside the cost model, for context: the device fit alone,
 device + launches x h_add (the additive form, h_add fitted on the fit half), and the device fit times a
-step factor fitted on the fit half."""
+step factor fitted on the fit half; ``speed_fit``: the host costs fitted with each fit run's host time
+scaled by its host's speed (``coplan calibrate --host-speed``), priced at the fit runs' mean host speed;
+``speed_known``: the same at the run's own host speed, read from its own trace (a diagnostic, not a
+prediction)."""
 
 
 def topo_dtype(plan) -> str:
@@ -452,10 +482,11 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2")
+SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
-third (:data:`FRESH2`), defined before any of its runs existed."""
+third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
+likewise."""
 
 
 def _plan_attention(run_dir: Path) -> str | None:
@@ -555,10 +586,11 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     held_names = [n for n, r in rows.items() if r["split"] == "heldout" and n in runs]
     fresh_names = [n for n, r in rows.items() if r["split"] == "fresh" and n in runs]
     fresh2_names = [n for n, r in rows.items() if r["split"] == "fresh2" and n in runs]
-    # every split the predictions below cover (fresh2 reported apart, like fresh)
-    fresh_names_all = fresh_names + fresh2_names
+    fresh3_names = [n for n, r in rows.items() if r["split"] == "fresh3" and n in runs]
+    # every split the predictions below cover (fresh2 and fresh3 reported apart, like fresh)
+    fresh_names_all = fresh_names + fresh2_names + fresh3_names
     out: dict = {"variants": rows, "fit_runs": fit_names, "heldout_runs": held_names, "fresh_runs": fresh_names,
-                 "fresh2_runs": fresh2_names,
+                 "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -599,6 +631,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             dev, nl = step_launches(plan, res, r["_moments"], seq_chunk=ch)
             r["predicted_step_device_only_s"] = dev
             r["priced_launches_per_step"] = nl
+            r["local_batch"] = plan.workload.batch.local(plan.mesh.world_size)
         except Exception as e:
             r["prediction_error"] = f"{type(e).__name__}: {e}"
     # additive reading (the previous calibrated form, kept for comparison only): step = device + launches x h_add,
@@ -632,6 +665,45 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             r["predicted_step_phases_s"] = float(np.maximum(D, h_ph * N).sum())
         except Exception as e:
             r["phase_reading_error"] = f"{type(e).__name__}: {e}"
+    # the host side of the profiled steps (coplan.costmodel.traces.host_profile), and the host fit with each
+    # fit run's host time scaled by its host's speed (fit_host_launch_cost(host_speed=True)): 'speed_fit'
+    # prices every run at the fit runs' mean host speed (what `coplan calibrate --host-speed` writes);
+    # 'speed_known' scales the host terms by the run's own host speed, read from its own trace: a diagnostic
+    # of whether the host's speed is what the model misses, not a prediction
+    from coplan.costmodel.traces import host_speed_index
+
+    hsp = fit_host_launch_cost(fit_rs, res, per_sample=True, host_speed=True)
+    ref_us = hsp.host_reference_us if hsp else {}
+    out["host_speed_fit"] = None if hsp is None else {
+        "host_s_per_launch": hsp.h_s, "host_s_per_sample": hsp.sample_s, "runs": hsp.runs, "speed": hsp.speed,
+        "host_reference_us": ref_us, "fit_median_abs_error": hsp.median_abs_error, "fit_max_abs_error": hsp.max_abs_error,
+        "meaning": "step = max(device, k x (priced launches x h + local samples x s)), k each fit run's host speed "
+                   "against the fit runs' geometric mean; predicted at k = 1 ('speed_fit') and at the run's own k "
+                   "('speed_known', a diagnostic: k is read from the run's own trace)"}
+    for n in fit_names + held_names + fresh_names_all:
+        r = rows[n]
+        hp = runs[n][1].host
+        if hp is not None:
+            r["host_trace"] = {"step_ms": hp.step_s * 1e3, "fwd_ms": hp.fwd_s * 1e3, "bwd_ms": hp.bwd_s * 1e3,
+                               "post_ms": hp.post_s * 1e3, "launches_fwd": hp.launches_fwd, "launches_bwd": hp.launches_bwd,
+                               "launches_post": hp.launches_post, "fsdp_fwd_ms": hp.fsdp_fwd_s * 1e3,
+                               "fsdp_bwd_ms": hp.fsdp_bwd_s * 1e3, "optimizer_ms": hp.optimizer_s * 1e3,
+                               "sparse_ms": hp.sparse_s * 1e3, "op_median_us": hp.op_median_us}
+            r["host_speed_index"] = host_speed_index(hp, ref_us) if ref_us else None
+        if hsp is None or r.get("predicted_step_device_only_s") is None:
+            continue
+        plan = runs[n][1].plan
+        cal_sp = cal.model_copy(update={"host_launch_s": min(1.0, hsp.h_s) or None,
+                                        "host_sample_s": min(1.0, hsp.sample_s) or None, "host_op_median_us": ref_us})
+        try:
+            r["predicted_step_speed_fit_s"] = predict_step_time(plan, cal_sp, r["_moments"], seq_chunk=runs[n][1].seq_chunk)
+            k = r.get("host_speed_index")
+            if k:
+                cal_k = cal_sp.model_copy(update={"host_launch_s": min(1.0, k * hsp.h_s) or None,
+                                                  "host_sample_s": min(1.0, k * hsp.sample_s) or None})
+                r["predicted_step_speed_known_s"] = predict_step_time(plan, cal_k, r["_moments"], seq_chunk=runs[n][1].seq_chunk)
+        except Exception as e:
+            r["speed_reading_error"] = f"{type(e).__name__}: {e}"
     ratios = [rows[n]["measured_step_s"] / rows[n]["predicted_step_device_only_s"] for n in fit_names
               if rows[n].get("measured_step_s") and rows[n].get("predicted_step_device_only_s")]
     k = float(np.median(ratios)) if ratios else 1.0
@@ -688,6 +760,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["heldout"] = summary(held_names)
     out["fresh"] = summary(fresh_names) if fresh_names else {}
     out["fresh2"] = summary(fresh2_names) if fresh2_names else {}
+    out["fresh3"] = summary(fresh3_names) if fresh3_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -704,6 +777,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["goals"] = goals(out["heldout"])
     out["goals_fresh"] = goals(out["fresh"])
     out["goals_fresh2"] = goals(out["fresh2"])
+    out["goals_fresh3"] = goals(out["fresh3"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -723,7 +797,8 @@ def print_table(res: dict) -> None:
             cells.append(f"{v * 1e3:6.1f} {100 * e:+4.0f}%" if v is not None and e is not None else f"{'-':>11}")
         print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
     for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
-                              ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2")):
+                              ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
+                              ("fresh3 held-out", "fresh3", "goals_fresh3")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -744,6 +819,20 @@ def print_table(res: dict) -> None:
               f"per local sample: {res['host_fit'].get('host_s_per_sample', 0.0) * 1e6:.1f} us")
     if (res.get("calibration") or {}).get("lookup_id_latency_s") is not None:
         print(f"sequence lookup: {res['calibration']['lookup_id_latency_s'] * 1e9:.0f} ns per serial id")
+    hs = res.get("host_speed_fit")
+    if hs:
+        print(f"host fit with each fit run's host speed: {hs['host_s_per_launch'] * 1e6:.1f} us per priced launch, "
+              f"{hs['host_s_per_sample'] * 1e6:.1f} us per local sample")
+    print(f"{'variant':<14}{'split':<8}{'meas':>7}{'trace':>7}{'fwd':>6}{'bwd':>6}{'post':>6}{'fsdp':>6}"
+          f"{'L fwd':>7}{'L bwd':>7}{'priced':>7}{'B':>4}{'speed':>7}   (host side of the profiled steps, ms)")
+    for n, r in rows.items():
+        ht = r.get("host_trace")
+        if not ht or r.get("measured_step_s") is None:
+            continue
+        k = r.get("host_speed_index")
+        print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:7.1f}{ht['step_ms']:7.1f}{ht['fwd_ms']:6.1f}{ht['bwd_ms']:6.1f}"
+              f"{ht['post_ms']:6.1f}{ht['fsdp_fwd_ms'] + ht['fsdp_bwd_ms']:6.1f}{ht['launches_fwd']:7.0f}{ht['launches_bwd']:7.0f}"
+              f"{r.get('priced_launches_per_step') or 0:7.0f}{r.get('local_batch') or 0:4.0f}{k if k else float('nan'):7.2f}")
     if res.get("host_phase_form"):
         print(f"per-phase reading: host cost per priced launch {res['host_phase_form']['host_s_per_launch'] * 1e6:.1f} us")
     if res.get("error"):
@@ -798,9 +887,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "all"], default="main",
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "all"], default="main",
                    help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
-                        "(defined before any of its runs); all: every set")
+                        "(defined before any of its runs); fresh3: the fourth (likewise); all: every set")
     p.add_argument("--only", default="", metavar="NAMES",
                    help="run only these variants (comma-separated names, any set), e.g. ref-b8,ref-b8-h512")
     p.add_argument("--analyze", type=Path, default=None, metavar="DIR", help="only analyse the runs under DIR (its manifest.json)")
