@@ -58,6 +58,21 @@ the Triton fit runs, ``d512-L6`` (64 samples, 336 priced launches) measured a sh
 explained by launches alone as well as by launches and samples (12.3% vs 12.4% rms); the step-to-step
 spread of one run's host-bound steps is about ±20%.
 
+The host's speed. A host-bound step lasts as long as the host takes to issue it, and the same host work
+takes longer on a slowed host (a CPU shared with another job, a lower clock). The traces measure it:
+the median host duration of calls every step makes many times whatever its shapes (``aten::mm``,
+``aten::add_``, ``cudaLaunchKernel``...: :data:`coplan.costmodel.traces.HOST_SPEED_OPS`) varied by 1.9x
+between the H200 round-4 runs (one GPU, another job on the host's other GPU for part of the time).
+The big-batch fit runs happened to meet the slow host, and the per-sample term fitted to it (371 µs
+per sample) was that: with each run's host time scaled by its host's speed
+(``fit_host_launch_cost(..., host_speed=True)``, ``coplan calibrate --host-speed``) the same runs fit
+h = 221 µs per priced launch and s = 0, as round 2's runs did blind to it (216 µs, s = 0). In those
+traces the host's step is its forward (main thread) then its backward (autograd thread) then the
+optimizer, one after the other; the launches actually issued are 3.7-4.2 per priced launch on the
+Triton runs (7.2 on the padded reference), and a fixed per-step term (FSDP2's hooks, ~11-19 ms of the
+profiled step, grow with the launches' layers) fits to about 1 ms: not worth a parameter. The fitted
+runs' host speed is recorded (``host_op_median_us``); a plan is priced for a host that fast.
+
 The sequence lookup. FBGEMM's no-bag forward gives one warp per bag and walks a bag's ids one after
 another, so with whole histories as bags (a few hundred warps) it is latency-bound: each sequence-lookup
 kernel costs max(bytes / (HBM bandwidth · m_embedding), waves × ids in the longest bag × ``t_id``)
