@@ -37,7 +37,9 @@ pair)
   # Two jobs at once, one per GPU. GPU 0: $JOB0, GPU 1: $JOB1, each one of
   #   train            trainer benchmark cases ($TRAIN_ARGS, budget $BUDGET)
   #   calib:<v1,v2..>  calibration runs of those variants (analysis here later)
-  #   fp8train         bf16 vs fp8 arms one after the other on that GPU ($RECIPE, $STEPS, $FP8_ARGS)
+  #   fp8train         bf16 vs fp8 arms on that GPU ($RECIPE, $STEPS, $FP8_ARGS)
+  #   kern             fp8 GPU tests and GEMM benchmark ($FP8_RECIPES), attention ($METHODS)
+  #   none             nothing
   job() {
     local gpu=$1 spec=$2 tag=g$1
     # (the calibration and fp8 scripts set CUDA_VISIBLE_DEVICES of their children from their own GPU lists,
@@ -55,7 +57,7 @@ pair)
                  --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3 --runs-root /tmp/runs/fp8 --timeout 550 --out $OUT/fp8_train_h200.json > $OUT/fp8train.log 2>&1 ;;
     esac
   }
-  (job 0 "$JOB0") & (job 1 "$JOB1") & wait
+  (job 0 "${JOB0:-none}") & (job 1 "${JOB1:-none}") & wait   # 'none': that GPU idles (e.g. a one-GPU lease)
   for f in train.log calib_g0.log calib_g1.log attention.log pytest_kernels.txt fp8_h200.log fp8train.log; do [ -f $OUT/$f ] && { echo "== $f"; tail -n 14 $OUT/$f; }; done
   ;;
 calib)
