@@ -12,6 +12,8 @@ dispatcher in `api.py` does the checking.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -268,14 +270,22 @@ def enable_direct_dispatch() -> None:
     """Calls of the custom ops on plain tensors that need no gradient skip ``custom_op``'s Python dispatch layers."""
     global _DIRECT_LIB, _DIRECT_ON
     if _DIRECT_LIB is None:
+        try:
+            kernels = [(op._name, _direct_kernel(op, impl, n))
+                       for op, impl, n in ((jagged_softmax_attention, _softmax_impl, 5),
+                                           (jagged_softmax_attention_backward, _softmax_backward_impl, 8),
+                                           (jagged_gdpa, _gdpa_impl, 5),
+                                           (jagged_gdpa_backward, _gdpa_backward_impl, 6))]
+        except (ImportError, AttributeError, TypeError) as e:
+            # the fallback rests on a private torch helper (torch._library.autograd.make_autograd_impl):
+            # where this torch lacks it, the ops keep custom_op's own dispatch (slower host, same results)
+            warnings.warn(f"coplan: direct dispatch of the attention custom ops unavailable on torch {torch.__version__} "
+                          f"({type(e).__name__}: {e}); using custom_op's dispatch", RuntimeWarning, stacklevel=2)
+            return
         lib = torch.library.Library("coplan", "FRAGMENT")
-        for op, impl, n in ((jagged_softmax_attention, _softmax_impl, 5),
-                            (jagged_softmax_attention_backward, _softmax_backward_impl, 8),
-                            (jagged_gdpa, _gdpa_impl, 5),
-                            (jagged_gdpa_backward, _gdpa_backward_impl, 6)):
-            kernel = _direct_kernel(op, impl, n)
+        for name, kernel in kernels:
             for key in ("AutogradCPU", "AutogradCUDA"):
-                lib.impl(op._name, kernel, key, with_keyset=True)
+                lib.impl(name, kernel, key, with_keyset=True)
         _DIRECT_LIB = lib
     _DIRECT_ON = True
 

@@ -101,3 +101,19 @@ def test_subclass_tensors_are_not_taken_directly(direct):
         q, k, v, off = (mode.from_tensor(x) for x in _inputs(3))
         out = _gdpa(q, k, v, off)  # the fake implementation: no launch on fake tensors
     assert out.shape == (20, H, D)
+
+
+def test_without_torchs_private_helper_direct_dispatch_stays_off_with_a_warning(monkeypatch):
+    """The fallback rests on ``torch._library.autograd.make_autograd_impl`` (private): where a torch lacks
+    it, enabling warns and leaves custom_op's dispatch in place, and the ops still compute."""
+    import torch._library.autograd as tla
+
+    monkeypatch.setattr(ops, "_DIRECT_LIB", None)
+    monkeypatch.setattr(ops, "_DIRECT_ON", False)
+    monkeypatch.delattr(tla, "make_autograd_impl")
+    with pytest.warns(RuntimeWarning, match="direct dispatch .* unavailable"):
+        ops.enable_direct_dispatch()
+    assert not ops.direct_dispatch_enabled() and ops._DIRECT_LIB is None
+    q, k, v, off = _inputs()
+    with torch.no_grad():
+        assert torch.isfinite(_gdpa(q, k, v, off)).all()
