@@ -386,6 +386,17 @@ def seq_lookup_floor_s(ctx: "Context", samples_per_micro_batch: float, shards=1.
     return out
 
 
+HOST_KERNELS_PER_PRICED_LAUNCH = 4.1
+"""Kernels the trainer's host really issues per launch the pricer charges (``h``, the calibrated
+``host_launch_s``, is per priced launch): measured on the H200 round-4 traces of the five Triton fit
+runs (``traces.host_profile``: forward + backward + post launches per profiled step over the pricer's
+priced launches; base 4.20, b32-h512 4.14, d512-L6 4.06, rc-nomoe 3.78, nomoe-b32-L2 4.30; mean 4.10),
+no reference run and no step time used. The host time of these runs grows with their real launches at
+about the same rate per launch as the padded reference's (its forward's extra 668 launches took
+47 ms of host, 71 µs each, against 70 µs per launch over base's forward), so an op priced by its
+real kernels costs ``kernels / 4.1`` priced launches on the host."""
+
+
 def host_work_s(ctx: "Context") -> float:
     """Host seconds per step that grow with the rank's local batch (``host_sample_s`` per sample): added
     to the priced launches' host time before the step takes the longer of host and device."""
@@ -447,6 +458,13 @@ class OpArrays:
     at the elementwise class's bandwidth: they run after the op's main kernels, so they add to its
     roofline instead of hiding under it (an op of several kernels costs the sum of theirs)."""
     bwd_serial_s: np.ndarray
+    fwd_host_launches: np.ndarray
+    """Host cost of each op's forward call in priced launches: ``fwd_launches``, or for an op whose
+    host issues other kernels than priced (:attr:`coplan.costmodel.flops.Op.fwd_host_kernels`, the
+    padded reference) those kernels / :data:`HOST_KERNELS_PER_PRICED_LAUNCH`."""
+    bwd_host_launches: np.ndarray
+    fwd_syncs: np.ndarray
+    """Host syncs per forward call (1 where the op reads a device value back before its kernels)."""
 
     def times(self, rho: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds per op per micro-batch when the per-sample work is scaled by ``rho``."""
@@ -564,6 +582,9 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         out["bwd_launch_s"][i] = o.bwd_launches * launch
         out["fwd_launches"][i] = o.fwd_launches
         out["bwd_launches"][i] = o.bwd_launches
+        out["fwd_host_launches"][i] = o.fwd_host_kernels / HOST_KERNELS_PER_PRICED_LAUNCH if o.fwd_host_kernels else o.fwd_launches
+        out["bwd_host_launches"][i] = o.bwd_host_kernels / HOST_KERNELS_PER_PRICED_LAUNCH if o.bwd_host_kernels else o.bwd_launches
+        out["fwd_syncs"][i] = 1.0 if o.host_sync else 0.0
         sf = n * load * o.fwd_serial_bytes.expect(m1, m2)
         sb = n * load * o.bwd_serial_bytes.expect(m1, m2)
         out["fwd_serial_s"][i] = sf / bw_serial

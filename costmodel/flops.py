@@ -250,6 +250,18 @@ class Op:
     bwd_serial_bytes: Coeffs = ZERO
     """The same for the backward."""
 
+    fwd_host_kernels: float = 0.0
+    """Kernels the host really issues per forward call when they are not the priced ``fwd_launches``
+    (an unfused op of many small ATen calls: the padded reference); 0 = as priced. Only the host
+    side reads it (:func:`coplan.costmodel.pricer.host_launches`); the device keeps ``fwd_launches``."""
+
+    bwd_host_kernels: float = 0.0
+    """The same for the backward."""
+
+    host_sync: bool = False
+    """The forward reads a device value back to the host before it launches its kernels (the padded
+    reference's longest length, ``.tolist()``): the host waits there for the device's queued work."""
+
     @property
     def flops(self) -> Coeffs:
         """Model FLOPs (forward + backward) per sample."""
@@ -763,12 +775,35 @@ _REF_MASK_BYTES = 6.0
 _REF_IN_BYTES = {"fwd": (16.0, 14.0), "bwd": (12.0, 14.0)}
 _REF_OUT_BYTES = (28.0, 14.0)
 _REF_GEMM_IO_BYTES = 4.0
-# Launches stay the fused op's (1 forward, 2 backward) although the reference runs ~50 kernels per
-# call: launches are what the host cost h is per (Calibration.host_launch_s), and h is fitted per
-# *priced* launch (about a fifth of those that run, the rest being unpriced bookkeeping), so counting
-# the reference's real kernels would price its host time ~5x over. On the H200 the reference variants'
-# host time matched the fused variants' (their steps were ~ host + device: the reference's per-call
-# host sync, not its launches, is what costs; see BENCHMARKS "Calibration").
+# Launches: the device keeps the fused op's (1 forward, 2 backward) in its roofline terms, so the
+# device fit is unchanged; the host's count is the kernels the reference really issues
+# (:func:`reference_kernels`), priced by the host side in units of its per-launch cost
+# (:data:`coplan.costmodel.context.HOST_KERNELS_PER_PRICED_LAUNCH`). Each call also syncs the host
+# with the device once (``.tolist()`` of the longest lengths, :attr:`Op.host_sync`).
+
+_REF_KERNELS_FWD = 84
+"""ATen calls (≈ kernels) of one forward of ``kernels.reference.gdpa_reference``, non-causal, with an
+activation: the lengths and their maxima (5), three pads (destination rows by ``searchsorted``,
+zeros, cast, ``index_copy``; 12 each with their contiguous copies), the mask (14), the two batched
+matmuls, the score passes and the unpadding. Counted by dispatch on CPU (tests/costmodel/
+test_reference_host.py re-counts them); on the H200 round-4 traces gem-h200's self-attention call
+(causal) issued 88 and the summary call 86 (84 plus the trainer's two for the summary offsets)."""
+_REF_KERNELS_BWD = 28
+"""The backward's: the two matmuls' four, their copies, the activation's backward, the unpadding's
+``index_add`` and the pads' ``index_select`` and casts back (29 per call on the H200 traces; 27 for the
+summary call)."""
+
+
+def reference_kernels(kind: str, causal: bool, activation: str = "silu") -> tuple[int, int]:
+    """(forward, backward) kernels one call of the padded reference issues: the causal mask adds 4
+    (shift, compare, and, broadcast index), softmax 4 forward (two masked fills, ``any``, the product
+    with it) and 1 backward; GDPA's identity activation saves one pass each way."""
+    fwd, bwd = _REF_KERNELS_FWD + (4 if causal else 0), _REF_KERNELS_BWD
+    if kind == "softmax":
+        fwd, bwd = fwd + 4, bwd + 1
+    elif activation == "identity":
+        fwd, bwd = fwd - 1, bwd - 1
+    return fwd, bwd
 
 
 def padded_reference_attention(op: Op, workload: Workload, real_fraction: float = 1.0) -> Op:
@@ -776,7 +811,7 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
     PyTorch reference runs it, in the *padded* length ``P`` (price with ``E[max L]``, ``E[max L²]``
     of the micro-batch): both matmuls over the full ``[H, Lq, P]`` score block (no causal halving, no
     recompute), in fp32 with TF32 matmuls (:data:`REFERENCE_MATMUL_DTYPE`); the fp32 passes over the
-    scores; the pad and unpad copies (launches: see the note above). ``real_fraction`` is ``E[L] / E[max
+    scores; the pad and unpad copies; the kernels the host issues and its sync (see the note above). ``real_fraction`` is ``E[L] / E[max
     L]``: the copies of real rows scale with the real length, the rest with the padded one.
 
     Ops that are not jagged attention over a sequence are returned unchanged."""
@@ -794,6 +829,9 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
     else:
         return op
     kind = block.attention.kind
+    # the summary queries see every key of their sample: the trainer calls it non-causal
+    causal = bool(block.attention.causal) and short != "summary_attn"
+    k_fwd, k_bwd = reference_kernels(kind, causal, str(block.attention.activation))
     if short == "summary_attn":
         # S summary queries per sample (not padded: every sample has S) against the padded keys
         q_pad, q_real, elems = per_sample(S), per_sample(S), per_token(H * S)
@@ -822,4 +860,5 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
         fwd_bytes=gemm_f, bwd_bytes=gemm_b, fwd_serial_bytes=serial_f, bwd_serial_bytes=serial_b,
         # saved for backward: the scaled scores and the weights [H, Lq, P] (fp32), padded Q, K, V
         act_bytes=elems * 8.0 + (q_pad * wq + kv_pad * (2 * wkv)) * 4.0,
+        fwd_host_kernels=float(k_fwd), bwd_host_kernels=float(k_bwd), host_sync=True,
     )

@@ -148,6 +148,69 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
     return float((dense + 3.0 * emb_kernels + fsdp) * ctx.micro_batches + opt)
 
 
+def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0
+                  ) -> tuple[list[float], list[tuple[int, int, str]]]:
+    """The step's host launches in the order the host issues them, cut at its syncs with the device.
+
+    Returns (launches, syncs): ``syncs[j]`` = (micro-batch, dense op index, ``"fwd"`` or
+    ``"recompute"``) of the j-th forward call that reads a device value back before its kernels
+    (:attr:`OpArrays.fwd_syncs`, the padded reference); ``launches[j]`` the priced launches the host
+    issues before it since the previous sync, and the last entry those after the last sync. The order
+    is the trainer's: per micro-batch the embedding lookups, FSDP2's forward copies, the layers'
+    forward calls, then per layer in reverse its recompute and backward, FSDP2's backward copies and
+    the embedding backward; the optimizer once at the end. Each op counts its host launches
+    (:attr:`OpArrays.fwd_host_launches`: the priced launches, or the kernels of an op whose host
+    issues more, in priced units), so the launches add up to :func:`host_launches`."""
+    k_row, k_col = math.ceil(ctx.options.fp8_quant_reads_rowwise), math.ceil(ctx.options.fp8_quant_reads_colwise)
+    fixed = dense_fixed_costs(ctx)
+    by_layer: dict[int, list[int]] = {}
+    for k in range(len(ctx.dense_idx)):
+        by_layer.setdefault(int(ctx.op_layer[k]), []).append(k)
+    nl = len(ctx.layer_names)
+    segs: list[float] = [0.0]
+    syncs: list[tuple[int, int, str]] = []
+
+    def call(m: int, k: int, phase: str, n: float) -> None:
+        if arr.fwd_syncs[k] > 0:
+            syncs.append((m, k, phase))
+            segs.append(0.0)
+        segs[-1] += n
+
+    for m in range(ctx.micro_batches):
+        segs[-1] += emb_kernels + (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0)
+        for i in range(nl):
+            for k in by_layer.get(i, ()):
+                o = ctx.ops[int(ctx.dense_idx[k])]
+                call(m, k, "fwd", float(arr.fwd_host_launches[k]) + (o.fwd_launches * (3 * k_row + 3 * k_col) if arr.fp8[k] else 0.0))
+        for i in range(nl - 1, -1, -1):
+            if ctx.layer_names[i] in recomputed:
+                for k in by_layer.get(i, ()):
+                    call(m, k, "recompute", float(arr.fwd_host_launches[k]))
+            segs[-1] += float(sum(arr.bwd_host_launches[k] for k in by_layer.get(i, ())))
+        segs[-1] += (FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0) + 2.0 * emb_kernels
+    segs[-1] += OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0
+    return segs, syncs
+
+
+def host_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0) -> float:
+    """Launches per step the host side charges ``host_launch_s`` for: :func:`priced_launches`, except that
+    an op whose host issues more kernels than the pricer charges the device for (the padded reference)
+    counts those, in priced units (:data:`coplan.costmodel.context.HOST_KERNELS_PER_PRICED_LAUNCH`).
+    Equal to :func:`priced_launches` when no op does (every Triton/flex plan)."""
+    return float(sum(host_segments(ctx, arr, recomputed, emb_kernels)[0]))
+
+
+def synced_step(host_s: Sequence[float], device_s: Sequence[float]) -> float:
+    """The step of a host and a device that meet at syncs: between two syncs the host issues its
+    segment's work while the device runs what it queued, and at a sync the host waits for the device
+    to finish everything queued, so neither runs ahead across it; each segment lasts the longer of its
+    host and device times, and the step is their sum. ``host_s[j]``, ``device_s[j]``: the j-th
+    segment's times (one segment, no sync: ``max(host, device)``, the max form)."""
+    if len(host_s) != len(device_s) or not len(host_s):
+        raise CoplanError(f"synced_step needs one host and one device time per segment; got {len(host_s)} and {len(device_s)}")
+    return float(sum(max(h, d, 0.0) for h, d in zip(host_s, device_s)))
+
+
 def price(
     ctx: Context,
     tables: Sequence[TableShard] | TableAssignment | None = None,
@@ -286,6 +349,7 @@ def price(
     last_rs: list[int] = []
     sparse_sm = not sparse_model.sm_free
     fixed = dense_fixed_costs(ctx)
+    sync_task: dict[tuple[int, int, str], int] = {}
     for m in range(M):
         ids_task = None
         if loads is not None and not ctx.options.pipeline_input_dist:
@@ -326,6 +390,7 @@ def price(
                 fwd_task[i] = S.add(f"{names[i]}.post", COMPUTE, p.get("post", (0, 0))[0], (comb,), phase="fwd", layer=names[i])
             else:
                 fwd_task[i] = S.add(f"{names[i]}.fwd", COMPUTE, fl[i], deps, phase="fwd", layer=names[i])
+            sync_task[(m, i, "fwd")] = fwd_task[i]
         # backward: the last layer keeps its parameters; layer i-1 is gathered as layer i starts
         bwd_task: list[int] = [-1] * nl
         agb: list[int | None] = [None] * nl
@@ -337,6 +402,7 @@ def price(
             deps = (agb[i],)
             if names[i] in recomputed:
                 rc = S.add(f"{names[i]}.recompute", COMPUTE, fl[i], deps, phase="recompute", layer=names[i])
+                sync_task[(m, i, "recompute")] = rc
                 if i in moe_parts and ep_t[i] > 0:  # recomputing a MoE layer dispatches and combines again
                     deps = (comm_add(f"{names[i]}.ep_recompute", 2 * ep_t[i], (rc,), phase="bwd", layer=names[i],
                                   sm=not a2a_ep.sm_free, meta=("all_to_all", "expert", ep_bytes[i])),)
@@ -416,12 +482,25 @@ def price(
     if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
         # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost and
         # does its per-sample work, concurrently with the device; the step is the longer of the two
-        host_s = ctx.eff.host_launch_s * priced_launches(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0) + host_work_s(ctx)
+        segs, syncs = host_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
+        host_s = ctx.eff.host_launch_s * sum(segs) + host_work_s(ctx)
         if host_s > step:
             notes.append(f"host-bound: {host_s * 1e3:.2f} ms of host time (kernel launches at {ctx.eff.host_launch_s * 1e6:.1f} us "
                          f"each, {host_work_s(ctx) * 1e3:.2f} ms per-sample work) exceed the device's {step * 1e3:.2f} ms; "
                          "step priced at the host's time")
-            step = host_s
+        if syncs:
+            # at each sync the host waits for the device's queued work: host and device overlap only
+            # between syncs, so the step is the sum over the segments of max(host, device)
+            dev_at = [_device_position(ctx, S, before, sync_task, moe_parts, f_op, m, k, ph) for m, k, ph in syncs]
+            per_launch = host_s / max(sum(segs), 1e-300)  # the per-sample host work spread with the launches
+            dev_seg = np.diff(np.concatenate(([0.0], dev_at, [step])))
+            synced = synced_step([n * per_launch for n in segs], dev_seg.tolist())
+            notes.append(f"the host syncs with the device {len(syncs)} times per step (attention backend '{kernels.attention}' "
+                         f"reads the longest length back): step priced as the sum over the {len(syncs) + 1} segments between "
+                         f"syncs of max(host, device), {synced * 1e3:.2f} ms against max(host {host_s * 1e3:.2f}, "
+                         f"device {step * 1e3:.2f}) ms")
+            host_s = synced
+        step = max(step, host_s)
     layers_perf = {k: Perf(*v) for k, v in perf_by_layer.items()}
 
     ops_out: list[OpCost] = []
@@ -497,6 +576,30 @@ def price(
     )
 
 
+def _device_position(ctx: Context, S: Schedule, before: list[float], sync_task: dict, moe_parts: dict, f_op: np.ndarray,
+                     m: int, k: int, phase: str) -> float:
+    """When the compute stream finishes the work queued before dense op ``k``'s ``phase`` call in
+    micro-batch ``m``: its layer task's start plus the layer's ops before it (in the task's part: a MoE
+    layer's forward runs the ops after the experts as one "post" task), scaled as the schedule
+    stretched that task."""
+    i = int(ctx.op_layer[k])
+    t = sync_task[(m, i, phase)]
+    part = _moe_part(ctx, k) if (i in moe_parts and phase == "fwd") else None
+    off = 0.0
+    for j in range(len(ctx.dense_idx)):
+        if j == k:
+            break
+        if int(ctx.op_layer[j]) == i and (part is None or _moe_part(ctx, j) == part):
+            off += float(f_op[j])
+    stretch = S.tasks[t].duration / before[t] if before[t] > 0 else 1.0
+    return S.start[t] + off * stretch
+
+
+def _moe_part(ctx: Context, k: int) -> str:
+    suffix = ctx.ops[int(ctx.dense_idx[k])].name.rsplit(".", 1)[-1]
+    return {"router": "router", "shared_experts": "shared", "experts": "experts"}.get(suffix, "post")
+
+
 def _model_flops(ctx: Context) -> float:
     hit = ctx.cache.get("model_flops")
     if hit is None:
@@ -518,4 +621,4 @@ def _state_bytes(ctx: Context) -> float:
     return hit
 
 
-__all__ = ["default_assignment", "embedding_loads", "price"]
+__all__ = ["default_assignment", "embedding_loads", "host_launches", "host_segments", "price", "synced_step"]
