@@ -796,7 +796,8 @@ def _launch_hooks_set() -> bool:
     Triton 3.6/3.7 keep the hooks as a chain with a ``calls`` list; older ones as None or a function.
     """
     runtime = triton.knobs.runtime
-    return any(getattr(h, "calls", h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook  # unrolled: no generator per launch
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 def _layout(plain, args: list) -> tuple:
@@ -827,7 +828,6 @@ def _direct_key(kind: str, plain, args: list, consts: tuple, cfg: tuple, dtypes:
 def _run(kind: str, plain, grid0: int, args: list, consts: dict, cfg: tuple, dtypes: tuple, aligned: bool) -> None:
     """Launch ``plain`` on ``grid0`` programs with config ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages)."""
     global DIRECT_LAUNCH
-    bm, bn, warps, stages = cfg
     try:
         found = _direct_key(kind, plain, args, tuple(consts.values()), cfg, dtypes, aligned)
     except Exception:  # noqa: BLE001  (an unexpected kernel object: never try again)
@@ -837,21 +837,32 @@ def _run(kind: str, plain, grid0: int, args: list, consts: dict, cfg: tuple, dty
         key, device, stream = found
         hit = _COMPILED.get(key)
         if hit is not None and not _launch_hooks_set():
-            kernel, tail = hit
-            kernel.run(grid0, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+            # (launcher, function handle, packed metadata, constexpr tail), read off the compiled
+            # kernel once when it was stored: no property or attribute lookups per launch.
+            run, function, packed, tail = hit
+            run(grid0, 1, 1, stream, function, packed, None, None, None, *args, *tail)
             return
+    bm, bn, warps, stages = cfg
     kernel = plain[(grid0,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     if found is not None:
         try:
             _, tail_names = _layout(plain, args)
             every = dict(consts, BLOCK_M=bm, BLOCK_N=bn)
             tail = tuple(every[n] for n in tail_names)
-            kernel.function, kernel.packed_metadata, kernel.run  # noqa: B018  (the attributes a direct launch uses)
+            # The JIT call above ran the kernel, so its handles are loaded and `run` is the launcher.
+            entry = (kernel.run, kernel.function, kernel.packed_metadata, tail)
             if len(_COMPILED) >= _COMPILED_LIMIT:
                 _COMPILED.clear()
-            _COMPILED[found[0]] = (kernel, tail)
+            _COMPILED[found[0]] = entry
         except Exception:  # noqa: BLE001  (another Triton's kernel object: keep the JIT path)
             DIRECT_LAUNCH = False
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host. Not ``triton.cdiv``: since Triton 3.6 that is a
+    ``constexpr_function``, whose ``__call__`` (unwrapping every argument, an import per call)
+    cost ~3 us a launch on the host; it was the "jit.py __call__" of the H200 profiles."""
+    return -(-a // b)
 
 
 _KEY_BLOCK_KINDS = frozenset(("dkdv", "atomic"))  # kernels with one program per key block (the rest: per query block)
@@ -864,22 +875,18 @@ def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: li
 
     ``aligned``: every tensor in ``args`` starts on a 16-byte boundary (the condition for a direct launch).
     """
-    fixed = _fixed_config(kind, consts["HEAD_DIM"])
+    cfg = _fixed_config(kind, consts["HEAD_DIM"])
     per_key = kind in _KEY_BLOCK_KINDS
-    if fixed is not None:
-        n_blocks = triton.cdiv(rows, fixed[1] if per_key else fixed[0]) + batch
-        _run(kind, plain, n_blocks * heads, args, consts, fixed, dtypes, aligned)
-        return
-    key = (kind, *args[-3:], *consts.values(), *dtypes)
-    chosen = _CHOSEN.get(key)
-    if chosen is None:
-        block = "BLOCK_N" if per_key else "BLOCK_M"
-        tuned[lambda meta: ((triton.cdiv(rows, meta[block]) + batch) * heads,)](*args, **consts)
-        best = tuned.best_config
-        chosen = _CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
-        return
-    n_blocks = triton.cdiv(rows, chosen[1] if per_key else chosen[0]) + batch
-    _run(kind, plain, n_blocks * heads, args, consts, chosen, dtypes, aligned)
+    if cfg is None:
+        key = (kind, *args[-3:], *consts.values(), *dtypes)
+        cfg = _CHOSEN.get(key)
+        if cfg is None:
+            block = "BLOCK_N" if per_key else "BLOCK_M"
+            tuned[lambda meta: ((_cdiv(rows, meta[block]) + batch) * heads,)](*args, **consts)
+            best = tuned.best_config
+            _CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            return
+    _run(kind, plain, (_cdiv(rows, cfg[1] if per_key else cfg[0]) + batch) * heads, args, consts, cfg, dtypes, aligned)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1032,8 +1039,9 @@ def attention_forward(
     batch = q_offsets.numel() - 1
     softmax = activation is None
     device = q.device
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    lse = torch.empty((heads, total_q), dtype=torch.float32, device=device) if softmax else _unused_f32(device)
+    # Sizes as separate ints: torch.empty parses them faster than a tuple or a torch.Size.
+    out = torch.empty(total_q, heads, d, dtype=q.dtype, device=device)
+    lse = torch.empty(heads, total_q, dtype=torch.float32, device=device) if softmax else _unused_f32(device)
     if total_q == 0 or batch == 0 or max_q_len == 0:
         return out, lse
     (sqt, sqh, sqd), (skt, skh, skd), (svt, svh, svd) = q.stride(), k.stride(), v.stride()
@@ -1066,8 +1074,14 @@ def attention_backward(
     q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     *, max_q_len: int, max_k_len: int, causal: bool, scale: float,
     activation: Activation | None, out_scale: float = 1.0, counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dkdv_one_buffer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV. Softmax needs the forward's output ``o`` and ``lse``; GDPA needs neither.
+
+    ``dkdv_one_buffer``: dK and dV are the two halves of one allocation (one trip through the
+    device allocator instead of two). Only for callers whose outputs may alias each other, such as
+    an ``autograd.Function``'s backward: a custom op's outputs may not (``torch.library`` refuses
+    them), so the default keeps them apart.
 
     With ``ATTN_BWD == "split"`` (the default; env ``COPLAN_ATTN_BWD``), two launches: dQ (which for
     softmax also computes delta = rowsum(dO * O) from the tiles of dO and O it loads anyway, and
@@ -1092,19 +1106,28 @@ def attention_backward(
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))
     device = q.device
     d_pad = d if d in _POWERS_OF_TWO else _head_dim_padded(d)
-    if d_pad == d and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and do.stride(2) == 1:
+    # Each stride() call builds a tuple: read every input's once.
+    (sqt, sqh, sqd), (skt, skh, skd), (svt, svh, svd), (sdot, sdoh, sdod) = q.stride(), k.stride(), v.stride(), do.stride()
+    if d_pad == d and sqd == 1 and skd == 1 and svd == 1 and sdod == 1:
         qp, kp, vp, dop = q, k, v, do  # the common case: nothing to copy or pad
     else:
         qp, kp, vp, dop = (_prepare(x, d_pad) for x in (q, k, v, do))
+        (sqt, sqh, _), (skt, skh, _), (svt, svh, _), (sdot, sdoh, _) = qp.stride(), kp.stride(), vp.stride(), dop.stride()
     padded = d_pad != d
     atomic = mode == "atomic"
     # atomic: the fp32 accumulator, zeroed by the preprocess kernel.
-    dq = torch.empty((total_q, heads, d_pad), dtype=torch.float32 if atomic else q.dtype, device=device)
-    dk = torch.empty((total_k, heads, d_pad), dtype=k.dtype, device=device)
-    dv = torch.empty((total_k, heads, d_pad), dtype=v.dtype, device=device)
+    dq = torch.empty(total_q, heads, d_pad, dtype=torch.float32 if atomic else q.dtype, device=device)
+    if dkdv_one_buffer:
+        # Two contiguous halves of one allocation (k and v have one dtype and shape), each laid out
+        # as a fresh [total_k, H, d_pad] tensor: autograd's gradient accumulation still takes them as
+        # they are (no copy), and the buffer, exactly dK's and dV's bytes, is freed once both are.
+        dk, dv = torch.empty(2, total_k, heads, d_pad, dtype=k.dtype, device=device).unbind(0)
+    else:
+        dk = torch.empty(total_k, heads, d_pad, dtype=k.dtype, device=device)
+        dv = torch.empty(total_k, heads, d_pad, dtype=v.dtype, device=device)
     if softmax:
         op = _prepare(o, d_pad)
-        delta = torch.empty((heads, total_q), dtype=torch.float32, device=device)
+        delta = torch.empty(heads, total_q, dtype=torch.float32, device=device)
         lse_t = lse
     else:
         op = qp  # unread when MODE is ACTIVATION
@@ -1114,9 +1137,9 @@ def attention_backward(
     consts = _consts(activation, causal, d_pad, q.dtype)
     qk_scale = float(scale * LOG2E if softmax else scale)
     ds_scale = float(scale if softmax else scale * out_scale)
-    (sqt, sqh, _), (skt, skh, _), (svt, svh, _) = qp.stride(), kp.stride(), vp.stride()
     # dq, dk and dv are fresh contiguous [rows, H, d_pad] tensors: one pair of strides serves all three.
-    (sot, soh, _), (sdot, sdoh, _), (sgt, sgh, _) = op.stride(), dop.stride(), dq.stride()
+    sot, soh, _ = op.stride()
+    sgt, sgh = heads * d_pad, d_pad
     dtypes = (q.dtype, do.dtype, q_offsets.dtype, k_offsets.dtype)
     aligned = (DIRECT_LAUNCH and max(total_q, total_k) <= _I32_MAX
                and _aligned(qp, kp, vp, op, dop, lse_t, q_offsets, k_offsets, cum_q, cum_k))
@@ -1160,7 +1183,7 @@ def _backward_atomic(qp, kp, vp, op, dop, dq_acc, dk, dv, lse_t, delta, q_offset
     (sqt, sqh, _), (skt, skh, _), (svt, svh, _) = qp.stride(), kp.stride(), vp.stride()
     (sot, soh, _), (sdot, sdoh, _) = op.stride(), dop.stride()
     row_cfg = _row_kernel_config(d_pad)
-    row_blocks = triton.cdiv(total_q, row_cfg[0]) * heads
+    row_blocks = _cdiv(total_q, row_cfg[0]) * heads
     prep_consts = _ROW_CONSTS.get(("prep", consts["MODE"], d_pad))
     if prep_consts is None:
         prep_consts = _ROW_CONSTS[("prep", consts["MODE"], d_pad)] = dict(MODE=consts["MODE"], HEAD_DIM=d_pad)
