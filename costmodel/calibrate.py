@@ -69,7 +69,8 @@ per sample) was that: with each run's host time scaled by its host's speed
 h = 221 µs per priced launch and s = 0, as round 2's runs did blind to it (216 µs, s = 0). In those
 traces the host's step is its forward (main thread) then its backward (autograd thread) then the
 optimizer, one after the other; the launches actually issued are 3.7-4.2 per priced launch on the
-Triton runs (7.2 on the padded reference), and a fixed per-step term (FSDP2's hooks, ~11-19 ms of the
+Triton runs (7.2 on the padded reference: 88 + 84 kernels per layer's forward calls; now priced,
+see :data:`HOST_SYNCING_BACKENDS`), and a fixed per-step term (FSDP2's hooks, ~11-19 ms of the
 profiled step, grow with the launches' layers) fits to about 1 ms: not worth a parameter. The fitted
 runs' host speed is recorded (``host_op_median_us``); a plan is priced for a host that fast.
 
@@ -838,7 +839,12 @@ HOST_SYNCING_BACKENDS: tuple[str, ...] = ("reference",)
 longest length, ``.tolist()``, 8 times per forward step of gem-h200): at each sync the host waits for
 the device to drain, so host and device time add up around it instead of overlapping, which the
 max form does not describe. Their runs are left out of the fit of ``h`` (they still fit the device
-efficiencies); the pricer's step for such plans is a lower bound."""
+efficiencies), so the Triton runs fit ``h`` as before; the pricer prices these plans' host side
+itself: the reference's real kernels on the host (``flops.reference_kernels`` /
+``context.HOST_KERNELS_PER_PRICED_LAUNCH`` priced launches per call) and a step that is the sum over
+the segments between syncs of max(host, device) (``pricer.host_segments``, ``pricer.synced_step``).
+The wait is inside the pageable device-to-host copy (``cudaMemcpyAsync``), not the stream sync: on
+``ref-b12-h768`` (round 2) 17-61 ms per call where the device was behind, ~0.04 ms on ``ref-b8``."""
 
 
 def host_reference_us(profiles: Sequence[HostProfile]) -> dict[str, float]:

@@ -134,7 +134,8 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
     :func:`coplan.costmodel.context._price_fp8_quantisation` counts them), the busiest rank's embedding
     kernels (``emb_kernels`` per micro-batch: one forward, two backward), and the dense optimizer's
     launches. The step time is linear in the launch cost with this slope on one GPU (tested); the
-    host-bound form prices the host's time as this count times a per-launch cost."""
+    host-bound form prices the host's time per launch on :func:`host_launches`, which is this count
+    except for ops whose host issues more kernels than priced (the padded reference)."""
     k_row, k_col = math.ceil(ctx.options.fp8_quant_reads_rowwise), math.ceil(ctx.options.fp8_quant_reads_colwise)
     dense = 0.0
     for k, oi in enumerate(ctx.dense_idx):
@@ -482,6 +483,7 @@ def price(
     if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
         # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost and
         # does its per-sample work, concurrently with the device; the step is the longer of the two
+        # (without syncs; with them, the sum over the segments between syncs, below)
         segs, syncs = host_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
         host_s = ctx.eff.host_launch_s * sum(segs) + host_work_s(ctx)
         if host_s > step:
