@@ -164,6 +164,15 @@ def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), e
     issues more, in priced units), so the launches add up to :func:`host_launches`."""
     k_row, k_col = math.ceil(ctx.options.fp8_quant_reads_rowwise), math.ceil(ctx.options.fp8_quant_reads_colwise)
     fixed = dense_fixed_costs(ctx)
+    if not np.any(arr.fwd_syncs):
+        # no sync: one segment (the planner's inner loop prices many plans; no per-call walk needed)
+        rec = np.array([ctx.layer_names[int(li)] in recomputed for li in ctx.op_layer], dtype=bool)
+        quant = np.array([ctx.ops[int(oi)].fwd_launches for oi in ctx.dense_idx], dtype=float) * (3 * k_row + 3 * k_col)
+        dense = float((arr.fwd_host_launches * np.where(rec, 2.0, 1.0) + arr.bwd_host_launches).sum()
+                      + (quant * (np.asarray(arr.fp8) != 0)).sum())
+        fsdp = (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0) + (FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0)
+        opt = OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0
+        return [(dense + 3.0 * emb_kernels + fsdp) * ctx.micro_batches + opt], []
     by_layer: dict[int, list[int]] = {}
     for k in range(len(ctx.dense_idx)):
         by_layer.setdefault(int(ctx.op_layer[k]), []).append(k)

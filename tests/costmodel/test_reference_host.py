@@ -167,3 +167,21 @@ def test_pricer_sums_segments_for_a_syncing_backend_and_keeps_the_max_form_other
         big = price(build_context(p.workload, p.topology, p.mesh, _cal(h * 1e3)), None, p.layers, p.balancing, p.kernels)
         assert big.step_time_s == pytest.approx(n * h * 1e3, rel=1e-3)
     assert np.isfinite(dev)
+
+
+def test_host_segments_without_syncs_match_the_walk_with_recompute_and_fp8():
+    """The no-sync shortcut counts what the per-call walk counts (recompute and FP8 layers included)."""
+    import dataclasses
+
+    p = _plan("triton")
+    ctx = build_context(p.workload, p.topology, p.mesh)
+    layers = (LayerPlan(name="interformer.1", recompute=True), LayerPlan(name="interformer.2", precision="fp8"))
+    rec, fp8 = _layer_map(ctx, layers)
+    arr = op_arrays(ctx, p.kernels, fp8)
+    assert np.any(arr.fp8)
+    fast = host_segments(ctx, arr, rec, 2.0)
+    # a sync flag on the first op forces the per-call walk; a sync splits the launches, never changes them
+    probe = np.zeros_like(arr.fwd_syncs)
+    probe[0] = 1.0
+    walked = host_segments(ctx, dataclasses.replace(arr, fwd_syncs=probe), rec, 2.0)
+    assert fast[1] == [] and sum(walked[0]) == pytest.approx(fast[0][0]) == pytest.approx(priced_launches(ctx, arr, rec, 2.0))
