@@ -78,6 +78,7 @@ def _check_offset_values(name: str, offsets: torch.Tensor, total: int, rows_of: 
 
 
 _OFFSET_DTYPES = (torch.int32, torch.int64)
+_DTYPE_SET, _OFFSET_DTYPE_SET = frozenset(_DTYPES), frozenset(_OFFSET_DTYPES)
 
 
 def _meta_ok(q, k, v, q_offsets, k_offsets) -> bool:
@@ -93,15 +94,16 @@ def _meta_ok(q, k, v, q_offsets, k_offsets) -> bool:
     qs, ks = q.shape, k.shape
     dt = q.dtype
     dev = q.get_device()
-    if not (len(qs) == 3 and len(ks) == 3 and ks == v.shape and qs[1:] == ks[1:] and dt in _DTYPES
+    # Sizes compared entry by entry (no sliced torch.Size objects), dtypes looked up in sets.
+    if not (len(qs) == 3 and ks == v.shape and len(ks) == 3 and qs[1] == ks[1] and qs[2] == ks[2] and dt in _DTYPE_SET
             and k.dtype is dt and v.dtype is dt and dev >= 0 and k.get_device() == dev and v.get_device() == dev
-            and q_offsets.dim() == 1 and q_offsets.numel() >= 1 and q_offsets.dtype in _OFFSET_DTYPES
+            and q_offsets.dim() == 1 and q_offsets.numel() >= 1 and q_offsets.dtype in _OFFSET_DTYPE_SET
             and q_offsets.get_device() == dev):
         return False
     if k_offsets is None:
         return ks[0] == qs[0]
     return (isinstance(k_offsets, T) and k_offsets.dim() == 1 and k_offsets.numel() == q_offsets.numel()
-            and k_offsets.dtype in _OFFSET_DTYPES and k_offsets.get_device() == dev)
+            and k_offsets.dtype in _OFFSET_DTYPE_SET and k_offsets.get_device() == dev)
 
 
 # Offsets already validated, kept on the offsets tensor like the block counts: (version, rows,
