@@ -360,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated layers the fp8 arm runs in fp8 instead of the planner's choice (default: the planner's)")
     p.add_argument("--recipe", choices=["rowwise", "blockwise", "torchao-tensorwise", "torchao-rowwise"], default="rowwise",
                    help="fp8 recipe of the fp8 arm; the torchao ones need torchao==0.18.0 and are meant for --compile layers")
-    p.add_argument("--compile", choices=["off", "layers"], default="off",
-                   help="the trainer's --compile for every arm (layers: torch.compile each InterFormer and Kunlun layer)")
+    p.add_argument("--compile", choices=["off", "layers", "layers-cpp"], default="off",
+                   help="the trainer's --compile for every arm (layers: torch.compile each InterFormer and Kunlun layer; "
+                        "layers-cpp: with Inductor's C++ wrapper)")
     p.add_argument("--attention", choices=["triton", "reference", "flex"], default="triton")
     p.add_argument("--steps", type=int, default=520)
     p.add_argument("--warmup", type=int, default=20)

@@ -27,6 +27,7 @@ Cases (``--cases``, default the first seven, run in this order, each skipped whe
 - ``triton-fsdp-layers``: only ``--fsdp-units layers`` (one FSDP2 unit per layer, as on many ranks);
 - ``triton-baseline``: all of the above off, and ``--moe-grouped off --fused-optimizer off`` (v2's loop);
 - ``reference`` (not by default): the PyTorch reference attention;
+- ``triton-compile-cpp`` (not by default): the same with ``--compile layers-cpp`` (Inductor's C++ wrapper);
 - ``triton-compile`` (not by default): ``--compile layers``, 2 more warm-up steps, 30 measured, its own time limit
   (``--compile-case-timeout``, default 420 s: v3's 120 s ended with no step and no Inductor output) and
   ``TORCH_LOGS=recompiles,graph_breaks,dynamo,inductor``, whose timestamped compile stages the JSON keeps
@@ -315,6 +316,7 @@ CASES = {
                                    "--sparse-pipeline", "off", "--segment-sum", "reduce", "--fsdp-units", "layers"], 0, 30),
     "reference": ("reference", [], 0, 12),
     "triton-compile": ("triton", ["--compile", "layers"], 2, 30),
+    "triton-compile-cpp": ("triton", ["--compile", "layers-cpp"], 2, 30),
 }
 DEFAULT_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-segment-reduce",
                  "triton-fsdp-layers", "triton-baseline")

@@ -60,7 +60,7 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
-                local_size: int, seed: int, compile_layers: bool = False, fsdp_per_layer: bool | None = None) -> ParallelModel:
+                local_size: int, seed: int, compile_layers: str | bool = False, fsdp_per_layer: bool | None = None) -> ParallelModel:
     dmp = apply_embedding_sharding(model, plan, device=device, group=meshes.sparse_group, local_size=local_size)
     init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
     dense = model.dense

@@ -83,9 +83,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fsdp-units", choices=["auto", "layers"], default="auto",
                    help="auto: one FSDP2 unit per layer, except on one rank, where the dense root is the only unit "
                         "(bf16 mixed precision, no per-layer hooks); layers: one unit per layer everywhere")
-    p.add_argument("--compile", choices=["off", "layers"], default="off",
+    p.add_argument("--compile", choices=["off", "layers", "layers-cpp"], default="off",
                    help="layers: torch.compile each InterFormer and Kunlun layer (static shapes but for the history's "
-                        "token dimension: one graph per layer kind); the compilation "
+                        "token dimension: one graph per layer kind); layers-cpp: the same with Inductor's C++ wrapper "
+                        "(less host time per graph call, slower to compile); the compilation "
                         "happens in the first steps, so keep them in --warmup")
     p.add_argument("--seq-chunk", type=_non_negative, default=32, metavar="N",
                    help="sequence lookups: each sample's history as bags of at most N ids (ceil(max_len / N) per "
@@ -317,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     step_notes = _enable_grouped_experts(model, plan, device, args.moe_grouped)
     step_notes += _enable_segment_sum_gemm(plan, device, args.segment_sum)
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=local_world, seed=args.seed,
-                     compile_layers=args.compile == "layers", fsdp_per_layer=True if args.fsdp_units == "layers" else None)
+                     compile_layers=args.compile, fsdp_per_layer=True if args.fsdp_units == "layers" else None)
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan,
                         fused_dense=device_type == "cuda" and args.fused_optimizer == "auto",
                         local_step=args.local_optimizer == "auto")

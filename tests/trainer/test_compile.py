@@ -102,3 +102,30 @@ def test_the_old_all_dynamic_compile_broke_the_layer():
     layer.forward = torch.compile(layer.forward, dynamic=True, backend="eager")
     _run([layer], [5, 0, 17, 3], 0)
     assert counters["stats"]["unique_graphs"] > 1 and sum(counters["graph_break"].values()) > 0
+
+
+def test_cpp_wrapper_mode_compiles_and_matches_eager():
+    """``--compile layers-cpp``: Inductor's C++ wrapper around an InterFormer layer (the custom attention op
+    called back from the C++ wrapper) computes what the eager layer computes; one real Inductor
+    compilation on CPU (~40 s), the only one in the suite."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = [_interformer(0)]
+    compiled = copy.deepcopy(eager)
+    compile_layer(compiled[0], cpp_wrapper=True)
+    (xe, ge, pe), (xc, gc, pc) = _run(eager, [5, 9, 3], 0), _run(compiled, [5, 9, 3], 0)
+    torch.testing.assert_close(xc, xe, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-6)
+    for a, b in zip(pc, pe):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="Inductor option"):
+        compile_layer(copy.deepcopy(eager)[0], backend="eager", cpp_wrapper=True)
+
+
+def test_apply_compile_modes():
+    from coplan.trainer.distributed.compile import COMPILE_MODES, apply_compile
+
+    assert COMPILE_MODES == ("off", "layers", "layers-cpp")
+    assert apply_compile(torch.nn.Module(), "off") == [] and apply_compile(torch.nn.Module(), False) == []
+    with pytest.raises(ValueError, match="compile mode"):
+        apply_compile(torch.nn.Module(), "everything")

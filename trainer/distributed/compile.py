@@ -41,11 +41,22 @@ from coplan.kernels.ops import enable_direct_dispatch
 from coplan.trainer.model.layers import InterFormerLayer, KunlunLayer
 
 
-def compile_layer(layer: nn.Module, backend: str = "inductor") -> None:
+COMPILE_MODES = ("off", "layers", "layers-cpp")
+"""``--compile``: off; ``layers`` (Inductor, Python wrapper); ``layers-cpp`` (Inductor with its C++ wrapper,
+``cpp_wrapper``: the generated code that calls a graph's kernels is C++ instead of Python, the host cost the
+H200 traces measured at ~1 ms per graph call in the Python wrapper; the custom attention op is called back
+in Python; compiles slower)."""
+
+
+def compile_layer(layer: nn.Module, backend: str = "inductor", cpp_wrapper: bool = False) -> None:
     """Compile ``layer.forward`` in place, as ``--compile layers`` does (the compile probe calls this too;
-    tests pass Dynamo's ``eager`` backend: graphs, breaks and recompiles are decided before the backend)."""
+    tests pass Dynamo's ``eager`` backend: graphs, breaks and recompiles are decided before the backend).
+    ``cpp_wrapper``: Inductor's C++ wrapper (``--compile layers-cpp``; Inductor backend only)."""
     enable_direct_dispatch()
-    compiled = torch.compile(layer.forward, backend=backend)
+    if cpp_wrapper and backend != "inductor":
+        raise ValueError(f"cpp_wrapper is an Inductor option; backend {backend!r} has no wrapper to make C++")
+    options = {"cpp_wrapper": True} if cpp_wrapper else None
+    compiled = torch.compile(layer.forward, backend=backend, options=options)
     if not isinstance(layer, InterFormerLayer):
         layer.forward = compiled
         return
@@ -59,17 +70,21 @@ def compile_layer(layer: nn.Module, backend: str = "inductor") -> None:
     layer.forward = forward
 
 
-def apply_compile(dense: nn.Module, enabled: bool) -> list[str]:
-    """Compile every InterFormer and Kunlun layer of ``dense`` in place; returns their names."""
-    if not enabled:
+def apply_compile(dense: nn.Module, mode: str | bool) -> list[str]:
+    """Compile every InterFormer and Kunlun layer of ``dense`` in place as ``mode`` (:data:`COMPILE_MODES`;
+    True means ``layers``); returns their names."""
+    mode = {True: "layers", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: choose one of {COMPILE_MODES}")
+    if mode == "off":
         return []
     done = []
     for name, holder, i in dense.iter_layers():
         layer = getattr(holder[i], "_checkpoint_wrapped_module", holder[i])
         if isinstance(layer, (InterFormerLayer, KunlunLayer)):
-            compile_layer(layer)
+            compile_layer(layer, cpp_wrapper=mode == "layers-cpp")
             done.append(name)
     return done
 
 
-__all__ = ["apply_compile", "compile_layer"]
+__all__ = ["COMPILE_MODES", "apply_compile", "compile_layer"]
