@@ -25,7 +25,6 @@ import os
 import platform
 import resource
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
