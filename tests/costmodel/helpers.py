@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coplan.spec import Topology
+from coplan.spec import MeshPlan, Plan, Topology, Workload, load_topology, load_workload, parse_spec, spec_sha256
 
 GB = 1e9
 
@@ -22,3 +22,15 @@ def topo(*tiers: dict, gpus_per_node: int | None = None, name: str = "test") -> 
         "tiers": ts,
         "reliability": {"gpu_mtbf_hours": 50000.0, "checkpoint_bw_bytes_per_s_per_node": 10e9},
     })
+
+
+def gem_h200_plan(batch: int = 8, mean_len: int = 512, attention: str = "triton") -> Plan:
+    """gem-h200 on one H200 with another local batch, history mean length and attention backend."""
+    t = load_topology("h200-1gpu")
+    doc = load_workload("gem-h200").model_dump(mode="json")
+    doc["batch"] = {"local_batch_size": batch}
+    doc["sequences"][0]["length"]["mean"] = mean_len
+    doc["kernels"]["attention"] = attention
+    w = parse_spec(Workload, doc, "gem-h200 variant")
+    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1), kernels=w.kernels,
+                topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))

@@ -12,20 +12,13 @@ from coplan.costmodel import flops as F
 from coplan.costmodel.context import HOST_KERNELS_PER_PRICED_LAUNCH, build_context, op_arrays
 from coplan.costmodel.pricer import _layer_map, host_launches, host_segments, price, priced_launches, synced_step
 from coplan.errors import CoplanError
-from coplan.spec import Calibration, LayerPlan, MeshPlan, OpClassCalibration, Plan, load_topology, load_workload, spec_sha256
+from coplan.spec import Calibration, LayerPlan, OpClassCalibration, Plan
+
+from .helpers import gem_h200_plan
 
 
 def _plan(attention: str, batch: int = 8, mean_len: int = 512) -> Plan:
-    from coplan.spec import Workload, parse_spec
-
-    t = load_topology("h200-1gpu")
-    doc = load_workload("gem-h200").model_dump(mode="json")
-    doc["batch"] = {"local_batch_size": batch}
-    doc["sequences"][0]["length"]["mean"] = mean_len
-    doc["kernels"]["attention"] = attention
-    w = parse_spec(Workload, doc, "gem-h200 variant")
-    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1), kernels=w.kernels,
-                topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
+    return gem_h200_plan(batch, mean_len, attention)
 
 
 def _cal(h: float | None = None) -> Calibration:

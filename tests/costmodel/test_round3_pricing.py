@@ -21,22 +21,13 @@ from coplan.costmodel.context import (
 )
 from coplan.costmodel.pricer import price, priced_launches
 from coplan.costmodel.traces import attribute
-from coplan.spec import MeshPlan, Plan, load_topology, load_workload, spec_sha256
+from coplan.spec import MeshPlan
 
 from ._trace import _ev
+from .helpers import gem_h200_plan
 
 
-def _plan(batch: int = 8, mean_len: int = 512, attention: str = "triton") -> Plan:
-    from coplan.spec import Workload, parse_spec
-
-    t = load_topology("h200-1gpu")
-    doc = load_workload("gem-h200").model_dump(mode="json")
-    doc["batch"] = {"local_batch_size": batch}
-    doc["sequences"][0]["length"]["mean"] = mean_len
-    doc["kernels"]["attention"] = attention
-    w = parse_spec(Workload, doc, "gem-h200 variant")
-    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1), kernels=w.kernels,
-                topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
+_plan = gem_h200_plan
 
 
 # ------------------------------------------------------------------ an op of several kernels
