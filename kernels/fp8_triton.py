@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from .fp8_rules import scaled_mm_block_refusal
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -657,10 +659,8 @@ def block_mm(
 ) -> torch.Tensor:
     """``(qa·sa) @ (qb·sb)ᵀ`` → ``[M, n]``: by ``torch._scaled_mm``'s block-wise path (cuBLAS;
     1,274 TFLOP/s at 8192³ on the H200 against 654 for :func:`block_scaled_mm`) where this PyTorch
-    and GPU take it and the shapes pass :func:`coplan.kernels.fp8.scaled_mm_block_refusal`, else by
+    and GPU take it and the shapes pass :func:`coplan.kernels.fp8_rules.scaled_mm_block_refusal`, else by
     the Triton kernel. ``qb``'s rows past ``n`` are padding (zeros)."""
-    from .fp8 import scaled_mm_block_refusal  # (the layout rules cuBLAS's block-wise path needs; lazy: fp8 imports this module)
-
     kind = (scaled_mm_block_kind(b_square), out_dtype)
     state = _SCALED_MM_BLOCK.get(kind)
     if use_scaled_mm and scaled_mm_block_refusal(qa.shape[0], qa.shape[1], qb.shape[0], b_square) is not None:
