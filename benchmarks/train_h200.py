@@ -33,6 +33,10 @@ Cases (``--cases``, default the first seven, run in this order, each skipped whe
   ``TORCH_LOGS=recompiles,graph_breaks,dynamo,inductor``, whose timestamped compile stages the JSON keeps
   (``compile_log``), so that a slow compilation can be told from a stuck one.
 
+Any case may be suffixed ``@b<N>`` to run it at N samples per step instead of the workload's local batch
+(e.g. ``triton-compile@b128``; generated data of its own, same seed); the JSON and trace files name it
+``<case>-b<N>``.
+
 The A/B cases measure 30 steps each (the whole default run takes ~4 min on the H200).
 
 Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per case the measured local MFU,
@@ -318,6 +322,8 @@ CASES = {
     "triton-compile": ("triton", ["--compile", "layers"], 2, 30),
     "triton-compile-cpp": ("triton", ["--compile", "layers-cpp"], 2, 30),
 }
+# ``<case>@b<N>`` runs a case at N samples per step instead of the workload's local batch (its own data)
+_AT_BATCH = re.compile(r"^(?P<case>[a-z0-9-]+)@b(?P<batch>[1-9][0-9]*)$")
 DEFAULT_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-segment-reduce",
                  "triton-fsdp-layers", "triton-baseline")
 MIN_CASE_S = 45  # below this a launch cannot reach its measured steps: skip the case instead
@@ -343,6 +349,12 @@ def compile_log(log: str) -> dict:
         "stages_first": stages[:40],
         "stages_last": stages[-40:],
     }
+
+
+def split_case(case: str) -> tuple[str, int | None]:
+    """``"triton-compile@b128"`` -> ``("triton-compile", 128)``; a plain case name -> ``(name, None)``."""
+    m = _AT_BATCH.match(case)
+    return (m["case"], int(m["batch"])) if m else (case, None)
 
 
 def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str] | None = None, *,
@@ -511,9 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     gen_s = time.monotonic() - t0
     _log(f"data ready in {gen_s:.1f} s")
     cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if split_case(c)[0] not in CASES]
     if unknown:
-        p.error(f"unknown case(s) {unknown}; choose from {sorted(CASES)}")
+        p.error(f"unknown case(s) {unknown}; choose from {sorted(CASES)}, each optionally with @b<samples per step>")
+    datasets = {None: data}
     results: dict = {}
     out = {
         "benchmark": "trainer (issue 6)",
@@ -548,17 +561,26 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{case}: skipped, {left:.0f} s left")
             write()
             continue
-        backend, extra, more_warmup, measured = CASES[case]
+        base_case, batch = split_case(case)
+        backend, extra, more_warmup, measured = CASES[base_case]
+        tag = case.replace("@", "-")  # file names that come back from the device: no '@'
         try:
             wb = w
-            if backend == "reference":
-                wb = w.model_copy(update={"batch": w.batch.model_copy(update={"local_batch_size": args.reference_batch, "global_batch_size": None})})
+            if backend == "reference" and batch is None:
+                batch = args.reference_batch
+            if batch is not None:
+                wb = w.model_copy(update={"batch": w.batch.model_copy(update={"local_batch_size": batch, "global_batch_size": None})})
+            if batch is not None and backend != "reference" and batch not in datasets:
+                datasets[batch] = args.runs_root / "data" / f"{w.name}-b{batch}-{data_sha256(wb)[:8]}"
+                if not (datasets[batch] / "dataset.json").is_file():
+                    generate_dataset(wb, datasets[batch], batch * args.data_batches, seed=0, rows_per_file=batch * args.data_batches)
+            case_data = data if backend == "reference" else datasets[batch]
             plan = single_process_plan(wb, topo, attention_backend=backend)
-            plan_path = dump_spec(plan, args.runs_root / f"plan-{backend}.json")
+            plan_path = dump_spec(plan, args.runs_root / f"plan-{tag}.json")
             cap = args.compile_case_timeout if "--compile" in extra else args.case_timeout
             _log(f"{case}: start ({min(left, cap):.0f} s allowed)")
-            results[case] = run_backend(plan_path, args, f"{w.name}-{case}", data, extra, warmup=args.warmup + more_warmup,
-                                        timeout=min(left, cap), measured=measured, case=case)
+            results[case] = run_backend(plan_path, args, f"{w.name}-{tag}", case_data, extra, warmup=args.warmup + more_warmup,
+                                        timeout=min(left, cap), measured=measured, case=tag)
         except Exception as e:  # one failing case must not lose the others
             results[case] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         r = results[case]

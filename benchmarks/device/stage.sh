@@ -35,7 +35,7 @@ probe)
   ;;
 pair)
   # Two jobs at once, one per GPU. GPU 0: $JOB0, GPU 1: $JOB1, each one of
-  #   train            trainer benchmark cases ($TRAIN_ARGS, budget $BUDGET)
+  #   train            trainer benchmark cases ($TRAIN_ARGS<gpu> or $TRAIN_ARGS, budget $BUDGET) -> train_h200_g<gpu>.json
   #   calib:<v1,v2..>  calibration runs of those variants (analysis here later)
   #   fp8train         bf16 vs fp8 arms on that GPU ($RECIPE, $STEPS, $FP8_ARGS)
   #   kern             fp8 GPU tests and GEMM benchmark ($FP8_RECIPES), attention ($METHODS)
@@ -46,7 +46,8 @@ pair)
     #  which index the parent's visible devices)
     export CUDA_VISIBLE_DEVICES=$gpu
     case $spec in
-      train) timeout 570 python3 benchmarks/train_h200.py --runs-root /tmp/bench$gpu --timeout ${BUDGET:-480} ${TRAIN_ARGS:-} --out $OUT/train_h200.json > $OUT/train.log 2>&1 ;;
+      train) local ta=TRAIN_ARGS$gpu  # TRAIN_ARGS0 / TRAIN_ARGS1 when both GPUs train (else TRAIN_ARGS)
+             timeout 570 python3 benchmarks/train_h200.py --runs-root /tmp/bench$gpu --timeout ${BUDGET:-480} ${!ta:-${TRAIN_ARGS:-}} --out $OUT/train_h200_$tag.json > $OUT/train_$tag.log 2>&1 ;;
       calib:*) timeout 570 python3 benchmarks/calibration_h200.py --gpus 1 --only ${spec#calib:} --steps ${CALIB_STEPS:-16} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 \
                  --runs-root /tmp/calib$gpu --keep $OUT/runs_$tag --out $OUT/calib_$tag.json > $OUT/calib_$tag.log 2>&1
                (cd $OUT && tar czf runs_$tag.tgz runs_$tag && rm -rf runs_$tag) ;;
@@ -58,7 +59,7 @@ pair)
     esac
   }
   (job 0 "${JOB0:-none}") & (job 1 "${JOB1:-none}") & wait   # 'none': that GPU idles (e.g. a one-GPU lease)
-  for f in train.log calib_g0.log calib_g1.log attention.log pytest_kernels.txt fp8_h200.log fp8train.log; do [ -f $OUT/$f ] && { echo "== $f"; tail -n 14 $OUT/$f; }; done
+  for f in train_g0.log train_g1.log calib_g0.log calib_g1.log attention.log pytest_kernels.txt fp8_h200.log fp8train.log; do [ -f $OUT/$f ] && { echo "== $f"; tail -n 14 $OUT/$f; }; done
   ;;
 calib)
   t calib; timeout 560 python3 benchmarks/calibration_h200.py --gpus ${NGPU:-1} --only ${ONLY:-ref-b8,ref-b8-h512,ref-b12-h768,b48-h768,d896-L5,rc-L3-b48,nomoe-b48-h1280,h2048-b16} \
