@@ -672,11 +672,8 @@ _CONFIG_TABLE = {
         # padding at 128 rows); fewer stages leave shared memory for two programs per SM.
         # (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3): deeper pipelines for softmax at d = 64 on
         # shape (b), which is short of its goal by ~4% with (64, 64, 4, 3); the autotuner decides.
-        # (32, 64, 4, 3), (32, 64, 2, 3), (32, 32, 2, 3): 32-row query blocks halve the masked part of a
-        # causal diagonal tile, which is a large share of a short sample's work (shape (b): mean 256).
         64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3),
-             (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3),
-             (32, 64, 4, 3), (32, 64, 2, 3), (32, 32, 2, 3)],
+             (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)],
         128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
               (64, 32, 4, 2)],
         256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
