@@ -10,8 +10,11 @@ the batch's longest history (up to 4,096) and holds fp32 ``[batch, heads, L, L]`
 samples one such tensor is 34 GB per layer, so its run uses ``--reference-batch`` samples per step
 (default 8); MFU and tokens/s are per-step rates and stay comparable.
 
-Cases (``--cases``, default the first seven, run in this order, each skipped when too little of the
-``--timeout`` budget is left; a trainer launch costs ~30 s on the H200 before its first step):
+Cases (``--cases``, run in the order given, each skipped when too little of the ``--timeout`` budget is
+left; a trainer launch costs ~30 s on the H200 before its first step). The default is the headline
+run, ``triton-compile@b256,triton@b256,reference``: the trainer with ``--compile layers`` and eager, at
+256 samples per step (at gem-h200's own 64 the step is host-bound), then the reference attention;
+``--cases ab`` is the host-overhead A/B set of rounds v3-v5 (``triton`` ... ``triton-baseline``):
 
 - ``triton``: the trainer as it runs by default (Triton attention; MoE experts as grouped GEMMs with
   no host sync; fused AdamW stepped on FSDP2's local shards; host batches pinned on the data thread and
@@ -21,14 +24,15 @@ Cases (``--cases``, default the first seven, run in this order, each skipped whe
   --fsdp-units layers`` (the trainer as v3 measured it): the A/B of this round's changes together;
 - ``triton-dtensor-optim``: only ``--local-optimizer off`` (AdamW, its guard norm through DTensor);
 - ``triton-no-pipeline``: only ``--sparse-pipeline off`` (pinning, copies, input dist at the step's start);
-- ``triton-seq-whole`` (not by default): only ``--seq-chunk 0`` (each sample's history one bag of the
+- ``triton-seq-whole`` (not in ``ab``): only ``--seq-chunk 0`` (each sample's history one bag of the
   sequence lookup, as before chunked bags; the default is bags of at most 32 ids);
 - ``triton-segment-reduce``: only ``--segment-sum reduce`` (fp32 segment reduction over a cast copy);
 - ``triton-fsdp-layers``: only ``--fsdp-units layers`` (one FSDP2 unit per layer, as on many ranks);
 - ``triton-baseline``: all of the above off, and ``--moe-grouped off --fused-optimizer off`` (v2's loop);
-- ``reference`` (not by default): the PyTorch reference attention;
-- ``triton-compile-cpp`` (not by default): the same with ``--compile layers-cpp`` (Inductor's C++ wrapper);
-- ``triton-compile`` (not by default): ``--compile layers``, 2 more warm-up steps, 30 measured, its own time limit
+- ``reference``: the PyTorch reference attention (at ``--reference-batch`` samples);
+- ``triton-compile-cpp``: the same with ``--compile layers-cpp`` (Inductor's C++ wrapper; on the H200 with
+  torch 2.11 Inductor fails compiling the backward graph: ``CudaKernelParamCache not populated``);
+- ``triton-compile``: ``--compile layers``, 2 more warm-up steps, 30 measured, its own time limit
   (``--compile-case-timeout``, default 420 s: v3's 120 s ended with no step and no Inductor output) and
   ``TORCH_LOGS=recompiles,graph_breaks,dynamo,inductor``, whose timestamped compile stages the JSON keeps
   (``compile_log``), so that a slow compilation can be told from a stuck one.
@@ -37,7 +41,7 @@ Any case may be suffixed ``@b<N>`` to run it at N samples per step instead of th
 (e.g. ``triton-compile@b128``; generated data of its own, same seed); the JSON and trace files name it
 ``<case>-b<N>``.
 
-The A/B cases measure 30 steps each (the whole default run takes ~4 min on the H200).
+The A/B cases measure 30 steps each (the `ab` set takes ~4 min on the H200, the default run ~5 min).
 
 Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per case the measured local MFU,
 tokens/s, step-time p50/p90, peak memory, where the time went in the profiled steps (the Kineto
@@ -324,8 +328,12 @@ CASES = {
 }
 # ``<case>@b<N>`` runs a case at N samples per step instead of the workload's local batch (its own data)
 _AT_BATCH = re.compile(r"^(?P<case>[a-z0-9-]+)@b(?P<batch>[1-9][0-9]*)$")
-DEFAULT_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-segment-reduce",
-                 "triton-fsdp-layers", "triton-baseline")
+# The headline run: the compiled layers and eager, both at 256 samples per step (at the workload's 64
+# the step is host-bound: BENCHMARKS.md, v6), then the reference attention at --reference-batch.
+DEFAULT_CASES = ("triton-compile@b256", "triton@b256", "reference")
+# the host-overhead A/B set of v3-v5 (--cases ab)
+AB_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-segment-reduce",
+            "triton-fsdp-layers", "triton-baseline")
 MIN_CASE_S = 45  # below this a launch cannot reach its measured steps: skip the case instead
 # the compile case's logs: Dynamo's and Inductor's INFO lines name each compile stage with a timestamp
 COMPILE_LOGS = "recompiles,graph_breaks,dynamo,inductor"
@@ -493,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-root", type=Path, default=Path("runs/bench"))
     p.add_argument("--keep-traces", action=argparse.BooleanOptionalAction, default=True,
                    help="copy each case's Kineto trace, gzipped, beside --out (<out stem>_trace_<case>.json.gz)")
-    p.add_argument("--timeout", type=int, default=280,
+    p.add_argument("--timeout", type=int, default=420,
                    help=f"seconds for all cases together (a case is skipped when under {MIN_CASE_S} s are left)")
     p.add_argument("--case-timeout", type=int, default=120, help="seconds for one case at most")
     p.add_argument("--compile-case-timeout", type=int, default=420,
@@ -523,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     gen_s = time.monotonic() - t0
     _log(f"data ready in {gen_s:.1f} s")
     cases = [c for c in args.cases.split(",") if c]
+    cases = [x for c in cases for x in (AB_CASES if c == "ab" else (c,))]
     unknown = [c for c in cases if split_case(c)[0] not in CASES]
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {sorted(CASES)}, each optionally with @b<samples per step>")
