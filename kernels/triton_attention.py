@@ -12,7 +12,8 @@ split pair: its one kernel took 972 us against 527 + 375 us on shape (a) GDPA-Si
 223 us on (b), plus 40-110 us of dQ zeroing/delta and cast; so the default stays split.
 
 The grid holds one program per real block and head, found from cumulative block counts (no
-programs for padding up to max_len). Within a sample the heaviest block starts first (causal:
+programs for padding up to max_len). Samples are launched longest first (by q_len x k_len, for
+batches up to 1,024 samples), and within a sample the heaviest block starts first (causal:
 the query blocks that see the most keys; the dK/dV kernel numbers key blocks from the end of the
 sample for the same reason). Autotuning is keyed on powers of two of batch size and maximum
 lengths, so it runs once per bucket.
@@ -134,30 +135,64 @@ def _activation_and_grad(s, scale, ACT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _block_counts_kernel(q_offsets, k_offsets, CUM_Q, CUM_K, batch, CHUNK: tl.constexpr):
-    """CUM[j, b] = blocks of 16 << j rows in samples 0..b-1, for queries and keys (j = 0..3).
+def _block_counts_kernel(q_offsets, k_offsets, CUM_Q, CUM_K, batch, CHUNK: tl.constexpr, SORT: tl.constexpr):
+    """CUM[j, p] = blocks of 16 << j rows in the samples at positions 0..p-1 of the launch order, for
+    queries and keys (j = 0..3); CUM[4, p] = the sample at position p (both tables hold it).
 
-    One program: the tables are [4, batch + 1] and feed a binary search in every attention program.
+    One program: the tables are [5, batch + 1] and feed a binary search in every attention program.
+    The launch order: with SORT (batch <= CHUNK), samples by descending q_len * k_len (ties by index),
+    so that the longest-running blocks start in the first waves and the short ones fill the tail
+    (longest-processing-time-first list scheduling); otherwise the batch order.
     """
-    for j in tl.static_range(4):
-        size = 16 << j
-        row_q = CUM_Q + j * (batch + 1)
-        row_k = CUM_K + j * (batch + 1)
-        tl.store(row_q, 0)
-        tl.store(row_k, 0)
-        carry_q = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
-        carry_k = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
-        for start in range(0, batch, CHUNK):
+    order_q = CUM_Q + 4 * (batch + 1)
+    order_k = CUM_K + 4 * (batch + 1)
+    if SORT:
+        idx = tl.arange(0, CHUNK)
+        ok = idx < batch
+        q_len = tl.load(q_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(q_offsets + idx, mask=ok, other=0).to(tl.int64)
+        k_len = tl.load(k_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(k_offsets + idx, mask=ok, other=0).to(tl.int64)
+        # one int64 key per sample: its work in the high bits, (CHUNK - 1 - index) in the low 20
+        low = CHUNK - 1 - idx.to(tl.int64)
+        key = tl.where(ok, (q_len * k_len) * 1048576 + low, -1)
+        key = tl.sort(key, 0, descending=True)
+        order = (CHUNK - 1 - (key % 1048576)).to(tl.int32)
+        order = tl.where(ok, order, 0)
+        tl.store(order_q + idx, order, mask=idx <= batch)
+        tl.store(order_k + idx, order, mask=idx <= batch)
+        q_len = (tl.load(q_offsets + order + 1, mask=ok, other=0) - tl.load(q_offsets + order, mask=ok, other=0)).to(tl.int32)
+        k_len = (tl.load(k_offsets + order + 1, mask=ok, other=0) - tl.load(k_offsets + order, mask=ok, other=0)).to(tl.int32)
+        for j in tl.static_range(4):
+            size = 16 << j
+            row_q = CUM_Q + j * (batch + 1)
+            row_k = CUM_K + j * (batch + 1)
+            tl.store(row_q, 0)
+            tl.store(row_k, 0)
+            tl.store(row_q + idx + 1, tl.cumsum((q_len + size - 1) // size, 0), mask=ok)
+            tl.store(row_k + idx + 1, tl.cumsum((k_len + size - 1) // size, 0), mask=ok)
+    else:
+        for start in range(0, batch + 1, CHUNK):
             idx = start + tl.arange(0, CHUNK)
-            ok = idx < batch
-            q_len = (tl.load(q_offsets + idx + 1, mask=ok, other=0) - tl.load(q_offsets + idx, mask=ok, other=0)).to(tl.int32)
-            k_len = (tl.load(k_offsets + idx + 1, mask=ok, other=0) - tl.load(k_offsets + idx, mask=ok, other=0)).to(tl.int32)
-            n_q = (q_len + size - 1) // size
-            n_k = (k_len + size - 1) // size
-            tl.store(row_q + idx + 1, carry_q + tl.cumsum(n_q, 0), mask=ok)
-            tl.store(row_k + idx + 1, carry_k + tl.cumsum(n_k, 0), mask=ok)
-            carry_q += tl.sum(n_q, 0)
-            carry_k += tl.sum(n_k, 0)
+            tl.store(order_q + idx, tl.where(idx < batch, idx, 0), mask=idx <= batch)
+            tl.store(order_k + idx, tl.where(idx < batch, idx, 0), mask=idx <= batch)
+        for j in tl.static_range(4):
+            size = 16 << j
+            row_q = CUM_Q + j * (batch + 1)
+            row_k = CUM_K + j * (batch + 1)
+            tl.store(row_q, 0)
+            tl.store(row_k, 0)
+            carry_q = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+            carry_k = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+            for start in range(0, batch, CHUNK):
+                idx = start + tl.arange(0, CHUNK)
+                ok = idx < batch
+                q_len = (tl.load(q_offsets + idx + 1, mask=ok, other=0) - tl.load(q_offsets + idx, mask=ok, other=0)).to(tl.int32)
+                k_len = (tl.load(k_offsets + idx + 1, mask=ok, other=0) - tl.load(k_offsets + idx, mask=ok, other=0)).to(tl.int32)
+                n_q = (q_len + size - 1) // size
+                n_k = (k_len + size - 1) // size
+                tl.store(row_q + idx + 1, carry_q + tl.cumsum(n_q, 0), mask=ok)
+                tl.store(row_k + idx + 1, carry_k + tl.cumsum(n_k, 0), mask=ok)
+                carry_q += tl.sum(n_q, 0)
+                carry_k += tl.sum(n_k, 0)
 
 
 @triton.jit
@@ -182,7 +217,7 @@ def _locate(CUM, batch, num_heads, q_offsets, k_offsets, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % num_heads
     i = pid // num_heads
-    # Largest b with cum[b] <= i: the sample that owns block i (empty samples own none).
+    # Largest position p with cum[p] <= i: the sample at p owns block i (empty samples own none).
     lo = pid * 0
     hi = lo + batch
     while hi - lo > 1:
@@ -190,8 +225,8 @@ def _locate(CUM, batch, num_heads, q_offsets, k_offsets, BLOCK: tl.constexpr):
         right = tl.load(cum + mid) <= i
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
-    b = lo
-    rank = tl.load(cum + b + 1) - 1 - i  # n_blocks - 1 - (i - cum[b]); < 0 past the last block
+    rank = tl.load(cum + lo + 1) - 1 - i  # n_blocks - 1 - (i - cum[p]); < 0 past the last block
+    b = tl.load(CUM + 4 * (batch + 1) + lo, mask=rank >= 0, other=0)  # the sample at that position
     q_start = tl.load(q_offsets + b).to(tl.int64)
     q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
     k_start = tl.load(k_offsets + b).to(tl.int64)
@@ -929,8 +964,14 @@ def _prepare(x: torch.Tensor, d_pad: int) -> torch.Tensor:
     return x
 
 
+_COUNT_CHUNK = 1024
+# Samples launched longest first (see _block_counts_kernel); COPLAN_ATTN_ORDER=batch keeps the batch order.
+_LONGEST_FIRST = os.environ.get("COPLAN_ATTN_ORDER", "longest") != "batch"
+
+
 def block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cumulative block counts [4, batch + 1] of queries and keys for blocks of 16, 32, 64, 128 rows.
+    """Cumulative block counts [5, batch + 1] of queries and keys for blocks of 16, 32, 64, 128 rows
+    (rows 0-3) in the launch order of the samples, and that order (row 4).
 
     Kept on ``q_offsets`` (keyed by ``k_offsets`` and both version counters) so that the layers of a
     model called on one batch launch the counting kernel once. Not while a CUDA graph is captured:
@@ -943,8 +984,14 @@ def block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torc
         if hit is not None and hit[0]() is k_offsets and hit[1] == q_offsets._version and hit[2] == k_offsets._version:
             return hit[3], hit[4]
     batch = q_offsets.numel() - 1
-    cum = torch.empty((2, 4, batch + 1), dtype=torch.int32, device=q_offsets.device)
-    _block_counts_kernel[(1,)](q_offsets, k_offsets, cum[0], cum[1], batch, CHUNK=1024)
+    # one buffer, the key table starting on a 16-byte boundary (an unaligned tensor would send every
+    # launch that takes it through Triton's JIT path instead of the direct launch)
+    n = 5 * (batch + 1)
+    stride = (n + 3) // 4 * 4
+    buf = torch.empty(2 * stride, dtype=torch.int32, device=q_offsets.device)
+    cum = (buf[:n].view(5, batch + 1), buf[stride:stride + n].view(5, batch + 1))
+    _block_counts_kernel[(1,)](q_offsets, k_offsets, cum[0], cum[1], batch, CHUNK=_COUNT_CHUNK,
+                               SORT=_LONGEST_FIRST and batch <= _COUNT_CHUNK)
     if not capturing:
         # A weak reference: q_offsets must not keep k_offsets (or, for self-attention, itself) alive.
         q_offsets._coplan_block_counts = (weakref.ref(k_offsets), q_offsets._version, k_offsets._version, cum[0], cum[1])
