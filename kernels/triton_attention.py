@@ -990,8 +990,11 @@ def block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torc
     stride = (n + 3) // 4 * 4
     buf = torch.empty(2 * stride, dtype=torch.int32, device=q_offsets.device)
     cum = (buf[:n].view(5, batch + 1), buf[stride:stride + n].view(5, batch + 1))
-    _block_counts_kernel[(1,)](q_offsets, k_offsets, cum[0], cum[1], batch, CHUNK=_COUNT_CHUNK,
-                               SORT=_LONGEST_FIRST and batch <= _COUNT_CHUNK)
+    sort = _LONGEST_FIRST and batch <= _COUNT_CHUNK
+    # sorting: one block of the next power of two (a few specialisations; a 1,024-wide sort for every
+    # batch would cost the small ones, and seconds per call under the interpreter)
+    chunk = max(16, 1 << max(0, batch - 1).bit_length()) if sort else _COUNT_CHUNK
+    _block_counts_kernel[(1,)](q_offsets, k_offsets, cum[0], cum[1], batch, CHUNK=chunk, SORT=sort)
     if not capturing:
         # A weak reference: q_offsets must not keep k_offsets (or, for self-attention, itself) alive.
         q_offsets._coplan_block_counts = (weakref.ref(k_offsets), q_offsets._version, k_offsets._version, cum[0], cum[1])
