@@ -146,53 +146,45 @@ def _block_counts_kernel(q_offsets, k_offsets, CUM_Q, CUM_K, batch, CHUNK: tl.co
     """
     order_q = CUM_Q + 4 * (batch + 1)
     order_k = CUM_K + 4 * (batch + 1)
-    if SORT:
+    if SORT:  # one chunk holds the whole batch
         idx = tl.arange(0, CHUNK)
         ok = idx < batch
         q_len = tl.load(q_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(q_offsets + idx, mask=ok, other=0).to(tl.int64)
         k_len = tl.load(k_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(k_offsets + idx, mask=ok, other=0).to(tl.int64)
         # one int64 key per sample: its work in the high bits, (CHUNK - 1 - index) in the low 20
-        low = CHUNK - 1 - idx.to(tl.int64)
-        key = tl.where(ok, (q_len * k_len) * 1048576 + low, -1)
+        key = tl.where(ok, (q_len * k_len) * 1048576 + (CHUNK - 1 - idx.to(tl.int64)), -1)
         key = tl.sort(key, 0, descending=True)
-        order = (CHUNK - 1 - (key % 1048576)).to(tl.int32)
-        order = tl.where(ok, order, 0)
+        order = tl.where(ok, (CHUNK - 1 - (key % 1048576)).to(tl.int32), 0)
         tl.store(order_q + idx, order, mask=idx <= batch)
         tl.store(order_k + idx, order, mask=idx <= batch)
-        q_len = (tl.load(q_offsets + order + 1, mask=ok, other=0) - tl.load(q_offsets + order, mask=ok, other=0)).to(tl.int32)
-        k_len = (tl.load(k_offsets + order + 1, mask=ok, other=0) - tl.load(k_offsets + order, mask=ok, other=0)).to(tl.int32)
-        for j in tl.static_range(4):
-            size = 16 << j
-            row_q = CUM_Q + j * (batch + 1)
-            row_k = CUM_K + j * (batch + 1)
-            tl.store(row_q, 0)
-            tl.store(row_k, 0)
-            tl.store(row_q + idx + 1, tl.cumsum((q_len + size - 1) // size, 0), mask=ok)
-            tl.store(row_k + idx + 1, tl.cumsum((k_len + size - 1) // size, 0), mask=ok)
     else:
         for start in range(0, batch + 1, CHUNK):
             idx = start + tl.arange(0, CHUNK)
             tl.store(order_q + idx, tl.where(idx < batch, idx, 0), mask=idx <= batch)
             tl.store(order_k + idx, tl.where(idx < batch, idx, 0), mask=idx <= batch)
-        for j in tl.static_range(4):
-            size = 16 << j
-            row_q = CUM_Q + j * (batch + 1)
-            row_k = CUM_K + j * (batch + 1)
-            tl.store(row_q, 0)
-            tl.store(row_k, 0)
-            carry_q = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
-            carry_k = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
-            for start in range(0, batch, CHUNK):
-                idx = start + tl.arange(0, CHUNK)
-                ok = idx < batch
-                q_len = (tl.load(q_offsets + idx + 1, mask=ok, other=0) - tl.load(q_offsets + idx, mask=ok, other=0)).to(tl.int32)
-                k_len = (tl.load(k_offsets + idx + 1, mask=ok, other=0) - tl.load(k_offsets + idx, mask=ok, other=0)).to(tl.int32)
-                n_q = (q_len + size - 1) // size
-                n_k = (k_len + size - 1) // size
-                tl.store(row_q + idx + 1, carry_q + tl.cumsum(n_q, 0), mask=ok)
-                tl.store(row_k + idx + 1, carry_k + tl.cumsum(n_k, 0), mask=ok)
-                carry_q += tl.sum(n_q, 0)
-                carry_k += tl.sum(n_k, 0)
+    for j in tl.static_range(4):
+        size = 16 << j
+        row_q = CUM_Q + j * (batch + 1)
+        row_k = CUM_K + j * (batch + 1)
+        tl.store(row_q, 0)
+        tl.store(row_k, 0)
+        carry_q = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+        carry_k = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+        for start in range(0, batch, CHUNK):
+            idx = start + tl.arange(0, CHUNK)
+            ok = idx < batch
+            if SORT:
+                sample = order
+            else:
+                sample = idx
+            q_len = (tl.load(q_offsets + sample + 1, mask=ok, other=0) - tl.load(q_offsets + sample, mask=ok, other=0)).to(tl.int32)
+            k_len = (tl.load(k_offsets + sample + 1, mask=ok, other=0) - tl.load(k_offsets + sample, mask=ok, other=0)).to(tl.int32)
+            n_q = (q_len + size - 1) // size
+            n_k = (k_len + size - 1) // size
+            tl.store(row_q + idx + 1, carry_q + tl.cumsum(n_q, 0), mask=ok)
+            tl.store(row_k + idx + 1, carry_k + tl.cumsum(n_k, 0), mask=ok)
+            carry_q += tl.sum(n_q, 0)
+            carry_k += tl.sum(n_k, 0)
 
 
 @triton.jit
