@@ -17,7 +17,7 @@ from coplan.errors import MismatchError
 from coplan.spec import load_plan
 
 _PASS = ("steps", "warmup", "runs_root", "run_id", "resume", "data", "data_samples", "seed", "device", "attention",
-         "trace", "checkpoint_every", "keep_last_n", "log_every", "seq_chunk")
+         "trace", "checkpoint_every", "keep_last_n", "log_every", "seq_chunk", "compile")
 _FLAGS = ("allow_device_mismatch", "no_progress")
 
 
@@ -87,6 +87,9 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--log-every", type=int, default=None)
     p.add_argument("--seq-chunk", type=int, default=None, metavar="N",
                    help="sequence lookups' bags of at most N ids per sample's history (default 32; 0: one bag per sample)")
+    p.add_argument("--compile", choices=["off", "layers", "layers-cpp"], default=None,
+                   help="torch.compile each InterFormer/Kunlun layer with Inductor ('layers'; 'layers-cpp': with "
+                        "Inductor's C++ wrapper); default off")
     p.add_argument("--allow-device-mismatch", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--master", default="MASTER_HOST:29500", help="rendezvous host:port printed for multi-node plans")

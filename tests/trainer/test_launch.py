@@ -56,3 +56,22 @@ def test_cli_prints_one_torchrun_line_per_node(tmp_path, capsys):
 def test_launcher_does_not_import_torch():
     code = "import sys, coplan.cli as c; c.build_parser(); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_launcher_option_reaches_the_trainer(plan4, tmp_path):
+    """What `coplan train` forwards, the trainer's own parser accepts with the same value."""
+    import argparse
+
+    from coplan.trainer.cli import _FLAGS, _PASS, _trainer_args
+    from coplan.trainer.train import _parse
+
+    values = {"steps": 7, "warmup": 2, "runs_root": str(tmp_path), "run_id": "r", "resume": "auto", "data": str(tmp_path),
+              "data_samples": 64, "seed": 3, "device": "cpu", "attention": "reference", "trace": "none",
+              "checkpoint_every": 5, "keep_last_n": 1, "log_every": 2, "seq_chunk": 16, "compile": "layers"}
+    assert set(values) == set(_PASS), "a forwarded option without a value in this test"
+    args = argparse.Namespace(plan=str(tmp_path / "plan.json"), **values, **{k: True for k in _FLAGS})
+    parsed = _parse(_trainer_args(args))
+    for k, v in values.items():
+        assert getattr(parsed, k) == v, k
+    for k in _FLAGS:
+        assert getattr(parsed, k) is True, k
