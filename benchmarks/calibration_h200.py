@@ -89,7 +89,7 @@ class Variant:
     """One trainer run: changes to the base workload and plan."""
 
     name: str
-    split: str  # "fit" | "heldout"
+    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4"
     batch: float = 1.0
     """Local batch as a fraction of the base's (reference attention: see ``ref_batch``)."""
     history_mean: float = 1.0
@@ -169,8 +169,36 @@ launches), the device-bound one (b72-h1152, d1280-L1) and a small batch over man
 Predicted from the calibration fitted on the ``fit`` runs only and reported as its own split
 (``fresh3``); nothing may be chosen on its results."""
 
+# The device-bound round: the trainer's own operating point (Trainer v6: 256 samples per step, GPU idle
+# ~1%), where a step is decided by the device, not by the host's speed (rounds 1-5 ran at 24-72 samples,
+# host-bound, and missed the step goal on the host). Its own fit set (split "fit_db") and held-out set
+# (split "fresh4"), both defined on 2026-11-29 at about 23:20 UTC, before any run of either existed.
+DB_FIT: tuple[Variant, ...] = (
+    Variant("B256", "fit_db", batch=4.0),
+    Variant("B192-h768", "fit_db", batch=3.0, history_mean=0.75, history_sigma=0.9),
+    Variant("B256-d768-L6", "fit_db", batch=4.0, width=0.75, depth=1.5),
+    Variant("B256-rc-nomoe", "fit_db", batch=4.0, recompute=True, moe=False),
+    Variant("ref-b12", "fit_db", attention="reference", ref_batch=12),
+    Variant("B128-nomoe-L2", "fit_db", batch=2.0, moe=False, depth=0.5),
+)
+FRESH4: tuple[Variant, ...] = (
+    Variant("B288-h1152", "fresh4", batch=4.5, history_mean=1.125, history_sigma=0.95),
+    Variant("B224-d1152", "fresh4", batch=3.5, width=1.125),
+    Variant("B256-d640-L7", "fresh4", batch=4.0, width=0.625, depth=1.75),
+    Variant("B160-rc-L6", "fresh4", batch=2.5, recompute=True, depth=1.5),
+    Variant("B320-nomoe-h640", "fresh4", batch=5.0, moe=False, history_mean=0.625, history_sigma=0.75),
+    Variant("ref-b10-s06", "fresh4", attention="reference", ref_batch=10, history_sigma=0.6),
+)
+"""The device-bound held-out set: local batch 288, 224, 256, 160 and 320 (the fit set: 256, 192, 128), history
+mean 1,152 (σ 0.95) and 640 (σ 0.75), widths 1,152 and 640, depth 7 and 6 with recompute, MoE off at 320, the
+reference backend at 10 samples with σ 0.6. Predicted from the calibration fitted on ``DB_FIT`` only (the
+analysis fits on ``fit_db`` runs whenever any are present) and reported as split ``fresh4``; nothing may be
+chosen on its results. Run (one GPU each, ~5 min): ``--variant-set device-bound`` (fit and held-out variants
+alternating)."""
+
 ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
-                                    | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3})
+                                    | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3}
+                                    | {v.name: v for v in DB_FIT} | {v.name: v for v in FRESH4})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +376,8 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = list(FRESH2)
     elif args.variant_set == "fresh3":
         chosen = list(FRESH3)
+    elif args.variant_set == "device-bound":
+        chosen = [v for pair in zip(DB_FIT, FRESH4) for v in pair]
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
@@ -482,11 +512,12 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3")
+SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
-likewise."""
+likewise; ``fit_db`` / ``fresh4``: the device-bound round's fit and held-out sets (:data:`DB_FIT`,
+:data:`FRESH4`), defined before any of their runs."""
 
 
 def _plan_attention(run_dir: Path) -> str | None:
@@ -582,15 +613,19 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         except Exception as e:  # one unreadable run does not sink the analysis
             row["analysis_error"] = f"{type(e).__name__}: {e}"
             runs.pop(name, None)
-    fit_names = [n for n, r in rows.items() if r["split"] == "fit" and n in runs]
+    # the device-bound round fits on its own fit set whenever one of its runs is present
+    fit_split = "fit_db" if any(r["split"] == "fit_db" and n in runs for n, r in rows.items()) else "fit"
+    fit_names = [n for n, r in rows.items() if r["split"] == fit_split and n in runs]
     held_names = [n for n, r in rows.items() if r["split"] == "heldout" and n in runs]
     fresh_names = [n for n, r in rows.items() if r["split"] == "fresh" and n in runs]
     fresh2_names = [n for n, r in rows.items() if r["split"] == "fresh2" and n in runs]
     fresh3_names = [n for n, r in rows.items() if r["split"] == "fresh3" and n in runs]
-    # every split the predictions below cover (fresh2 and fresh3 reported apart, like fresh)
-    fresh_names_all = fresh_names + fresh2_names + fresh3_names
-    out: dict = {"variants": rows, "fit_runs": fit_names, "heldout_runs": held_names, "fresh_runs": fresh_names,
-                 "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
+    fresh4_names = [n for n, r in rows.items() if r["split"] == "fresh4" and n in runs]
+    # every split the predictions below cover (fresh2-4 reported apart, like fresh)
+    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names
+    out: dict = {"variants": rows, "fit_split": fit_split, "fit_runs": fit_names, "heldout_runs": held_names,
+                 "fresh_runs": fresh_names, "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
+                 "fresh4_runs": fresh4_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -761,6 +796,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["fresh"] = summary(fresh_names) if fresh_names else {}
     out["fresh2"] = summary(fresh2_names) if fresh2_names else {}
     out["fresh3"] = summary(fresh3_names) if fresh3_names else {}
+    out["fresh4"] = summary(fresh4_names) if fresh4_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -778,6 +814,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["goals_fresh"] = goals(out["fresh"])
     out["goals_fresh2"] = goals(out["fresh2"])
     out["goals_fresh3"] = goals(out["fresh3"])
+    out["goals_fresh4"] = goals(out["fresh4"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -798,7 +835,7 @@ def print_table(res: dict) -> None:
         print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
     for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
                               ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
-                              ("fresh3 held-out", "fresh3", "goals_fresh3")):
+                              ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -887,9 +924,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "all"], default="main",
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "all"], default="main",
                    help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
-                        "(defined before any of its runs); fresh3: the fourth (likewise); all: every set")
+                        "(defined before any of its runs); fresh3: the fourth (likewise); device-bound: the 12 variants at "
+                        "the trainer's operating point (6 fit_db, 6 fresh4, alternating); all: every set but device-bound")
     p.add_argument("--only", default="", metavar="NAMES",
                    help="run only these variants (comma-separated names, any set), e.g. ref-b8,ref-b8-h512")
     p.add_argument("--analyze", type=Path, default=None, metavar="DIR", help="only analyse the runs under DIR (its manifest.json)")
