@@ -606,9 +606,11 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     res = fit(samples, eff.compute, eff.memory, eff.launch_s)
     rel = res.rel_errors()
     host_fit = fit_host_launch_cost(runs, res, per_sample=True, host_speed=host_speed) if host else None
-    host_ref = (host_fit.host_reference_us if host_fit and host_fit.host_reference_us else
-                host_reference_us([r.host for r in runs if r.host is not None and r.host.op_median_us])
-                if host and any(r.host is not None and r.host.op_median_us for r in runs) else {})
+    profiles = [r.host for r in runs if r.host is not None and r.host.op_median_us]
+    if host_fit and host_fit.host_reference_us:
+        host_ref = host_fit.host_reference_us
+    else:
+        host_ref = host_reference_us(profiles) if host and profiles else {}
     h = host_fit.h_s if host_fit else 0.0
     hs = host_fit.sample_s if host_fit else 0.0
     op_classes: dict[ComputeOpClass, OpClassCalibration] = {}

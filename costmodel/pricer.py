@@ -136,17 +136,32 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
     launches. The step time is linear in the launch cost with this slope on one GPU (tested); the
     host-bound form prices the host's time per launch on :func:`host_launches`, which is this count
     except for ops whose host issues more kernels than priced (the padded reference)."""
-    k_row, k_col = math.ceil(ctx.options.fp8_quant_reads_rowwise), math.ceil(ctx.options.fp8_quant_reads_colwise)
-    dense = 0.0
-    for k, oi in enumerate(ctx.dense_idx):
-        o = ctx.ops[int(oi)]
-        dense += arr.fwd_launches[k] * (2.0 if o.layer in recomputed else 1.0) + arr.bwd_launches[k]
-        if arr.fp8[k]:
-            dense += o.fwd_launches * (3 * k_row + 3 * k_col)
+    return _step_launches(ctx, arr, arr.fwd_launches, arr.bwd_launches, recomputed, emb_kernels)
+
+
+def _fp8_quant_launches(ctx: Context) -> int:
+    """Quantisation kernels per priced forward launch of an FP8 op (forward and backward together)."""
+    return 3 * math.ceil(ctx.options.fp8_quant_reads_rowwise) + 3 * math.ceil(ctx.options.fp8_quant_reads_colwise)
+
+
+def _fixed_launches(ctx: Context) -> tuple[float, float, float]:
+    """FSDP2's forward and backward copy launches per micro-batch and the optimizer's per step (0 where
+    the plan has none of that work)."""
     fixed = dense_fixed_costs(ctx)
-    opt = OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0
-    fsdp = (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0) + (FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0)
-    return float((dense + 3.0 * emb_kernels + fsdp) * ctx.micro_batches + opt)
+    return (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0,
+            FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0,
+            OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0)
+
+
+def _step_launches(ctx: Context, arr, fwd: np.ndarray, bwd: np.ndarray, recomputed: frozenset[str],
+                   emb_kernels: float) -> float:
+    """A step's launches with ``fwd`` / ``bwd`` per dense op call (the priced launches, or the host's)."""
+    ops = [ctx.ops[int(oi)] for oi in ctx.dense_idx]
+    calls = np.array([2.0 if o.layer in recomputed else 1.0 for o in ops])  # forward again when recomputed
+    quant = np.array([o.fwd_launches for o in ops], dtype=float) * _fp8_quant_launches(ctx) * (np.asarray(arr.fp8) != 0)
+    dense = float((np.asarray(fwd) * calls + np.asarray(bwd) + quant).sum()) if ops else 0.0
+    fsdp_f, fsdp_b, opt = _fixed_launches(ctx)
+    return float((dense + 3.0 * emb_kernels + fsdp_f + fsdp_b) * ctx.micro_batches + opt)
 
 
 def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0
@@ -162,17 +177,11 @@ def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), e
     the embedding backward; the optimizer once at the end. Each op counts its host launches
     (:attr:`OpArrays.fwd_host_launches`: the priced launches, or the kernels of an op whose host
     issues more, in priced units), so the launches add up to :func:`host_launches`."""
-    k_row, k_col = math.ceil(ctx.options.fp8_quant_reads_rowwise), math.ceil(ctx.options.fp8_quant_reads_colwise)
-    fixed = dense_fixed_costs(ctx)
     if not np.any(arr.fwd_syncs):
         # no sync: one segment (the planner's inner loop prices many plans; no per-call walk needed)
-        rec = np.array([ctx.layer_names[int(li)] in recomputed for li in ctx.op_layer], dtype=bool)
-        quant = np.array([ctx.ops[int(oi)].fwd_launches for oi in ctx.dense_idx], dtype=float) * (3 * k_row + 3 * k_col)
-        dense = float((arr.fwd_host_launches * np.where(rec, 2.0, 1.0) + arr.bwd_host_launches).sum()
-                      + (quant * (np.asarray(arr.fp8) != 0)).sum())
-        fsdp = (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0) + (FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0)
-        opt = OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0
-        return [(dense + 3.0 * emb_kernels + fsdp) * ctx.micro_batches + opt], []
+        return [_step_launches(ctx, arr, arr.fwd_host_launches, arr.bwd_host_launches, recomputed, emb_kernels)], []
+    quant = _fp8_quant_launches(ctx)
+    fsdp_f, fsdp_b, opt = _fixed_launches(ctx)
     by_layer: dict[int, list[int]] = {}
     for k in range(len(ctx.dense_idx)):
         by_layer.setdefault(int(ctx.op_layer[k]), []).append(k)
@@ -187,18 +196,18 @@ def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), e
         segs[-1] += n
 
     for m in range(ctx.micro_batches):
-        segs[-1] += emb_kernels + (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0)
+        segs[-1] += emb_kernels + fsdp_f
         for i in range(nl):
             for k in by_layer.get(i, ()):
                 o = ctx.ops[int(ctx.dense_idx[k])]
-                call(m, k, "fwd", float(arr.fwd_host_launches[k]) + (o.fwd_launches * (3 * k_row + 3 * k_col) if arr.fp8[k] else 0.0))
+                call(m, k, "fwd", float(arr.fwd_host_launches[k]) + (o.fwd_launches * quant if arr.fp8[k] else 0.0))
         for i in range(nl - 1, -1, -1):
             if ctx.layer_names[i] in recomputed:
                 for k in by_layer.get(i, ()):
                     call(m, k, "recompute", float(arr.fwd_host_launches[k]))
             segs[-1] += float(sum(arr.bwd_host_launches[k] for k in by_layer.get(i, ())))
-        segs[-1] += (FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0) + 2.0 * emb_kernels
-    segs[-1] += OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0
+        segs[-1] += fsdp_b + 2.0 * emb_kernels
+    segs[-1] += opt
     return segs, syncs
 
 
@@ -277,7 +286,6 @@ def price(
         a = None
     else:
         a = _assignment(ctx, tables) if tables is not None else default_assignment(ctx)
-    G = ctx.mesh.sparse_shard
     sparse_model = ctx.model("sparse_shard", "all_to_all")
     emb_launch = ctx.eff.launch_s.get("embedding", 5e-6)
     if a is not None:
@@ -494,10 +502,11 @@ def price(
         # does its per-sample work, concurrently with the device; the step is the longer of the two
         # (without syncs; with them, the sum over the segments between syncs, below)
         segs, syncs = host_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
-        host_s = ctx.eff.host_launch_s * sum(segs) + host_work_s(ctx)
+        work_s = host_work_s(ctx)
+        host_s = ctx.eff.host_launch_s * sum(segs) + work_s
         if host_s > step:
             notes.append(f"host-bound: {host_s * 1e3:.2f} ms of host time (kernel launches at {ctx.eff.host_launch_s * 1e6:.1f} us "
-                         f"each, {host_work_s(ctx) * 1e3:.2f} ms per-sample work) exceed the device's {step * 1e3:.2f} ms; "
+                         f"each, {work_s * 1e3:.2f} ms per-sample work) exceed the device's {step * 1e3:.2f} ms; "
                          "step priced at the host's time")
         if syncs:
             # at each sync the host waits for the device's queued work: host and device overlap only

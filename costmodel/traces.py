@@ -503,7 +503,8 @@ def host_profile(trace: dict[str, Any], path: str = "<trace>") -> HostProfile:
         for e in inside:
             if e.get("tid") != main_tid:
                 others[e.get("tid")] += 1
-        bw = [e for e in inside if others and e.get("tid") == max(others, key=others.get)]
+        bw_tid = max(others, key=others.get) if others else None  # the busiest other thread: autograd's
+        bw = [e for e in inside if bw_tid is not None and e.get("tid") == bw_tid]
         b0 = min((float(e["ts"]) for e in bw), default=s1)
         b1 = max((float(e["ts"]) + float(e["dur"]) for e in bw), default=s1)
         acc["step"] += s1 - s0

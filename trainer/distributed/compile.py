@@ -73,7 +73,8 @@ def compile_layer(layer: nn.Module, backend: str = "inductor", cpp_wrapper: bool
 def apply_compile(dense: nn.Module, mode: str | bool) -> list[str]:
     """Compile every InterFormer and Kunlun layer of ``dense`` in place as ``mode`` (:data:`COMPILE_MODES`;
     True means ``layers``); returns their names."""
-    mode = {True: "layers", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if isinstance(mode, bool):
+        mode = "layers" if mode else "off"
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r}: choose one of {COMPILE_MODES}")
     if mode == "off":
