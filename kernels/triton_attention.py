@@ -149,10 +149,12 @@ def _block_counts_kernel(q_offsets, k_offsets, CUM_Q, CUM_K, batch, CHUNK: tl.co
     if SORT:  # one chunk holds the whole batch
         idx = tl.arange(0, CHUNK)
         ok = idx < batch
-        q_len = tl.load(q_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(q_offsets + idx, mask=ok, other=0).to(tl.int64)
-        k_len = tl.load(k_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(k_offsets + idx, mask=ok, other=0).to(tl.int64)
+        # (names of their own: a name assigned here and again in the counting loop below would be a
+        #  loop-carried variable to the compiler, which refuses its change of type; the interpreter does not)
+        rows_q = tl.load(q_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(q_offsets + idx, mask=ok, other=0).to(tl.int64)
+        rows_k = tl.load(k_offsets + idx + 1, mask=ok, other=0).to(tl.int64) - tl.load(k_offsets + idx, mask=ok, other=0).to(tl.int64)
         # one int64 key per sample: its work in the high bits, (CHUNK - 1 - index) in the low 20
-        key = tl.where(ok, (q_len * k_len) * 1048576 + (CHUNK - 1 - idx.to(tl.int64)), -1)
+        key = tl.where(ok, (rows_q * rows_k) * 1048576 + (CHUNK - 1 - idx.to(tl.int64)), -1)
         key = tl.sort(key, 0, descending=True)
         order = tl.where(ok, (CHUNK - 1 - (key % 1048576)).to(tl.int32), 0)
         tl.store(order_q + idx, order, mask=idx <= batch)
