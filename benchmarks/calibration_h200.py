@@ -89,7 +89,7 @@ class Variant:
     """One trainer run: changes to the base workload and plan."""
 
     name: str
-    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4"
+    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5"
     batch: float = 1.0
     """Local batch as a fraction of the base's (reference attention: see ``ref_batch``)."""
     history_mean: float = 1.0
@@ -196,9 +196,27 @@ analysis fits on ``fit_db`` runs whenever any are present) and reported as split
 chosen on its results. Run (one GPU each, ~5 min): ``--variant-set device-bound`` (fit and held-out variants
 alternating)."""
 
+# Round 7: a second device-bound held-out set, defined on 2026-11-30 at about 00:55 UTC, before any run of it
+# existed, after round 6 (DB_FIT / FRESH4) had been run and analysed and before the cost model's step form was
+# changed on what round 6 showed (a device step ~7% under the measured one on device-bound runs: device work the
+# ops do not price). The calibration is fitted on DB_FIT runs of the same lease (re-run), FRESH5 predicted.
+FRESH5: tuple[Variant, ...] = (
+    Variant("B240-h896", "fresh5", batch=3.75, history_mean=0.875, history_sigma=0.85),
+    Variant("B208-d896-L5", "fresh5", batch=3.25, width=0.875, depth=1.25),
+    Variant("B272-d512-L8", "fresh5", batch=4.25, width=0.5, depth=2.0),
+    Variant("B176-rc-h1280", "fresh5", batch=2.75, recompute=True, history_mean=1.25, history_sigma=0.8),
+    Variant("B304-nomoe-d896", "fresh5", batch=4.75, moe=False, width=0.875),
+    Variant("ref-b11-h896", "fresh5", attention="reference", ref_batch=11, history_mean=0.875, history_sigma=0.7),
+)
+"""The second device-bound held-out set (split ``fresh5``): local batch 240, 208, 272, 176 and 304 and the reference
+at 11 (no earlier variant used these); history mean 896 (σ 0.85 and 0.7) and 1,280 (σ 0.8) with recompute; widths
+896 and 512 at depths 5 and 8; MoE off at width 896. Fitted on ``DB_FIT`` (re-run in the same lease), nothing may
+be chosen on its results. Run: ``--variant-set device-bound-2`` (DB_FIT and FRESH5 alternating)."""
+
 ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
                                     | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3}
-                                    | {v.name: v for v in DB_FIT} | {v.name: v for v in FRESH4})
+                                    | {v.name: v for v in DB_FIT} | {v.name: v for v in FRESH4}
+                                    | {v.name: v for v in FRESH5})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,6 +396,8 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = list(FRESH3)
     elif args.variant_set == "device-bound":
         chosen = [v for pair in zip(DB_FIT, FRESH4) for v in pair]
+    elif args.variant_set == "device-bound-2":
+        chosen = [v for pair in zip(DB_FIT, FRESH5) for v in pair]
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
@@ -512,7 +532,7 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4")
+SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
@@ -621,11 +641,12 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     fresh2_names = [n for n, r in rows.items() if r["split"] == "fresh2" and n in runs]
     fresh3_names = [n for n, r in rows.items() if r["split"] == "fresh3" and n in runs]
     fresh4_names = [n for n, r in rows.items() if r["split"] == "fresh4" and n in runs]
-    # every split the predictions below cover (fresh2-4 reported apart, like fresh)
-    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names
+    fresh5_names = [n for n, r in rows.items() if r["split"] == "fresh5" and n in runs]
+    # every split the predictions below cover (fresh2-5 reported apart, like fresh)
+    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names
     out: dict = {"variants": rows, "fit_split": fit_split, "fit_runs": fit_names, "heldout_runs": held_names,
                  "fresh_runs": fresh_names, "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
-                 "fresh4_runs": fresh4_names,
+                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -797,6 +818,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["fresh2"] = summary(fresh2_names) if fresh2_names else {}
     out["fresh3"] = summary(fresh3_names) if fresh3_names else {}
     out["fresh4"] = summary(fresh4_names) if fresh4_names else {}
+    out["fresh5"] = summary(fresh5_names) if fresh5_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -815,6 +837,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["goals_fresh2"] = goals(out["fresh2"])
     out["goals_fresh3"] = goals(out["fresh3"])
     out["goals_fresh4"] = goals(out["fresh4"])
+    out["goals_fresh5"] = goals(out["fresh5"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -835,7 +858,8 @@ def print_table(res: dict) -> None:
         print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
     for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
                               ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
-                              ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4")):
+                              ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4"),
+                              ("fresh5 held-out", "fresh5", "goals_fresh5")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -924,10 +948,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "all"], default="main",
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "all"], default="main",
                    help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
                         "(defined before any of its runs); fresh3: the fourth (likewise); device-bound: the 12 variants at "
-                        "the trainer's operating point (6 fit_db, 6 fresh4, alternating); all: every set but device-bound")
+                        "the trainer's operating point (6 fit_db, 6 fresh4, alternating); device-bound-2: 6 fit_db, 6 fresh5; "
+                        "all: every set but the device-bound ones")
     p.add_argument("--only", default="", metavar="NAMES",
                    help="run only these variants (comma-separated names, any set), e.g. ref-b8,ref-b8-h512")
     p.add_argument("--analyze", type=Path, default=None, metavar="DIR", help="only analyse the runs under DIR (its manifest.json)")
