@@ -27,8 +27,9 @@ warm-up and the profiled window (``summary.json``). *Predicted step*: the pricer
 variant's plan (``coplan.costmodel.calibrate.predict_step_time``: what ``coplan plan`` would say), on
 the measured length moments of those steps, (i) ``default``: the topology's default efficiencies;
 (ii) ``calibrated``: the calibration fitted on the T half with ``host=True``: efficiencies fitted to
-device time, and a host cost h per priced launch fitted to the T half's measured steps; the pricer
-prices the step at max(device step, priced launches × h), host and device running concurrently (see
+device time, and a host cost h per priced launch and a device-step factor f (device work no priced op
+accounts for; since round 7) fitted to the T half's measured steps; the pricer prices the step at
+max(f × device step, priced launches × h), host and device running concurrently (see
 ``coplan.costmodel.calibrate``). Three readings outside the cost model, for context: ``device_only``
 (the device fit without the host cost), ``additive`` (device step + priced launches × h_add, h_add
 fitted on the T half: the form used before the max form), ``device_factor`` (the device step times the T half's median
@@ -654,9 +655,10 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     cal, res, fit_rs = calibrate([runs[n][0] for n in fit_names], force=True, host=True,
                                  prepared=[runs[n][1] for n in fit_names])
     out["calibration"] = cal.model_dump(mode="json")
-    hf = fit_host_launch_cost(fit_rs, res, per_sample=True)
+    hf = fit_host_launch_cost(fit_rs, res, per_sample=True, fit_device_factor=True)  # what calibrate(host=True) wrote
     out["host_fit"] = None if hf is None else {
-        "host_s_per_launch": hf.h_s, "host_s_per_sample": hf.sample_s, "local_batch": hf.batch, "runs": hf.runs, "measured_step_s": hf.measured_s, "device_step_s": hf.device_s,
+        "host_s_per_launch": hf.h_s, "host_s_per_sample": hf.sample_s, "device_step_factor": hf.device_factor,
+        "host_bound": hf.host_bound().tolist(), "local_batch": hf.batch, "runs": hf.runs, "measured_step_s": hf.measured_s, "device_step_s": hf.device_s,
         "launches_per_step_priced": hf.launches, "fit_median_abs_error": hf.median_abs_error, "fit_max_abs_error": hf.max_abs_error}
     topo = runs[fit_names[0]][1].plan.topology
     default = resolve_efficiencies(topo)
@@ -674,7 +676,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
                                                   float(mm[[i for i, x in enumerate(smp) if x.op_class == c]].sum()))
                                           for c in sorted({x.op_class for x in smp})}
 
-    # step times: (i) default, (ii) calibrated = max(device fit step, priced launches x h) (what `coplan plan`
+    # step times: (i) default, (ii) calibrated = max(f x device fit step, priced launches x h) (what `coplan plan`
     # prices with the calibration), plus readings that are not in the cost model
     for n in fit_names + held_names + fresh_names_all:
         r = rows[n]
@@ -703,7 +705,8 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             # the pricer's max form against the same form rebuilt from its parts (the fit's slope): must agree
             if hf is not None and r.get("predicted_step_calibrated_s") is not None:
                 lb = runs[n][1].plan.workload.batch.local(runs[n][1].plan.mesh.world_size)
-                rebuilt = max(r["predicted_step_device_only_s"], hf.h_s * r["priced_launches_per_step"] + hf.sample_s * lb)
+                rebuilt = max(hf.device_factor * r["predicted_step_device_only_s"],
+                              hf.h_s * r["priced_launches_per_step"] + hf.sample_s * lb)
                 r["max_form_consistency"] = _err(r["predicted_step_calibrated_s"], rebuilt)
     # per-phase reading (not in the cost model): step = sum over forward, backward, optimizer of
     # max(device_p, launches_p x h_ph), h_ph fitted on the fit half like h; it would hold if the host could
@@ -728,10 +731,11 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     # of whether the host's speed is what the model misses, not a prediction
     from coplan.costmodel.traces import host_speed_index
 
-    hsp = fit_host_launch_cost(fit_rs, res, per_sample=True, host_speed=True)
+    hsp = fit_host_launch_cost(fit_rs, res, per_sample=True, host_speed=True, fit_device_factor=True)
     ref_us = hsp.host_reference_us if hsp else {}
     out["host_speed_fit"] = None if hsp is None else {
-        "host_s_per_launch": hsp.h_s, "host_s_per_sample": hsp.sample_s, "runs": hsp.runs, "speed": hsp.speed,
+        "host_s_per_launch": hsp.h_s, "host_s_per_sample": hsp.sample_s, "device_step_factor": hsp.device_factor,
+        "runs": hsp.runs, "speed": hsp.speed,
         "host_reference_us": ref_us, "fit_median_abs_error": hsp.median_abs_error, "fit_max_abs_error": hsp.max_abs_error,
         "meaning": "step = max(device, k x (priced launches x h + local samples x s)), k each fit run's host speed "
                    "against the fit runs' geometric mean; predicted at k = 1 ('speed_fit') and at the run's own k "
@@ -750,7 +754,8 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             continue
         plan = runs[n][1].plan
         cal_sp = cal.model_copy(update={"host_launch_s": min(1.0, hsp.h_s) or None,
-                                        "host_sample_s": min(1.0, hsp.sample_s) or None, "host_op_median_us": ref_us})
+                                        "host_sample_s": min(1.0, hsp.sample_s) or None, "host_op_median_us": ref_us,
+                                        "device_step_factor": hsp.device_factor})
         try:
             r["predicted_step_speed_fit_s"] = predict_step_time(plan, cal_sp, r["_moments"], seq_chunk=runs[n][1].seq_chunk)
             k = r.get("host_speed_index")

@@ -605,7 +605,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     samples = [s for r in runs for s in r.samples]
     res = fit(samples, eff.compute, eff.memory, eff.launch_s)
     rel = res.rel_errors()
-    host_fit = fit_host_launch_cost(runs, res, per_sample=True, host_speed=host_speed) if host else None
+    host_fit = fit_host_launch_cost(runs, res, per_sample=True, host_speed=host_speed, fit_device_factor=True) if host else None
     profiles = [r.host for r in runs if r.host is not None and r.host.op_median_us]
     if host_fit and host_fit.host_reference_us:
         host_ref = host_fit.host_reference_us
@@ -613,6 +613,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         host_ref = host_reference_us(profiles) if host and profiles else {}
     h = host_fit.h_s if host_fit else 0.0
     hs = host_fit.sample_s if host_fit else 0.0
+    f = host_fit.device_factor if host_fit else 1.0
     op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
     for c in CLASSES:
         ce = {dt: min(1.0, v) for (cc, dt), v in res.compute.items() if cc == c}
@@ -632,6 +633,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         op_classes=op_classes,
         host_launch_s=min(1.0, h) if h > 0 else None,
         host_sample_s=min(1.0, hs) if hs > 0 else None,
+        device_step_factor=f if host_fit else None,
         host_op_median_us=host_ref,
         lookup_id_latency_s=res.lookup_id_s,
         fit_error=FitError(
@@ -645,9 +647,12 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             f"trace time attributed: {min(r.attributed_share for r in runs):.1%} (worst run); "
             + ("per-op samples include the GPU idle time each op's launches ended; " if host_gaps else "")
             + (f"host cost {h * 1e6:.2f} us per priced launch (host_launch_s) and {hs * 1e6:.1f} us per local sample "
-               f"(host_sample_s) fitted to {len(host_fit.runs)} measured step time(s) (step = max(device step, launches x "
+               f"(host_sample_s), and device step factor {f:.3f} (device_step_factor: device work the ops do not price), "
+               f"fitted to {len(host_fit.runs)} measured step time(s) (step = max(factor x device step, launches x "
                f"host cost + samples x per-sample host cost): host and device run concurrently; "
-               f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
+               + ("no fitted run is host-bound under the fit, so the host costs are not identified by these runs (the "
+                  "smallest that fits is kept); " if not host_fit.host_bound().any() else "")
+               + f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
                f"fit_error is of device time, without it); "
                + (f"each run's host time scaled by its host's speed (index {min(host_fit.speed):.2f}-{max(host_fit.speed):.2f} "
                   "against the runs' mean, host_op_median_us); " if host_fit.speed else "")
@@ -689,7 +694,7 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
     step = _price_step(plan, calibration, moments, seq_chunk)
     if calibration is None or not calibration.host_sample_s:
         return step
-    dev_cal = calibration.model_copy(update={"host_launch_s": None, "host_sample_s": None})
+    dev_cal = calibration.model_copy(update={"host_launch_s": None, "host_sample_s": None, "device_step_factor": None})
     # the launches the pricer charges: its step's slope in every class's launch cost (as step_launches)
     delta = 1e-6
     dflt = resolve_efficiencies(plan.topology).launch_s
@@ -703,7 +708,7 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
     n = max(0.0, (_price_step(plan, bumped, moments, seq_chunk) - p0) / delta)
     B = plan.workload.batch.local(plan.mesh.world_size)
     host = (calibration.host_launch_s or 0.0) * n + calibration.host_sample_s * B
-    return max(p0, host, step)
+    return max((calibration.device_step_factor or 1.0) * p0, host, step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -728,11 +733,24 @@ class HostFit:
     """Each run's host speed index against ``host_reference_us`` (empty: not used, all 1)."""
     host_reference_us: dict[str, float] = field(default_factory=dict)
     """The fitted runs' host speed (:func:`host_reference_us`) the fit is for (empty: not used)."""
+    device_factor: float = 1.0
+    """Measured over priced device step (fitted with ``fit_device_factor=True``; 1: not fitted)."""
+
+    def host_s(self) -> np.ndarray:
+        """Each run's host time under the fit."""
+        b = np.array(self.batch) if self.batch else np.zeros(len(self.runs))
+        k = np.array(self.speed) if self.speed else np.ones(len(self.runs))
+        return k * (np.array(self.launches) * self.h_s + self.sample_s * b)
+
+    def host_bound(self) -> np.ndarray:
+        """Which runs the fit prices at their host time (max form)."""
+        return self.host_s() > self.device_factor * np.array(self.device_s)
 
     def predicted(self) -> np.ndarray:
         b = np.array(self.batch) if self.batch else np.zeros(len(self.runs))
         k = np.array(self.speed) if self.speed else np.ones(len(self.runs))
-        return _host_form(np.array(self.device_s), k * np.array(self.launches), self.h_s, self.form, k * self.sample_s * b)
+        return _host_form(self.device_factor * np.array(self.device_s), k * np.array(self.launches), self.h_s, self.form,
+                          k * self.sample_s * b)
 
     @property
     def median_abs_error(self) -> float:
@@ -859,18 +877,21 @@ def host_reference_us(profiles: Sequence[HostProfile]) -> dict[str, float]:
 
 def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
                    batch: Sequence[float] | None = None, *, form: str = "max", per_sample: bool = False,
-                   speed: Sequence[float] | None = None) -> tuple[float, float]:
+                   speed: Sequence[float] | None = None, device_factor: float = 1.0) -> tuple[float, float]:
     """(h, s): host seconds per priced launch and per local sample fitted to measured steps, step =
     max(device, k · (launches · h + batch · s)) (``form="max"``) or device + that (``"additive"``), where
     ``k`` is each run's host speed (``speed``: how much slower its host ran the same calls than the
     reference host the fit is for, 1 = as fast; None: all 1). Least squares on log ratios; the max form's
     loss is piecewise smooth in ``h``, so a log-spaced grid picks the basin and a bounded scalar search
-    refines it; ``s`` (``per_sample``, needs two or more batch sizes) by an outer grid and search."""
+    refines it; ``s`` (``per_sample``, needs two or more batch sizes) by an outer grid and search.
+    ``device_factor`` multiplies every device step first (:func:`fit_step_terms` fits it). Where the
+    loss is flat in ``h`` (no run is host-bound at any ``h`` in a range) the smallest such ``h`` is kept:
+    host time the runs do not show is not invented."""
     from scipy.optimize import minimize_scalar
 
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
-    m, d, n = np.asarray(measured_s, float), np.asarray(device_s, float), np.asarray(launches, float)
+    m, d, n = np.asarray(measured_s, float), device_factor * np.asarray(device_s, float), np.asarray(launches, float)
     bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
     k = np.ones_like(m) if speed is None else np.asarray(speed, float)
     if not (len(m) == len(d) == len(n) == len(bt) == len(k)) or len(m) == 0:
@@ -889,7 +910,7 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
             return h, loss(h)
         hi = float(max(1e-9, np.max(m / np.maximum(k * n, 1.0)) * 2))
         grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
-        losses = [loss(float(g)) for g in grid]
+        losses = np.sum(np.log(np.maximum(d, grid[:, None] * (k * n) + k * extra) / m) ** 2, axis=1)  # loss() per point
         j = int(np.argmin(losses))
         a, b = grid[max(0, j - 1)], grid[min(len(grid) - 1, j + 1)]
         r = minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-10})
@@ -910,8 +931,66 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     return max(0.0, h), max(0.0, s_best)
 
 
+DEVICE_FACTOR_RANGE = (0.8, 1.5)
+"""Bounds of the fitted device-step factor."""
+DEVICE_FACTOR_PRIOR = 1e-4
+"""Weight of the pull of log(factor) towards 0 (factor 1): decides only where the runs do not (all host-bound)."""
+
+
+def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
+                   batch: Sequence[float] | None = None, *, per_sample: bool = False,
+                   speed: Sequence[float] | None = None) -> tuple[float, float, float]:
+    """(h, s, f): :func:`fit_host_terms`' host costs and a device-step factor ``f``, fitted together to
+    measured steps, step = max(f · device, k · (launches · h + batch · s)). ``f`` is the device work no
+    priced op accounts for (small kernels of the optimizer and the allocator, copies, the gaps between
+    dependent kernels), as a share of the priced device step: device-bound runs set it, host-bound ones
+    ``h`` and ``s``. Least squares on log ratios, ``f`` by a log grid over :data:`DEVICE_FACTOR_RANGE`
+    and a bounded search around its best point, ``h`` and ``s`` inside; a weak prior
+    (:data:`DEVICE_FACTOR_PRIOR`) keeps ``f`` at 1 when no run is device-bound.
+
+    A host term is kept only where more runs are host-bound under the fit than it has parameters (two
+    for ``h``, three for ``h`` and ``s``): one run above the others' device factor, by its noise, is fitted
+    exactly by any host cost that makes it host-bound alone, which says nothing of the host. Otherwise
+    the term is dropped (``s``, then ``h``) and the rest refitted."""
+    from scipy.optimize import minimize_scalar
+
+    m = np.asarray(measured_s, float)
+    d = np.asarray(device_s, float)
+    n = np.asarray(launches, float)
+    bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
+    k = np.ones_like(m) if speed is None else np.asarray(speed, float)
+
+    def terms(f: float, host: bool, samples: bool) -> tuple[float, float, float]:
+        h, s = (fit_host_terms(m, d, n, bt, form="max", per_sample=samples, speed=k, device_factor=f)
+                if host else (0.0, 0.0))
+        pred = np.maximum(f * d, k * (n * h + bt * s))
+        return h, s, float(np.sum(np.log(pred / m) ** 2) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
+
+    def solve(host: bool, samples: bool) -> tuple[float, float, float]:
+        lo, hi = DEVICE_FACTOR_RANGE
+        grid = np.geomspace(lo, hi, 57)
+        losses = [terms(float(g), host, samples)[2] for g in grid]
+        j = int(np.argmin(losses))
+        r = minimize_scalar(lambda f: terms(f, host, samples)[2], bounds=(grid[max(0, j - 1)], grid[min(len(grid) - 1, j + 1)]),
+                            method="bounded", options={"xatol": 1e-5})
+        f = float(r.x) if r.fun <= losses[j] else float(grid[j])
+        h, s, _ = terms(f, host, samples)
+        return h, s, f
+
+    def host_bound(h: float, s: float, f: float) -> int:
+        return int(np.sum(k * (n * h + bt * s) > f * d * (1 + 1e-9)))
+
+    h, s, f = solve(True, per_sample)
+    if s > 0 and host_bound(h, s, f) < 3:
+        h, s, f = solve(True, False)
+    if h > 0 and host_bound(h, s, f) < 2:
+        h, s, f = solve(False, False)
+    return h, s, f
+
+
 def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max", *,
-                         per_sample: bool = False, host_speed: bool = False) -> HostFit | None:
+                         per_sample: bool = False, host_speed: bool = False,
+                         fit_device_factor: bool = False) -> HostFit | None:
     """Fit ``h`` (host seconds per priced launch) to the runs' measured steps (CUDA-event p50).
 
     ``form="max"`` (the cost model's): step = max(device step under the device fit, launches · h). The
@@ -929,6 +1008,10 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     :func:`coplan.costmodel.traces.host_speed_index`), so that ``h`` and ``s`` are those of the fitted
     runs' typical host and a run measured on a slowed host (a shared CPU) does not bend them. Needs every
     fitted run's host profile; without one the runs count as equally fast.
+
+    ``fit_device_factor`` (max form): also fit ``f``, step = max(f · device step, host), the device work no
+    priced op accounts for as a share of the priced device step (:func:`fit_step_terms`). Host-syncing
+    runs are left out of it as they are of ``h``.
     """
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
@@ -959,5 +1042,8 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         ks = [host_speed_index(p, reference) for p in prof]
         if reference and all(x is not None for x in ks):
             speed = tuple(float(x) for x in ks)
-    h, s = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None)
-    return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference)
+    if fit_device_factor and form == "max":
+        h, s, f = fit_step_terms(meas, dev, nl, bs, per_sample=per_sample, speed=speed or None)
+    else:
+        (h, s), f = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None), 1.0
+    return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference, f)

@@ -78,9 +78,13 @@ def _print_runs(cal, runs) -> None:
         chunks = sorted({r.seq_chunk for r in runs})
         print(f"sequence lookup: {cal.lookup_id_latency_s * 1e9:.0f} ns per serial id of a bag "
               f"(runs' seq_chunk: {', '.join(str(c) for c in chunks)}; 0 = whole histories)")
+    if cal.device_step_factor is not None:
+        print(f"device step factor: {cal.device_step_factor:.3f} (device work the ops do not price)")
     if cal.host_launch_s is not None:
         print(f"host: {cal.host_launch_s * 1e6:.1f} us per priced launch, "
-              f"{(cal.host_sample_s or 0.0) * 1e6:.1f} us per local sample (step = max(device, host))")
+              f"{(cal.host_sample_s or 0.0) * 1e6:.1f} us per local sample (step = max(factor x device, host))")
+    elif cal.device_step_factor is not None:
+        print("host: no cost identified (no fitted run was host-bound); steps priced as the device's")
 
 
 def _print_fit(fit) -> None:
@@ -104,9 +108,10 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--host-cost", action="store_true",
-                   help="also fit a host cost per priced kernel launch and one per local sample to the runs' measured step "
-                        "times (host_launch_s, host_sample_s); a step is then priced at max(device time, launches x host cost "
-                        "+ samples x per-sample cost) (host-bound steps; see coplan.costmodel.calibrate)")
+                   help="also fit a host cost per priced kernel launch and one per local sample, and a device-step factor "
+                        "(device work the ops do not price), to the runs' measured step times (host_launch_s, host_sample_s, "
+                        "device_step_factor); a step is then priced at max(factor x device time, launches x host cost "
+                        "+ samples x per-sample cost) (see coplan.costmodel.calibrate)")
     p.add_argument("--host-speed", action="store_true",
                    help="with the host cost (implies --host-cost): scale each run's host time by how fast its host ran the "
                         "same calls in its profiled steps, so that runs measured on a slowed (shared) host do not bend the "

@@ -120,6 +120,10 @@ class Efficiencies:
     host_sample_s: float = 0.0
     """Host seconds per local sample per step (a calibration's ``host_sample_s``), added to the host's time."""
 
+    device_step_factor: float = 1.0
+    """The device step's factor for device work no priced op accounts for (a calibration's
+    ``device_step_factor``; 1: none)."""
+
     lookup_id_s: float = DEFAULT_LOOKUP_ID_LATENCY_S
     """Seconds per id of a warp's serial walk through a no-bag lookup bag (a calibration's
     ``lookup_id_latency_s``; default :data:`DEFAULT_LOOKUP_ID_LATENCY_S`)."""
@@ -184,12 +188,16 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     per_sample = calibration.host_sample_s if calibration is not None and calibration.host_sample_s else 0.0
     if per_sample:
         sources["host_sample"] = f"calibration ({calibration.device})"
+    factor = calibration.device_step_factor if calibration is not None and calibration.device_step_factor else 1.0
+    if calibration is not None and calibration.device_step_factor:
+        sources["device_step_factor"] = f"calibration ({calibration.device})"
     lookup_id = DEFAULT_LOOKUP_ID_LATENCY_S
     if calibration is not None and calibration.lookup_id_latency_s is not None:
         lookup_id = calibration.lookup_id_latency_s
         sources["lookup_id_latency"] = f"calibration ({calibration.device})"
     return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources,
-                        host_launch_s=host, host_sample_s=per_sample, lookup_id_s=lookup_id)
+                        host_launch_s=host, host_sample_s=per_sample, device_step_factor=factor,
+                        lookup_id_s=lookup_id)
 
 
 __all__ = [

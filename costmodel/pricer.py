@@ -497,6 +497,12 @@ def price(
     perf = Perf(ph_compute["fwd"], ph_compute["bwd"], ph_compute["recompute"], ph_compute["optimizer"],
                 ph_comm["fwd"], ph_comm["bwd"], ph_exp["fwd"], ph_exp["bwd"])
     step = S.makespan
+    factor = ctx.eff.device_step_factor
+    if factor != 1.0:
+        # calibrated: device work no priced op accounts for, as a share of the priced device step
+        notes.append(f"device step {step * 1e3:.2f} ms x {factor:.3f} (calibrated device_step_factor: device work the "
+                     f"ops do not price) = {step * factor * 1e3:.2f} ms")
+        step *= factor
     if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
         # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost and
         # does its per-sample work, concurrently with the device; the step is the longer of the two
@@ -511,7 +517,7 @@ def price(
         if syncs:
             # at each sync the host waits for the device's queued work: host and device overlap only
             # between syncs, so the step is the sum over the segments of max(host, device)
-            dev_at = [_device_position(ctx, S, before, sync_task, moe_parts, f_op, m, k, ph) for m, k, ph in syncs]
+            dev_at = [factor * _device_position(ctx, S, before, sync_task, moe_parts, f_op, m, k, ph) for m, k, ph in syncs]
             per_launch = host_s / max(sum(segs), 1e-300)  # the per-sample host work spread with the launches
             dev_seg = np.diff(np.concatenate(([0.0], dev_at, [step])))
             synced = synced_step([n * per_launch for n in segs], dev_seg.tolist())

@@ -77,6 +77,13 @@ class Calibration(Spec):
     competing with the launching threads for the GIL; see ``coplan.costmodel.calibrate``). None: none
     (calibrations written before it existed load unchanged)."""
 
+    device_step_factor: Annotated[float, Field(ge=0.5, le=3)] | None = None
+    """Measured device-bound step over the device time the cost model's ops add up to (fitted with the
+    host costs to measured step times, ``coplan calibrate --host-cost``): the device work no priced op
+    accounts for (the optimizer's and the allocator's small kernels, copies, the gaps between dependent
+    kernels) as a share of the priced work. The step is priced at max(factor × device step, host time).
+    None: 1 (calibrations written before it existed load unchanged)."""
+
     host_op_median_us: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     """The host speed the host costs were fitted at: per host call that every fitted run made many times
     (``coplan.costmodel.traces.HOST_SPEED_OPS``), the geometric mean over the fitted runs of its median
