@@ -82,6 +82,16 @@ def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, nois
     return d
 
 
+def _write_step(run_dir: Path, step_s: float) -> None:
+    """A run summary whose measured step time (every statistic) is ``step_s``."""
+    from coplan.spec import RunResult
+    from coplan.spec.run import StepTimeStats
+
+    st = StepTimeStats(mean_s=step_s, p50_s=step_s, p90_s=step_s, p99_s=step_s, min_s=step_s, max_s=step_s)
+    dump_spec(RunResult(run_id=run_dir.name, world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
+              run_dir / "summary.json")
+
+
 def test_fit_recovers_known_efficiencies(tmp_path):
     rng = np.random.default_rng(0)
     runs = [_synth_run(tmp_path, f"r{i}", _plan(b, L), rng, noise=0.03) for i, (b, L) in enumerate([(8, 256), (64, 1024), (32, 512)])]
@@ -174,8 +184,7 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     h from the host-bound runs, writes it as the calibration's host_launch_s (launch overheads stay the
     device fit's), and the calibrated pricer reproduces every step, device-bound ones included."""
     from coplan.costmodel.calibrate import fit_host_launch_cost, predict_step_time, step_launches
-    from coplan.spec import Calibration, OpClassCalibration, RunResult
-    from coplan.spec.run import StepTimeStats
+    from coplan.spec import Calibration, OpClassCalibration
 
     rng = np.random.default_rng(3)
     device = Calibration(device="NVIDIA H200", op_classes={
@@ -202,9 +211,7 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
         d = _synth_run(tmp_path, f"r{i}", plan, rng, noise=0.02)
         step = predict_step_time(plan, truth, seq_chunk=0)
         assert step == pytest.approx(max(dev[i], h_true * nl[i]), rel=1e-9)
-        st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
-        dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
-                  d / "summary.json")
+        _write_step(d, step)
         dirs.append(d)
     cal, res, runs = calibrate(dirs, host=True)
     hf = fit_host_launch_cost(runs, res)

@@ -12,7 +12,7 @@ from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.errors import SpecError
 from coplan.spec import Calibration, dump_spec, load_calibration, parse_spec
 
-from .test_calibrate import _synth_run
+from .test_calibrate import _synth_run, _write_step
 from .test_host_pricing import DEVICE, _device_and_launches, _plan
 
 
@@ -99,8 +99,6 @@ def test_spec_bounds_and_old_files(tmp_path):
 def test_calibrate_writes_the_factor(tmp_path):
     """calibrate(host=True) on device-bound synthetic runs whose measured steps are 8% over their device
     time: the factor is written, round-trips through the file, and the steps are priced within noise."""
-    from coplan.spec import RunResult
-    from coplan.spec.run import StepTimeStats
 
     rng = np.random.default_rng(8)
     dirs, plans = [], [_plan(b, 512, n) for b, n in ((64, 2), (96, 4), (128, 3), (48, 6))]
@@ -108,9 +106,7 @@ def test_calibrate_writes_the_factor(tmp_path):
         d0, _ = _device_and_launches(p)
         step = 1.08 * d0 * (1 + 0.005 * rng.standard_normal())
         d = _synth_run(tmp_path, f"r{i}", p, rng, noise=0.01)
-        st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
-        dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
-                  d / "summary.json")
+        _write_step(d, step)
         dirs.append(d)
     cal, _, runs = calibrate(dirs, host=True)
     assert cal.device_step_factor == pytest.approx(1.08, abs=0.03)

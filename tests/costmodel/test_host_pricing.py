@@ -12,10 +12,10 @@ import pytest
 from coplan.costmodel.calibrate import calibrate, fit_host_launch_cost, predict_step_time, run_seq_chunk
 from coplan.costmodel.context import Options, build_context, seq_lookup_floor_s, table_option_costs
 from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S, resolve_efficiencies
-from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, Workload, dump_spec, load_calibration
+from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, Workload, load_calibration
 from coplan.spec import load_topology, load_workload, parse_spec, spec_sha256
 
-from .test_calibrate import TRUE_COMPUTE, TRUE_LAUNCH, TRUE_LOOKUP_ID_S, TRUE_MEMORY, _synth_run
+from .test_calibrate import TRUE_COMPUTE, TRUE_LAUNCH, TRUE_LOOKUP_ID_S, TRUE_MEMORY, _synth_run, _write_step
 
 
 def _plan(batch: int, mean_len: float, layers: int = 4, *, sigma: float | None = None, fixed: int | None = None) -> Plan:
@@ -53,8 +53,6 @@ def test_per_sample_host_cost_is_recovered_from_noisy_runs(tmp_path):
     """Runs of different depths (launches) and batches (samples), host-bound at a known h per launch and s
     per sample plus 2% noise on the measured step: the fit on their traces and steps recovers both,
     and the calibration prices each step with them."""
-    from coplan.spec import RunResult
-    from coplan.spec.run import StepTimeStats
 
     rng = np.random.default_rng(11)
     shapes = [(8, 256, 2), (32, 256, 2), (64, 256, 6), (16, 256, 6), (48, 256, 4), (96, 256, 3)]
@@ -70,9 +68,7 @@ def test_per_sample_host_cost_is_recovered_from_noisy_runs(tmp_path):
         step = max(d0, h_true * n + s_true * b) * (1 + 0.02 * rng.standard_normal())
         assert h_true * n + s_true * b > d0  # host-bound: the step carries both host terms
         d = _synth_run(tmp_path, f"r{i}", plan, rng, noise=0.02)
-        st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
-        dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
-                  d / "summary.json")
+        _write_step(d, step)
         dirs.append(d)
     cal, res, runs = calibrate(dirs, host=True)
     assert cal.host_sample_s == pytest.approx(s_true, rel=0.15)
@@ -97,8 +93,6 @@ def test_per_sample_host_cost_is_recovered_from_noisy_runs(tmp_path):
 
 def test_one_batch_leaves_the_per_sample_cost_at_zero(tmp_path):
     """With every run at one local batch, s cannot be told from h: it stays 0."""
-    from coplan.spec import RunResult
-    from coplan.spec.run import StepTimeStats
 
     rng = np.random.default_rng(5)
     plans = [_plan(32, 256, n) for n in (2, 4, 6)]
@@ -107,9 +101,7 @@ def test_one_batch_leaves_the_per_sample_cost_at_zero(tmp_path):
         d0, n = _device_and_launches(p)
         step = max(d0, 2e-4 * n + 1e-3)
         d = _synth_run(tmp_path, f"r{i}", p, rng, noise=0.0)
-        st = StepTimeStats(mean_s=step, p50_s=step, p90_s=step, p99_s=step, min_s=step, max_s=step)
-        dump_spec(RunResult(run_id=f"r{i}", world_size=1, steps=10, warmup_steps=2, device="NVIDIA H200", step_time=st),
-                  d / "summary.json")
+        _write_step(d, step)
         dirs.append(d)
     cal, _, _ = calibrate(dirs, host=True)
     assert cal.host_sample_s is None and cal.host_launch_s > 0
