@@ -498,6 +498,7 @@ def price(
                 ph_comm["fwd"], ph_comm["bwd"], ph_exp["fwd"], ph_exp["bwd"])
     step = S.makespan
     factor = ctx.eff.device_step_factor
+    device_step = step * factor
     if factor != 1.0:
         # calibrated: device work no priced op accounts for, as a share of the priced device step
         notes.append(f"device step {step * 1e3:.2f} ms x {factor:.3f} (calibrated device_step_factor: device work the "
@@ -599,6 +600,7 @@ def price(
         model_flops=mflops, world_size=ctx.world, peak_flops_per_s=ctx.topology.dense_peak_flops_per_s,
         memory=mem, hbm_capacity_bytes=hbm, ops=tuple(ops_out), comms=tuple(comms_out), layers=layers_perf,
         rank_ids=tuple(int(r) for r in ids), rank_time_s=rank_time, rank_memory_bytes=rank_mem, goodput=gp, notes=tuple(notes),
+        unpriced_device_s=max(0.0, device_step - S.makespan) if step <= device_step else 0.0,
     )
 
 

@@ -230,6 +230,10 @@ class StepCost:
     notes: tuple[str, ...] = ()
     """What was approximated for this plan (e.g. an attention backend priced padded)."""
 
+    unpriced_device_s: float = 0.0
+    """Step time added by a calibration's device-step factor (device work no priced op accounts for) when the
+    step is the device's; 0 without one, or when the host's time sets the step."""
+
     @property
     def compute_s(self) -> float:
         return self.perf.compute_s
@@ -282,6 +286,7 @@ class StepCost:
             compute_s=self.perf.compute_s,
             exposed_comm_s=self.perf.exposed_s,
             imbalance_s=self.imbalance_s,
+            unpriced_device_s=self.unpriced_device_s,
             model_flops_per_step=self.model_flops,
             local_mfu=self.local_mfu,
             scaling_ratio=self.scaling_ratio,

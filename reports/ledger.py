@@ -229,6 +229,12 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
         parts = ", ".join(f"{c} {_ms(v)}" for c, v in recompute.items() if v > 0)
         n = sum(1 for lp in plan.layers if lp.recompute)
         losses.append(Loss("recompute", "activation recompute", "loss", "recompute", rc, f"{n} layers recomputed in backward: {parts}"))
+    if pred.unpriced_device_s > 0:
+        losses.append(Loss("unpriced_device", "device work no op prices (calibrated)", "loss", "unpriced_device",
+                           pred.unpriced_device_s,
+                           "the calibration's device-step factor: measured device-bound steps over the device time "
+                           "the cost model's ops add up to (small kernels of the optimizer and the allocator, copies, "
+                           "gaps between dependent kernels)"))
     if optimizer > 0:
         losses.append(Loss("optimizer", "dense optimizer step", "loss", "optimizer", optimizer,
                            f"{plan.workload.optimizer.dense} step over this rank's shard of the dense parameters"))

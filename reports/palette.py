@@ -34,6 +34,7 @@ LOSS_COLOURS: dict[str, str] = {
     "imbalance": "#882255",      # wine
     "launch": "#999933",         # olive: launch overhead, pipeline bubbles, gaps between kernels
     "optimizer": "#BBCC33",      # pear: the dense optimizer step
+    "unpriced_device": "#6699CC",  # steel blue: device work no op prices (a calibration's device-step factor)
     "non_model_flops": "#CC6677",  # rose: hardware FLOPs that are not model FLOPs (flash recompute of QKᵀ)
     "checkpoint": "#44AA99",     # sea green
     "failures": "#555555",       # dark grey

@@ -83,6 +83,9 @@ def lever(loss: Loss, plan: Plan, pred: Prediction) -> str:
         return "recomputing fewer layers, which needs the activation memory it saves"
     if k == "optimizer":
         return "a fused (foreach) optimizer step"
+    if k == "unpriced_device":
+        return ("fewer small kernels outside the model's ops (fused optimizer and casts, CUDA graphs), measured on "
+                "this GPU by the calibration's runs")
     if k.startswith("comm."):
         base = k[len("comm."):].rsplit(".", 1)[0]  # comm.<collective name>.<tiers>; tier names hold no dots
         if base == "sparse.replica_sync":

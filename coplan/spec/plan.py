@@ -249,6 +249,10 @@ class Prediction(Spec):
     imbalance_s: NonNeg = 0.0
     """Extra time of the slowest rank over the mean rank from jagged load imbalance."""
 
+    unpriced_device_s: NonNeg = 0.0
+    """Step time added by the calibration's device-step factor: device work no priced op accounts for (0: none,
+    or the host's time sets the step)."""
+
     model_flops_per_step: NonNeg
     """Model FLOPs of one step over all ranks (no recompute, real lengths)."""
 

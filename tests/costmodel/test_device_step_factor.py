@@ -116,3 +116,24 @@ def test_calibrate_writes_the_factor(tmp_path):
     assert load_calibration(out).device_step_factor == pytest.approx(cal.device_step_factor)
     for r in runs:
         assert predict_step_time(r.plan, cal, seq_chunk=r.seq_chunk) == pytest.approx(r.result.step_time.p50_s, rel=0.04)
+
+
+def test_report_ledger_names_the_factor():
+    """The report's step ledger shows the factor's share as its own loss, not as unattributed time."""
+    from coplan.costmodel.context import build_context
+    from coplan.costmodel.pricer import price
+    from coplan.reports.ledger import build_ledger
+
+    plan = _plan(64, 512, 4)
+    preds = {}
+    for f in (None, 1.12):
+        cal = DEVICE.model_copy(update={"device_step_factor": f})
+        ctx = build_context(plan.workload, plan.topology, plan.mesh, cal, force_calibration=True)
+        preds[f] = price(ctx, None, plan.layers, plan.balancing, plan.kernels).to_prediction()
+    assert preds[None].unpriced_device_s == 0.0
+    extra = preds[1.12].unpriced_device_s
+    assert extra == pytest.approx(preds[1.12].step_time_s - preds[None].step_time_s, rel=1e-9)
+    ledger = build_ledger(plan, preds[1.12])
+    [loss] = [x for x in ledger.losses if x.key == "unpriced_device"]
+    assert loss.seconds == pytest.approx(extra)
+    assert not any(x.key == "unpriced_device" for x in build_ledger(plan, preds[None]).losses)
