@@ -747,10 +747,8 @@ class HostFit:
         return self.host_s() > self.device_factor * np.array(self.device_s)
 
     def predicted(self) -> np.ndarray:
-        b = np.array(self.batch) if self.batch else np.zeros(len(self.runs))
-        k = np.array(self.speed) if self.speed else np.ones(len(self.runs))
-        return _host_form(self.device_factor * np.array(self.device_s), k * np.array(self.launches), self.h_s, self.form,
-                          k * self.sample_s * b)
+        # the host time is already launches x h + samples x s: passed as "launches" at 1 s each
+        return _host_form(self.device_factor * np.array(self.device_s), self.host_s(), 1.0, self.form)
 
     @property
     def median_abs_error(self) -> float:
@@ -809,13 +807,23 @@ def step_phases(plan: Plan, res: FitResult, moments: dict[str, tuple[float, floa
     return d0, np.maximum(0.0, (phases(delta) - d0) / delta)
 
 
+def _refine_on_grid(loss, grid: np.ndarray, losses, xatol: float) -> tuple[float, float]:
+    """(x, loss(x)): the grid point of least loss (``losses``: ``loss`` at each point), refined by a bounded
+    scalar search between its neighbours; the grid point where the search does no better. (The losses here
+    are piecewise smooth: the grid picks the basin, the search its bottom.)"""
+    from scipy.optimize import minimize_scalar
+
+    j = int(np.argmin(losses))
+    r = minimize_scalar(loss, bounds=(grid[max(0, j - 1)], grid[min(len(grid) - 1, j + 1)]), method="bounded",
+                        options={"xatol": xatol})
+    return (float(r.x), float(r.fun)) if r.fun <= losses[j] else (float(grid[j]), float(losses[j]))
+
+
 def fit_host_phase_form(runs: Sequence[RunSamples], res: FitResult) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """``h`` of the per-phase reading, step = Σ over phases of max(device_p, launches_p · h), fitted like
     the max form's (log ratios, host-syncing backends left out; see :func:`fit_host_launch_cost`).
     Returns (h, per fitted run: its phase arrays). A reading only: it holds where the host cannot run
     ahead of the device across a phase boundary (a sync at each boundary), which the trainer does not do."""
-    from scipy.optimize import minimize_scalar
-
     plain = [r for r in runs if r.plan.kernels.attention not in HOST_SYNCING_BACKENDS]
     per: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     meas = []
@@ -836,11 +844,7 @@ def fit_host_phase_form(runs: Sequence[RunSamples], res: FitResult) -> tuple[flo
 
     hi = float(max(1e-9, np.max(m / np.maximum(N.sum(axis=1), 1.0)) * 2))
     grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
-    losses = [loss(float(g)) for g in grid]
-    k = int(np.argmin(losses))
-    r = minimize_scalar(loss, bounds=(grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]), method="bounded",
-                        options={"xatol": 1e-10})
-    return (float(r.x) if r.fun <= losses[k] else float(grid[k])), per
+    return _refine_on_grid(loss, grid, [loss(float(g)) for g in grid], 1e-10)[0], per
 
 
 HOST_FORMS = ("max", "additive")
@@ -911,22 +915,15 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
         hi = float(max(1e-9, np.max(m / np.maximum(k * n, 1.0)) * 2))
         grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
         losses = np.sum(np.log(np.maximum(d, grid[:, None] * (k * n) + k * extra) / m) ** 2, axis=1)  # loss() per point
-        j = int(np.argmin(losses))
-        a, b = grid[max(0, j - 1)], grid[min(len(grid) - 1, j + 1)]
-        r = minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-10})
-        h = float(r.x) if r.fun <= losses[j] else float(grid[j])
-        return h, min(float(r.fun), losses[j])
+        return _refine_on_grid(loss, grid, losses, 1e-10)
 
     s_best = 0.0
     h, _ = fit_h(np.zeros_like(m))
     if per_sample and len(set(bt.tolist())) > 1:
         s_hi = float(np.max(m / np.maximum(k * bt, 1.0)))
         s_grid = np.concatenate(([0.0], np.geomspace(s_hi * 1e-4, s_hi, 120)))
-        s_losses = [fit_h(sv * bt)[1] for sv in s_grid]
-        j = int(np.argmin(s_losses))
-        r = minimize_scalar(lambda sv: fit_h(sv * bt)[1], bounds=(s_grid[max(0, j - 1)], s_grid[min(len(s_grid) - 1, j + 1)]),
-                            method="bounded", options={"xatol": 1e-10})
-        s_best = float(r.x) if r.fun <= s_losses[j] else float(s_grid[j])
+        s_loss = lambda sv: fit_h(sv * bt)[1]  # noqa: E731
+        s_best = _refine_on_grid(s_loss, s_grid, [s_loss(sv) for sv in s_grid], 1e-10)[0]
         h, _ = fit_h(s_best * bt)
     return max(0.0, h), max(0.0, s_best)
 
@@ -952,8 +949,6 @@ def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     for ``h``, three for ``h`` and ``s``): one run above the others' device factor, by its noise, is fitted
     exactly by any host cost that makes it host-bound alone, which says nothing of the host. Otherwise
     the term is dropped (``s``, then ``h``) and the rest refitted."""
-    from scipy.optimize import minimize_scalar
-
     m = np.asarray(measured_s, float)
     d = np.asarray(device_s, float)
     n = np.asarray(launches, float)
@@ -967,13 +962,9 @@ def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
         return h, s, float(np.sum(np.log(pred / m) ** 2) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
 
     def solve(host: bool, samples: bool) -> tuple[float, float, float]:
-        lo, hi = DEVICE_FACTOR_RANGE
-        grid = np.geomspace(lo, hi, 57)
-        losses = [terms(float(g), host, samples)[2] for g in grid]
-        j = int(np.argmin(losses))
-        r = minimize_scalar(lambda f: terms(f, host, samples)[2], bounds=(grid[max(0, j - 1)], grid[min(len(grid) - 1, j + 1)]),
-                            method="bounded", options={"xatol": 1e-5})
-        f = float(r.x) if r.fun <= losses[j] else float(grid[j])
+        grid = np.geomspace(*DEVICE_FACTOR_RANGE, 57)
+        f_loss = lambda f: terms(f, host, samples)[2]  # noqa: E731
+        f = _refine_on_grid(f_loss, grid, [f_loss(float(g)) for g in grid], 1e-5)[0]
         h, s, _ = terms(f, host, samples)
         return h, s, f
 

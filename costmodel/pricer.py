@@ -496,14 +496,12 @@ def price(
                 c[5] += 1
     perf = Perf(ph_compute["fwd"], ph_compute["bwd"], ph_compute["recompute"], ph_compute["optimizer"],
                 ph_comm["fwd"], ph_comm["bwd"], ph_exp["fwd"], ph_exp["bwd"])
-    step = S.makespan
+    # calibrated: device work no priced op accounts for, as a share of the priced device step
     factor = ctx.eff.device_step_factor
-    device_step = step * factor
+    step = device_step = S.makespan * factor
     if factor != 1.0:
-        # calibrated: device work no priced op accounts for, as a share of the priced device step
-        notes.append(f"device step {step * 1e3:.2f} ms x {factor:.3f} (calibrated device_step_factor: device work the "
-                     f"ops do not price) = {step * factor * 1e3:.2f} ms")
-        step *= factor
+        notes.append(f"device step {S.makespan * 1e3:.2f} ms x {factor:.3f} (calibrated device_step_factor: device work "
+                     f"the ops do not price) = {device_step * 1e3:.2f} ms")
     if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
         # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost and
         # does its per-sample work, concurrently with the device; the step is the longer of the two
