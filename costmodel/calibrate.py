@@ -94,7 +94,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from coplan import __version__
-from coplan.costmodel.context import build_context, op_arrays
+from coplan.costmodel.context import UNFUSED_MATMUL_MEMORY_CLASS, build_context, op_arrays
 from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.costmodel.traces import (HostProfile, TraceAttribution, TraceError, attribute, host_profile, host_speed_index,
                                      load_trace)
@@ -136,7 +136,8 @@ class Sample:
     """Bytes of the op's separate elementwise kernels / HBM bandwidth (an unfused op: the padded
     reference), priced at the elementwise class's memory efficiency and added to the roofline."""
     mem_class: str = ""
-    """Class whose memory efficiency prices ``mem_s`` ("": the op's own; an unfused op's matmuls: "gemm")."""
+    """Class whose memory efficiency prices ``mem_s`` ("": the op's own; an unfused op's matmuls:
+    :data:`coplan.costmodel.context.UNFUSED_MATMUL_MEMORY_CLASS`)."""
     lookup_groups: tuple[tuple[float, float], ...] = ()
     """The sequence lookups' kernels within this sample (the embedding forward), one per group of
     tables: (bytes / HBM bandwidth, serial ids: waves × ids in the longest bag × micro-batches). Each
@@ -382,7 +383,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
             # priced as the padded reference runs (context.op_arrays): fitted under its own key
             dt = REFERENCE_ATTENTION_DTYPE
         unfused = bool(arr.fwd_serial_s[k] > 0 or arr.bwd_serial_s[k] > 0)
-        mc = "gemm" if unfused else ""
+        mc = UNFUSED_MATMUL_MEMORY_CLASS if unfused else ""
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
                             float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb,
                             serial_mem_s=float(arr.fwd_serial_s[k]), mem_class=mc))

@@ -403,7 +403,33 @@ def host_work_s(ctx: "Context") -> float:
     return float(ctx.eff.host_sample_s * ctx.local_batch)
 
 
-def _expected_max_moments(dist, n: float) -> tuple[float, float]:
+UNFUSED_MATMUL_MEMORY_CLASS = "elementwise"
+"""The memory class whose efficiency prices the bytes an unfused op's matmuls move (the padded
+reference's batched fp32 matmuls: they write and read whole [H, P, P] score blocks, a stream). It was the
+GEMM class's, whose fitted memory efficiency (0.22 on the H200) is set by the model's small GEMMs and is
+no streaming rate: under it the reference's attention was priced 41% over its traced time on ``ref-b12``
+(calibration round 7, in-sample), and 2% under it at the elementwise class's (same fit, same samples)."""
+
+REFERENCE_PAD_MULTIPLE = 16
+"""The padded reference rounds each batch's longest length up to this multiple
+(``coplan.kernels.reference.PAD_MULTIPLE``, which says why; a test keeps the two equal)."""
+
+
+def padded_length_moments(m1: float, m2: float, multiple: int = REFERENCE_PAD_MULTIPLE) -> tuple[float, float]:
+    """(E[P], E[P²]) of P, the longest length M rounded up to ``multiple``, from (E[M], E[M²]). One
+    length (E[M²] = E[M]²) is rounded exactly; a spread of them takes the rounding as independent of M
+    and uniform over 0..multiple-1 (the exact pmf path rounds each value: :func:`_expected_max_moments`)."""
+    if multiple <= 1 or m1 <= 0:
+        return m1, m2
+    if abs(m2 - m1 * m1) <= 1e-9 * max(1.0, m2):
+        p = -(-math.ceil(m1 - 1e-6) // multiple) * multiple
+        return float(p), float(p * p)
+    u1 = (multiple - 1) / 2.0
+    u2 = (multiple - 1) * (2 * multiple - 1) / 6.0
+    return m1 + u1, m2 + 2.0 * m1 * u1 + u2
+
+
+def _expected_max_moments(dist, n: float, multiple: int = 1) -> tuple[float, float]:
     """(E[M], E[M²]) of M, the longest of n independent lengths: exact from the length's pmf
     (P(M ≤ l) = P(L ≤ l)ⁿ); the quantile of :func:`_expected_max_length` squared when it has none."""
     from coplan.costmodel.jagged import length_pmf
@@ -412,10 +438,12 @@ def _expected_max_moments(dist, n: float) -> tuple[float, float]:
         vals, probs = length_pmf(dist)
     except ValueError:  # a log-normal too wide for an explicit pmf
         x = _expected_max_length(dist, n)
-        return x, x * x
+        return padded_length_moments(x, x * x, multiple)
     cdf = np.minimum(1.0, np.cumsum(probs)) ** max(1.0, float(n))
     pm = np.diff(np.concatenate(([0.0], cdf)))
     v = vals.astype(np.float64)
+    if multiple > 1:
+        v = np.ceil(v / multiple) * multiple
     return float((pm * v).sum()), float((pm * v * v).sum())
 
 
@@ -534,7 +562,9 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         if o.op_class == "attention" and o.sequence is not None:
             if kernels.attention == "reference":
                 if o.sequence not in pad_len:
-                    pad_len[o.sequence] = ctx.padded_moments.get(o.sequence) or _expected_max_moments(w.sequence(o.sequence).length, n)
+                    measured = ctx.padded_moments.get(o.sequence)
+                    pad_len[o.sequence] = (padded_length_moments(*measured) if measured else
+                                           _expected_max_moments(w.sequence(o.sequence).length, n, REFERENCE_PAD_MULTIPLE))
                 # padded to the batch's longest: the quadratic terms cost E[max²], which a heavy-tailed
                 # length distribution puts well above E[max]² (or the quantile's square)
                 real_m1 = m1
@@ -551,10 +581,10 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
             dt = "fp8"
         peak = gpu.peak_flops_per_s.get(dt) or gpu.peak_flops_per_s["bf16"]
         ce = eff.compute_eff(o.op_class, dt) * flops_eff
-        # an unfused op's matmuls are library GEMMs, its other kernels PyTorch elementwise ones: each
-        # part moves its bytes at the efficiency of the kernels that run it
+        # an unfused op (the padded reference): its matmuls' bytes and its separate kernels' are both
+        # streamed at the elementwise class's memory efficiency (UNFUSED_MATMUL_MEMORY_CLASS says why)
         unfused = not (o.fwd_serial_bytes.is_zero and o.bwd_serial_bytes.is_zero)
-        bw = gpu.hbm_bw_bytes_per_s * eff.memory.get("gemm" if unfused else o.op_class, 0.85)
+        bw = gpu.hbm_bw_bytes_per_s * eff.memory.get(UNFUSED_MATMUL_MEMORY_CLASS if unfused else o.op_class, 0.85)
         bw_serial = gpu.hbm_bw_bytes_per_s * eff.memory.get("elementwise", 0.85)
         launch = eff.launch_s.get(o.op_class, 3e-6)
         load = 1.0

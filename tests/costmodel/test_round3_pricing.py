@@ -13,6 +13,8 @@ from coplan.costmodel.context import (
     EMBEDDING_OUTPUT_BYTES,
     FSDP_COPY_LAUNCHES,
     OPTIMIZER_LAUNCHES,
+    REFERENCE_PAD_MULTIPLE,
+    UNFUSED_MATMUL_MEMORY_CLASS,
     _expected_max_moments,
     build_context,
     dense_fixed_costs,
@@ -75,15 +77,19 @@ def test_padded_reference_is_its_matmuls_plus_its_elementwise_passes():
     matmuls = max(arr.fwd_flop_s[g], arr.fwd_mem_s[g] + arr.fwd_fixed_mem_s[g])
     assert arr.fwd_serial_s[g] > 0
     assert f[g] == pytest.approx(matmuls + arr.fwd_serial_s[g] + arr.fwd_launch_s[g])
-    m1, m2 = _expected_max_moments(w.sequence("history").length, ctx.mb_batch)
+    m1, m2 = _expected_max_moments(w.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
     serial_bytes = ctx.mb_batch * F.padded_reference_attention(op, w, min(1.0, ctx.moments["history"][0] / m1)).fwd_serial_bytes.expect(m1, m2)
     assert arr.fwd_serial_s[g] == pytest.approx(serial_bytes / (gpu.hbm_bw_bytes_per_s * ctx.eff.memory["elementwise"]))
     # the Triton backend is one fused kernel: nothing separate
     tri = op_arrays(build_context(_plan(8, 512).workload, plan.topology, plan.mesh))
     assert float(np.abs(tri.fwd_serial_s).sum() + np.abs(tri.bwd_serial_s).sum()) == 0.0
-    # the calibration's samples carry the split (matmul bytes at the gemm bandwidth, passes apart)
+    # the calibration's samples carry the split (matmul bytes streamed at the elementwise class's
+    # bandwidth, as the passes; the passes apart)
     t = {(u.name, u.phase): u for u in unit_terms(plan)}[("interformer.0.gdpa", "fwd")]
-    assert t.mem_class == "gemm" and t.serial_mem_s > 0
+    assert t.mem_class == UNFUSED_MATMUL_MEMORY_CLASS == "elementwise" and t.serial_mem_s > 0
+    assert arr.fwd_mem_s[g] * ctx.eff.memory["elementwise"] == pytest.approx(
+        ctx.mb_batch * F.padded_reference_attention(op, w, min(1.0, ctx.moments["history"][0] / m1)).fwd_bytes.expect(m1, m2)
+        / gpu.hbm_bw_bytes_per_s)
 
 
 # ------------------------------------------------------------------ FSDP2's copies on one rank

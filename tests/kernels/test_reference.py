@@ -41,3 +41,29 @@ def test_reference_matches_a_loop(causal, q_lens, k_lens):
     for act in Activation:
         got = gdpa_reference(q, k, v, q_off, k_off, activation=act, causal=causal, scale=0.4, out_scale=0.3)
         assert_close(act.value, got, _loop(q, k, v, q_off, k_off, causal, 0.4, act, 0.3), 1e-6)
+
+
+def test_padded_length_rounds_up_to_the_multiple_the_cost_model_prices():
+    """The reference pads to a multiple of 16 (aligned fp32 rows for the TF32 matmuls); the cost model
+    prices the same rounding."""
+    from coplan.costmodel.context import REFERENCE_PAD_MULTIPLE, padded_length_moments
+    from coplan.kernels.reference import PAD_MULTIPLE, padded_length
+
+    assert PAD_MULTIPLE == REFERENCE_PAD_MULTIPLE == 16
+    assert [padded_length(x) for x in (1, 15, 16, 17, 3994, 4096)] == [16, 16, 16, 32, 4000, 4096]
+    # one longest length: rounded exactly; a spread of them: the rounding's mean and spread added
+    assert padded_length_moments(3994.0, 3994.0**2) == (4000.0, 4000.0**2)
+    assert padded_length_moments(4096.0, 4096.0**2) == (4096.0, 4096.0**2)
+    lengths = torch.arange(1000, 3000).double()
+    padded = torch.tensor([float(padded_length(int(x))) for x in lengths]).double()
+    m1, m2 = padded_length_moments(float(lengths.mean()), float((lengths**2).mean()))
+    assert abs(m1 / float(padded.mean()) - 1) < 1e-4 and abs(m2 / float((padded**2).mean()) - 1) < 1e-4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_padding_past_the_longest_length_changes_nothing(causal):
+    """Lengths either side of a multiple of 16 (the padded rows are masked): equal to the loop."""
+    q, q_off = jagged([17, 3, 16], 2, 8, device="cpu")
+    v = torch.randn_like(q)
+    got = gdpa_reference(q, q, v, q_off, q_off, activation=Activation.SILU, causal=causal, scale=0.4, out_scale=0.3)
+    assert_close("gdpa", got, _loop(q, q, v, q_off, q_off, causal, 0.4, Activation.SILU, 0.3), 1e-6)
