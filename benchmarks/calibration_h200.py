@@ -90,7 +90,7 @@ class Variant:
     """One trainer run: changes to the base workload and plan."""
 
     name: str
-    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5"
+    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5" | "fresh6"
     batch: float = 1.0
     """Local batch as a fraction of the base's (reference attention: see ``ref_batch``)."""
     history_mean: float = 1.0
@@ -214,10 +214,32 @@ at 11 (no earlier variant used these); history mean 896 (σ 0.85 and 0.7) and 1,
 896 and 512 at depths 5 and 8; MoE off at width 896. Fitted on ``DB_FIT`` (re-run in the same lease), nothing may
 be chosen on its results. Run: ``--variant-set device-bound-2`` (DB_FIT and FRESH5 alternating)."""
 
+# Round 8: defined on 2026-11-30 at about 04:40 UTC, before any run of it existed, after the reference's pad to
+# a multiple of 16 and the host-cost fit over every run priced per measured step (segments between the host's
+# syncs) were committed. The fit set is DB_FIT plus a second reference run (DB_FIT_REF2, split "fit_db"), so that
+# the reference's host time, exposed at its syncs, is fitted on two runs (a host term needs two host-bound runs).
+DB_FIT_REF2: tuple[Variant, ...] = (
+    Variant("ref-b14-h640", "fit_db", attention="reference", ref_batch=14, history_mean=0.625, history_sigma=0.8),
+)
+FRESH6: tuple[Variant, ...] = (
+    Variant("B232-h1088", "fresh6", batch=3.625, history_mean=1.0625, history_sigma=0.8),
+    Variant("B160-d1408-L3", "fresh6", batch=2.5, width=1.375, depth=0.75),
+    Variant("B248-d384-L9", "fresh6", batch=3.875, width=0.375, depth=2.25),
+    Variant("B192-rc-h1152-L5", "fresh6", batch=3.0, recompute=True, history_mean=1.125, history_sigma=0.75, depth=1.25),
+    Variant("B336-nomoe-h768", "fresh6", batch=5.25, moe=False, history_mean=0.75, history_sigma=0.85),
+    Variant("ref-b13-h960", "fresh6", attention="reference", ref_batch=13, history_mean=0.9375, history_sigma=0.75),
+)
+"""The third device-bound held-out set (split ``fresh6``): local batch 232, 160, 248, 192 with recompute and 336
+and the reference at 13 (no earlier variant used these); history mean 1,088 (σ 0.8), 1,152 (σ 0.75), 768 (σ 0.85)
+and 960 (σ 0.75); widths 1,408 at depth 3 and 384 at depth 9; recompute at depth 5; MoE off at batch 336. Fitted
+on DB_FIT + DB_FIT_REF2 (run in the same lease), nothing may be chosen on its results. Run:
+``--variant-set device-bound-3``."""
+
 ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
                                     | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3}
                                     | {v.name: v for v in DB_FIT} | {v.name: v for v in FRESH4}
-                                    | {v.name: v for v in FRESH5})
+                                    | {v.name: v for v in FRESH5} | {v.name: v for v in DB_FIT_REF2}
+                                    | {v.name: v for v in FRESH6})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,6 +421,8 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = [v for pair in zip(DB_FIT, FRESH4) for v in pair]
     elif args.variant_set == "device-bound-2":
         chosen = [v for pair in zip(DB_FIT, FRESH5) for v in pair]
+    elif args.variant_set == "device-bound-3":
+        chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH6 + (None,)) for v in pair if v is not None]
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
@@ -499,10 +523,14 @@ def _write_manifest(root: Path, manifest: dict, jobs: list[list["Job"]]) -> None
 # ---------------------------------------------------------------------------------------------
 
 
-STEP_KEYS = ("default", "calibrated", "device_only", "additive", "device_factor", "phases", "speed_fit", "speed_known")
+STEP_KEYS = ("default", "calibrated", "calibrated_pooled", "device_only", "additive", "device_factor", "phases", "speed_fit",
+             "speed_known")
 """Step-time predictions compared: the cost model with default efficiencies; with the calibration
 (device fit, and the step priced at max(device step, priced launches x host cost h), what ``coplan plan
---calibration`` prices); and three readings outside the cost model, for context: the device fit alone,
+--calibration`` prices). Since round 8 these two are the median over the run's measured steps of the step
+priced at each one's lengths (:func:`coplan.costmodel.calibrate.predict_median_step`), the p50's counterpart;
+``calibrated_pooled`` is the calibrated price of the steps' pooled moments (rounds 1-7's reading: the mean
+step's counterpart). Then readings outside the cost model, for context: the device fit alone,
 device + launches x h_add (the additive form, h_add fitted on the fit half), and the device fit times a
 step factor fitted on the fit half; ``speed_fit``: the host costs fitted with each fit run's host time
 scaled by its host's speed (``coplan calibrate --host-speed``), priced at the fit runs' mean host speed;
@@ -533,7 +561,7 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5")
+SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
@@ -588,7 +616,8 @@ def known_longest(run_dir: Path, plan, data_batches: int = 8) -> tuple[dict | No
 def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     import numpy as np
 
-    from coplan.costmodel.calibrate import calibrate, fit_host_launch_cost, predict, predict_step_time, run_samples, step_launches
+    from coplan.costmodel.calibrate import (calibrate, fit_host_launch_cost, predict, predict_median_step, predict_step_time,
+                                            run_samples, run_step_moments, step_launches)
     from coplan.costmodel.efficiency import resolve_efficiencies
     from coplan.spec import load_run_result
 
@@ -643,11 +672,12 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     fresh3_names = [n for n, r in rows.items() if r["split"] == "fresh3" and n in runs]
     fresh4_names = [n for n, r in rows.items() if r["split"] == "fresh4" and n in runs]
     fresh5_names = [n for n, r in rows.items() if r["split"] == "fresh5" and n in runs]
-    # every split the predictions below cover (fresh2-5 reported apart, like fresh)
-    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names
+    fresh6_names = [n for n, r in rows.items() if r["split"] == "fresh6" and n in runs]
+    # every split the predictions below cover (fresh2-6 reported apart, like fresh)
+    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names + fresh6_names
     out: dict = {"variants": rows, "fit_split": fit_split, "fit_runs": fit_names, "heldout_runs": held_names,
                  "fresh_runs": fresh_names, "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
-                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names,
+                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -684,8 +714,12 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         try:
             ch = runs[n][1].seq_chunk
             r["seq_chunk"] = ch
-            r["predicted_step_default_s"] = predict_step_time(plan, None, r["_moments"], seq_chunk=ch)
-            r["predicted_step_calibrated_s"] = predict_step_time(plan, cal, r["_moments"], seq_chunk=ch)
+            # (since round 8) each measured step priced at its own lengths, the median compared with the p50
+            each = run_step_moments(runs[n][1])
+            r["priced_steps"] = len(each)
+            r["predicted_step_default_s"] = predict_median_step(plan, None, each, seq_chunk=ch)
+            r["predicted_step_calibrated_s"] = predict_median_step(plan, cal, each, seq_chunk=ch)
+            r["predicted_step_calibrated_pooled_s"] = predict_step_time(plan, cal, r["_moments"], seq_chunk=ch)
             dev, nl = step_launches(plan, res, r["_moments"], seq_chunk=ch)
             r["predicted_step_device_only_s"] = dev
             r["priced_launches_per_step"] = nl
@@ -824,6 +858,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["fresh3"] = summary(fresh3_names) if fresh3_names else {}
     out["fresh4"] = summary(fresh4_names) if fresh4_names else {}
     out["fresh5"] = summary(fresh5_names) if fresh5_names else {}
+    out["fresh6"] = summary(fresh6_names) if fresh6_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -843,6 +878,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["goals_fresh3"] = goals(out["fresh3"])
     out["goals_fresh4"] = goals(out["fresh4"])
     out["goals_fresh5"] = goals(out["fresh5"])
+    out["goals_fresh6"] = goals(out["fresh6"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -864,7 +900,7 @@ def print_table(res: dict) -> None:
     for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
                               ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
                               ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4"),
-                              ("fresh5 held-out", "fresh5", "goals_fresh5")):
+                              ("fresh5 held-out", "fresh5", "goals_fresh5"), ("fresh6 held-out", "fresh6", "goals_fresh6")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -953,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "all"], default="main",
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "device-bound-3", "all"], default="main",
                    help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
                         "(defined before any of its runs); fresh3: the fourth (likewise); device-bound: the 12 variants at "
                         "the trainer's operating point (6 fit_db, 6 fresh4, alternating); device-bound-2: 6 fit_db, 6 fresh5; "

@@ -165,6 +165,9 @@ class RunSamples:
     step_moments: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Length moments of the steps the run's step-time statistics cover (after warm-up, outside the
     profiled window): what its measured step time is compared with."""
+    step_moments_each: tuple[dict[str, tuple[float, float]], ...] = ()
+    """The same, one entry per step: a run's p50 step is compared with the median over its steps of
+    the step priced at each one's lengths (:func:`predict_median_step`)."""
     unpriced_s: dict[str, float] = field(default_factory=dict)
     """Per step: measured time (with the idle it ended) the cost model has no op for, by name and phase
     (FSDP hooks, TorchRec distribution, 'unattributed')."""
@@ -307,6 +310,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
     warm = result.warmup_steps if result else 0
     timed = [int(m["step"]) for m in metrics if "step" in m and m["step"] >= warm and m["step"] not in set(profiled or ())]
     step_moments = measured_moments(metrics, timed) if timed else {}
+    each = tuple(mo for mo in (measured_moments(metrics, [t]) for t in timed) if mo) if timed else ()
 
     per_step = att.per_step(with_idle=host_gaps)
     out: list[Sample] = []
@@ -327,7 +331,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
             "the trainer names its record_function ranges '<block>.<layer>.<op>'"
         )
     return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
-                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced,
+                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced, step_moments_each=each,
                       seq_chunk=seq_chunk, host=hp)
 
 
@@ -736,6 +740,9 @@ class HostFit:
     """The fitted runs' host speed (:func:`host_reference_us`) the fit is for (empty: not used)."""
     device_factor: float = 1.0
     """Measured over priced device step (fitted with ``fit_device_factor=True``; 1: not fitted)."""
+    segments: tuple = ()
+    """Per run, (N, E, D) per step and segment (:data:`Segments`): what the fit priced; empty: one step of one
+    segment per run (``device_s``, ``launches``)."""
 
     def host_s(self) -> np.ndarray:
         """Each run's host time under the fit."""
@@ -743,13 +750,20 @@ class HostFit:
         k = np.array(self.speed) if self.speed else np.ones(len(self.runs))
         return k * (np.array(self.launches) * self.h_s + self.sample_s * b)
 
+    def _steps(self) -> _StepSet:
+        segs = _segment_arrays(self.device_s, self.launches, self.segments or None)
+        k = np.array(self.speed) if self.speed else np.ones(len(self.runs))
+        b = np.array(self.batch) if self.batch else np.zeros(len(self.runs))
+        return _StepSet(segs, k, b)
+
     def host_bound(self) -> np.ndarray:
-        """Which runs the fit prices at their host time (max form)."""
-        return self.host_s() > self.device_factor * np.array(self.device_s)
+        """Which runs the fit prices longer for their host time (max form: some segment is the host's)."""
+        st = self._steps()
+        return st.median(self.h_s, self.sample_s, self.device_factor, "max")[0] > \
+            st.median(0.0, 0.0, self.device_factor, "max")[0] * (1 + 1e-9)
 
     def predicted(self) -> np.ndarray:
-        # the host time is already launches x h + samples x s: passed as "launches" at 1 s each
-        return _host_form(self.device_factor * np.array(self.device_s), self.host_s(), 1.0, self.form)
+        return self._steps().median(self.h_s, self.sample_s, self.device_factor, self.form)[0]
 
     @property
     def median_abs_error(self) -> float:
@@ -783,6 +797,36 @@ def step_launches(plan: Plan, res: FitResult, moments: dict[str, tuple[float, fl
     p0 = predict_step_time(plan, _device_calibration(plan, res), moments, seq_chunk=seq_chunk)
     p1 = predict_step_time(plan, _device_calibration(plan, res, delta), moments, seq_chunk=seq_chunk)
     return p0, max(0.0, (p1 - p0) / delta)
+
+
+def step_segments(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None, *,
+                  seq_chunk: int | None = None) -> tuple[tuple[float, float, float], ...]:
+    """The pricer's step under the device fit alone (device-step factor 1, no host cost), cut at the
+    host's syncs with the device: per segment (host launches, of them exposed, device seconds)
+    (:attr:`coplan.costmodel.results.StepCost.segments`)."""
+    from coplan.costmodel.pricer import price
+
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, _for_backend(plan, _device_calibration(plan, res)),
+                        options=_options(seq_chunk), force_calibration=True)
+    apply_moments(ctx, moments)
+    return price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False, segments=True).segments
+
+
+def run_step_moments(r: RunSamples) -> tuple[dict[str, tuple[float, float]] | None, ...]:
+    """The length moments to price ``r``'s measured steps at: one per step when the run logged them,
+    else the steps' pooled moments (or the profiled ones, or none: the workload's own)."""
+    return r.step_moments_each or (r.step_moments or r.moments or None,)
+
+
+def predict_median_step(plan: Plan, calibration: Calibration | None, steps: Sequence[dict[str, tuple[float, float]] | None], *,
+                        seq_chunk: int | None = None) -> float:
+    """The median over ``steps`` (length moments of each measured step) of :func:`predict_step_time`: what a
+    run's p50 step is compared with. A step's price depends on its batch's lengths, and for the padded
+    reference steeply (its longest length squared): the median of the prices is the p50's counterpart,
+    the price of the pooled moments the mean's."""
+    if not steps:
+        steps = (None,)
+    return float(np.median([predict_step_time(plan, calibration, mo, seq_chunk=seq_chunk) for mo in steps]))
 
 
 PHASES = ("fwd", "bwd", "optimizer")
@@ -851,24 +895,18 @@ def fit_host_phase_form(runs: Sequence[RunSamples], res: FitResult) -> tuple[flo
 HOST_FORMS = ("max", "additive")
 
 
-def _host_form(device_s: np.ndarray, launches: np.ndarray, h: float, form: str, extra: np.ndarray | float = 0.0) -> np.ndarray:
-    if form == "max":
-        return np.maximum(device_s, h * launches + extra)
-    if form == "additive":
-        return device_s + h * launches + extra
-    raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
-
-
 HOST_SYNCING_BACKENDS: tuple[str, ...] = ("reference",)
 """Attention backends that read a device value on the host in every call (the padded reference's
 longest length, ``.tolist()``, 8 times per forward step of gem-h200): at each sync the host waits for
-the device to drain, so host and device time add up around it instead of overlapping, which the
-max form does not describe. Their runs are left out of the fit of ``h`` (they still fit the device
-efficiencies), so the Triton runs fit ``h`` as before; the pricer prices these plans' host side
-itself: the reference's real kernels on the host (``flops.reference_kernels`` /
+the device to drain, so host and device overlap only between syncs. The pricer prices these plans'
+host side itself: the reference's real kernels on the host (``flops.reference_kernels`` /
 ``context.HOST_KERNELS_PER_PRICED_LAUNCH`` priced launches per call) and a step that is the sum over
-the segments between syncs of max(host, device) (``pricer.host_segments``, ``pricer.synced_step``).
-The wait is inside the pageable device-to-host copy (``cudaMemcpyAsync``), not the stream sync: on
+the segments between syncs of max(host, device) (``pricer.host_segments``, ``pricer.synced_step``);
+the host-cost fit prices their steps the same way (:func:`fit_host_launch_cost`, :data:`Segments`),
+so they fit ``h`` with the other runs: their host time is exposed at every sync, where a device-bound
+run's is hidden. (Until calibration round 8 they were left out of that fit, and ``h`` was not
+identified on device-bound fit sets: the reference's host time went unpriced, −16% on its held-out
+run.) The wait is inside the pageable device-to-host copy (``cudaMemcpyAsync``), not the stream sync: on
 ``ref-b12-h768`` (round 2) 17-61 ms per call where the device was behind, ~0.04 ms on ``ref-b8``."""
 
 
@@ -880,9 +918,75 @@ def host_reference_us(profiles: Sequence[HostProfile]) -> dict[str, float]:
             for k in sorted(ops) if all(p.op_median_us[k] > 0 for p in profiles)}
 
 
+Segments = Sequence[tuple]
+"""Per run, (N, E, D) (or (N, D): nothing exposed): host launches, of them those the device waits through
+at the segment's start, and device seconds (device-step factor 1), of each step (rows) and of each segment
+between the host's syncs with the device (columns), as the pricer cuts the step
+(:attr:`coplan.costmodel.results.StepCost.segments`). A run that does not sync has one column."""
+
+
+def _segment_arrays(device_s: Sequence[float], launches: Sequence[float],
+                    segments: Segments | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    if segments is None:
+        return [(np.array([[float(n)]]), np.zeros((1, 1)), np.array([[float(d)]])) for d, n in zip(device_s, launches)]
+    out = []
+    for i, seg in enumerate(segments):
+        if len(seg) == 2:
+            N, D = (np.atleast_2d(np.asarray(x, float)) for x in seg)
+            E = np.zeros_like(N)
+        else:
+            N, E, D = (np.atleast_2d(np.asarray(x, float)) for x in seg)
+        if not (N.shape == E.shape == D.shape) or N.size == 0:
+            raise CalibrationError(f"run {i}: host launches {N.shape}, exposed {E.shape} and device times {D.shape} "
+                                   "need one value per step and segment")
+        if N.shape[1] == 1 and np.ptp(N) == 0 and not E.any():
+            # no sync: max(host, f · D_step) is monotone in D_step, so the median step is the median D's
+            N, E, D = N[:1], E[:1], np.median(D, axis=0, keepdims=True)
+        out.append((N, E, D))
+    return out
+
+
+class _StepSet:
+    """The runs' steps as :func:`_segment_arrays` gives them, priced for many host costs at once: runs of
+    one step of one segment (no sync) in one vectorised max form, the others one by one."""
+
+    def __init__(self, segs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: np.ndarray, bt: np.ndarray):
+        self.n_runs = len(segs)
+        one = [i for i, (N, E, _) in enumerate(segs) if N.shape == (1, 1) and not E.any()]
+        self.one = np.array(one, dtype=int)
+        self.N1 = np.array([segs[i][0][0, 0] for i in one])
+        self.D1 = np.array([segs[i][2][0, 0] for i in one])
+        self.k1, self.b1 = k[self.one], bt[self.one]
+        self.many = [(i, *segs[i], float(k[i]), float(bt[i])) for i in range(len(segs)) if i not in set(one)]
+
+    def median(self, h, s: float, f: float, form: str) -> np.ndarray:
+        """[len(h), runs]: each run's median step over its steps, for each host cost in ``h``: per step the
+        sum over its segments of exposed host + max(the rest of the host, f · device) (``form="max"``; one
+        segment, nothing exposed: the max form), the host's time in a segment being k · (h + s · batch /
+        the step's launches) · its launches; ``"additive"``: f · device + host."""
+        if form not in HOST_FORMS:
+            raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
+        h = np.atleast_1d(np.asarray(h, float))
+        out = np.empty((len(h), self.n_runs))
+        if len(self.one):
+            host = self.k1 * (h[:, None] * self.N1 + s * self.b1)
+            out[:, self.one] = np.maximum(f * self.D1, host) if form == "max" else f * self.D1 + host
+        for i, N, E, D, kr, b in self.many:
+            tot = np.maximum(N.sum(axis=1), 1e-300)
+            per = (kr * (h[:, None] + s * b / tot[None, :]))[:, :, None]
+            host, ex = per * N[None], per * E[None]
+            if form == "max":
+                st = (ex + np.maximum(host - ex, f * D[None])).sum(axis=2)
+            else:
+                st = f * D.sum(axis=1)[None] + host.sum(axis=2)
+            out[:, i] = np.median(st, axis=1)
+        return out
+
+
 def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
                    batch: Sequence[float] | None = None, *, form: str = "max", per_sample: bool = False,
-                   speed: Sequence[float] | None = None, device_factor: float = 1.0) -> tuple[float, float]:
+                   speed: Sequence[float] | None = None, device_factor: float = 1.0,
+                   segments: Segments | None = None) -> tuple[float, float]:
     """(h, s): host seconds per priced launch and per local sample fitted to measured steps, step =
     max(device, k · (launches · h + batch · s)) (``form="max"``) or device + that (``"additive"``), where
     ``k`` is each run's host speed (``speed``: how much slower its host ran the same calls than the
@@ -891,41 +995,52 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     refines it; ``s`` (``per_sample``, needs two or more batch sizes) by an outer grid and search.
     ``device_factor`` multiplies every device step first (:func:`fit_step_terms` fits it). Where the
     loss is flat in ``h`` (no run is host-bound at any ``h`` in a range) the smallest such ``h`` is kept:
-    host time the runs do not show is not invented."""
+    host time the runs do not show is not invented.
+
+    ``segments`` (:data:`Segments`): each run's steps as the pricer cuts them at the host's syncs; a
+    run's predicted step is then the median over its steps of the sum over their segments of max(host,
+    device) (what its measured p50 is compared with), which lets a run whose host syncs (the padded
+    reference) fit ``h`` with the others. Without it, each run is one step of one segment
+    (``device_s``, ``launches``)."""
     from scipy.optimize import minimize_scalar
 
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
-    m, d, n = np.asarray(measured_s, float), device_factor * np.asarray(device_s, float), np.asarray(launches, float)
+    m, d, n = np.asarray(measured_s, float), np.asarray(device_s, float), np.asarray(launches, float)
     bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
     k = np.ones_like(m) if speed is None else np.asarray(speed, float)
-    if not (len(m) == len(d) == len(n) == len(bt) == len(k)) or len(m) == 0:
-        raise CalibrationError("fit_host_terms: measured, device, launches, batch and speed need one value per run")
+    if not (len(m) == len(d) == len(n) == len(bt) == len(k)) or len(m) == 0 or (segments is not None and len(segments) != len(m)):
+        raise CalibrationError("fit_host_terms: measured, device, launches, batch, speed (and segments) need one value per run")
     if np.any(m <= 0) or np.any(k <= 0):
         raise CalibrationError("fit_host_terms: measured steps and host speeds must be positive")
+    segs = _segment_arrays(d, n, segments)
+    n_tot = np.array([float(np.median(N.sum(axis=1))) for N, _, _ in segs])
+    d_tot = np.array([float(np.median(D.sum(axis=1))) for _, _, D in segs]) * device_factor
+    f = device_factor
+    steps = _StepSet(segs, k, bt)
 
-    def fit_h(extra: np.ndarray) -> tuple[float, float]:
+    def fit_h(sv: float) -> tuple[float, float]:
         def loss(h: float) -> float:
-            return float(np.sum(np.log(_host_form(d, k * n, h, form, k * extra) / m) ** 2))
+            return float(np.sum(np.log(steps.median(h, sv, f, form)[0] / m) ** 2))
 
         if form == "additive":
-            hi = float(max(1e-9, np.max((m - d) / np.maximum(k * n, 1.0)) * 2 + 1e-6))
+            hi = float(max(1e-9, np.max((m - d_tot) / np.maximum(k * n_tot, 1.0)) * 2 + 1e-6))
             r = minimize_scalar(loss, bounds=(0.0, hi), method="bounded", options={"xatol": 1e-9})
             h = float(max(0.0, r.x))
             return h, loss(h)
-        hi = float(max(1e-9, np.max(m / np.maximum(k * n, 1.0)) * 2))
+        hi = float(max(1e-9, np.max(m / np.maximum(k * n_tot, 1.0)) * 2))
         grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
-        losses = np.sum(np.log(np.maximum(d, grid[:, None] * (k * n) + k * extra) / m) ** 2, axis=1)  # loss() per point
+        losses = np.sum(np.log(steps.median(grid, sv, f, form) / m) ** 2, axis=1)  # loss() per point
         return _refine_on_grid(loss, grid, losses, 1e-10)
 
     s_best = 0.0
-    h, _ = fit_h(np.zeros_like(m))
+    h, _ = fit_h(0.0)
     if per_sample and len(set(bt.tolist())) > 1:
         s_hi = float(np.max(m / np.maximum(k * bt, 1.0)))
         s_grid = np.concatenate(([0.0], np.geomspace(s_hi * 1e-4, s_hi, 120)))
-        s_loss = lambda sv: fit_h(sv * bt)[1]  # noqa: E731
+        s_loss = lambda sv: fit_h(sv)[1]  # noqa: E731
         s_best = _refine_on_grid(s_loss, s_grid, [s_loss(sv) for sv in s_grid], 1e-10)[0]
-        h, _ = fit_h(s_best * bt)
+        h, _ = fit_h(s_best)
     return max(0.0, h), max(0.0, s_best)
 
 
@@ -937,30 +1052,35 @@ DEVICE_FACTOR_PRIOR = 1e-4
 
 def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
                    batch: Sequence[float] | None = None, *, per_sample: bool = False,
-                   speed: Sequence[float] | None = None) -> tuple[float, float, float]:
+                   speed: Sequence[float] | None = None, segments: Segments | None = None) -> tuple[float, float, float]:
     """(h, s, f): :func:`fit_host_terms`' host costs and a device-step factor ``f``, fitted together to
-    measured steps, step = max(f · device, k · (launches · h + batch · s)). ``f`` is the device work no
-    priced op accounts for (small kernels of the optimizer and the allocator, copies, the gaps between
-    dependent kernels), as a share of the priced device step: device-bound runs set it, host-bound ones
-    ``h`` and ``s``. Least squares on log ratios, ``f`` by a log grid over :data:`DEVICE_FACTOR_RANGE`
-    and a bounded search around its best point, ``h`` and ``s`` inside; a weak prior
-    (:data:`DEVICE_FACTOR_PRIOR`) keeps ``f`` at 1 when no run is device-bound.
+    measured steps, step = max(f · device, k · (launches · h + batch · s)) (with ``segments``: per step
+    the sum over the segments between the host's syncs of that max, the median over the steps). ``f``
+    is the device work no priced op accounts for (small kernels of the optimizer and the allocator,
+    copies, the gaps between dependent kernels), as a share of the priced device step: device-bound
+    runs set it, host-bound ones ``h`` and ``s``. Least squares on log ratios, ``f`` by a log grid over
+    :data:`DEVICE_FACTOR_RANGE` and a bounded search around its best point, ``h`` and ``s`` inside; a
+    weak prior (:data:`DEVICE_FACTOR_PRIOR`) keeps ``f`` at 1 when no run is device-bound.
 
-    A host term is kept only where more runs are host-bound under the fit than it has parameters (two
-    for ``h``, three for ``h`` and ``s``): one run above the others' device factor, by its noise, is fitted
-    exactly by any host cost that makes it host-bound alone, which says nothing of the host. Otherwise
-    the term is dropped (``s``, then ``h``) and the rest refitted."""
+    A host term is kept only where more runs are host-bound under the fit (their predicted step is
+    longer than with no host cost) than it has parameters (two for ``h``, three for ``h`` and ``s``):
+    one run above the others' device factor, by its noise, is fitted exactly by any host cost that
+    makes it host-bound alone, which says nothing of the host. Otherwise the term is dropped (``s``,
+    then ``h``) and the rest refitted."""
     m = np.asarray(measured_s, float)
     d = np.asarray(device_s, float)
     n = np.asarray(launches, float)
     bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
     k = np.ones_like(m) if speed is None else np.asarray(speed, float)
+    steps = _StepSet(_segment_arrays(d, n, segments), k, bt)
+
+    def pred(h: float, s: float, f: float) -> np.ndarray:
+        return steps.median(h, s, f, "max")[0]
 
     def terms(f: float, host: bool, samples: bool) -> tuple[float, float, float]:
-        h, s = (fit_host_terms(m, d, n, bt, form="max", per_sample=samples, speed=k, device_factor=f)
+        h, s = (fit_host_terms(m, d, n, bt, form="max", per_sample=samples, speed=k, device_factor=f, segments=segments)
                 if host else (0.0, 0.0))
-        pred = np.maximum(f * d, k * (n * h + bt * s))
-        return h, s, float(np.sum(np.log(pred / m) ** 2) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
+        return h, s, float(np.sum(np.log(pred(h, s, f) / m) ** 2) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
 
     def solve(host: bool, samples: bool) -> tuple[float, float, float]:
         grid = np.geomspace(*DEVICE_FACTOR_RANGE, 57)
@@ -970,7 +1090,7 @@ def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
         return h, s, f
 
     def host_bound(h: float, s: float, f: float) -> int:
-        return int(np.sum(k * (n * h + bt * s) > f * d * (1 + 1e-9)))
+        return int(np.sum(pred(h, s, f) > pred(0.0, 0.0, f) * (1 + 1e-9)))
 
     h, s, f = solve(True, per_sample)
     if s > 0 and host_bound(h, s, f) < 3:
@@ -1008,21 +1128,24 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
-    names, meas, dev, nl, bs, prof = [], [], [], [], [], []
-    # a run whose attention syncs the host on every call breaks the overlap the form assumes: it would
-    # bias the one h every plan is priced with; it informs h only when no other run is there
-    plain = [r for r in runs if r.plan.kernels.attention not in HOST_SYNCING_BACKENDS]
-    for r in plain or runs:
+    names, meas, dev, nl, bs, prof, segments = [], [], [], [], [], [], []
+    # every run, a host-syncing one too: each is priced per measured step as the pricer cuts it at the
+    # host's syncs (one segment without any), and its median step is compared with its measured p50
+    for r in runs:
         st = r.result.step_time if r.result else None
         if st is None or not st.p50_s or st.p50_s <= 0:
             continue
-        p0, n = step_launches(r.plan, res, r.step_moments or r.moments or None, seq_chunk=r.seq_chunk)
-        if p0 <= 0:
+        cut = [step_segments(r.plan, res, mo, seq_chunk=r.seq_chunk) for mo in run_step_moments(r)]
+        if not cut or any(len(c) != len(cut[0]) for c in cut):
+            continue
+        N, E, D = (np.array([[x[j] for x in c] for c in cut]) for j in range(3))
+        if float(np.median(D.sum(axis=1))) <= 0:
             continue
         names.append(r.run)
         meas.append(float(st.p50_s))
-        dev.append(p0)
-        nl.append(n)
+        dev.append(float(np.median(D.sum(axis=1))))
+        nl.append(float(np.median(N.sum(axis=1))))
+        segments.append((N, E, D))
         bs.append(float(r.plan.workload.batch.local(r.plan.mesh.world_size)))
         prof.append(r.host)
     if not names:
@@ -1035,7 +1158,9 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         if reference and all(x is not None for x in ks):
             speed = tuple(float(x) for x in ks)
     if fit_device_factor and form == "max":
-        h, s, f = fit_step_terms(meas, dev, nl, bs, per_sample=per_sample, speed=speed or None)
+        h, s, f = fit_step_terms(meas, dev, nl, bs, per_sample=per_sample, speed=speed or None, segments=segments)
     else:
-        (h, s), f = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None), 1.0
-    return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference, f)
+        (h, s), f = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None,
+                                   segments=segments), 1.0
+    return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference, f,
+                   tuple(segments))

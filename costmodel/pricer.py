@@ -219,15 +219,27 @@ def host_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), e
     return float(sum(host_segments(ctx, arr, recomputed, emb_kernels)[0]))
 
 
-def synced_step(host_s: Sequence[float], device_s: Sequence[float]) -> float:
+def synced_step(host_s: Sequence[float], device_s: Sequence[float], exposed_s: Sequence[float] | None = None) -> float:
     """The step of a host and a device that meet at syncs: between two syncs the host issues its
     segment's work while the device runs what it queued, and at a sync the host waits for the device
     to finish everything queued, so neither runs ahead across it; each segment lasts the longer of its
     host and device times, and the step is their sum. ``host_s[j]``, ``device_s[j]``: the j-th
-    segment's times (one segment, no sync: ``max(host, device)``, the max form)."""
-    if len(host_s) != len(device_s) or not len(host_s):
+    segment's times (one segment, no sync: ``max(host, device)``, the max form). ``exposed_s[j]``: the
+    part of ``host_s[j]`` the device waits through at the segment's start (after the sync, before the
+    host has issued work that keeps the device busy): segment = exposed + max(host − exposed, device)."""
+    if len(host_s) != len(device_s) or not len(host_s) or (exposed_s is not None and len(exposed_s) != len(host_s)):
         raise CoplanError(f"synced_step needs one host and one device time per segment; got {len(host_s)} and {len(device_s)}")
-    return float(sum(max(h, d, 0.0) for h, d in zip(host_s, device_s)))
+    ex = exposed_s if exposed_s is not None else [0.0] * len(host_s)
+    return float(sum(min(e, h) + max(h - min(e, h), d, 0.0) for h, d, e in zip(host_s, device_s, ex)))
+
+
+def sync_exposed(arr, syncs: Sequence[tuple[int, int, str]]) -> list[float]:
+    """Per segment of :func:`host_segments`, the host launches (priced units) the device waits through
+    at its start: none before the first sync; after each, the syncing call's forward kernels before its
+    first matmul (:data:`coplan.costmodel.flops.REFERENCE_EXPOSED_SHARE` of them)."""
+    from coplan.costmodel.flops import REFERENCE_EXPOSED_SHARE
+
+    return [0.0] + [float(arr.fwd_host_launches[k]) * REFERENCE_EXPOSED_SHARE for _, k, _ in syncs]
 
 
 def price(
@@ -239,10 +251,12 @@ def price(
     *,
     detail: bool = True,
     include_embeddings: bool = True,
+    segments: bool = False,
 ) -> StepCost:
     """Price one plan. ``tables=None`` prices a greedy table-wise placement; ``detail=False`` skips the
     per-op rows (the planner's inner loop); ``include_embeddings=False`` prices the dense part alone
-    (no lookups, all-to-alls or embedding memory), the rank-independent base a placement adds to."""
+    (no lookups, all-to-alls or embedding memory), the rank-independent base a placement adds to;
+    ``segments=True`` fills :attr:`StepCost.segments` even without a host cost (the calibration's fit of it)."""
     w = ctx.workload
     kernels = kernels or w.kernels
     balancing = balancing or BalancingPlan()
@@ -502,11 +516,20 @@ def price(
     if factor != 1.0:
         notes.append(f"device step {S.makespan * 1e3:.2f} ms x {factor:.3f} (calibrated device_step_factor: device work "
                      f"the ops do not price) = {device_step * 1e3:.2f} ms")
+    seg_out: tuple[tuple[float, float], ...] = ()
+    if segments or ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
+        segs, syncs = host_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
+        if syncs:
+            dev_at = [factor * _device_position(ctx, S, before, sync_task, moe_parts, f_op, m, k, ph) for m, k, ph in syncs]
+            dev_seg = np.diff(np.concatenate(([0.0], dev_at, [step])))
+        else:
+            dev_seg = np.array([step])
+        exposed = sync_exposed(arr, syncs)
+        seg_out = tuple((float(n), float(e), float(d)) for n, e, d in zip(segs, exposed, dev_seg))
     if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
         # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost and
         # does its per-sample work, concurrently with the device; the step is the longer of the two
         # (without syncs; with them, the sum over the segments between syncs, below)
-        segs, syncs = host_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
         work_s = host_work_s(ctx)
         host_s = ctx.eff.host_launch_s * sum(segs) + work_s
         if host_s > step:
@@ -516,10 +539,8 @@ def price(
         if syncs:
             # at each sync the host waits for the device's queued work: host and device overlap only
             # between syncs, so the step is the sum over the segments of max(host, device)
-            dev_at = [factor * _device_position(ctx, S, before, sync_task, moe_parts, f_op, m, k, ph) for m, k, ph in syncs]
             per_launch = host_s / max(sum(segs), 1e-300)  # the per-sample host work spread with the launches
-            dev_seg = np.diff(np.concatenate(([0.0], dev_at, [step])))
-            synced = synced_step([n * per_launch for n in segs], dev_seg.tolist())
+            synced = synced_step([n * per_launch for n in segs], dev_seg.tolist(), [e * per_launch for e in exposed])
             notes.append(f"the host syncs with the device {len(syncs)} times per step (attention backend '{kernels.attention}' "
                          f"reads the longest length back): step priced as the sum over the {len(syncs) + 1} segments between "
                          f"syncs of max(host, device), {synced * 1e3:.2f} ms against max(host {host_s * 1e3:.2f}, "
@@ -599,6 +620,7 @@ def price(
         memory=mem, hbm_capacity_bytes=hbm, ops=tuple(ops_out), comms=tuple(comms_out), layers=layers_perf,
         rank_ids=tuple(int(r) for r in ids), rank_time_s=rank_time, rank_memory_bytes=rank_mem, goodput=gp, notes=tuple(notes),
         unpriced_device_s=max(0.0, device_step - S.makespan) if step <= device_step else 0.0,
+        segments=seg_out,
     )
 
 
@@ -647,4 +669,4 @@ def _state_bytes(ctx: Context) -> float:
     return hit
 
 
-__all__ = ["default_assignment", "embedding_loads", "host_launches", "host_segments", "price", "synced_step"]
+__all__ = ["default_assignment", "embedding_loads", "host_launches", "host_segments", "price", "sync_exposed", "synced_step"]

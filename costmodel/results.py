@@ -234,6 +234,17 @@ class StepCost:
     """Step time added by a calibration's device-step factor (device work no priced op accounts for) when the
     step is the device's; 0 without one, or when the host's time sets the step."""
 
+    segments: tuple[tuple[float, float, float], ...] = ()
+    """The step cut at the host's syncs with the device, per segment (host launches, of them those the
+    device waits through at the segment's start, device seconds): the launches are
+    :func:`coplan.costmodel.pricer.host_segments`' and :func:`~coplan.costmodel.pricer.sync_exposed`'
+    (priced units), the device time is the priced device step's share between two syncs, the
+    device-step factor applied. One segment, (all launches, 0, the device step), when nothing syncs.
+    Filled when the pricer is asked for it (``price(..., segments=True)``) or prices a host cost; the
+    step is then Σ exposed host + max(the rest of the host, device), the host's time being
+    ``host_launch_s`` × launches plus the segment's share of the per-sample host work
+    (:func:`~coplan.costmodel.pricer.synced_step`)."""
+
     @property
     def compute_s(self) -> float:
         return self.perf.compute_s
