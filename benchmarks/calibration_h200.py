@@ -90,7 +90,7 @@ class Variant:
     """One trainer run: changes to the base workload and plan."""
 
     name: str
-    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5" | "fresh6"
+    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5" | "fresh6" | "fresh7"
     batch: float = 1.0
     """Local batch as a fraction of the base's (reference attention: see ``ref_batch``)."""
     history_mean: float = 1.0
@@ -235,11 +235,28 @@ and 960 (σ 0.75); widths 1,408 at depth 3 and 384 at depth 9; recompute at dept
 on DB_FIT + DB_FIT_REF2 (run in the same lease), nothing may be chosen on its results. Run:
 ``--variant-set device-bound-3``."""
 
+# Round 9: defined on 2026-11-30 at about 03:35 UTC, before any run of it existed, after round 8 (FRESH6) had been
+# run and analysed and the trainer's FFN activation moved from the ffn_up op range to norm_act (the trace charged
+# the SiLU to the GEMM; the cost model prices it with the norms). Fitted on DB_FIT + DB_FIT_REF2 re-run in the
+# same lease.
+FRESH7: tuple[Variant, ...] = (
+    Variant("B216-h832", "fresh7", batch=3.375, history_mean=0.8125, history_sigma=0.85),
+    Variant("B144-d1536-L2", "fresh7", batch=2.25, width=1.5, depth=0.5),
+    Variant("B264-d640-L6", "fresh7", batch=4.125, width=0.625, depth=1.5),
+    Variant("B208-rc-L6", "fresh7", batch=3.25, recompute=True, depth=1.5),
+    Variant("B288-nomoe-h1152-L5", "fresh7", batch=4.5, moe=False, history_mean=1.125, history_sigma=0.7, depth=1.25),
+    Variant("ref-b15-h704", "fresh7", attention="reference", ref_batch=15, history_mean=0.6875, history_sigma=0.8),
+)
+"""The fourth device-bound held-out set (split ``fresh7``): local batch 216, 144, 264, 208 with recompute and 288
+and the reference at 15 (no earlier variant used these); history mean 832 (σ 0.85), 1,152 (σ 0.7) and 704 (σ 0.8);
+widths 1,536 at depth 2 and 640 at depth 6; recompute at depth 6; MoE off at depth 5. Fitted on DB_FIT +
+DB_FIT_REF2 (run in the same lease), nothing may be chosen on its results. Run: ``--variant-set device-bound-4``."""
+
 ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
                                     | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3}
                                     | {v.name: v for v in DB_FIT} | {v.name: v for v in FRESH4}
                                     | {v.name: v for v in FRESH5} | {v.name: v for v in DB_FIT_REF2}
-                                    | {v.name: v for v in FRESH6})
+                                    | {v.name: v for v in FRESH6} | {v.name: v for v in FRESH7})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,6 +440,8 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = [v for pair in zip(DB_FIT, FRESH5) for v in pair]
     elif args.variant_set == "device-bound-3":
         chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH6 + (None,)) for v in pair if v is not None]
+    elif args.variant_set == "device-bound-4":
+        chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH7 + (None,)) for v in pair if v is not None]
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
@@ -561,7 +580,7 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6")
+SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6", "fresh7")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
@@ -673,11 +692,12 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     fresh4_names = [n for n, r in rows.items() if r["split"] == "fresh4" and n in runs]
     fresh5_names = [n for n, r in rows.items() if r["split"] == "fresh5" and n in runs]
     fresh6_names = [n for n, r in rows.items() if r["split"] == "fresh6" and n in runs]
-    # every split the predictions below cover (fresh2-6 reported apart, like fresh)
-    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names + fresh6_names
+    fresh7_names = [n for n, r in rows.items() if r["split"] == "fresh7" and n in runs]
+    # every split the predictions below cover (fresh2-7 reported apart, like fresh)
+    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names + fresh6_names + fresh7_names
     out: dict = {"variants": rows, "fit_split": fit_split, "fit_runs": fit_names, "heldout_runs": held_names,
                  "fresh_runs": fresh_names, "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
-                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names,
+                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names, "fresh7_runs": fresh7_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -859,6 +879,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["fresh4"] = summary(fresh4_names) if fresh4_names else {}
     out["fresh5"] = summary(fresh5_names) if fresh5_names else {}
     out["fresh6"] = summary(fresh6_names) if fresh6_names else {}
+    out["fresh7"] = summary(fresh7_names) if fresh7_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -879,6 +900,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["goals_fresh4"] = goals(out["fresh4"])
     out["goals_fresh5"] = goals(out["fresh5"])
     out["goals_fresh6"] = goals(out["fresh6"])
+    out["goals_fresh7"] = goals(out["fresh7"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -900,7 +922,8 @@ def print_table(res: dict) -> None:
     for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
                               ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
                               ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4"),
-                              ("fresh5 held-out", "fresh5", "goals_fresh5"), ("fresh6 held-out", "fresh6", "goals_fresh6")):
+                              ("fresh5 held-out", "fresh5", "goals_fresh5"), ("fresh6 held-out", "fresh6", "goals_fresh6"),
+                              ("fresh7 held-out", "fresh7", "goals_fresh7")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -989,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "device-bound-3", "all"], default="main",
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "device-bound-3", "device-bound-4", "all"], default="main",
                    help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
                         "(defined before any of its runs); fresh3: the fourth (likewise); device-bound: the 12 variants at "
                         "the trainer's operating point (6 fit_db, 6 fresh4, alternating); device-bound-2: 6 fit_db, 6 fresh5; "

@@ -296,7 +296,7 @@ def test_padded_reference_is_priced_as_it_runs():
     (no causal halving, no flash recompute) with its fp32 score passes and pad copies; model FLOPs
     stay those of the real lengths (never the padding)."""
     from coplan.costmodel import flops as F
-    from coplan.costmodel.context import _expected_max_moments, build_context, op_arrays
+    from coplan.costmodel.context import REFERENCE_PAD_MULTIPLE, _expected_max_moments, build_context, op_arrays
 
     plan = _plan(8, 512)
     w = plan.workload
@@ -307,7 +307,7 @@ def test_padded_reference_is_priced_as_it_runs():
     tri, pad = op_arrays(ctx, w.kernels), op_arrays(ctx, ref.kernels)
     names = [ctx.ops[i].name for i in ctx.dense_idx]
     g, s = names.index("interformer.0.gdpa"), names.index("interformer.0.summary_attn")
-    p1, p2 = _expected_max_moments(ref.sequence("history").length, ctx.mb_batch)
+    p1, p2 = _expected_max_moments(ref.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
     n = ctx.mb_batch
     assert pad.fwd_flops[g] == pytest.approx(n * 4 * H * dh * p2)  # full P² pairs, 4·H·dₕ each
     assert pad.bwd_flops[g] == pytest.approx(n * 8 * H * dh * p2)  # no recomputed QKᵀ
@@ -333,7 +333,7 @@ def test_padded_reference_priced_at_the_batches_longest_lengths_when_known():
     length pmf's E[max L], E[max L²] for the padded reference: its GDPA FLOPs scale with the measured
     E[M²] exactly, and the Triton backend ignores them."""
     from coplan.costmodel.calibrate import PADDED_SUFFIX, apply_moments, measured_moments
-    from coplan.costmodel.context import build_context, op_arrays
+    from coplan.costmodel.context import build_context, op_arrays, padded_length_moments
 
     plan = _plan(8, 512)
     w = plan.workload
@@ -352,9 +352,12 @@ def test_padded_reference_priced_at_the_batches_longest_lengths_when_known():
     blk = next(b for b in w.blocks if b.name == "interformer")
     apply_moments(ctx, mom)
     pad = op_arrays(ctx, ref.kernels)
-    assert pad.fwd_flops[g] == pytest.approx(ctx.mb_batch * 4 * blk.num_heads * blk.head_dim * mom["history" + PADDED_SUFFIX][1])
-    apply_moments(ctx, {"history" + PADDED_SUFFIX: (4000.0, 4000.0**2)})
-    assert op_arrays(ctx, ref.kernels).fwd_flops[g] == pytest.approx(pad.fwd_flops[g] * 16e6 / 5e6)
+    # the reference pads to a multiple of 16: the spread's moments get the rounding's mean and spread
+    padded = padded_length_moments(*mom["history" + PADDED_SUFFIX])
+    assert padded[1] == pytest.approx(5e6 + 2 * 2000 * 7.5 + 15 * 31 / 6)
+    assert pad.fwd_flops[g] == pytest.approx(ctx.mb_batch * 4 * blk.num_heads * blk.head_dim * padded[1])
+    apply_moments(ctx, {"history" + PADDED_SUFFIX: (4000.0, 4000.0**2)})  # one length, a multiple of 16: exact
+    assert op_arrays(ctx, ref.kernels).fwd_flops[g] == pytest.approx(pad.fwd_flops[g] * 16e6 / padded[1])
     # the fused kernels never pad: the same measured maxima change nothing there
     plain = build_context(w, plan.topology, plan.mesh)
     before = op_arrays(plain, w.kernels).fwd_flops[g]

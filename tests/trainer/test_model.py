@@ -191,3 +191,34 @@ def test_gemm_segment_sum_matches_the_reduction(dtype):
     x = torch.randn(6, 24, generator=g).to(dtype).requires_grad_()
     (expand_segments(x, seg, offsets).float() * grad.float()).sum().backward()
     torch.testing.assert_close(x.grad.float(), want.to(dtype).float())
+
+
+def test_ffn_activation_runs_in_the_norm_act_range(tmp_path):
+    """The cost model prices the FFN's SiLU with the layer's norms (``norm_act``, elementwise), so the trainer
+    runs it in that range: inside ``ffn_up``'s, the trace charged it to the GEMM."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from coplan.costmodel.traces import attribute
+
+    ffn = layers_mod.FFN(16, 64, "interformer.0")
+    x = torch.randn(8, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ffn(x).sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    trace = json.loads((tmp_path / "t.json").read_text())
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ranges = [e for e in ev if e["name"].startswith("interformer.0.")]
+
+    def enclosing(e):
+        inside = [r for r in ranges if r["tid"] == e["tid"] and r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"]]
+        return {r["name"] for r in inside}
+
+    silu = [e for e in ev if e["name"] == "aten::silu"]
+    mm = [e for e in ev if e["name"] in ("aten::linear", "aten::mm", "aten::matmul") and enclosing(e)]
+    assert silu and all(enclosing(e) == {"interformer.0.norm_act"} for e in silu)
+    assert {n for e in mm for n in enclosing(e)} == {"interformer.0.ffn_up", "interformer.0.ffn_down"}
+    att = attribute(trace)
+    assert {(o.name, o.phase) for o in att.ops} >= {(f"interformer.0.{n}", ph) for n in ("ffn_up", "norm_act", "ffn_down")
+                                                     for ph in ("fwd", "bwd")}

@@ -1,0 +1,116 @@
+"""Issue 8, round 8: the step cut at the host's syncs (``StepCost.segments``), the syncing call's kernels the
+device waits through, the host-cost fit over runs priced per step and segment, and a run's median step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coplan.costmodel import flops as F
+from coplan.costmodel.calibrate import (CalibrationError, fit_host_terms, fit_step_terms, measured_moments,
+                                        predict_median_step, predict_step_time)
+from coplan.costmodel.context import build_context, op_arrays
+from coplan.costmodel.pricer import _layer_map, host_launches, price, sync_exposed, synced_step
+from coplan.errors import CoplanError
+
+from .test_reference_host import _cal, _plan
+
+
+def test_synced_step_waits_through_the_exposed_host_part():
+    # a segment: exposed host first, then the rest of the host beside the device
+    assert synced_step([3.0], [2.0], [1.0]) == pytest.approx(1.0 + max(2.0, 2.0))
+    assert synced_step([3.0, 2.0], [5.0, 1.0], [0.0, 2.0]) == pytest.approx(5.0 + 2.0 + 1.0)
+    # exposure beyond the segment's host time is capped at it; none exposed: the sum of maxima
+    assert synced_step([1.0], [4.0], [9.0]) == pytest.approx(1.0 + 4.0)
+    assert synced_step([3.0, 1.0], [1.0, 4.0], [0.0, 0.0]) == pytest.approx(synced_step([3.0, 1.0], [1.0, 4.0]))
+    with pytest.raises(CoplanError, match="one host and one device time per segment"):
+        synced_step([1.0, 1.0], [1.0, 1.0], [0.0])
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_segments_add_up_to_the_launches_and_the_device_step(attention):
+    """The segments' launches sum to the host launches, their device times to the device step; the
+    reference's segments start (after the first) with the syncing call's kernels before its first matmul."""
+    p = _plan(attention, batch=16, mean_len=1024)
+    ctx = build_context(p.workload, p.topology, p.mesh, _cal())
+    sc = price(ctx, None, p.layers, p.balancing, p.kernels, segments=True)
+    segs = np.array(sc.segments)
+    rec, fp8 = _layer_map(ctx, p.layers)
+    arr = op_arrays(ctx, p.kernels, fp8)
+    # the launches are the host's: a dominant host cost prices the step at their sum
+    big = price(build_context(p.workload, p.topology, p.mesh, _cal(1.0)), None, p.layers, p.balancing, p.kernels)
+    assert big.step_time_s == pytest.approx(segs[:, 0].sum(), rel=1e-6)
+    assert segs[:, 0].sum() >= host_launches(ctx, arr, rec, 0.0)
+    assert segs[:, 2].sum() == pytest.approx(sc.step_time_s)
+    assert np.all(segs[:, 2] >= -1e-12) and np.all(segs[:, 1] <= segs[:, 0])
+    if attention == "triton":
+        assert len(segs) == 1 and segs[0, 1] == 0.0
+        return
+    syncing = [k for k in range(len(ctx.dense_idx)) if arr.fwd_syncs[k] > 0]
+    assert len(segs) == 1 + len(syncing) * ctx.micro_batches
+    assert segs[0, 1] == 0.0
+    assert segs[1:, 1] == pytest.approx([arr.fwd_host_launches[k] * F.REFERENCE_EXPOSED_SHARE for k in syncing] * ctx.micro_batches)
+    assert 0.5 < F.REFERENCE_EXPOSED_SHARE < 1.0
+    # a host cost: the pricer's step is the synced form over these segments
+    h = 2e-4
+    priced = price(build_context(p.workload, p.topology, p.mesh, _cal(h)), None, p.layers, p.balancing, p.kernels).step_time_s
+    assert priced == pytest.approx(synced_step(list(segs[:, 0] * h), list(segs[:, 2]), list(segs[:, 1] * h)), rel=1e-9)
+
+
+def test_sync_exposed_is_nothing_without_syncs():
+    p = _plan("triton")
+    ctx = build_context(p.workload, p.topology, p.mesh, _cal())
+    assert sync_exposed(op_arrays(ctx, p.kernels), []) == [0.0]
+
+
+def _synced_runs(rng, h, f, n_runs=4, steps=9, segs=5, noise=0.01):
+    """Synthetic runs that sync: per step and segment launches, exposed launches and device times (the
+    device varying with each step's lengths), and their measured p50 under (h, f)."""
+    out, meas = [], []
+    for _ in range(n_runs):
+        N = np.tile(rng.uniform(20, 80, segs), (steps, 1))
+        E = N * 0.5
+        E[:, 0] = 0.0
+        D = rng.uniform(0.002, 0.03, (steps, segs)) * rng.uniform(0.5, 2.0, (steps, 1))
+        st = (h * E + np.maximum(h * (N - E), f * D)).sum(axis=1)
+        meas.append(float(np.median(st)) * float(np.exp(noise * rng.standard_normal())))
+        out.append((N, E, D))
+    return out, np.array(meas)
+
+
+def test_fit_recovers_the_host_cost_from_runs_that_sync():
+    """Syncing runs alone identify h (their host time is exposed at every sync), together with device-bound
+    runs that set f; the same runs read as one max-form segment each would not."""
+    rng = np.random.default_rng(7)
+    segs, m_sync = _synced_runs(rng, h=3e-4, f=1.05)
+    d_plain = rng.uniform(0.1, 0.3, 4)
+    n_plain = rng.uniform(150, 300, 4)
+    m_plain = 1.05 * d_plain * np.exp(0.005 * rng.standard_normal(4))
+    plain = [(np.array([[n]]), np.zeros((1, 1)), np.array([[d]])) for n, d in zip(n_plain, d_plain)]
+    m = np.concatenate([m_sync, m_plain])
+    dev = [float(np.median(D.sum(axis=1))) for _, _, D in segs] + list(d_plain)
+    nl = [float(N[0].sum()) for N, _, _ in segs] + list(n_plain)
+    h, s, f = fit_step_terms(m, dev, nl, None, segments=segs + plain)
+    assert h == pytest.approx(3e-4, rel=0.08)
+    assert f == pytest.approx(1.05, abs=0.02)
+    assert s == 0.0
+    # a host term needs two host-bound runs: with one syncing run it is dropped
+    h1, _, _ = fit_step_terms(m[[0, 4, 5, 6, 7]], [dev[i] for i in (0, 4, 5, 6, 7)], [nl[i] for i in (0, 4, 5, 6, 7)], None,
+                              segments=[(segs + plain)[i] for i in (0, 4, 5, 6, 7)])
+    assert h1 == 0.0
+    with pytest.raises(CalibrationError, match="one value per step and segment"):
+        fit_host_terms(m[:1], dev[:1], nl[:1], segments=[(np.ones((2, 3)), np.zeros((2, 2)), np.ones((2, 3)))])
+
+
+def test_a_runs_median_step_is_the_median_of_its_steps_prices():
+    """Per-step moments from metrics.jsonl (seq_stats, seq_max), priced one by one; the median is the p50's
+    counterpart. The padded reference's price grows with each step's longest length."""
+    p = _plan("reference", batch=8, mean_len=512)
+    rows = [{"step": i, "seq_stats": {"history": [8.0, 8.0 * L / 2, 8.0 * L * L / 3]}, "seq_max": {"history": [L]}}
+            for i, L in enumerate((400, 1200, 800, 2000, 600))]
+    each = [measured_moments(rows, [i]) for i in range(5)]
+    assert each[3]["history@max"] == (2000.0, 4.0e6)
+    prices = [predict_step_time(p, None, mo) for mo in each]
+    assert prices[3] > prices[1] > prices[2] > prices[4] > prices[0]
+    assert predict_median_step(p, None, each) == pytest.approx(prices[2])
+    assert predict_median_step(p, None, []) == pytest.approx(predict_step_time(p, None, None))
