@@ -90,7 +90,7 @@ class Variant:
     """One trainer run: changes to the base workload and plan."""
 
     name: str
-    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5" | "fresh6" | "fresh7"
+    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5" | "fresh6" | "fresh7" | "fresh8"
     batch: float = 1.0
     """Local batch as a fraction of the base's (reference attention: see ``ref_batch``)."""
     history_mean: float = 1.0
@@ -252,11 +252,28 @@ and the reference at 15 (no earlier variant used these); history mean 832 (σ 0.
 widths 1,536 at depth 2 and 640 at depth 6; recompute at depth 6; MoE off at depth 5. Fitted on DB_FIT +
 DB_FIT_REF2 (run in the same lease), nothing may be chosen on its results. Run: ``--variant-set device-bound-4``."""
 
+# Round 10: defined on 2026-11-30 at about 04:20 UTC, before any run of it existed, after round 9 (FRESH7) had been
+# run and analysed and the reference's pricing changed on what rounds 8-9 showed (its bytes at a memory efficiency
+# of its own, Calibration.unfused_memory_efficiency; its host's forward after each sync exposed, not overlapped).
+FRESH8: tuple[Variant, ...] = (
+    Variant("B224-h960", "fresh8", batch=3.5, history_mean=0.9375, history_sigma=0.8),
+    Variant("B184-d1152-L3", "fresh8", batch=2.875, width=1.125, depth=0.75),
+    Variant("B240-d512-L7", "fresh8", batch=3.75, width=0.5, depth=1.75),
+    Variant("B200-rc-h896-L3", "fresh8", batch=3.125, recompute=True, history_mean=0.875, history_sigma=0.85, depth=0.75),
+    Variant("B312-nomoe-L6", "fresh8", batch=4.875, moe=False, depth=1.5),
+    Variant("ref-b11-s09", "fresh8", attention="reference", ref_batch=11, history_sigma=0.9),
+)
+"""The fifth device-bound held-out set (split ``fresh8``): local batch 224, 184, 240, 200 with recompute and 312
+and the reference at 11 with σ 0.9; history mean 960 (σ 0.8) and 896 (σ 0.85); widths 1,152 at depth 3 and 512 at
+depth 7; recompute at depth 3; MoE off at depth 6. Fitted on DB_FIT + DB_FIT_REF2 (run in the same lease), nothing
+may be chosen on its results. Run: ``--variant-set device-bound-5``."""
+
 ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
                                     | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3}
                                     | {v.name: v for v in DB_FIT} | {v.name: v for v in FRESH4}
                                     | {v.name: v for v in FRESH5} | {v.name: v for v in DB_FIT_REF2}
-                                    | {v.name: v for v in FRESH6} | {v.name: v for v in FRESH7})
+                                    | {v.name: v for v in FRESH6} | {v.name: v for v in FRESH7}
+                                    | {v.name: v for v in FRESH8})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,6 +459,8 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH6 + (None,)) for v in pair if v is not None]
     elif args.variant_set == "device-bound-4":
         chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH7 + (None,)) for v in pair if v is not None]
+    elif args.variant_set == "device-bound-5":
+        chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH8 + (None,)) for v in pair if v is not None]
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
@@ -580,7 +599,7 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6", "fresh7")
+SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
@@ -693,11 +712,13 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     fresh5_names = [n for n, r in rows.items() if r["split"] == "fresh5" and n in runs]
     fresh6_names = [n for n, r in rows.items() if r["split"] == "fresh6" and n in runs]
     fresh7_names = [n for n, r in rows.items() if r["split"] == "fresh7" and n in runs]
-    # every split the predictions below cover (fresh2-7 reported apart, like fresh)
-    fresh_names_all = fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names + fresh6_names + fresh7_names
+    fresh8_names = [n for n, r in rows.items() if r["split"] == "fresh8" and n in runs]
+    # every split the predictions below cover (fresh2-8 reported apart, like fresh)
+    fresh_names_all = (fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names + fresh6_names + fresh7_names
+                       + fresh8_names)
     out: dict = {"variants": rows, "fit_split": fit_split, "fit_runs": fit_names, "heldout_runs": held_names,
                  "fresh_runs": fresh_names, "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
-                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names, "fresh7_runs": fresh7_names,
+                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names, "fresh7_runs": fresh7_names, "fresh8_runs": fresh8_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -880,6 +901,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["fresh5"] = summary(fresh5_names) if fresh5_names else {}
     out["fresh6"] = summary(fresh6_names) if fresh6_names else {}
     out["fresh7"] = summary(fresh7_names) if fresh7_names else {}
+    out["fresh8"] = summary(fresh8_names) if fresh8_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -901,6 +923,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["goals_fresh5"] = goals(out["fresh5"])
     out["goals_fresh6"] = goals(out["fresh6"])
     out["goals_fresh7"] = goals(out["fresh7"])
+    out["goals_fresh8"] = goals(out["fresh8"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -923,7 +946,7 @@ def print_table(res: dict) -> None:
                               ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
                               ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4"),
                               ("fresh5 held-out", "fresh5", "goals_fresh5"), ("fresh6 held-out", "fresh6", "goals_fresh6"),
-                              ("fresh7 held-out", "fresh7", "goals_fresh7")):
+                              ("fresh7 held-out", "fresh7", "goals_fresh7"), ("fresh8 held-out", "fresh8", "goals_fresh8")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -1012,7 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "device-bound-3", "device-bound-4", "all"], default="main",
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "device-bound-3", "device-bound-4", "device-bound-5", "all"], default="main",
                    help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
                         "(defined before any of its runs); fresh3: the fourth (likewise); device-bound: the 12 variants at "
                         "the trainer's operating point (6 fit_db, 6 fresh4, alternating); device-bound-2: 6 fit_db, 6 fresh5; "

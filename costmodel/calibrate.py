@@ -7,9 +7,10 @@ function of the parameters of its op class ``c``:
 
     t̂ = max(F / (peak · e_c), (B + B_fixed) / (hbm_bw · m_c)) + launches · λ_c
 
-(an unfused op, the padded reference attention, adds ``S / (hbm_bw · m_elementwise)`` for the bytes
-``S`` of its separate elementwise kernels, which run after its matmuls; its matmuls' bytes use the gemm
-class's ``m``: each kernel costs its own roofline and the op costs their sum)
+(an unfused op, the padded reference attention, adds ``S / (hbm_bw · m_u)`` for the bytes ``S`` of its
+separate elementwise kernels, which run after its matmuls; its matmuls' bytes use the same ``m_u``, the
+memory efficiency of :data:`coplan.costmodel.context.UNFUSED_MEMORY_CLASS`: each kernel costs its own
+roofline and the op costs their sum)
 
 ``F``, ``B``, ``launches`` come from the same context the planner prices with (built once with unit
 efficiencies, so ``F/peak`` and ``B/hbm_bw`` are read off directly) and the *measured* length moments
@@ -94,7 +95,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from coplan import __version__
-from coplan.costmodel.context import UNFUSED_MATMUL_MEMORY_CLASS, build_context, op_arrays
+from coplan.costmodel.context import UNFUSED_MEMORY_CLASS, build_context, op_arrays
 from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.costmodel.traces import (HostProfile, TraceAttribution, TraceError, attribute, host_profile, host_speed_index,
                                      load_trace)
@@ -134,10 +135,11 @@ class Sample:
     launches: float
     serial_mem_s: float = 0.0
     """Bytes of the op's separate elementwise kernels / HBM bandwidth (an unfused op: the padded
-    reference), priced at the elementwise class's memory efficiency and added to the roofline."""
+    reference), priced at :data:`coplan.costmodel.context.UNFUSED_MEMORY_CLASS`'s memory efficiency and
+    added to the roofline."""
     mem_class: str = ""
     """Class whose memory efficiency prices ``mem_s`` ("": the op's own; an unfused op's matmuls:
-    :data:`coplan.costmodel.context.UNFUSED_MATMUL_MEMORY_CLASS`)."""
+    :data:`coplan.costmodel.context.UNFUSED_MEMORY_CLASS`)."""
     lookup_groups: tuple[tuple[float, float], ...] = ()
     """The sequence lookups' kernels within this sample (the embedding forward), one per group of
     tables: (bytes / HBM bandwidth, serial ids: waves × ids in the longest bag × micro-batches). Each
@@ -184,7 +186,7 @@ def _unit_calibration(device: str) -> Calibration:
     return Calibration(
         device=device,
         op_classes={c: OpClassCalibration(compute_efficiency=ones, memory_efficiency=1.0, launch_overhead_s=0.0) for c in CLASSES},
-        lookup_id_latency_s=0.0,
+        lookup_id_latency_s=0.0, unfused_memory_efficiency=1.0,
     )
 
 
@@ -387,7 +389,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
             # priced as the padded reference runs (context.op_arrays): fitted under its own key
             dt = REFERENCE_ATTENTION_DTYPE
         unfused = bool(arr.fwd_serial_s[k] > 0 or arr.bwd_serial_s[k] > 0)
-        mc = UNFUSED_MATMUL_MEMORY_CLASS if unfused else ""
+        mc = UNFUSED_MEMORY_CLASS if unfused else ""
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
                             float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb,
                             serial_mem_s=float(arr.fwd_serial_s[k]), mem_class=mc))
@@ -507,7 +509,7 @@ def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], me
         e = compute.get((s.op_class, s.dtype), 1.0)
         m = memory.get(s.mem_class or s.op_class, 1.0)
         # an unfused op: its separate elementwise kernels run after its matmuls, so their time adds
-        serial = s.serial_mem_s / memory.get("elementwise", 1.0) if s.serial_mem_s > 0 else 0.0
+        serial = s.serial_mem_s / memory.get(UNFUSED_MEMORY_CLASS, 1.0) if s.serial_mem_s > 0 else 0.0
         # the sequence lookups: each kernel the longer of its bytes and its warps' serial bag walk
         look = sum(max(gm / m, gi * t_id) for gm, gi in s.lookup_groups)
         out[i] = max(s.flop_s / e, s.mem_s / m) + look + serial + s.launches * launch_s.get(s.op_class, 0.0)
@@ -526,7 +528,7 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
         raise CalibrationError("nothing to fit: no measured op")
     keys_c = sorted({(s.op_class, s.dtype) for s in samples if s.flop_s > 0})
     keys_m = sorted({s.mem_class or s.op_class for s in samples if s.mem_s > 0}
-                    | {"elementwise" for s in samples if s.serial_mem_s > 0})
+                    | {UNFUSED_MEMORY_CLASS for s in samples if s.serial_mem_s > 0})
     keys_l = sorted({s.op_class for s in samples if s.launches > 0})
     has_lookup = any(gi > 0 for s in samples for _, gi in s.lookup_groups)
     t0 = default_lookup_id_s if default_lookup_id_s else DEFAULT_LOOKUP_ID_LATENCY_S
@@ -641,6 +643,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         device_step_factor=f if host_fit else None,
         host_op_median_us=host_ref,
         lookup_id_latency_s=res.lookup_id_s,
+        unfused_memory_efficiency=_unfused_memory(res),
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
             max_abs_rel_error=float(np.max(rel)),
@@ -786,7 +789,13 @@ def _device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0)
         la = res.launch_s.get(c, eff.launch_s.get(c, 0.0)) + extra_launch_s
         cls[c] = OpClassCalibration(compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me),
                                     launch_overhead_s=min(1.0, la))
-    return Calibration(device=plan.topology.gpu.name, op_classes=cls, lookup_id_latency_s=res.lookup_id_s)
+    return Calibration(device=plan.topology.gpu.name, op_classes=cls, lookup_id_latency_s=res.lookup_id_s,
+                       unfused_memory_efficiency=_unfused_memory(res))
+
+
+def _unfused_memory(res: FitResult) -> float | None:
+    m = res.memory.get(UNFUSED_MEMORY_CLASS)
+    return None if m is None else min(1.0, m)
 
 
 def step_launches(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None, *,

@@ -39,6 +39,7 @@ backward lower; jagged variable-length kernels (GDPA, HSTU-style Triton) lose mo
 DEFAULT_MEMORY_EFFICIENCY: dict[str, float] = {
     "gemm": 0.85, "attention": 0.85, "elementwise": 0.85,
     "embedding": 3.2e12 / 4.8e12,
+    "unfused": 0.85,
 }
 """Fraction of datasheet HBM bandwidth for bandwidth-bound kernels when the topology gives no
 measured copy rate. Embedding: TorchRec's fused TBE reached 3.2 TB/s on an H200 in the coplan brief's
@@ -161,7 +162,7 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     memory = dict(DEFAULT_MEMORY_EFFICIENCY)
     if gpu.measured_hbm_bw_bytes_per_s:
         copy = min(1.0, gpu.measured_hbm_bw_bytes_per_s / gpu.hbm_bw_bytes_per_s)
-        for k in ("gemm", "attention", "elementwise"):
+        for k in ("gemm", "attention", "elementwise", "unfused"):
             memory[k] = copy
         memory["embedding"] = copy * TBE_OVER_COPY
         sources["memory"] = f"topology '{topology.name}': measured copy {gpu.measured_hbm_bw_bytes_per_s / 1e12:.2f} TB/s"
@@ -179,6 +180,9 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
                 memory[cls] = oc.memory_efficiency
             if oc.launch_overhead_s is not None:
                 launch[cls] = oc.launch_overhead_s
+        if calibration.unfused_memory_efficiency is not None:
+            memory["unfused"] = calibration.unfused_memory_efficiency
+            sources["memory.unfused"] = f"calibration ({calibration.device})"
         for tier, d in calibration.collective_efficiency.items():
             for c, e in d.items():
                 collective[(tier, c)] = e

@@ -794,16 +794,6 @@ _REF_KERNELS_BWD = 28
 summary call)."""
 
 
-_REF_KERNELS_BEFORE_MATMUL = 55
-"""Of :data:`_REF_KERNELS_FWD`, those the host issues after the call's sync and before its first matmul:
-the lengths and their maxima (5), the three pads (36), the mask (14). The device has drained at the sync
-and runs each of these small kernels faster than the host issues the next, so their host time is not
-hidden under device work (on the H200 round-7 traces each reference call ended 2-4.5 ms of GPU idle,
-the summary calls, whose device work is small, the most)."""
-REFERENCE_EXPOSED_SHARE = _REF_KERNELS_BEFORE_MATMUL / _REF_KERNELS_FWD
-"""Share of a syncing reference call's forward host launches the device waits through after the sync."""
-
-
 def reference_kernels(kind: str, causal: bool, activation: str = "silu") -> tuple[int, int]:
     """(forward, backward) kernels one call of the padded reference issues: the causal mask adds 4
     (shift, compare, and, broadcast index), softmax 4 forward (two masked fills, ``any``, the product

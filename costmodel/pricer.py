@@ -177,9 +177,28 @@ def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), e
     the embedding backward; the optimizer once at the end. Each op counts its host launches
     (:attr:`OpArrays.fwd_host_launches`: the priced launches, or the kernels of an op whose host
     issues more, in priced units), so the launches add up to :func:`host_launches`."""
+    segs, syncs, _ = _walk_segments(ctx, arr, recomputed, emb_kernels)
+    return segs, syncs
+
+
+def sync_exposed(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0) -> list[float]:
+    """Per segment of :func:`host_segments`, the host launches (priced units) the device waits through:
+    none before the first sync; after each, every forward (or recompute) launch up to the segment's first
+    backward one. At a sync the device drains, and in the forward that follows the host issues each op's
+    kernels about as the device runs them (the reference's own calls are ~84 host-heavy kernels each), so
+    the host's forward after a sync is not hidden under device work; the backward, which never syncs,
+    runs ahead of the device as without syncs. Measured: on the H200 (calibration rounds 8-9, six runs of
+    the padded reference at 12-15 samples, longest lengths 1,000-4,096) each step is linear in
+    batch × padded length² with a slope equal to the priced attention's device time (0.86-0.89 ms per
+    10^6 across all six runs) and an intercept of 50-71 ms: host and device add up, they do not overlap."""
+    return _walk_segments(ctx, arr, recomputed, emb_kernels)[2]
+
+
+def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: float
+                   ) -> tuple[list[float], list[tuple[int, int, str]], list[float]]:
     if not np.any(arr.fwd_syncs):
         # no sync: one segment (the planner's inner loop prices many plans; no per-call walk needed)
-        return [_step_launches(ctx, arr, arr.fwd_host_launches, arr.bwd_host_launches, recomputed, emb_kernels)], []
+        return [_step_launches(ctx, arr, arr.fwd_host_launches, arr.bwd_host_launches, recomputed, emb_kernels)], [], [0.0]
     quant = _fp8_quant_launches(ctx)
     fsdp_f, fsdp_b, opt = _fixed_launches(ctx)
     by_layer: dict[int, list[int]] = {}
@@ -187,16 +206,30 @@ def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), e
         by_layer.setdefault(int(ctx.op_layer[k]), []).append(k)
     nl = len(ctx.layer_names)
     segs: list[float] = [0.0]
+    exposed: list[float] = [0.0]
     syncs: list[tuple[int, int, str]] = []
+    state = {"exposing": False}
+
+    def fwd(n: float) -> None:
+        segs[-1] += n
+        if state["exposing"]:
+            exposed[-1] += n
+
+    def bwd(n: float) -> None:
+        segs[-1] += n
+        if n > 0:
+            state["exposing"] = False
 
     def call(m: int, k: int, phase: str, n: float) -> None:
         if arr.fwd_syncs[k] > 0:
             syncs.append((m, k, phase))
             segs.append(0.0)
-        segs[-1] += n
+            exposed.append(0.0)
+            state["exposing"] = True
+        fwd(n)
 
     for m in range(ctx.micro_batches):
-        segs[-1] += emb_kernels + fsdp_f
+        fwd(emb_kernels + fsdp_f)
         for i in range(nl):
             for k in by_layer.get(i, ()):
                 o = ctx.ops[int(ctx.dense_idx[k])]
@@ -205,10 +238,10 @@ def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), e
             if ctx.layer_names[i] in recomputed:
                 for k in by_layer.get(i, ()):
                     call(m, k, "recompute", float(arr.fwd_host_launches[k]))
-            segs[-1] += float(sum(arr.bwd_host_launches[k] for k in by_layer.get(i, ())))
-        segs[-1] += fsdp_b + 2.0 * emb_kernels
-    segs[-1] += opt
-    return segs, syncs
+            bwd(float(sum(arr.bwd_host_launches[k] for k in by_layer.get(i, ()))))
+        bwd(fsdp_b + 2.0 * emb_kernels)
+    bwd(opt)
+    return segs, syncs, exposed
 
 
 def host_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0) -> float:
@@ -231,15 +264,6 @@ def synced_step(host_s: Sequence[float], device_s: Sequence[float], exposed_s: S
         raise CoplanError(f"synced_step needs one host and one device time per segment; got {len(host_s)} and {len(device_s)}")
     ex = exposed_s if exposed_s is not None else [0.0] * len(host_s)
     return float(sum(min(e, h) + max(h - min(e, h), d, 0.0) for h, d, e in zip(host_s, device_s, ex)))
-
-
-def sync_exposed(arr, syncs: Sequence[tuple[int, int, str]]) -> list[float]:
-    """Per segment of :func:`host_segments`, the host launches (priced units) the device waits through
-    at its start: none before the first sync; after each, the syncing call's forward kernels before its
-    first matmul (:data:`coplan.costmodel.flops.REFERENCE_EXPOSED_SHARE` of them)."""
-    from coplan.costmodel.flops import REFERENCE_EXPOSED_SHARE
-
-    return [0.0] + [float(arr.fwd_host_launches[k]) * REFERENCE_EXPOSED_SHARE for _, k, _ in syncs]
 
 
 def price(
@@ -518,13 +542,12 @@ def price(
                      f"the ops do not price) = {device_step * 1e3:.2f} ms")
     seg_out: tuple[tuple[float, float], ...] = ()
     if segments or ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
-        segs, syncs = host_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
+        segs, syncs, exposed = _walk_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
         if syncs:
             dev_at = [factor * _device_position(ctx, S, before, sync_task, moe_parts, f_op, m, k, ph) for m, k, ph in syncs]
             dev_seg = np.diff(np.concatenate(([0.0], dev_at, [step])))
         else:
             dev_seg = np.array([step])
-        exposed = sync_exposed(arr, syncs)
         seg_out = tuple((float(n), float(e), float(d)) for n, e, d in zip(segs, exposed, dev_seg))
     if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
         # host-bound steps (calibrated max form): the host issues every priced launch at a fitted cost and
@@ -537,13 +560,14 @@ def price(
                          f"each, {work_s * 1e3:.2f} ms per-sample work) exceed the device's {step * 1e3:.2f} ms; "
                          "step priced at the host's time")
         if syncs:
-            # at each sync the host waits for the device's queued work: host and device overlap only
-            # between syncs, so the step is the sum over the segments of max(host, device)
+            # at each sync the host waits for the device's queued work: the host's forward after it is exposed
+            # (sync_exposed), the rest overlaps the device within the segment; the step sums the segments
             per_launch = host_s / max(sum(segs), 1e-300)  # the per-sample host work spread with the launches
             synced = synced_step([n * per_launch for n in segs], dev_seg.tolist(), [e * per_launch for e in exposed])
             notes.append(f"the host syncs with the device {len(syncs)} times per step (attention backend '{kernels.attention}' "
                          f"reads the longest length back): step priced as the sum over the {len(syncs) + 1} segments between "
-                         f"syncs of max(host, device), {synced * 1e3:.2f} ms against max(host {host_s * 1e3:.2f}, "
+                         f"syncs of the host's exposed forward ({sum(exposed) * per_launch * 1e3:.2f} ms in all) plus max(the "
+                         f"rest of the host, device), {synced * 1e3:.2f} ms against max(host {host_s * 1e3:.2f}, "
                          f"device {step * 1e3:.2f}) ms")
             host_s = synced
         step = max(step, host_s)

@@ -96,6 +96,12 @@ class Calibration(Spec):
     forward, the latency-bound floor of that kernel (``coplan.costmodel.context.seq_lookup_floor_s``).
     None: the default (``coplan.costmodel.efficiency.DEFAULT_LOOKUP_ID_LATENCY_S``); 0: no floor."""
 
+    unfused_memory_efficiency: Fraction | None = None
+    """Fraction of datasheet HBM bandwidth an unfused op's kernels stream at (the padded reference
+    attention's fp32 matmuls and score passes over whole [H, P, P] blocks: ``coplan.costmodel.context.
+    UNFUSED_MEMORY_CLASS``), fitted on those ops' traced time. None: the default (the topology's measured
+    copy rate, else ``coplan.costmodel.efficiency.DEFAULT_MEMORY_EFFICIENCY['unfused']``)."""
+
     fit_error: FitError | None = None
     """Fit quality."""
 

@@ -14,7 +14,7 @@ from coplan.costmodel.context import (
     FSDP_COPY_LAUNCHES,
     OPTIMIZER_LAUNCHES,
     REFERENCE_PAD_MULTIPLE,
-    UNFUSED_MATMUL_MEMORY_CLASS,
+    UNFUSED_MEMORY_CLASS,
     _expected_max_moments,
     build_context,
     dense_fixed_costs,
@@ -36,15 +36,15 @@ _plan = gem_h200_plan
 
 
 def test_predict_adds_the_separate_kernels_of_an_unfused_op():
-    """Two kernels in sequence, a compute-bound matmul (2 ms) and an elementwise pass (3 ms at the
-    elementwise bandwidth): 5 ms, not max(2, 3) = 3 ms; the matmul's bytes use the gemm class's bandwidth."""
+    """Two kernels in sequence, a compute-bound matmul (2 ms) and an elementwise pass (3 ms at the unfused
+    op's class's bandwidth): 5 ms, not max(2, 3) = 3 ms; the matmul's bytes use the class its sample names."""
     s = Sample("r", "x.0.attn", "fwd", "attention", "tf32", 1.0, flop_s=1e-3, mem_s=0.4e-3, launches=0.0,
-               serial_mem_s=1.5e-3, mem_class="gemm")
+               serial_mem_s=1.5e-3, mem_class=UNFUSED_MEMORY_CLASS)
     comp = {("attention", "tf32"): 0.5}
-    mem = {"attention": 0.01, "gemm": 0.8, "elementwise": 0.5}
+    mem = {UNFUSED_MEMORY_CLASS: 0.5, "attention": 0.01, "gemm": 0.01, "elementwise": 0.01}
     assert predict([s], comp, mem, {})[0] == pytest.approx(2e-3 + 3e-3)
-    # the matmul turns memory-bound when its own bandwidth is low: its roofline, then plus the pass
-    assert predict([s], comp, {**mem, "gemm": 0.1}, {})[0] == pytest.approx(4e-3 + 3e-3)
+    # the matmul turns memory-bound when its bandwidth is low: its roofline, then plus the pass
+    assert predict([s], comp, {**mem, UNFUSED_MEMORY_CLASS: 0.1}, {})[0] == pytest.approx(4e-3 + 15e-3)
     # a fused op (no separate kernels) keeps one roofline over its class's bandwidth
     fused = Sample("r", "x.0.attn", "fwd", "attention", "bf16", 1.0, flop_s=1e-3, mem_s=0.4e-3, launches=0.0)
     assert predict([fused], {("attention", "bf16"): 0.5}, {"attention": 0.1}, {})[0] == pytest.approx(4e-3)
@@ -53,7 +53,7 @@ def test_predict_adds_the_separate_kernels_of_an_unfused_op():
 def test_padded_reference_is_its_matmuls_plus_its_elementwise_passes():
     """The reference's bytes are split between its matmuls (score writes/reads, Q K V and output) and its
     separate elementwise kernels; the split keeps the total that was counted before, and the op's time is
-    the matmuls' roofline plus the passes' time at the elementwise bandwidth."""
+    the matmuls' roofline plus the passes' time at the unfused op's class's bandwidth."""
     plan = _plan(8, 512, "reference")
     w = plan.workload
     ctx = build_context(w, plan.topology, plan.mesh)
@@ -71,7 +71,7 @@ def test_padded_reference_is_its_matmuls_plus_its_elementwise_passes():
     assert ref.fwd_flops.quad == pytest.approx(4.0 * dh * H)
     for part in (ref.fwd_serial_bytes, ref.bwd_serial_bytes):
         assert part.const >= 0 and part.lin >= 0 and part.quad > 0
-    # priced as the sum: roofline of the matmuls + the passes at the elementwise bandwidth
+    # priced as the sum: roofline of the matmuls + the passes at the unfused op's class's bandwidth
     gpu = plan.topology.gpu
     f, b = arr.times(1.0)
     matmuls = max(arr.fwd_flop_s[g], arr.fwd_mem_s[g] + arr.fwd_fixed_mem_s[g])
@@ -79,15 +79,15 @@ def test_padded_reference_is_its_matmuls_plus_its_elementwise_passes():
     assert f[g] == pytest.approx(matmuls + arr.fwd_serial_s[g] + arr.fwd_launch_s[g])
     m1, m2 = _expected_max_moments(w.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
     serial_bytes = ctx.mb_batch * F.padded_reference_attention(op, w, min(1.0, ctx.moments["history"][0] / m1)).fwd_serial_bytes.expect(m1, m2)
-    assert arr.fwd_serial_s[g] == pytest.approx(serial_bytes / (gpu.hbm_bw_bytes_per_s * ctx.eff.memory["elementwise"]))
+    assert arr.fwd_serial_s[g] == pytest.approx(serial_bytes / (gpu.hbm_bw_bytes_per_s * ctx.eff.memory[UNFUSED_MEMORY_CLASS]))
     # the Triton backend is one fused kernel: nothing separate
     tri = op_arrays(build_context(_plan(8, 512).workload, plan.topology, plan.mesh))
     assert float(np.abs(tri.fwd_serial_s).sum() + np.abs(tri.bwd_serial_s).sum()) == 0.0
-    # the calibration's samples carry the split (matmul bytes streamed at the elementwise class's
+    # the calibration's samples carry the split (matmul bytes streamed at the unfused op's class's
     # bandwidth, as the passes; the passes apart)
     t = {(u.name, u.phase): u for u in unit_terms(plan)}[("interformer.0.gdpa", "fwd")]
-    assert t.mem_class == UNFUSED_MATMUL_MEMORY_CLASS == "elementwise" and t.serial_mem_s > 0
-    assert arr.fwd_mem_s[g] * ctx.eff.memory["elementwise"] == pytest.approx(
+    assert t.mem_class == UNFUSED_MEMORY_CLASS == "unfused" and t.serial_mem_s > 0
+    assert arr.fwd_mem_s[g] * ctx.eff.memory[UNFUSED_MEMORY_CLASS] == pytest.approx(
         ctx.mb_batch * F.padded_reference_attention(op, w, min(1.0, ctx.moments["history"][0] / m1)).fwd_bytes.expect(m1, m2)
         / gpu.hbm_bw_bytes_per_s)
 
