@@ -145,6 +145,9 @@ class Sample:
     tables: (bytes / HBM bandwidth, serial ids: waves × ids in the longest bag × micro-batches). Each
     costs max(bytes time / m_embedding, serial ids × lookup_id_s) and adds to the rest (``mem_s``);
     see :func:`coplan.costmodel.context.seq_lookup_floor_s`."""
+    extra_kernels: float = 0.0
+    """Kernels of an unfused op beyond ``launches`` (per micro-batch), each costing the ``unfused`` launch
+    overhead (a calibration's ``unfused_kernel_s``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +189,7 @@ def _unit_calibration(device: str) -> Calibration:
     return Calibration(
         device=device,
         op_classes={c: OpClassCalibration(compute_efficiency=ones, memory_efficiency=1.0, launch_overhead_s=0.0) for c in CLASSES},
-        lookup_id_latency_s=0.0, unfused_memory_efficiency=1.0,
+        lookup_id_latency_s=0.0, unfused_memory_efficiency=1.0, unfused_kernel_s=0.0,
     )
 
 
@@ -323,7 +326,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
         meas = sum(per_step.get((n, t.phase), 0.0) for n in members) / t.micro_batches
         if meas > 0:
             out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches,
-                              t.serial_mem_s, t.mem_class, t.lookup_groups))
+                              t.serial_mem_s, t.mem_class, t.lookup_groups, t.extra_kernels))
     unpriced = {f"{n}:{ph}": v for (n, ph), v in sorted(per_step.items()) if (n, ph) not in priced and v > 0}
     steps = max(1, att.steps)
     unpriced["unattributed"] = (att.unattributed_s + (att.unattributed_idle_s if host_gaps else 0.0)) / steps
@@ -355,6 +358,8 @@ class UnitTerm:
     """See :attr:`Sample.serial_mem_s`."""
     mem_class: str = ""
     """See :attr:`Sample.mem_class`."""
+    extra_kernels: float = 0.0
+    """See :attr:`Sample.extra_kernels`."""
     lookup_groups: tuple[tuple[float, float], ...] = ()
     """See :attr:`Sample.lookup_groups`."""
 
@@ -392,10 +397,10 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         mc = UNFUSED_MEMORY_CLASS if unfused else ""
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
                             float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb,
-                            serial_mem_s=float(arr.fwd_serial_s[k]), mem_class=mc))
+                            serial_mem_s=float(arr.fwd_serial_s[k]), mem_class=mc, extra_kernels=float(arr.fwd_extra_kernels[k])))
         out.append(UnitTerm(o.name, "bwd", o.op_class, dt, float(arr.bwd_flop_s[k]),
                             float(arr.bwd_mem_s[k] + arr.bwd_fixed_mem_s[k]), float(arr.bwd_launches[k]), mb,
-                            serial_mem_s=float(arr.bwd_serial_s[k]), mem_class=mc))
+                            serial_mem_s=float(arr.bwd_serial_s[k]), mem_class=mc, extra_kernels=float(arr.bwd_extra_kernels[k])))
     sparse = tuple(o.name for o in ctx.ops if o.layer == "sparse")
     if ctx.tables.num and sparse:
         a = _assignment(ctx, plan.tables) if plan.tables else default_assignment(ctx)
@@ -512,7 +517,8 @@ def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], me
         serial = s.serial_mem_s / memory.get(UNFUSED_MEMORY_CLASS, 1.0) if s.serial_mem_s > 0 else 0.0
         # the sequence lookups: each kernel the longer of its bytes and its warps' serial bag walk
         look = sum(max(gm / m, gi * t_id) for gm, gi in s.lookup_groups)
-        out[i] = max(s.flop_s / e, s.mem_s / m) + look + serial + s.launches * launch_s.get(s.op_class, 0.0)
+        kernels = s.launches * launch_s.get(s.op_class, 0.0) + s.extra_kernels * launch_s.get(UNFUSED_MEMORY_CLASS, 0.0)
+        out[i] = max(s.flop_s / e, s.mem_s / m) + look + serial + kernels
     return out
 
 
@@ -529,7 +535,7 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
     keys_c = sorted({(s.op_class, s.dtype) for s in samples if s.flop_s > 0})
     keys_m = sorted({s.mem_class or s.op_class for s in samples if s.mem_s > 0}
                     | {UNFUSED_MEMORY_CLASS for s in samples if s.serial_mem_s > 0})
-    keys_l = sorted({s.op_class for s in samples if s.launches > 0})
+    keys_l = sorted({s.op_class for s in samples if s.launches > 0} | {UNFUSED_MEMORY_CLASS for s in samples if s.extra_kernels > 0})
     has_lookup = any(gi > 0 for s in samples for _, gi in s.lookup_groups)
     t0 = default_lookup_id_s if default_lookup_id_s else DEFAULT_LOOKUP_ID_LATENCY_S
     # parameters in log space: efficiencies in (1e-6, 1], launch overhead in (1e-8 s, 0.5 s) (the upper end
@@ -644,6 +650,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         host_op_median_us=host_ref,
         lookup_id_latency_s=res.lookup_id_s,
         unfused_memory_efficiency=_unfused_memory(res),
+        unfused_kernel_s=res.launch_s.get(UNFUSED_MEMORY_CLASS),
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
             max_abs_rel_error=float(np.max(rel)),
@@ -789,8 +796,10 @@ def _device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0)
         la = res.launch_s.get(c, eff.launch_s.get(c, 0.0)) + extra_launch_s
         cls[c] = OpClassCalibration(compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me),
                                     launch_overhead_s=min(1.0, la))
+    la_u = res.launch_s.get(UNFUSED_MEMORY_CLASS)
     return Calibration(device=plan.topology.gpu.name, op_classes=cls, lookup_id_latency_s=res.lookup_id_s,
-                       unfused_memory_efficiency=_unfused_memory(res))
+                       unfused_memory_efficiency=_unfused_memory(res),
+                       unfused_kernel_s=None if la_u is None else min(1.0, la_u + extra_launch_s))
 
 
 def _unfused_memory(res: FitResult) -> float | None:

@@ -75,7 +75,8 @@ def _print_runs(cal, runs) -> None:
         print(f"{cls:<12} {ce:>12} {me:>11} {la:>10} {('%.1f%%' % (100 * err)) if err is not None else '-':>7}")
     print(f"per-op error: median {fe.median_abs_rel_error:.1%}, max {fe.max_abs_rel_error:.1%}")
     if cal.unfused_memory_efficiency is not None:
-        print(f"unfused ops (the padded reference's matmuls and passes): memory eff {cal.unfused_memory_efficiency:.3f}")
+        ks = f", {cal.unfused_kernel_s * 1e6:.2f} us per extra kernel" if cal.unfused_kernel_s is not None else ""
+        print(f"unfused ops (the padded reference's matmuls and passes): memory eff {cal.unfused_memory_efficiency:.3f}{ks}")
     if cal.lookup_id_latency_s is not None:
         chunks = sorted({r.seq_chunk for r in runs})
         print(f"sequence lookup: {cal.lookup_id_latency_s * 1e9:.0f} ns per serial id of a bag "

@@ -498,6 +498,10 @@ class OpArrays:
     bwd_host_launches: np.ndarray
     fwd_syncs: np.ndarray
     """Host syncs per forward call (1 where the op reads a device value back before its kernels)."""
+    fwd_extra_kernels: np.ndarray
+    """Kernels an unfused op runs on the device beyond its priced launches (the padded reference's small ATen
+    kernels), each costing the ``unfused`` launch overhead (in ``fwd_launch_s``)."""
+    bwd_extra_kernels: np.ndarray
 
     def times(self, rho: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds per op per micro-batch when the per-sample work is scaled by ``rho``."""
@@ -615,6 +619,12 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         out["bwd_fixed_mem_s"][i] = fixed_b / bw
         out["fwd_launch_s"][i] = o.fwd_launches * launch
         out["bwd_launch_s"][i] = o.bwd_launches * launch
+        if unfused:
+            # the unfused op's other kernels: small ATen ones, each a device floor of its own
+            xf, xb = max(0.0, o.fwd_host_kernels - o.fwd_launches), max(0.0, o.bwd_host_kernels - o.bwd_launches)
+            out["fwd_extra_kernels"][i], out["bwd_extra_kernels"][i] = xf, xb
+            out["fwd_launch_s"][i] += xf * eff.launch_s.get(UNFUSED_MEMORY_CLASS, 2e-6)
+            out["bwd_launch_s"][i] += xb * eff.launch_s.get(UNFUSED_MEMORY_CLASS, 2e-6)
         out["fwd_launches"][i] = o.fwd_launches
         out["bwd_launches"][i] = o.bwd_launches
         out["fwd_host_launches"][i] = o.fwd_host_kernels / HOST_KERNELS_PER_PRICED_LAUNCH if o.fwd_host_kernels else o.fwd_launches

@@ -52,6 +52,7 @@ applied to a topology's measured copy rate when no embedding calibration exists.
 
 DEFAULT_LAUNCH_OVERHEAD_S: dict[str, float] = {
     "gemm": 3e-6, "attention": 4e-6, "elementwise": 2e-6, "embedding": 5e-6,
+    "unfused": 2e-6,
 }
 """GPU time per kernel beyond its roofline (launch latency, tail, prologue): a few microseconds per
 kernel on Hopper with the CPU running ahead (assumption; NVIDIA Nsight traces of eager PyTorch show
@@ -180,6 +181,9 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
                 memory[cls] = oc.memory_efficiency
             if oc.launch_overhead_s is not None:
                 launch[cls] = oc.launch_overhead_s
+        if calibration.unfused_kernel_s is not None:
+            launch["unfused"] = calibration.unfused_kernel_s
+            sources["launch.unfused"] = f"calibration ({calibration.device})"
         if calibration.unfused_memory_efficiency is not None:
             memory["unfused"] = calibration.unfused_memory_efficiency
             sources["memory.unfused"] = f"calibration ({calibration.device})"

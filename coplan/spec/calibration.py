@@ -102,6 +102,12 @@ class Calibration(Spec):
     UNFUSED_MEMORY_CLASS``), fitted on those ops' traced time. None: the default (the topology's measured
     copy rate, else ``coplan.costmodel.efficiency.DEFAULT_MEMORY_EFFICIENCY['unfused']``)."""
 
+    unfused_kernel_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Device seconds per kernel of an unfused op beyond the one its fused form would launch (the padded
+    reference issues ~84 small ATen kernels per forward call, 28 per backward; a call whose work is small,
+    the summary attention's, is mostly these), fitted on those ops' traced time. None: the default
+    (``coplan.costmodel.efficiency.DEFAULT_LAUNCH_OVERHEAD_S['unfused']``)."""
+
     fit_error: FitError | None = None
     """Fit quality."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from coplan.costmodel import flops as F
 from coplan.costmodel.calibrate import (CalibrationError, fit_host_terms, fit_step_terms, measured_moments,
                                         predict_median_step, predict_step_time)
 from coplan.costmodel.context import build_context, op_arrays
@@ -143,3 +144,28 @@ def test_unfused_ops_stream_at_their_own_memory_efficiency():
     assert out[("reference", 0.4)][0] == pytest.approx(2 * out[("reference", 0.8)][0])
     assert out[("reference", 0.4)][1] == pytest.approx(2 * out[("reference", 0.8)][1]) and out[("reference", 0.8)][1] > 0
     assert out[("triton", 0.4)] == out[("triton", 0.8)]
+
+
+def test_unfused_ops_pay_a_device_floor_per_extra_kernel():
+    """The padded reference runs its call's ATen kernels on the device (84 forward, 28 backward, non-causal
+    GDPA): each beyond the priced launch costs ``unfused_kernel_s``; the calibration's sample carries the
+    count; the fused backend has none."""
+    from coplan.costmodel.calibrate import unit_terms
+    from coplan.spec import Calibration
+
+    out = {}
+    for ks in (0.0, 1e-5):
+        cal = Calibration(device="NVIDIA H200", unfused_kernel_s=ks)
+        for attention in ("reference", "triton"):
+            q = _plan(attention, batch=8, mean_len=1024)
+            ctx = build_context(q.workload, q.topology, q.mesh, cal)
+            arr = op_arrays(ctx, q.kernels)
+            s = [ctx.ops[i].name for i in ctx.dense_idx].index("interformer.0.summary_attn")
+            out[(attention, ks)] = (arr.fwd_launch_s[s], arr.bwd_launch_s[s], arr.fwd_extra_kernels[s], arr.bwd_extra_kernels[s])
+    kf, kb = F.reference_kernels("gdpa", False, "silu")
+    assert out[("reference", 0.0)][2:] == (kf - 1, kb - 2)
+    assert out[("reference", 1e-5)][0] - out[("reference", 0.0)][0] == pytest.approx((kf - 1) * 1e-5)
+    assert out[("reference", 1e-5)][1] - out[("reference", 0.0)][1] == pytest.approx((kb - 2) * 1e-5)
+    assert out[("triton", 1e-5)] == out[("triton", 0.0)] and out[("triton", 0.0)][2:] == (0.0, 0.0)
+    t = {(u.name, u.phase): u for u in unit_terms(_plan("reference", batch=8, mean_len=1024))}
+    assert t[("interformer.0.summary_attn", "fwd")].extra_kernels == kf - 1
