@@ -90,7 +90,7 @@ class Variant:
     """One trainer run: changes to the base workload and plan."""
 
     name: str
-    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5" | "fresh6" | "fresh7" | "fresh8"
+    split: str  # "fit" | "heldout" | "fresh" | "fresh2" | "fresh3" | "fit_db" | "fresh4" | "fresh5" | "fresh6" | "fresh7" | "fresh8" | "fresh9"
     batch: float = 1.0
     """Local batch as a fraction of the base's (reference attention: see ``ref_batch``)."""
     history_mean: float = 1.0
@@ -268,12 +268,31 @@ and the reference at 11 with σ 0.9; history mean 960 (σ 0.8) and 896 (σ 0.85)
 depth 7; recompute at depth 3; MoE off at depth 6. Fitted on DB_FIT + DB_FIT_REF2 (run in the same lease), nothing
 may be chosen on its results. Run: ``--variant-set device-bound-5``."""
 
+# Round 11: defined on 2026-11-30 at about 04:10 UTC, before any run of it existed, after round 10 (FRESH8) had been
+# run and analysed and the reference's pricing changed again (a device floor per extra ATen kernel,
+# Calibration.unfused_kernel_s; a syncing run's host cost fitted on each of its steps, not its p50). Every run of
+# the round reads 32 distinct batches (--data-batches 32: no batch repeats within the timed steps, so a step-time
+# p50 does not jump between clusters of repeated batches, which moved the reference's p50 by up to 15%).
+FRESH9: tuple[Variant, ...] = (
+    Variant("B248-h1024s07", "fresh9", batch=3.875, history_sigma=0.7),
+    Variant("B176-d1280-L3", "fresh9", batch=2.75, width=1.25, depth=0.75),
+    Variant("B232-d640-L8", "fresh9", batch=3.625, width=0.625, depth=2.0),
+    Variant("B216-rc-h768-L4", "fresh9", batch=3.375, recompute=True, history_mean=0.75, history_sigma=0.8),
+    Variant("B280-nomoe-h1216", "fresh9", batch=4.375, moe=False, history_mean=1.1875, history_sigma=0.75),
+    Variant("ref-b13-h832", "fresh9", attention="reference", ref_batch=13, history_mean=0.8125, history_sigma=0.85),
+)
+"""The sixth device-bound held-out set (split ``fresh9``): local batch 248, 176, 232, 216 with recompute and 280
+and the reference at 13 with history mean 832 (σ 0.85); history σ 0.7 at the base mean, mean 768 (σ 0.8) and
+1,216 (σ 0.75); widths 1,280 at depth 3 and 640 at depth 8; recompute at depth 4; MoE off. Fitted on DB_FIT +
+DB_FIT_REF2 (run in the same lease), nothing may be chosen on its results. Run: ``--variant-set device-bound-6
+--data-batches 32``."""
+
 ALL_VARIANTS: dict[str, Variant] = ({v.name: v for pair in VARIANTS for v in pair} | {v.name: v for v in FRESH}
                                     | {v.name: v for v in FRESH2} | {v.name: v for v in FRESH3}
                                     | {v.name: v for v in DB_FIT} | {v.name: v for v in FRESH4}
                                     | {v.name: v for v in FRESH5} | {v.name: v for v in DB_FIT_REF2}
                                     | {v.name: v for v in FRESH6} | {v.name: v for v in FRESH7}
-                                    | {v.name: v for v in FRESH8})
+                                    | {v.name: v for v in FRESH8} | {v.name: v for v in FRESH9})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,6 +480,8 @@ def selected_rows(args) -> list[tuple[Variant, ...]]:
         chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH7 + (None,)) for v in pair if v is not None]
     elif args.variant_set == "device-bound-5":
         chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH8 + (None,)) for v in pair if v is not None]
+    elif args.variant_set == "device-bound-6":
+        chosen = [v for pair in zip(DB_FIT + DB_FIT_REF2, FRESH9 + (None,)) for v in pair if v is not None]
     else:
         first = max(1, args.pair_from) - 1
         main = (VARIANTS[: args.pairs] if args.pairs else VARIANTS)[first:]
@@ -599,7 +620,7 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8")
+SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8", "fresh9")
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
@@ -675,7 +696,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             continue
         try:
             longest = None
-            if _plan_attention(d) == "reference":
+            if _plan_attention(d) == "reference" and '"seq_max"' not in (d / "metrics.jsonl").read_text():
                 # the padded reference pads each micro-batch to its longest: price it at the batches that ran
                 from coplan.spec import load_plan
 
@@ -713,12 +734,13 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     fresh6_names = [n for n, r in rows.items() if r["split"] == "fresh6" and n in runs]
     fresh7_names = [n for n, r in rows.items() if r["split"] == "fresh7" and n in runs]
     fresh8_names = [n for n, r in rows.items() if r["split"] == "fresh8" and n in runs]
-    # every split the predictions below cover (fresh2-8 reported apart, like fresh)
+    fresh9_names = [n for n, r in rows.items() if r["split"] == "fresh9" and n in runs]
+    # every split the predictions below cover (fresh2-9 reported apart, like fresh)
     fresh_names_all = (fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names + fresh6_names + fresh7_names
-                       + fresh8_names)
+                       + fresh8_names + fresh9_names)
     out: dict = {"variants": rows, "fit_split": fit_split, "fit_runs": fit_names, "heldout_runs": held_names,
                  "fresh_runs": fresh_names, "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
-                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names, "fresh7_runs": fresh7_names, "fresh8_runs": fresh8_names,
+                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names, "fresh7_runs": fresh7_names, "fresh8_runs": fresh8_names, "fresh9_runs": fresh9_names,
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -902,6 +924,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["fresh6"] = summary(fresh6_names) if fresh6_names else {}
     out["fresh7"] = summary(fresh7_names) if fresh7_names else {}
     out["fresh8"] = summary(fresh8_names) if fresh8_names else {}
+    out["fresh9"] = summary(fresh9_names) if fresh9_names else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -924,6 +947,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     out["goals_fresh6"] = goals(out["fresh6"])
     out["goals_fresh7"] = goals(out["fresh7"])
     out["goals_fresh8"] = goals(out["fresh8"])
+    out["goals_fresh9"] = goals(out["fresh9"])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -946,7 +970,8 @@ def print_table(res: dict) -> None:
                               ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
                               ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4"),
                               ("fresh5 held-out", "fresh5", "goals_fresh5"), ("fresh6 held-out", "fresh6", "goals_fresh6"),
-                              ("fresh7 held-out", "fresh7", "goals_fresh7"), ("fresh8 held-out", "fresh8", "goals_fresh8")):
+                              ("fresh7 held-out", "fresh7", "goals_fresh7"), ("fresh8 held-out", "fresh8", "goals_fresh8"),
+                              ("fresh9 held-out", "fresh9", "goals_fresh9")):
         h = res.get(part) or {}
         if not h:
             continue
@@ -1035,7 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="a pair still running after this is ended")
     p.add_argument("--min-run-s", type=float, default=45.0, help="assumed length of the first pair (budget check)")
     p.add_argument("--analysis-reserve-s", type=float, default=75.0, help="budget kept for the analysis")
-    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "device-bound-3", "device-bound-4", "device-bound-5", "all"], default="main",
+    p.add_argument("--variant-set", choices=["main", "fresh", "fresh2", "fresh3", "device-bound", "device-bound-2", "device-bound-3", "device-bound-4", "device-bound-5", "device-bound-6", "all"], default="main",
                    help="main: the 12 variants (6 fit, 6 held out); fresh: the second held-out set; fresh2: the third "
                         "(defined before any of its runs); fresh3: the fourth (likewise); device-bound: the 12 variants at "
                         "the trainer's operating point (6 fit_db, 6 fresh4, alternating); device-bound-2: 6 fit_db, 6 fresh5; "

@@ -173,6 +173,9 @@ class RunSamples:
     step_moments_each: tuple[dict[str, tuple[float, float]], ...] = ()
     """The same, one entry per step: a run's p50 step is compared with the median over its steps of
     the step priced at each one's lengths (:func:`predict_median_step`)."""
+    step_times_each: tuple[float, ...] = ()
+    """Those steps' measured times (``step_time_s`` of metrics.jsonl), one per ``step_moments_each`` entry
+    (empty when a step lacks one)."""
     unpriced_s: dict[str, float] = field(default_factory=dict)
     """Per step: measured time (with the idle it ended) the cost model has no op for, by name and phase
     (FSDP hooks, TorchRec distribution, 'unattributed')."""
@@ -315,7 +318,11 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
     warm = result.warmup_steps if result else 0
     timed = [int(m["step"]) for m in metrics if "step" in m and m["step"] >= warm and m["step"] not in set(profiled or ())]
     step_moments = measured_moments(metrics, timed) if timed else {}
-    each = tuple(mo for mo in (measured_moments(metrics, [t]) for t in timed) if mo) if timed else ()
+    pairs = [(measured_moments(metrics, [t]), m.get("step_time_s")) for t in timed
+             for m in metrics if m.get("step") == t] if timed else []
+    each = tuple(mo for mo, _ in pairs if mo)
+    times = tuple(float(x) for mo, x in pairs if mo and x)
+    times = times if len(times) == len(each) else ()
 
     per_step = att.per_step(with_idle=host_gaps)
     out: list[Sample] = []
@@ -337,6 +344,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False, host
         )
     return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
                       idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced, step_moments_each=each,
+                      step_times_each=times,
                       seq_chunk=seq_chunk, host=hp)
 
 
@@ -968,8 +976,12 @@ class _StepSet:
     """The runs' steps as :func:`_segment_arrays` gives them, priced for many host costs at once: runs of
     one step of one segment (no sync) in one vectorised max form, the others one by one."""
 
-    def __init__(self, segs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: np.ndarray, bt: np.ndarray):
+    def __init__(self, segs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: np.ndarray, bt: np.ndarray,
+                 step_measured: Sequence[Sequence[float] | None] | None = None):
         self.n_runs = len(segs)
+        # a syncing run's steps, each with its own measured time: fitted step by step (see sq_err)
+        self.per_step = {i: np.asarray(t, float) for i, t in enumerate(step_measured or ())
+                         if t is not None and len(t) == segs[i][0].shape[0] and segs[i][0].shape[0] > 1 and np.all(np.asarray(t) > 0)}
         one = [i for i, (N, E, _) in enumerate(segs) if N.shape == (1, 1) and not E.any()]
         self.one = np.array(one, dtype=int)
         self.N1 = np.array([segs[i][0][0, 0] for i in one])
@@ -1000,11 +1012,33 @@ class _StepSet:
             out[:, i] = np.median(st, axis=1)
         return out
 
+    def sq_err(self, h, s: float, f: float, form: str, m: np.ndarray) -> np.ndarray:
+        """[len(h), runs]: each run's squared log error against its measured p50 ``m``, except a run with
+        per-step measured times (``step_measured``), whose error is the mean over its steps of each step's
+        squared log error. A syncing run's steps spread over a wide range (the padded reference: 70-280 ms
+        in one run, in clusters of the few batches its data set repeats), and the p50 of such a spread jumps
+        between clusters; fitted step by step, its host time is read off all of them."""
+        out = np.log(self.median(h, s, f, form) / m) ** 2
+        if not self.per_step:
+            return out
+        h = np.atleast_1d(np.asarray(h, float))
+        for i, N, E, D, kr, b in self.many:
+            t = self.per_step.get(i)
+            if t is None:
+                continue
+            tot = np.maximum(N.sum(axis=1), 1e-300)
+            per = (kr * (h[:, None] + s * b / tot[None, :]))[:, :, None]
+            host, ex = per * N[None], per * E[None]
+            st = (ex + np.maximum(host - ex, f * D[None])).sum(axis=2) if form == "max" else f * D.sum(axis=1)[None] + host.sum(axis=2)
+            out[:, i] = np.mean(np.log(st / t[None, :]) ** 2, axis=1)
+        return out
+
 
 def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
                    batch: Sequence[float] | None = None, *, form: str = "max", per_sample: bool = False,
                    speed: Sequence[float] | None = None, device_factor: float = 1.0,
-                   segments: Segments | None = None) -> tuple[float, float]:
+                   segments: Segments | None = None,
+                   step_measured: Sequence[Sequence[float] | None] | None = None) -> tuple[float, float]:
     """(h, s): host seconds per priced launch and per local sample fitted to measured steps, step =
     max(device, k · (launches · h + batch · s)) (``form="max"``) or device + that (``"additive"``), where
     ``k`` is each run's host speed (``speed``: how much slower its host ran the same calls than the
@@ -1019,7 +1053,9 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     run's predicted step is then the median over its steps of the sum over their segments of max(host,
     device) (what its measured p50 is compared with), which lets a run whose host syncs (the padded
     reference) fit ``h`` with the others. Without it, each run is one step of one segment
-    (``device_s``, ``launches``)."""
+    (``device_s``, ``launches``). ``step_measured``: per run, its steps' measured times (in the order of
+    its ``segments`` rows) or None; a syncing run that has them is fitted step by step
+    (:meth:`_StepSet.sq_err`), the others at their p50."""
     from scipy.optimize import minimize_scalar
 
     if form not in HOST_FORMS:
@@ -1035,11 +1071,11 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     n_tot = np.array([float(np.median(N.sum(axis=1))) for N, _, _ in segs])
     d_tot = np.array([float(np.median(D.sum(axis=1))) for _, _, D in segs]) * device_factor
     f = device_factor
-    steps = _StepSet(segs, k, bt)
+    steps = _StepSet(segs, k, bt, step_measured)
 
     def fit_h(sv: float) -> tuple[float, float]:
         def loss(h: float) -> float:
-            return float(np.sum(np.log(steps.median(h, sv, f, form)[0] / m) ** 2))
+            return float(np.sum(steps.sq_err(h, sv, f, form, m)[0]))
 
         if form == "additive":
             hi = float(max(1e-9, np.max((m - d_tot) / np.maximum(k * n_tot, 1.0)) * 2 + 1e-6))
@@ -1048,7 +1084,7 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
             return h, loss(h)
         hi = float(max(1e-9, np.max(m / np.maximum(k * n_tot, 1.0)) * 2))
         grid = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, 400)))
-        losses = np.sum(np.log(steps.median(grid, sv, f, form) / m) ** 2, axis=1)  # loss() per point
+        losses = np.sum(steps.sq_err(grid, sv, f, form, m), axis=1)  # loss() per point
         return _refine_on_grid(loss, grid, losses, 1e-10)
 
     s_best = 0.0
@@ -1070,7 +1106,8 @@ DEVICE_FACTOR_PRIOR = 1e-4
 
 def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
                    batch: Sequence[float] | None = None, *, per_sample: bool = False,
-                   speed: Sequence[float] | None = None, segments: Segments | None = None) -> tuple[float, float, float]:
+                   speed: Sequence[float] | None = None, segments: Segments | None = None,
+                   step_measured: Sequence[Sequence[float] | None] | None = None) -> tuple[float, float, float]:
     """(h, s, f): :func:`fit_host_terms`' host costs and a device-step factor ``f``, fitted together to
     measured steps, step = max(f · device, k · (launches · h + batch · s)) (with ``segments``: per step
     the sum over the segments between the host's syncs of that max, the median over the steps). ``f``
@@ -1090,15 +1127,16 @@ def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     n = np.asarray(launches, float)
     bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
     k = np.ones_like(m) if speed is None else np.asarray(speed, float)
-    steps = _StepSet(_segment_arrays(d, n, segments), k, bt)
+    steps = _StepSet(_segment_arrays(d, n, segments), k, bt, step_measured)
 
     def pred(h: float, s: float, f: float) -> np.ndarray:
         return steps.median(h, s, f, "max")[0]
 
     def terms(f: float, host: bool, samples: bool) -> tuple[float, float, float]:
-        h, s = (fit_host_terms(m, d, n, bt, form="max", per_sample=samples, speed=k, device_factor=f, segments=segments)
+        h, s = (fit_host_terms(m, d, n, bt, form="max", per_sample=samples, speed=k, device_factor=f, segments=segments,
+                               step_measured=step_measured)
                 if host else (0.0, 0.0))
-        return h, s, float(np.sum(np.log(pred(h, s, f) / m) ** 2) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
+        return h, s, float(np.sum(steps.sq_err(h, s, f, "max", m)[0]) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
 
     def solve(host: bool, samples: bool) -> tuple[float, float, float]:
         grid = np.geomspace(*DEVICE_FACTOR_RANGE, 57)
@@ -1146,7 +1184,7 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
-    names, meas, dev, nl, bs, prof, segments = [], [], [], [], [], [], []
+    names, meas, dev, nl, bs, prof, segments, per_step = [], [], [], [], [], [], [], []
     # every run, a host-syncing one too: each is priced per measured step as the pricer cuts it at the
     # host's syncs (one segment without any), and its median step is compared with its measured p50
     for r in runs:
@@ -1164,6 +1202,7 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         dev.append(float(np.median(D.sum(axis=1))))
         nl.append(float(np.median(N.sum(axis=1))))
         segments.append((N, E, D))
+        per_step.append(r.step_times_each if r.step_moments_each and len(r.step_times_each) == len(cut) else None)
         bs.append(float(r.plan.workload.batch.local(r.plan.mesh.world_size)))
         prof.append(r.host)
     if not names:
@@ -1176,9 +1215,10 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         if reference and all(x is not None for x in ks):
             speed = tuple(float(x) for x in ks)
     if fit_device_factor and form == "max":
-        h, s, f = fit_step_terms(meas, dev, nl, bs, per_sample=per_sample, speed=speed or None, segments=segments)
+        h, s, f = fit_step_terms(meas, dev, nl, bs, per_sample=per_sample, speed=speed or None, segments=segments,
+                                 step_measured=per_step)
     else:
         (h, s), f = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None,
-                                   segments=segments), 1.0
+                                   segments=segments, step_measured=per_step), 1.0
     return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference, f,
                    tuple(segments))

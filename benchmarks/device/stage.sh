@@ -48,7 +48,7 @@ pair)
     case $spec in
       train) local ta=TRAIN_ARGS$gpu  # TRAIN_ARGS0 / TRAIN_ARGS1 when both GPUs train (else TRAIN_ARGS)
              timeout 570 python3 benchmarks/train_h200.py --runs-root /tmp/bench$gpu --timeout ${BUDGET:-480} ${!ta:-${TRAIN_ARGS:-}} --out $OUT/train_h200_$tag.json > $OUT/train_$tag.log 2>&1 ;;
-      calib:*) timeout 570 python3 benchmarks/calibration_h200.py --gpus 1 --only ${spec#calib:} --steps ${CALIB_STEPS:-16} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 --port $(( 29610 + 100 * gpu )) \
+      calib:*) timeout 570 python3 benchmarks/calibration_h200.py --gpus 1 --only ${spec#calib:} --steps ${CALIB_STEPS:-16} --data-batches ${CALIB_DATA_BATCHES:-8} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 --port $(( 29610 + 100 * gpu )) \
                  --runs-root /tmp/calib$gpu --keep $OUT/runs_$tag --out $OUT/calib_$tag.json > $OUT/calib_$tag.log 2>&1
                (cd $OUT && tar czf runs_$tag.tgz runs_$tag && rm -rf runs_$tag) ;;
       kern) timeout 150 python3 benchmarks/attention.py --shapes a,b --quick --precompile 12 --timeout 130 --methods ${METHODS:-triton_gdpa_silu,triton_gdpa_silu_atomic,triton_softmax,triton_softmax_atomic} --out $OUT/attention.json > $OUT/attention.log 2>&1

@@ -169,3 +169,27 @@ def test_unfused_ops_pay_a_device_floor_per_extra_kernel():
     assert out[("triton", 1e-5)] == out[("triton", 0.0)] and out[("triton", 0.0)][2:] == (0.0, 0.0)
     t = {(u.name, u.phase): u for u in unit_terms(_plan("reference", batch=8, mean_len=1024))}
     assert t[("interformer.0.summary_attn", "fwd")].extra_kernels == kf - 1
+
+
+def test_syncing_runs_are_fitted_step_by_step_when_their_steps_are_known():
+    """A syncing run's steps scatter around its line (and its p50 can sit between clusters of repeated
+    batches); fitted on every step, h comes out right where the p50 alone bends it."""
+    rng = np.random.default_rng(11)
+    h_true, f = 2e-4, 1.0
+    segs, times, meds = [], [], []
+    for _ in range(3):
+        steps = 21
+        N = np.tile(rng.uniform(20, 60, 6), (steps, 1))
+        E = N.copy()
+        E[:, 0] = 0.0
+        D = rng.uniform(0.001, 0.02, (steps, 6)) * rng.uniform(0.3, 3.0, (steps, 1))
+        st = (h_true * E + np.maximum(h_true * (N - E), f * D)).sum(axis=1) * np.exp(0.03 * rng.standard_normal(steps))
+        segs.append((N, E, D))
+        times.append(st)
+        meds.append(float(np.median(st)) * 1.15)  # each p50 read 15% high, as between two clusters
+    d = [float(np.median(D.sum(axis=1))) for _, _, D in segs]
+    n = [float(N[0].sum()) for N, _, _ in segs]
+    h_steps, _ = fit_host_terms(meds, d, n, segments=segs, step_measured=times)
+    h_p50, _ = fit_host_terms(meds, d, n, segments=segs)
+    assert h_steps == pytest.approx(h_true, rel=0.05)
+    assert abs(h_p50 / h_true - 1) > 0.1
