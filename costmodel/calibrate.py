@@ -989,6 +989,16 @@ class _StepSet:
         self.k1, self.b1 = k[self.one], bt[self.one]
         self.many = [(i, *segs[i], float(k[i]), float(bt[i])) for i in range(len(segs)) if i not in set(one)]
 
+    def _steps(self, h: np.ndarray, s: float, f: float, form: str, N, E, D, kr: float, b: float) -> np.ndarray:
+        """[len(h), steps] of one multi-segment run: per step the sum over its segments of exposed host +
+        max(the rest of the host, f · device) (``"max"``), or f · device + host (``"additive"``)."""
+        tot = np.maximum(N.sum(axis=1), 1e-300)
+        per = (kr * (h[:, None] + s * b / tot[None, :]))[:, :, None]
+        host, ex = per * N[None], per * E[None]
+        if form == "max":
+            return (ex + np.maximum(host - ex, f * D[None])).sum(axis=2)
+        return f * D.sum(axis=1)[None] + host.sum(axis=2)
+
     def median(self, h, s: float, f: float, form: str) -> np.ndarray:
         """[len(h), runs]: each run's median step over its steps, for each host cost in ``h``: per step the
         sum over its segments of exposed host + max(the rest of the host, f · device) (``form="max"``; one
@@ -1002,14 +1012,7 @@ class _StepSet:
             host = self.k1 * (h[:, None] * self.N1 + s * self.b1)
             out[:, self.one] = np.maximum(f * self.D1, host) if form == "max" else f * self.D1 + host
         for i, N, E, D, kr, b in self.many:
-            tot = np.maximum(N.sum(axis=1), 1e-300)
-            per = (kr * (h[:, None] + s * b / tot[None, :]))[:, :, None]
-            host, ex = per * N[None], per * E[None]
-            if form == "max":
-                st = (ex + np.maximum(host - ex, f * D[None])).sum(axis=2)
-            else:
-                st = f * D.sum(axis=1)[None] + host.sum(axis=2)
-            out[:, i] = np.median(st, axis=1)
+            out[:, i] = np.median(self._steps(h, s, f, form, N, E, D, kr, b), axis=1)
         return out
 
     def sq_err(self, h, s: float, f: float, form: str, m: np.ndarray) -> np.ndarray:
@@ -1019,18 +1022,11 @@ class _StepSet:
         in one run, in clusters of the few batches its data set repeats), and the p50 of such a spread jumps
         between clusters; fitted step by step, its host time is read off all of them."""
         out = np.log(self.median(h, s, f, form) / m) ** 2
-        if not self.per_step:
-            return out
         h = np.atleast_1d(np.asarray(h, float))
         for i, N, E, D, kr, b in self.many:
             t = self.per_step.get(i)
-            if t is None:
-                continue
-            tot = np.maximum(N.sum(axis=1), 1e-300)
-            per = (kr * (h[:, None] + s * b / tot[None, :]))[:, :, None]
-            host, ex = per * N[None], per * E[None]
-            st = (ex + np.maximum(host - ex, f * D[None])).sum(axis=2) if form == "max" else f * D.sum(axis=1)[None] + host.sum(axis=2)
-            out[:, i] = np.mean(np.log(st / t[None, :]) ** 2, axis=1)
+            if t is not None:
+                out[:, i] = np.mean(np.log(self._steps(h, s, f, form, N, E, D, kr, b) / t[None, :]) ** 2, axis=1)
         return out
 
 
