@@ -98,19 +98,26 @@ have 16-byte-aligned rows, which cuBLAS's TF32 tensor-core kernels need. On the 
 unaligned longest length (2 x odd, or odd) cost ~30% more per padded score element than aligned
 ones: 1.1-1.2 against 0.86-0.87 ms per 10^6 (batch x longest^2) elements above the step's fixed part
 (calibration rounds 6-7, ``ref-*`` runs, per-step times against per-step longest lengths). The cost
-model prices the rounding (``coplan.costmodel.context.padded_length_moments``)."""
+model prices the rounding (``coplan.costmodel.context.padded_length_moments``). On a CPU the pad is the longest
+length itself (:func:`_pad_multiple`): alignment buys nothing there, and the padded fp32 sums, equal in value, are not
+bit-identical, which moves CPU runs that amplify last bits (fp8 loss curves: ``tests/trainer/test_fp8.py``)."""
 
 
-def padded_length(longest: int) -> int:
+def padded_length(longest: int, multiple: int = PAD_MULTIPLE) -> int:
     """The length the reference pads a batch whose longest sample has ``longest`` rows to."""
-    return -(-int(longest) // PAD_MULTIPLE) * PAD_MULTIPLE
+    return -(-int(longest) // multiple) * multiple
+
+
+def _pad_multiple(device: torch.device) -> int:
+    return PAD_MULTIPLE if device.type == "cuda" else 1
 
 
 def _dense_inputs(q, k, v, q_offsets, k_offsets):
     q_len = q_offsets[1:] - q_offsets[:-1]
     k_len = k_offsets[1:] - k_offsets[:-1]
     # One host read for both maxima; a reference is allowed to sync.
-    max_q, max_k = (padded_length(x) for x in torch.stack([q_len.max(), k_len.max()]).tolist()) if q_len.numel() else (0, 0)
+    mult = _pad_multiple(q.device)
+    max_q, max_k = (padded_length(x, mult) for x in torch.stack([q_len.max(), k_len.max()]).tolist()) if q_len.numel() else (0, 0)
     qp, dest_q = _pad(q.float(), q_offsets, max_q)
     kp, _ = _pad(k.float(), k_offsets, max_k)
     vp, _ = _pad(v.float(), k_offsets, max_k)

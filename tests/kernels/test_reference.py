@@ -61,8 +61,13 @@ def test_padded_length_rounds_up_to_the_multiple_the_cost_model_prices():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_reference_padding_past_the_longest_length_changes_nothing(causal):
-    """Lengths either side of a multiple of 16 (the padded rows are masked): equal to the loop."""
+def test_reference_padding_past_the_longest_length_changes_nothing(causal, monkeypatch):
+    """Lengths either side of a multiple of 16 (the padded rows are masked): equal to the loop. (The GPU
+    pads to 16; a CPU to the longest length: forced to 16 here.)"""
+    from coplan.kernels import reference
+
+    assert reference._pad_multiple(torch.device("cpu")) == 1 and reference._pad_multiple(torch.device("cuda")) == 16
+    monkeypatch.setattr(reference, "_pad_multiple", lambda device: 16)
     q, q_off = jagged([17, 3, 16], 2, 8, device="cpu")
     v = torch.randn_like(q)
     got = gdpa_reference(q, q, v, q_off, q_off, activation=Activation.SILU, causal=causal, scale=0.4, out_scale=0.3)
