@@ -620,7 +620,8 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
     return list(entries.values())
 
 
-SPLITS = ("fit", "heldout", "fresh", "fresh2", "fresh3", "fit_db", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8", "fresh9")
+FRESH_SPLITS = ("fresh", "fresh2", "fresh3", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8", "fresh9")
+SPLITS = ("fit", "heldout", "fit_db", *FRESH_SPLITS)
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
 BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
@@ -726,21 +727,11 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     fit_split = "fit_db" if any(r["split"] == "fit_db" and n in runs for n, r in rows.items()) else "fit"
     fit_names = [n for n, r in rows.items() if r["split"] == fit_split and n in runs]
     held_names = [n for n, r in rows.items() if r["split"] == "heldout" and n in runs]
-    fresh_names = [n for n, r in rows.items() if r["split"] == "fresh" and n in runs]
-    fresh2_names = [n for n, r in rows.items() if r["split"] == "fresh2" and n in runs]
-    fresh3_names = [n for n, r in rows.items() if r["split"] == "fresh3" and n in runs]
-    fresh4_names = [n for n, r in rows.items() if r["split"] == "fresh4" and n in runs]
-    fresh5_names = [n for n, r in rows.items() if r["split"] == "fresh5" and n in runs]
-    fresh6_names = [n for n, r in rows.items() if r["split"] == "fresh6" and n in runs]
-    fresh7_names = [n for n, r in rows.items() if r["split"] == "fresh7" and n in runs]
-    fresh8_names = [n for n, r in rows.items() if r["split"] == "fresh8" and n in runs]
-    fresh9_names = [n for n, r in rows.items() if r["split"] == "fresh9" and n in runs]
-    # every split the predictions below cover (fresh2-9 reported apart, like fresh)
-    fresh_names_all = (fresh_names + fresh2_names + fresh3_names + fresh4_names + fresh5_names + fresh6_names + fresh7_names
-                       + fresh8_names + fresh9_names)
+    # the fresh held-out sets, each reported apart under its split's name
+    fresh_by_split = {sp: [n for n, r in rows.items() if r["split"] == sp and n in runs] for sp in FRESH_SPLITS}
+    fresh_names_all = [n for sp in FRESH_SPLITS for n in fresh_by_split[sp]]
     out: dict = {"variants": rows, "fit_split": fit_split, "fit_runs": fit_names, "heldout_runs": held_names,
-                 "fresh_runs": fresh_names, "fresh2_runs": fresh2_names, "fresh3_runs": fresh3_names,
-                 "fresh4_runs": fresh4_names, "fresh5_runs": fresh5_names, "fresh6_runs": fresh6_names, "fresh7_runs": fresh7_names, "fresh8_runs": fresh8_names, "fresh9_runs": fresh9_names,
+                 **{f"{sp}_runs": fresh_by_split[sp] for sp in FRESH_SPLITS},
                  "overlays": [str(o) for o in overlays]}
     if not fit_names:
         out["error"] = "no calibration run finished"
@@ -916,15 +907,8 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
 
     out["fit"] = summary(fit_names)
     out["heldout"] = summary(held_names)
-    out["fresh"] = summary(fresh_names) if fresh_names else {}
-    out["fresh2"] = summary(fresh2_names) if fresh2_names else {}
-    out["fresh3"] = summary(fresh3_names) if fresh3_names else {}
-    out["fresh4"] = summary(fresh4_names) if fresh4_names else {}
-    out["fresh5"] = summary(fresh5_names) if fresh5_names else {}
-    out["fresh6"] = summary(fresh6_names) if fresh6_names else {}
-    out["fresh7"] = summary(fresh7_names) if fresh7_names else {}
-    out["fresh8"] = summary(fresh8_names) if fresh8_names else {}
-    out["fresh9"] = summary(fresh9_names) if fresh9_names else {}
+    for sp in FRESH_SPLITS:
+        out[sp] = summary(fresh_by_split[sp]) if fresh_by_split[sp] else {}
 
     def goals(h: dict) -> dict:
         if not h:
@@ -939,15 +923,8 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         }
 
     out["goals"] = goals(out["heldout"])
-    out["goals_fresh"] = goals(out["fresh"])
-    out["goals_fresh2"] = goals(out["fresh2"])
-    out["goals_fresh3"] = goals(out["fresh3"])
-    out["goals_fresh4"] = goals(out["fresh4"])
-    out["goals_fresh5"] = goals(out["fresh5"])
-    out["goals_fresh6"] = goals(out["fresh6"])
-    out["goals_fresh7"] = goals(out["fresh7"])
-    out["goals_fresh8"] = goals(out["fresh8"])
-    out["goals_fresh9"] = goals(out["fresh9"])
+    for sp in FRESH_SPLITS:
+        out[f"goals_{sp}"] = goals(out[sp])
     for r in rows.values():
         r.pop("_moments", None)
     return out
@@ -967,11 +944,7 @@ def print_table(res: dict) -> None:
             cells.append(f"{v * 1e3:6.1f} {100 * e:+4.0f}%" if v is not None and e is not None else f"{'-':>11}")
         print(f"{n:<14}{r['split']:<8}{r['measured_step_s'] * 1e3:9.1f}" + "".join(f"{x:>11}" for x in cells))
     for label, part, gkey in (("fit (in-sample)", "fit", "goals_fit"), ("held-out", "heldout", "goals"),
-                              ("fresh held-out", "fresh", "goals_fresh"), ("fresh2 held-out", "fresh2", "goals_fresh2"),
-                              ("fresh3 held-out", "fresh3", "goals_fresh3"), ("fresh4 held-out", "fresh4", "goals_fresh4"),
-                              ("fresh5 held-out", "fresh5", "goals_fresh5"), ("fresh6 held-out", "fresh6", "goals_fresh6"),
-                              ("fresh7 held-out", "fresh7", "goals_fresh7"), ("fresh8 held-out", "fresh8", "goals_fresh8"),
-                              ("fresh9 held-out", "fresh9", "goals_fresh9")):
+                              *((f"{sp} held-out", sp, f"goals_{sp}") for sp in FRESH_SPLITS)):
         h = res.get(part) or {}
         if not h:
             continue

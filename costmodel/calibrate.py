@@ -9,7 +9,7 @@ function of the parameters of its op class ``c``:
 
 (an unfused op, the padded reference attention, adds ``S / (hbm_bw · m_u)`` for the bytes ``S`` of its
 separate elementwise kernels, which run after its matmuls; its matmuls' bytes use the same ``m_u``, the
-memory efficiency of :data:`coplan.costmodel.context.UNFUSED_MEMORY_CLASS`: each kernel costs its own
+memory efficiency of :data:`coplan.costmodel.efficiency.UNFUSED_CLASS`: each kernel costs its own
 roofline and the op costs their sum)
 
 ``F``, ``B``, ``launches`` come from the same context the planner prices with (built once with unit
@@ -95,8 +95,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from coplan import __version__
-from coplan.costmodel.context import UNFUSED_MEMORY_CLASS, build_context, op_arrays
-from coplan.costmodel.efficiency import resolve_efficiencies
+from coplan.costmodel.context import build_context, op_arrays
+from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
 from coplan.costmodel.traces import (HostProfile, TraceAttribution, TraceError, attribute, host_profile, host_speed_index,
                                      load_trace)
 from coplan.errors import CoplanError
@@ -135,11 +135,11 @@ class Sample:
     launches: float
     serial_mem_s: float = 0.0
     """Bytes of the op's separate elementwise kernels / HBM bandwidth (an unfused op: the padded
-    reference), priced at :data:`coplan.costmodel.context.UNFUSED_MEMORY_CLASS`'s memory efficiency and
+    reference), priced at :data:`coplan.costmodel.efficiency.UNFUSED_CLASS`'s memory efficiency and
     added to the roofline."""
     mem_class: str = ""
     """Class whose memory efficiency prices ``mem_s`` ("": the op's own; an unfused op's matmuls:
-    :data:`coplan.costmodel.context.UNFUSED_MEMORY_CLASS`)."""
+    :data:`coplan.costmodel.efficiency.UNFUSED_CLASS`)."""
     lookup_groups: tuple[tuple[float, float], ...] = ()
     """The sequence lookups' kernels within this sample (the embedding forward), one per group of
     tables: (bytes / HBM bandwidth, serial ids: waves × ids in the longest bag × micro-batches). Each
@@ -402,7 +402,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
             # priced as the padded reference runs (context.op_arrays): fitted under its own key
             dt = REFERENCE_ATTENTION_DTYPE
         unfused = bool(arr.fwd_serial_s[k] > 0 or arr.bwd_serial_s[k] > 0)
-        mc = UNFUSED_MEMORY_CLASS if unfused else ""
+        mc = UNFUSED_CLASS if unfused else ""
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
                             float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb,
                             serial_mem_s=float(arr.fwd_serial_s[k]), mem_class=mc, extra_kernels=float(arr.fwd_extra_kernels[k])))
@@ -522,10 +522,10 @@ def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], me
         e = compute.get((s.op_class, s.dtype), 1.0)
         m = memory.get(s.mem_class or s.op_class, 1.0)
         # an unfused op: its separate elementwise kernels run after its matmuls, so their time adds
-        serial = s.serial_mem_s / memory.get(UNFUSED_MEMORY_CLASS, 1.0) if s.serial_mem_s > 0 else 0.0
+        serial = s.serial_mem_s / memory.get(UNFUSED_CLASS, 1.0) if s.serial_mem_s > 0 else 0.0
         # the sequence lookups: each kernel the longer of its bytes and its warps' serial bag walk
         look = sum(max(gm / m, gi * t_id) for gm, gi in s.lookup_groups)
-        kernels = s.launches * launch_s.get(s.op_class, 0.0) + s.extra_kernels * launch_s.get(UNFUSED_MEMORY_CLASS, 0.0)
+        kernels = s.launches * launch_s.get(s.op_class, 0.0) + s.extra_kernels * launch_s.get(UNFUSED_CLASS, 0.0)
         out[i] = max(s.flop_s / e, s.mem_s / m) + look + serial + kernels
     return out
 
@@ -542,8 +542,8 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
         raise CalibrationError("nothing to fit: no measured op")
     keys_c = sorted({(s.op_class, s.dtype) for s in samples if s.flop_s > 0})
     keys_m = sorted({s.mem_class or s.op_class for s in samples if s.mem_s > 0}
-                    | {UNFUSED_MEMORY_CLASS for s in samples if s.serial_mem_s > 0})
-    keys_l = sorted({s.op_class for s in samples if s.launches > 0} | {UNFUSED_MEMORY_CLASS for s in samples if s.extra_kernels > 0})
+                    | {UNFUSED_CLASS for s in samples if s.serial_mem_s > 0})
+    keys_l = sorted({s.op_class for s in samples if s.launches > 0} | {UNFUSED_CLASS for s in samples if s.extra_kernels > 0})
     has_lookup = any(gi > 0 for s in samples for _, gi in s.lookup_groups)
     t0 = default_lookup_id_s if default_lookup_id_s else DEFAULT_LOOKUP_ID_LATENCY_S
     # parameters in log space: efficiencies in (1e-6, 1], launch overhead in (1e-8 s, 0.5 s) (the upper end
@@ -658,7 +658,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         host_op_median_us=host_ref,
         lookup_id_latency_s=res.lookup_id_s,
         unfused_memory_efficiency=_unfused_memory(res),
-        unfused_kernel_s=res.launch_s.get(UNFUSED_MEMORY_CLASS),
+        unfused_kernel_s=res.launch_s.get(UNFUSED_CLASS),
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
             max_abs_rel_error=float(np.max(rel)),
@@ -694,13 +694,18 @@ def _for_backend(plan: Plan, calibration: Calibration | None) -> Calibration | N
     return calibration
 
 
-def _price_step(plan: Plan, calibration: Calibration | None, moments, seq_chunk: int | None) -> float:
+def _priced(plan: Plan, calibration: Calibration | None, moments, seq_chunk: int | None, *, segments: bool = False):
+    """The pricer's StepCost of ``plan`` under ``calibration`` at the given length moments and bag layout."""
     from coplan.costmodel.pricer import price
 
     ctx = build_context(plan.workload, plan.topology, plan.mesh, _for_backend(plan, calibration), options=_options(seq_chunk),
                         force_calibration=True)
     apply_moments(ctx, moments)
-    return float(price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False).step_time_s)
+    return price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False, segments=segments)
+
+
+def _price_step(plan: Plan, calibration: Calibration | None, moments, seq_chunk: int | None) -> float:
+    return float(_priced(plan, calibration, moments, seq_chunk).step_time_s)
 
 
 def predict_step_time(plan: Plan, calibration: Calibration | None = None,
@@ -804,14 +809,14 @@ def _device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0)
         la = res.launch_s.get(c, eff.launch_s.get(c, 0.0)) + extra_launch_s
         cls[c] = OpClassCalibration(compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me),
                                     launch_overhead_s=min(1.0, la))
-    la_u = res.launch_s.get(UNFUSED_MEMORY_CLASS)
+    la_u = res.launch_s.get(UNFUSED_CLASS)
     return Calibration(device=plan.topology.gpu.name, op_classes=cls, lookup_id_latency_s=res.lookup_id_s,
                        unfused_memory_efficiency=_unfused_memory(res),
                        unfused_kernel_s=None if la_u is None else min(1.0, la_u + extra_launch_s))
 
 
 def _unfused_memory(res: FitResult) -> float | None:
-    m = res.memory.get(UNFUSED_MEMORY_CLASS)
+    m = res.memory.get(UNFUSED_CLASS)
     return None if m is None else min(1.0, m)
 
 
@@ -830,12 +835,7 @@ def step_segments(plan: Plan, res: FitResult, moments: dict[str, tuple[float, fl
     """The pricer's step under the device fit alone (device-step factor 1, no host cost), cut at the
     host's syncs with the device: per segment (host launches, of them exposed, device seconds)
     (:attr:`coplan.costmodel.results.StepCost.segments`)."""
-    from coplan.costmodel.pricer import price
-
-    ctx = build_context(plan.workload, plan.topology, plan.mesh, _for_backend(plan, _device_calibration(plan, res)),
-                        options=_options(seq_chunk), force_calibration=True)
-    apply_moments(ctx, moments)
-    return price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False, segments=True).segments
+    return _priced(plan, _device_calibration(plan, res), moments, seq_chunk, segments=True).segments
 
 
 def run_step_moments(r: RunSamples) -> tuple[dict[str, tuple[float, float]] | None, ...]:
@@ -864,13 +864,8 @@ def step_phases(plan: Plan, res: FitResult, moments: dict[str, tuple[float, floa
     fit (compute plus the communication it did not hide) and the launches it charges there (each phase's
     slope in the launch cost, read off numerically as :func:`step_launches` does for the step); they sum
     to the step and to :func:`coplan.costmodel.pricer.priced_launches`. For the per-phase host reading."""
-    from coplan.costmodel.pricer import price
-
     def phases(extra: float) -> np.ndarray:
-        cal = _for_backend(plan, _device_calibration(plan, res, extra))
-        ctx = build_context(plan.workload, plan.topology, plan.mesh, cal, options=_options(seq_chunk), force_calibration=True)
-        apply_moments(ctx, moments)
-        p = price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False).perf
+        p = _priced(plan, _device_calibration(plan, res, extra), moments, seq_chunk).perf
         return np.array([p.fwd_compute_s + p.fwd_exposed_s, p.bwd_compute_s + p.recompute_s + p.bwd_exposed_s, p.optimizer_s])
 
     delta = 1e-6

@@ -20,7 +20,7 @@ import numpy as np
 
 from coplan.costmodel import flops as F
 from coplan.costmodel.comm import CollectiveModel, GroupPlacement, PlacementError, collective_model, place_group
-from coplan.costmodel.efficiency import Efficiencies, resolve_efficiencies
+from coplan.costmodel.efficiency import UNFUSED_CLASS, Efficiencies, resolve_efficiencies
 from coplan.costmodel.embedding import SHARDING_CODES, TableArrays, TableOptionCosts, option_costs, table_arrays
 from coplan.errors import CoplanError
 from coplan.spec.calibration import Calibration
@@ -403,18 +403,6 @@ def host_work_s(ctx: "Context") -> float:
     return float(ctx.eff.host_sample_s * ctx.local_batch)
 
 
-UNFUSED_MEMORY_CLASS = "unfused"
-"""The memory-efficiency key (``Efficiencies.memory``; a calibration's ``unfused_memory_efficiency``) that
-prices every byte an unfused op moves: the padded reference's batched fp32 matmuls write and read whole
-[H, P, P] score blocks and its separate kernels pass over them, streams of GBs that no other class's
-kernels are like, so they get an efficiency of their own, fitted on the reference's samples. Tied to
-another class, the reference was mispriced by that class's kernels: at the GEMM class's (0.22 on the
-H200, set by the model's small GEMMs) its attention was 41% over its traced time on ``ref-b12``
-(calibration round 7, in-sample); at the elementwise class's it moved with the model's LayerNorm and
-SiLU kernels (0.60 in round 8, 0.53 in round 9, once the FFN's SiLU was attributed to ``norm_act``: the
-reference's attention went from 0% to +10-14% over, in-sample); at the attention class's, shared with the
-fused kernels, it was +6-10% over while the fused kernels were 5-9% under (rounds 8-9, in-sample)."""
-
 REFERENCE_PAD_MULTIPLE = 16
 """The padded reference rounds each batch's longest length up to this multiple
 (``coplan.kernels.reference.PAD_MULTIPLE``, which says why; a test keeps the two equal)."""
@@ -591,10 +579,10 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         peak = gpu.peak_flops_per_s.get(dt) or gpu.peak_flops_per_s["bf16"]
         ce = eff.compute_eff(o.op_class, dt) * flops_eff
         # an unfused op (the padded reference): its matmuls' bytes and its separate kernels' are streamed
-        # at one class's memory efficiency (UNFUSED_MEMORY_CLASS says why)
+        # at one class's memory efficiency (UNFUSED_CLASS says why)
         unfused = not (o.fwd_serial_bytes.is_zero and o.bwd_serial_bytes.is_zero)
-        bw = gpu.hbm_bw_bytes_per_s * eff.memory.get(UNFUSED_MEMORY_CLASS if unfused else o.op_class, 0.85)
-        bw_serial = gpu.hbm_bw_bytes_per_s * eff.memory.get(UNFUSED_MEMORY_CLASS, 0.85)
+        bw = gpu.hbm_bw_bytes_per_s * eff.memory.get(UNFUSED_CLASS if unfused else o.op_class, 0.85)
+        bw_serial = gpu.hbm_bw_bytes_per_s * eff.memory.get(UNFUSED_CLASS, 0.85)
         launch = eff.launch_s.get(o.op_class, 3e-6)
         load = 1.0
         fixed_f, fixed_b = o.fixed_fwd_bytes, o.fixed_bwd_bytes
@@ -623,8 +611,8 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
             # the unfused op's other kernels: small ATen ones, each a device floor of its own
             xf, xb = max(0.0, o.fwd_host_kernels - o.fwd_launches), max(0.0, o.bwd_host_kernels - o.bwd_launches)
             out["fwd_extra_kernels"][i], out["bwd_extra_kernels"][i] = xf, xb
-            out["fwd_launch_s"][i] += xf * eff.launch_s.get(UNFUSED_MEMORY_CLASS, 2e-6)
-            out["bwd_launch_s"][i] += xb * eff.launch_s.get(UNFUSED_MEMORY_CLASS, 2e-6)
+            out["fwd_launch_s"][i] += xf * eff.launch_s.get(UNFUSED_CLASS, 2e-6)
+            out["bwd_launch_s"][i] += xb * eff.launch_s.get(UNFUSED_CLASS, 2e-6)
         out["fwd_launches"][i] = o.fwd_launches
         out["bwd_launches"][i] = o.bwd_launches
         out["fwd_host_launches"][i] = o.fwd_host_kernels / HOST_KERNELS_PER_PRICED_LAUNCH if o.fwd_host_kernels else o.fwd_launches

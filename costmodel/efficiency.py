@@ -36,10 +36,23 @@ TFLOP/s bf16 forward on H100 (55-75% of 989) and FlashAttention-2 (Dao 2023) 50-
 backward lower; jagged variable-length kernels (GDPA, HSTU-style Triton) lose more to ragged tiles.
 0.5 sits at the low end of the dense kernels, pending calibration."""
 
+UNFUSED_CLASS = "unfused"
+"""The key, in ``Efficiencies.memory`` and ``Efficiencies.launch_s``, of an unfused op's kernels (a
+calibration's ``unfused_memory_efficiency`` and ``unfused_kernel_s``; an extra kernel's device floor is in
+``coplan.costmodel.context.op_arrays``). Its memory efficiency prices every byte an unfused op moves: the
+padded reference's batched fp32 matmuls write and read whole [H, P, P] score blocks and its separate kernels pass over them, streams of GBs that no other class's
+kernels are like, so they get an efficiency of their own, fitted on the reference's samples. Tied to
+another class, the reference was mispriced by that class's kernels: at the GEMM class's (0.22 on the
+H200, set by the model's small GEMMs) its attention was 41% over its traced time on ``ref-b12``
+(calibration round 7, in-sample); at the elementwise class's it moved with the model's LayerNorm and
+SiLU kernels (0.60 in round 8, 0.53 in round 9, once the FFN's SiLU was attributed to ``norm_act``: the
+reference's attention went from 0% to +10-14% over, in-sample); at the attention class's, shared with the
+fused kernels, it was +6-10% over while the fused kernels were 5-9% under (rounds 8-9, in-sample)."""
+
 DEFAULT_MEMORY_EFFICIENCY: dict[str, float] = {
     "gemm": 0.85, "attention": 0.85, "elementwise": 0.85,
     "embedding": 3.2e12 / 4.8e12,
-    "unfused": 0.85,
+    UNFUSED_CLASS: 0.85,
 }
 """Fraction of datasheet HBM bandwidth for bandwidth-bound kernels when the topology gives no
 measured copy rate. Embedding: TorchRec's fused TBE reached 3.2 TB/s on an H200 in the coplan brief's
@@ -52,7 +65,7 @@ applied to a topology's measured copy rate when no embedding calibration exists.
 
 DEFAULT_LAUNCH_OVERHEAD_S: dict[str, float] = {
     "gemm": 3e-6, "attention": 4e-6, "elementwise": 2e-6, "embedding": 5e-6,
-    "unfused": 2e-6,
+    UNFUSED_CLASS: 2e-6,
 }
 """GPU time per kernel beyond its roofline (launch latency, tail, prologue): a few microseconds per
 kernel on Hopper with the CPU running ahead (assumption; NVIDIA Nsight traces of eager PyTorch show
@@ -163,7 +176,7 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     memory = dict(DEFAULT_MEMORY_EFFICIENCY)
     if gpu.measured_hbm_bw_bytes_per_s:
         copy = min(1.0, gpu.measured_hbm_bw_bytes_per_s / gpu.hbm_bw_bytes_per_s)
-        for k in ("gemm", "attention", "elementwise", "unfused"):
+        for k in ("gemm", "attention", "elementwise", UNFUSED_CLASS):
             memory[k] = copy
         memory["embedding"] = copy * TBE_OVER_COPY
         sources["memory"] = f"topology '{topology.name}': measured copy {gpu.measured_hbm_bw_bytes_per_s / 1e12:.2f} TB/s"
@@ -182,10 +195,10 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
             if oc.launch_overhead_s is not None:
                 launch[cls] = oc.launch_overhead_s
         if calibration.unfused_kernel_s is not None:
-            launch["unfused"] = calibration.unfused_kernel_s
+            launch[UNFUSED_CLASS] = calibration.unfused_kernel_s
             sources["launch.unfused"] = f"calibration ({calibration.device})"
         if calibration.unfused_memory_efficiency is not None:
-            memory["unfused"] = calibration.unfused_memory_efficiency
+            memory[UNFUSED_CLASS] = calibration.unfused_memory_efficiency
             sources["memory.unfused"] = f"calibration ({calibration.device})"
         for tier, d in calibration.collective_efficiency.items():
             for c, e in d.items():
@@ -210,6 +223,6 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
 
 __all__ = [
     "COLLECTIVE_BASE_LATENCY_S", "DEFAULT_ATTENTION_EFFICIENCY", "DEFAULT_LOOKUP_ID_LATENCY_S", "DEFAULT_GEMM_EFFICIENCY", "DEFAULT_LAUNCH_OVERHEAD_S",
-    "DEFAULT_MEMORY_EFFICIENCY", "Efficiencies", "IN_SWITCH_ALLREDUCE_GAIN", "P2P_PER_PEER_S", "SM_CONTENTION",
+    "DEFAULT_MEMORY_EFFICIENCY", "Efficiencies", "IN_SWITCH_ALLREDUCE_GAIN", "P2P_PER_PEER_S", "SM_CONTENTION", "UNFUSED_CLASS",
     "resolve_efficiencies",
 ]

@@ -208,24 +208,25 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
     segs: list[float] = [0.0]
     exposed: list[float] = [0.0]
     syncs: list[tuple[int, int, str]] = []
-    state = {"exposing": False}
+    exposing = False  # after a sync, until the first backward launch
 
     def fwd(n: float) -> None:
         segs[-1] += n
-        if state["exposing"]:
+        if exposing:
             exposed[-1] += n
 
     def bwd(n: float) -> None:
+        nonlocal exposing
         segs[-1] += n
-        if n > 0:
-            state["exposing"] = False
+        exposing = exposing and n <= 0
 
     def call(m: int, k: int, phase: str, n: float) -> None:
+        nonlocal exposing
         if arr.fwd_syncs[k] > 0:
             syncs.append((m, k, phase))
             segs.append(0.0)
             exposed.append(0.0)
-            state["exposing"] = True
+            exposing = True
         fwd(n)
 
     for m in range(ctx.micro_batches):
@@ -540,7 +541,7 @@ def price(
     if factor != 1.0:
         notes.append(f"device step {S.makespan * 1e3:.2f} ms x {factor:.3f} (calibrated device_step_factor: device work "
                      f"the ops do not price) = {device_step * 1e3:.2f} ms")
-    seg_out: tuple[tuple[float, float], ...] = ()
+    seg_out: tuple[tuple[float, float, float], ...] = ()
     if segments or ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
         segs, syncs, exposed = _walk_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
         if syncs:

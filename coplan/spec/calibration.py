@@ -98,8 +98,8 @@ class Calibration(Spec):
 
     unfused_memory_efficiency: Fraction | None = None
     """Fraction of datasheet HBM bandwidth an unfused op's kernels stream at (the padded reference
-    attention's fp32 matmuls and score passes over whole [H, P, P] blocks: ``coplan.costmodel.context.
-    UNFUSED_MEMORY_CLASS``), fitted on those ops' traced time. None: the default (the topology's measured
+    attention's fp32 matmuls and score passes over whole [H, P, P] blocks: ``coplan.costmodel.efficiency.
+    UNFUSED_CLASS``), fitted on those ops' traced time. None: the default (the topology's measured
     copy rate, else ``coplan.costmodel.efficiency.DEFAULT_MEMORY_EFFICIENCY['unfused']``)."""
 
     unfused_kernel_s: Annotated[float, Field(ge=0, le=1)] | None = None

@@ -14,13 +14,13 @@ from coplan.costmodel.context import (
     FSDP_COPY_LAUNCHES,
     OPTIMIZER_LAUNCHES,
     REFERENCE_PAD_MULTIPLE,
-    UNFUSED_MEMORY_CLASS,
     _expected_max_moments,
     build_context,
     dense_fixed_costs,
     fsdp_copy_bytes,
     op_arrays,
 )
+from coplan.costmodel.efficiency import UNFUSED_CLASS
 from coplan.costmodel.pricer import price, priced_launches
 from coplan.costmodel.traces import attribute
 from coplan.spec import MeshPlan
@@ -39,12 +39,12 @@ def test_predict_adds_the_separate_kernels_of_an_unfused_op():
     """Two kernels in sequence, a compute-bound matmul (2 ms) and an elementwise pass (3 ms at the unfused
     op's class's bandwidth): 5 ms, not max(2, 3) = 3 ms; the matmul's bytes use the class its sample names."""
     s = Sample("r", "x.0.attn", "fwd", "attention", "tf32", 1.0, flop_s=1e-3, mem_s=0.4e-3, launches=0.0,
-               serial_mem_s=1.5e-3, mem_class=UNFUSED_MEMORY_CLASS)
+               serial_mem_s=1.5e-3, mem_class=UNFUSED_CLASS)
     comp = {("attention", "tf32"): 0.5}
-    mem = {UNFUSED_MEMORY_CLASS: 0.5, "attention": 0.01, "gemm": 0.01, "elementwise": 0.01}
+    mem = {UNFUSED_CLASS: 0.5, "attention": 0.01, "gemm": 0.01, "elementwise": 0.01}
     assert predict([s], comp, mem, {})[0] == pytest.approx(2e-3 + 3e-3)
     # the matmul turns memory-bound when its bandwidth is low: its roofline, then plus the pass
-    assert predict([s], comp, {**mem, UNFUSED_MEMORY_CLASS: 0.1}, {})[0] == pytest.approx(4e-3 + 15e-3)
+    assert predict([s], comp, {**mem, UNFUSED_CLASS: 0.1}, {})[0] == pytest.approx(4e-3 + 15e-3)
     # a fused op (no separate kernels) keeps one roofline over its class's bandwidth
     fused = Sample("r", "x.0.attn", "fwd", "attention", "bf16", 1.0, flop_s=1e-3, mem_s=0.4e-3, launches=0.0)
     assert predict([fused], {("attention", "bf16"): 0.5}, {"attention": 0.1}, {})[0] == pytest.approx(4e-3)
@@ -79,15 +79,15 @@ def test_padded_reference_is_its_matmuls_plus_its_elementwise_passes():
     assert f[g] == pytest.approx(matmuls + arr.fwd_serial_s[g] + arr.fwd_launch_s[g])
     m1, m2 = _expected_max_moments(w.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
     serial_bytes = ctx.mb_batch * F.padded_reference_attention(op, w, min(1.0, ctx.moments["history"][0] / m1)).fwd_serial_bytes.expect(m1, m2)
-    assert arr.fwd_serial_s[g] == pytest.approx(serial_bytes / (gpu.hbm_bw_bytes_per_s * ctx.eff.memory[UNFUSED_MEMORY_CLASS]))
+    assert arr.fwd_serial_s[g] == pytest.approx(serial_bytes / (gpu.hbm_bw_bytes_per_s * ctx.eff.memory[UNFUSED_CLASS]))
     # the Triton backend is one fused kernel: nothing separate
     tri = op_arrays(build_context(_plan(8, 512).workload, plan.topology, plan.mesh))
     assert float(np.abs(tri.fwd_serial_s).sum() + np.abs(tri.bwd_serial_s).sum()) == 0.0
     # the calibration's samples carry the split (matmul bytes streamed at the unfused op's class's
     # bandwidth, as the passes; the passes apart)
     t = {(u.name, u.phase): u for u in unit_terms(plan)}[("interformer.0.gdpa", "fwd")]
-    assert t.mem_class == UNFUSED_MEMORY_CLASS == "unfused" and t.serial_mem_s > 0
-    assert arr.fwd_mem_s[g] * ctx.eff.memory[UNFUSED_MEMORY_CLASS] == pytest.approx(
+    assert t.mem_class == UNFUSED_CLASS == "unfused" and t.serial_mem_s > 0
+    assert arr.fwd_mem_s[g] * ctx.eff.memory[UNFUSED_CLASS] == pytest.approx(
         ctx.mb_batch * F.padded_reference_attention(op, w, min(1.0, ctx.moments["history"][0] / m1)).fwd_bytes.expect(m1, m2)
         / gpu.hbm_bw_bytes_per_s)
 

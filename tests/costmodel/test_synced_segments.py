@@ -124,7 +124,7 @@ def test_a_runs_median_step_is_the_median_of_its_steps_prices():
 def test_unfused_ops_stream_at_their_own_memory_efficiency():
     """The padded reference's bytes (matmuls and passes) are priced at ``unfused_memory_efficiency``, a
     calibration field of its own; the fused backend's attention does not read it."""
-    from coplan.costmodel.context import UNFUSED_MEMORY_CLASS
+    from coplan.costmodel.efficiency import UNFUSED_CLASS
     from coplan.costmodel.efficiency import resolve_efficiencies
     from coplan.spec import Calibration
 
@@ -133,7 +133,7 @@ def test_unfused_ops_stream_at_their_own_memory_efficiency():
     out = {}
     for m in (0.4, 0.8):
         cal = Calibration(device="NVIDIA H200", unfused_memory_efficiency=m)
-        assert resolve_efficiencies(p.topology, cal).memory[UNFUSED_MEMORY_CLASS] == m
+        assert resolve_efficiencies(p.topology, cal).memory[UNFUSED_CLASS] == m
         for attention in ("reference", "triton"):
             q = _plan(attention, batch=8, mean_len=1024)
             ctx = build_context(q.workload, q.topology, q.mesh, cal)
