@@ -44,6 +44,12 @@ class MismatchError(CoplanError):
     """A plan, calibration or run does not match the topology, world size or schema it is used with."""
 
 
+class BatchError(CoplanError):
+    """The workload's batch cannot be run as asked: a global batch that does not split evenly over the
+    GPUs, or micro-batches that do not split the local batch. The message names the nearest batches
+    (and GPU counts) that do."""
+
+
 class InfeasibleError(CoplanError):
     """No plan fits: ``shortfalls`` says which resource falls short on which ranks and by how much."""
 

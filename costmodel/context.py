@@ -68,21 +68,9 @@ class Options:
     pipeline_input_dist: bool = True
     """TorchRec's TrainPipelineSparseDist: the id all-to-all of the next batch runs under this one's compute."""
 
-    sparse_sync_interval_steps: int = 100
-    """With sparse replicas (2-D sparse parallelism), shard weights and optimizer state are
-    all-reduced across replicas every this many steps (TorchRec's DMPCollection sync is user-paced;
-    100 is an assumption), amortised per step."""
-
     nccl_bytes_per_communicator: float = 256 * MiB
     """NCCL buffers per communicator (channels × protocol buffers, both ring neighbours); assumption
     of the order NCCL_BUFFSIZE (4 MiB) × 2 × 32 channels."""
-
-    cuda_context_bytes: float = 1.0 * GiB
-    """CUDA context, cuBLAS/cuDNN workspaces and loaded kernels (assumption; ~0.5-1.5 GiB observed)."""
-
-    allocator_headroom_fraction: float = 0.05
-    """Share of HBM reserved for the caching allocator's fragmentation (assumption; PyTorch's
-    reserved-minus-allocated is typically 3-10% in steady state)."""
 
     balance_seed: int = 0
     """Seed of the jagged-imbalance simulation."""
@@ -226,6 +214,23 @@ def _primary_sequence(w: Workload) -> str | None:
     return best
 
 
+def local_batch_of(workload: Workload, world: int) -> int:
+    """Samples per GPU per step; a global batch that does not split over ``world`` is refused, naming the fix."""
+    from coplan.spec.workload import batch_split_error
+
+    b = workload.batch
+    if not b.splits(world):
+        raise batch_split_error(int(b.global_batch_size or 0), world, workload.name)
+    return b.local(world)
+
+
+def micro_batches_of(workload: Workload, mesh: MeshPlan) -> int:
+    """The plan's micro-batch count: the mesh's (the planner's choice), else the workload's ('auto': 1)."""
+    if mesh.micro_batches is not None:
+        return int(mesh.micro_batches)
+    return workload.batch.fixed_micro_batches or 1
+
+
 def build_context(
     workload: Workload,
     topology: Topology,
@@ -256,12 +261,15 @@ def build_context(
         "sparse_replicate": place_group(topology, mesh.sparse_replicate, mesh.sparse_shard),
         "world": place_group(topology, world, 1),
     }
-    B = workload.batch.local(world)
-    M = workload.batch.micro_batches
-    if B < M:
-        raise CoplanError(
-            f"workload '{workload.name}': local batch {B} per GPU at {world:,} GPUs is smaller than its {M} micro-batches; "
-            "raise the global batch or lower micro_batches"
+    B = local_batch_of(workload, world)
+    M = micro_batches_of(workload, mesh)
+    if B % M:
+        from coplan.errors import BatchError
+        from coplan.spec.workload import divisors
+
+        raise BatchError(
+            f"workload '{workload.name}': {M} micro-batches do not split the local batch of {B} per GPU at {world:,} GPUs "
+            f"evenly; use one of {divisors(B)[:12]} (batch.micro_batches), or 'auto' to let the planner choose"
         )
     ops = F.workload_ops(workload)
     dense_idx = np.array([i for i, o in enumerate(ops) if o.layer != "sparse"], dtype=np.int64)

@@ -495,7 +495,7 @@ def price(
                              sm=not world_ar.sm_free, meta=("all_reduce", "world", dp_ar)))
     if rsync > 0:
         rm = ctx.model("sparse_replicate", "all_reduce")
-        comm_add("sparse.replica_sync", rm.time(rsync) / ctx.options.sparse_sync_interval_steps, (), phase="bwd", layer="sparse",
+        comm_add("sparse.replica_sync", rm.time(rsync) / w.optimizer.sparse_sync_interval_steps, (), phase="bwd", layer="sparse",
               sm=not rm.sm_free, meta=("all_reduce", "sparse_replicate", rsync))
     if fixed.optimizer_step_s > 0:
         S.add("optimizer.step", COMPUTE, fixed.optimizer_step_s, tuple(last_rs), phase="optimizer", layer="optimizer")
@@ -619,7 +619,6 @@ def price(
         fsdp_buffers=fixed.fsdp_buffer_bytes, activations=acts, recompute_peak=rpeak,
         embeddings=emb_w, embedding_optimizer=emb_o, embedding_io=emb_io,
         comm_buffers=n_comm * ctx.options.nccl_bytes_per_communicator + ep_stage,
-        cuda_context=ctx.options.cuda_context_bytes, allocator_headroom=ctx.options.allocator_headroom_fraction * hbm,
     )
 
     # ---------------------------------------------------------------- ranks, flops, goodput
@@ -642,7 +641,7 @@ def price(
         step_time_s=step, perf=perf, compute_mean_s=compute_mean, imbalance=rho,
         imbalance_s=max(0.0, (rho - 1.0) * float((f_mean.sum() + b_mean.sum()) * M)),
         model_flops=mflops, world_size=ctx.world, peak_flops_per_s=ctx.topology.dense_peak_flops_per_s,
-        memory=mem, hbm_capacity_bytes=hbm, ops=tuple(ops_out), comms=tuple(comms_out), layers=layers_perf,
+        memory=mem, hbm_capacity_bytes=hbm, hbm_reserve_bytes=hbm * ctx.topology.gpu.hbm_reserve_fraction, ops=tuple(ops_out), comms=tuple(comms_out), layers=layers_perf,
         rank_ids=tuple(int(r) for r in ids), rank_time_s=rank_time, rank_memory_bytes=rank_mem, goodput=gp, notes=tuple(notes),
         unpriced_device_s=max(0.0, device_step - S.makespan) if step <= device_step else 0.0,
         segments=seg_out,

@@ -106,12 +106,6 @@ class Memory:
     comm_buffers: float = 0.0
     """NCCL communicator buffers and expert-parallel all-to-all staging."""
 
-    cuda_context: float = 0.0
-    """CUDA context, cuBLAS/cuDNN workspaces, kernels."""
-
-    allocator_headroom: float = 0.0
-    """Reserve for the caching allocator's fragmentation (a stated fraction of HBM)."""
-
     def __add__(self, other: "Memory") -> "Memory":
         return Memory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Memory)))
 
@@ -213,6 +207,11 @@ class StepCost:
     """Fullest rank's memory."""
 
     hbm_capacity_bytes: float
+    """HBM of one GPU (datasheet)."""
+
+    hbm_reserve_bytes: float = 0.0
+    """What the topology holds back (``gpu.hbm_reserve_fraction``: allocator fragmentation, CUDA context,
+    NCCL internals); a plan fits when ``memory.total`` stays within capacity less this."""
 
     ops: tuple[OpCost, ...] = ()
     comms: tuple[CommCost, ...] = ()
@@ -272,12 +271,17 @@ class StepCost:
         return self.e2e_mfu * (self.goodput.fraction if self.goodput else 1.0)
 
     @property
+    def usable_hbm_bytes(self) -> float:
+        """HBM a plan may fill: capacity less the reserve."""
+        return self.hbm_capacity_bytes - self.hbm_reserve_bytes
+
+    @property
     def memory_headroom_bytes(self) -> float:
-        return self.hbm_capacity_bytes - self.memory.total
+        return self.usable_hbm_bytes - self.memory.total
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.hbm_capacity_bytes
+        return self.memory.total <= self.usable_hbm_bytes
 
     def to_prediction(self, *, detail: bool = True) -> Prediction:
         """The spec's :class:`~coplan.spec.Prediction` (``detail=False`` leaves out per-op and per-collective rows)."""
@@ -317,6 +321,7 @@ class StepCost:
             breakdown_s=self.perf.as_dict(),
             layer_time_s={k: v.total for k, v in self.layers.items()},
             memory_headroom_bytes=self.memory_headroom_bytes,
+            hbm_reserve_bytes=self.hbm_reserve_bytes,
             rank_memory_bytes=self.rank_memory_bytes,
             notes=self.notes,
         )

@@ -80,7 +80,9 @@ def print_summary(plan: Plan, out=sys.stdout) -> None:
         w(f"scaling ratio        {p.scaling_ratio:6.1%}")
         w(f"E2E MFU              {p.e2e_mfu:6.1%}")
         w(f"goodput              {p.goodput:6.1%}  (goodput MFU {p.goodput_mfu:.1%})")
-        w(f"peak memory / rank   {human_bytes(p.peak_memory_bytes)} of {human_bytes(p.hbm_capacity_bytes)} ({p.peak_memory_bytes / max(p.hbm_capacity_bytes, 1):.1%})")
+        usable = p.hbm_capacity_bytes - p.hbm_reserve_bytes
+        w(f"peak memory / rank   {human_bytes(p.peak_memory_bytes)} of {human_bytes(usable)} usable ({p.peak_memory_bytes / max(usable, 1):.1%}; "
+          f"HBM {human_bytes(p.hbm_capacity_bytes)} less a {human_bytes(p.hbm_reserve_bytes)} reserve)")
     if plan.solver is not None:
         r = plan.solver
         w(f"solver: {r.status}, objective {r.objective_us / 1e3:,.3f} ms, bound {r.best_bound_us / 1e3:,.3f} ms, gap {r.gap:.2%}; "

@@ -230,7 +230,7 @@ class Pricer:
         return CandidatePricing(
             mesh=c, node_size=s.node_size, base_time_s=d.base_time_s + s.fixed_time_s,
             base_bytes=d.base_bytes - d.sparse_groups_bytes + s.groups_bytes + dp_comm,
-            capacity_bytes=self.topology.gpu.hbm_bytes, layers=d.layers, options=s.options,
+            capacity_bytes=self.topology.gpu.usable_hbm_bytes, layers=d.layers, options=s.options,
             table_names=tuple(t.name for t in self.workload.all_tables),
             a2a_s_per_byte=s.a2a_s_per_byte, recv_factor=s.recv_factor, recv_mem_factor=s.recv_mem_factor,
             dp_s_per_byte=s.dp_s_per_byte, memory_parts=dict(d.memory_parts),

@@ -172,7 +172,8 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
         ("step time", fmt_s(pred.step_time_s)),
         ("local MFU × scaling", f"{fmt_pct(pred.local_mfu)} × {fmt_pct(pred.scaling_ratio, 1)}"),
         ("E2E MFU / goodput MFU", f"{fmt_pct(pred.e2e_mfu)} / {fmt_pct(pred.goodput_mfu)}"),
-        ("peak memory / HBM", f"{fmt_bytes(pred.peak_memory_bytes)} / {fmt_bytes(pred.hbm_capacity_bytes)}"),
+        ("peak memory / usable HBM", f"{fmt_bytes(pred.peak_memory_bytes)} / {fmt_bytes(pred.hbm_capacity_bytes - pred.hbm_reserve_bytes)}"
+                                      f" (HBM {fmt_bytes(pred.hbm_capacity_bytes)} less its reserve)"),
         ("model FLOPs per step", f"{pred.model_flops_per_step:.4g}"),
     ]
     footer = (f"coplan {__version__}; report written {datetime.now(timezone.utc).isoformat(timespec='seconds')}; plan {inputs.plan_path} "

@@ -54,8 +54,6 @@ MEMORY_COLOURS: dict[str, str] = {
     "embedding_optimizer": "#999933",
     "embedding_io": "#BBCC33",
     "comm_buffers": "#EE6677",
-    "cuda_context": "#777777",
-    "allocator_headroom": "#DDDDDD",
 }
 """Memory kinds. Kinds not listed get a stable colour from :data:`EXTRA`."""
 

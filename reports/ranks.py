@@ -39,7 +39,7 @@ MAX_BAR_RANKS = 48
 
 CLASS_ORDER = ("gemm", "attention", "embedding", "elementwise")
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "fsdp_buffers", "activations", "recompute_peak", "embeddings",
-                "embedding_optimizer", "embedding_io", "comm_buffers", "cuda_context", "allocator_headroom")
+                "embedding_optimizer", "embedding_io", "comm_buffers")
 EMBEDDING_KINDS = ("embeddings", "embedding_optimizer", "embedding_io")
 
 
@@ -274,7 +274,7 @@ def all_rank_embedding_s(plan: Plan, cost, context) -> np.ndarray | None:
 def rank_memory(plan: Plan, cost, context) -> RankMemory:
     """Memory by kind per rank of the sparse shard group (see the module docstring)."""
     mem = cost.memory.as_dict()
-    cap = float(cost.hbm_capacity_bytes)
+    cap = float(cost.usable_hbm_bytes)
     G = plan.mesh.sparse_shard
     ids = np.asarray(cost.rank_ids, dtype=np.int64)
     totals = np.asarray(cost.rank_memory_bytes, dtype=float)
@@ -337,12 +337,15 @@ def memory_per_rank(plan: Plan, cost, context, *, title: str = "Memory per rank 
         else:
             fig.add_trace(go.Bar(
                 x=[str(r) for r in ids], y=v / GiB, name=name, marker_color=memory_colour(k),
-                marker_pattern={"shape": "/", "fgcolor": "#999"} if k == "allocator_headroom" else None,
                 customdata=custom,
                 hovertemplate=f"rank %{{x}}<br>{name}: %{{customdata[0]}}<br>rank total %{{customdata[1]}}<extra></extra>",
             ))
+    hbm = float(plan.topology.gpu.hbm_bytes)
     fig.add_hline(y=rm.capacity_bytes / GiB, line={"color": "#CC3311", "width": 2, "dash": "dash"},
-                  annotation_text=f"HBM {fmt_bytes(rm.capacity_bytes)}", annotation_position="top left")
+                  annotation_text=f"usable {fmt_bytes(rm.capacity_bytes)} (HBM less the topology's "
+                                  f"{plan.topology.gpu.hbm_reserve_fraction:.0%} reserve)", annotation_position="top left")
+    fig.add_hline(y=hbm / GiB, line={"color": "#999999", "width": 1, "dash": "dot"},
+                  annotation_text=f"HBM {fmt_bytes(hbm)}", annotation_position="top right")
     if area:
         ticks = sorted(set(np.linspace(0, n - 1, min(n, 12)).round().astype(int).tolist()))
         fig.update_xaxes(title_text="ranks, fullest first (ticks: rank ids)",
@@ -356,7 +359,7 @@ def memory_per_rank(plan: Plan, cost, context, *, title: str = "Memory per rank 
     peak = float(total.max()) if total.size else 0.0
     head = rm.capacity_bytes - peak
     sub = (f"{rm.how}; fullest rank {fmt_bytes(peak)}, "
-           + (f"{fmt_bytes(head)} below HBM" if head >= 0 else f"<b>{fmt_bytes(-head)} over HBM</b>"))
+           + (f"{fmt_bytes(head)} below the usable HBM" if head >= 0 else f"<b>{fmt_bytes(-head)} over the usable HBM</b>"))
     return base_layout(fig, title, subtitle=sub, height=460)
 
 

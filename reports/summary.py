@@ -41,7 +41,7 @@ def _reprice(plan: Plan, change: str, **update) -> WhatIf | None:
         c = price_plan(plan.model_copy(update=update)).cost
     except Exception:  # noqa: BLE001 - a what-if that cannot be priced is simply not quoted
         return None
-    return WhatIf(change, c.step_time_s, c.goodput_mfu, c.memory.total, c.hbm_capacity_bytes)
+    return WhatIf(change, c.step_time_s, c.goodput_mfu, c.memory.total, c.usable_hbm_bytes)
 
 
 def what_if(plan: Plan, loss: Loss) -> WhatIf | None:
@@ -143,8 +143,10 @@ def describe_plan(plan: Plan) -> str:
 
 
 def describe_prediction(pred: Prediction) -> str:
-    mem = (f"peak memory {fmt_bytes(pred.peak_memory_bytes)} of {fmt_bytes(pred.hbm_capacity_bytes)} HBM"
-           + ("" if pred.peak_memory_bytes <= pred.hbm_capacity_bytes or not pred.hbm_capacity_bytes else " — it does NOT fit"))
+    usable = pred.hbm_capacity_bytes - pred.hbm_reserve_bytes
+    mem = (f"peak memory {fmt_bytes(pred.peak_memory_bytes)} of {fmt_bytes(usable)} usable HBM "
+           f"({fmt_bytes(pred.hbm_capacity_bytes)} less a {fmt_bytes(pred.hbm_reserve_bytes)} reserve)"
+           + ("" if pred.peak_memory_bytes <= usable or not pred.hbm_capacity_bytes else " — it does NOT fit"))
     return (f"Predicted: step {fmt_s(pred.step_time_s)}; local MFU {fmt_pct(pred.local_mfu)} × scaling ratio {fmt_pct(pred.scaling_ratio, 1)} "
             f"= E2E MFU {fmt_pct(pred.e2e_mfu)}; goodput {fmt_pct(pred.goodput, 2)} after checkpoints and failures "
             f"→ goodput MFU {fmt_pct(pred.goodput_mfu)}; {mem}.")

@@ -18,6 +18,7 @@ from coplan.spec.loader import (
     parse_spec,
 )
 from coplan.spec.plan import (
+    Alternative,
     BalancingPlan,
     CommPrediction,
     LayerPlan,
@@ -34,7 +35,7 @@ from coplan.spec.topology import GpuSpec, Reliability, Tier, Topology
 from coplan.spec.workload import Workload
 
 __all__ = [
-    "COLLECTIVES", "OP_CLASSES", "SCHEMA_VERSION", "SPEC_KINDS", "BalancingPlan", "Calibration", "CommPrediction",
+    "COLLECTIVES", "OP_CLASSES", "SCHEMA_VERSION", "SPEC_KINDS", "Alternative", "BalancingPlan", "Calibration", "CommPrediction",
     "FitError", "GpuSpec", "LayerPlan", "MeshAxis", "MeshPlan", "OpClassCalibration", "OpPrediction", "Plan",
     "Prediction", "Reliability", "RunResult", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
     "Topology", "Workload", "dump_spec", "list_presets", "load_any", "load_calibration", "load_plan",

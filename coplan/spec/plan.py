@@ -58,6 +58,10 @@ class MeshPlan(Spec):
     sparse_replicate: PosInt = 1
     """Copies of the sharded tables; sparse_shard × sparse_replicate = world size."""
 
+    micro_batches: PosInt | None = None
+    """Gradient-accumulation micro-batches per step this plan runs (the planner's choice where the
+    workload says 'auto'); None: the workload's ``batch.micro_batches``."""
+
     axes: tuple[MeshAxis, ...] = ()
     """The axes with their tier mapping (filled by the planner; informative for the trainer)."""
 
@@ -309,7 +313,10 @@ class Prediction(Spec):
     """Compute + exposed communication per layer ('<block>.<index>', 'sparse', 'optimizer'), seconds."""
 
     memory_headroom_bytes: float = 0.0
-    """hbm_capacity_bytes − peak_memory_bytes (negative when the plan does not fit)."""
+    """usable HBM (capacity less the topology's reserve) − peak_memory_bytes (negative when the plan does not fit)."""
+
+    hbm_reserve_bytes: NonNeg = 0.0
+    """HBM the topology holds back (``gpu.hbm_reserve_fraction``): no plan fills it."""
 
     rank_memory_bytes: tuple[NonNeg, ...] = ()
     """Memory of the ranks in rank_ids."""
@@ -321,17 +328,29 @@ class Prediction(Spec):
 class SolverReport(Spec):
     """What CP-SAT said."""
 
-    status: Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "MODEL_INVALID", "UNKNOWN", "HEURISTIC"]
-    """CP-SAT status of the chosen candidate ('HEURISTIC' when no solver ran)."""
+    status: Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "MODEL_INVALID", "UNKNOWN", "HEURISTIC", "GIVEN"]
+    """CP-SAT status of the chosen plan ('HEURISTIC' when the simulate heuristic's plan won or no solver
+    ran; 'GIVEN' for a plan whose every choice was given, e.g. a single-process plan)."""
 
     objective_us: NonNeg = 0.0
-    """Objective value, integer microseconds of predicted step time."""
+    """The plan's priced step time (the cost model's full pricer), microseconds."""
 
     best_bound_us: NonNeg = 0.0
-    """Best proven lower bound, microseconds."""
+    """Best proven lower bound on the priced step of any plan of this search (pins included), microseconds."""
 
     gap: NonNeg = 0.0
     """(objective − bound) / objective."""
+
+    model_objective_us: NonNeg = 0.0
+    """What CP-SAT's model (the piecewise-linear step, one cut per critical path of the pricer's
+    schedule) says of the returned plan, microseconds; the priced step agrees within a few percent."""
+
+    cut_rounds: Annotated[int, Field(ge=0)] = 0
+    """Re-solves of the chosen candidate after a priced plan added a cut (0: the first solution's price
+    already agreed with the model)."""
+
+    pins: tuple[str, ...] = ()
+    """Choices the user fixed (``--pin AXIS=N``, ``--pin-table NAME=SHARDING``), as given."""
 
     wall_s: NonNeg = 0.0
     """Solver wall time over all candidates, seconds."""
@@ -347,6 +366,33 @@ class SolverReport(Spec):
 
     candidates_solved: Annotated[int, Field(ge=0)] = 0
     """Candidates left after pruning and solved."""
+
+
+class Alternative(Spec):
+    """A plan the search priced and did not return, and why it lost."""
+
+    kind: Literal["mesh", "sharding", "recompute", "micro_batches", "heuristic", "infeasible"]
+    """What differs from the returned plan: another mesh candidate, a runner-up table sharding or
+    recompute set of the same mesh, another micro-batch count, the simulate heuristic's plan, or a
+    candidate that does not fit."""
+
+    mesh: str
+    """Mesh candidate key, e.g. 'fsdp128x32-ep64-sp512x8' (with '-mb4' for 4 micro-batches)."""
+
+    description: str
+    """What this alternative is, in a few words."""
+
+    step_time_s: Annotated[float, Field(ge=0)] | None = None
+    """Its priced step time (None: not priced in full; see ``bound_s``)."""
+
+    bound_s: NonNeg = 0.0
+    """Proven lower bound of its step time (for candidates pruned by their bound)."""
+
+    peak_memory_bytes: NonNeg = 0.0
+    """Its fullest rank's memory (0 when unknown)."""
+
+    why: str
+    """Why it lost, with numbers: slower by x ms (which parts), or does not fit (which resource, by how much)."""
 
 
 class Plan(Spec):
@@ -406,6 +452,17 @@ class Plan(Spec):
     solver: SolverReport | None = None
     """The solver's report."""
 
+    alternatives: tuple[Alternative, ...] = ()
+    """The best few plans the search priced and did not return (other mesh candidates, runner-up
+    sharding and recompute choices, the heuristic's plan), best first, with why each lost."""
+
+    @property
+    def micro_batches(self) -> int:
+        """Gradient-accumulation micro-batches per step this plan runs."""
+        if self.mesh.micro_batches is not None:
+            return self.mesh.micro_batches
+        return self.workload.batch.fixed_micro_batches or 1
+
     @field_validator("schema_version")
     @classmethod
     def _schema(cls, v: int) -> int:
@@ -417,6 +474,15 @@ class Plan(Spec):
             raise field_error("world_size", f"{self.world_size} exceeds the {self.topology.num_gpus} GPUs of topology '{self.topology.name}'")
         if self.mesh.world_size != self.world_size:
             raise field_error("mesh", f"covers {self.mesh.world_size} ranks but world_size is {self.world_size}")
+        b = self.workload.batch
+        if not b.splits(self.world_size):
+            raise field_error("world_size", f"global batch {b.global_batch_size:,} does not split evenly over {self.world_size:,} ranks; re-plan")
+        fixed = b.fixed_micro_batches
+        if self.mesh.micro_batches is not None and fixed is not None and self.mesh.micro_batches != fixed:
+            raise field_error("mesh.micro_batches", f"{self.mesh.micro_batches} but the workload asks for {fixed}; re-plan")
+        local = b.local(self.world_size)
+        if local % self.micro_batches:
+            raise field_error("mesh.micro_batches", f"{self.micro_batches} micro-batches do not split the local batch of {local} evenly")
         if self.topology_sha256 and self.topology_sha256 != spec_sha256(self.topology):
             raise field_error("topology_sha256", "does not match the embedded topology (edited by hand?); re-plan")
         if self.workload_sha256 and self.workload_sha256 != spec_sha256(self.workload):

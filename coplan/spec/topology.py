@@ -38,8 +38,22 @@ class GpuSpec(Spec):
     measured_hbm_bw_bytes_per_s: PositiveFloat | None = None
     """Device-to-device copy bandwidth measured (read + write bytes over time), when known."""
 
+    hbm_reserve_fraction: Annotated[float, Field(ge=0, lt=0.5)] = 0.08
+    """Share of HBM no plan may use, held back for what the cost model does not itemise: the caching
+    allocator's fragmentation (PyTorch's reserved-minus-allocated runs at 3-10% of the pool in steady
+    training: PyTorch "CUDA semantics: memory management" docs and ``torch.cuda.memory_stats``
+    readings), the CUDA context with cuBLAS/cuDNN workspaces and loaded kernels (0.5-1.5 GiB) and NCCL's
+    internal state beyond the per-communicator buffers the cost model prices. Default 8% (~11 GB of an
+    H200): 5% fragmentation + ~1 GiB context + ~2 GiB NCCL and workspaces. Plans keep every rank at or
+    under ``hbm_bytes × (1 − hbm_reserve_fraction)``."""
+
     num_sms: int = Field(default=132, gt=0)
     """Streaming multiprocessors; collectives that run on SMs take some of them from compute."""
+
+    @property
+    def usable_hbm_bytes(self) -> float:
+        """HBM a plan may fill: capacity less the reserve."""
+        return self.hbm_bytes * (1.0 - self.hbm_reserve_fraction)
 
     @field_validator("peak_flops_per_s")
     @classmethod

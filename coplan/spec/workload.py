@@ -539,7 +539,10 @@ Block = Annotated[
 
 
 class Batch(Spec):
-    """Batch size: give exactly one of the global or the per-GPU (local) batch."""
+    """Batch size: give exactly one of the global or the per-GPU (local) batch.
+
+    A global batch is kept exactly: it must split evenly over the GPUs (and the local batch over the
+    micro-batches); coplan refuses, naming the nearest batches that do, rather than change it."""
 
     global_batch_size: PosInt | None = None
     """Samples per optimizer step over all GPUs (strong scaling)."""
@@ -547,26 +550,86 @@ class Batch(Spec):
     local_batch_size: PosInt | None = None
     """Samples per optimizer step per GPU (weak scaling)."""
 
-    micro_batches: PosInt = 1
-    """Gradient-accumulation micro-batches per step."""
+    micro_batches: PosInt | Literal["auto"] = 1
+    """Gradient-accumulation micro-batches per step (each rank runs its local batch in this many
+    forward/backward passes, then one optimizer step). 'auto': the planner chooses the count among the
+    divisors of the local batch (fewer micro-batches when memory allows, more when activations do not
+    fit); where no planner runs, 'auto' prices as 1."""
 
     @model_validator(mode="after")
     def _one(self) -> "Batch":
         if (self.global_batch_size is None) == (self.local_batch_size is None):
             raise field_error("global_batch_size", "give exactly one of global_batch_size and local_batch_size")
+        if self.local_batch_size is not None and isinstance(self.micro_batches, int) and self.local_batch_size % self.micro_batches:
+            raise field_error("micro_batches", f"{self.micro_batches} micro-batches do not split the local batch of "
+                              f"{self.local_batch_size} evenly; use one of {divisors(self.local_batch_size)[:12]}")
         return self
 
+    @property
+    def fixed_micro_batches(self) -> int | None:
+        """The micro-batch count the workload asks for (None: 'auto', the planner's choice)."""
+        return None if self.micro_batches == "auto" else int(self.micro_batches)
+
     def local(self, world_size: int) -> int:
+        """Samples per GPU per step at ``world_size`` GPUs. A global batch that does not split evenly is
+        refused (:class:`~coplan.errors.BatchError`), never rounded: see :func:`batch_split_error`."""
         if self.local_batch_size is not None:
             return self.local_batch_size
         assert self.global_batch_size is not None
-        return max(1, self.global_batch_size // world_size)
+        if world_size < 1 or self.global_batch_size % world_size:
+            raise batch_split_error(self.global_batch_size, world_size)
+        return self.global_batch_size // world_size
+
+    def splits(self, world_size: int) -> bool:
+        """Whether the batch runs on ``world_size`` GPUs as given (no rounding)."""
+        return self.local_batch_size is not None or (self.global_batch_size is not None and world_size >= 1
+                                                     and self.global_batch_size % world_size == 0)
 
     def global_(self, world_size: int) -> int:
         if self.global_batch_size is not None:
             return self.global_batch_size
         assert self.local_batch_size is not None
         return self.local_batch_size * world_size
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def nearest_multiples(n: int, k: int, count: int = 2) -> list[int]:
+    """Up to ``count`` multiples of ``k`` on each side of ``n`` (positive), nearest first."""
+    below = [m for m in ((n // k - i) * k for i in range(count)) if m > 0]
+    above = [(n // k + 1 + i) * k for i in range(count)]
+    return sorted(set(below + above), key=lambda m: (abs(m - n), m))
+
+
+def batch_split_error(global_batch: int, world_size: int, workload: str | None = None):
+    """The error for a global batch that does not split over ``world_size`` GPUs: the nearest global
+    batches that do, and the GPU counts that split this batch."""
+    from coplan.errors import BatchError
+
+    near = nearest_multiples(global_batch, max(1, world_size))
+    gpus = [d for d in divisors(global_batch) if d <= max(world_size, 1)][-3:]
+    who = f"workload '{workload}': " if workload else ""
+    if world_size > global_batch:
+        why = f"is smaller than the {world_size:,} GPUs (every GPU needs at least one sample)"
+    else:
+        why = f"does not split evenly over {world_size:,} GPUs ({global_batch / world_size:,.2f} samples each)"
+    return BatchError(
+        f"{who}batch.global_batch_size {global_batch:,} {why}; coplan keeps the global batch exactly rather than "
+        f"round it. Use a global batch that divides: {', '.join(f'{m:,}' for m in near)} "
+        f"(local batch {', '.join(f'{m // max(1, world_size):,}' for m in near)}), or plan on a GPU count that divides "
+        f"{global_batch:,} (--gpus {', '.join(f'{g:,}' for g in gpus)})"
+    )
 
 
 class Precision(Spec):
@@ -612,6 +675,12 @@ class Optimizer(Spec):
 
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """Dense weight decay."""
+
+    sparse_sync_interval_steps: PosInt = 1
+    """With several copies of the sharded tables (2-D sparse parallelism: ``sparse_replicate > 1``), the
+    replicas' weights and optimizer state are averaged every this many steps (TorchRec DMPCollection's
+    ``sync()``). 1 (the default) keeps them identical, as one copy would be; larger intervals trade
+    staleness between replicas for less communication, priced per step by the cost model."""
 
     @property
     def dense_state_bytes_per_param(self) -> int:
@@ -732,5 +801,5 @@ __all__ = [
     "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
     "InterFormerBlock", "Kernels", "KunlunBlock", "LengthDistribution", "LognormalLength", "MoEBlock",
     "Optimizer", "Precision", "SequenceFeature", "TableSetGenerator", "TaskHeads", "TransformerBlock",
-    "UniformLength", "Workload", "sample_lengths",
+    "UniformLength", "Workload", "batch_split_error", "divisors", "nearest_multiples", "sample_lengths",
 ]

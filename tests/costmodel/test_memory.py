@@ -87,8 +87,12 @@ def test_recompute_keeps_layer_inputs_only(tiny):
 
 def test_fixed_terms_and_total(tiny):
     w, t, ctx = tiny
-    m = price(ctx).memory
-    assert m.cuda_context == Options().cuda_context_bytes
-    assert m.allocator_headroom == pytest.approx(0.05 * t.gpu.hbm_bytes)
+    cost = price(ctx)
+    m = cost.memory
+    # the CUDA context and the allocator's fragmentation are the topology's reserve, not priced items
+    assert "cuda_context" not in m.as_dict() and "allocator_headroom" not in m.as_dict()
+    assert cost.hbm_reserve_bytes == pytest.approx(t.gpu.hbm_reserve_fraction * t.gpu.hbm_bytes)
+    assert cost.usable_hbm_bytes == pytest.approx(t.gpu.hbm_bytes * (1 - t.gpu.hbm_reserve_fraction))
+    assert cost.fits == (m.total <= cost.usable_hbm_bytes)
     assert m.comm_buffers == 0.0  # one rank: no communicators
     assert m.total == pytest.approx(sum(m.as_dict().values()))
