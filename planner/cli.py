@@ -89,6 +89,23 @@ def print_summary(plan: Plan, out=sys.stdout) -> None:
           f"{r.candidates_solved} of {r.candidates_total:,} mesh candidates solved in {r.wall_s:.1f} s on {r.num_workers} workers (seed {r.seed})")
 
 
+def parse_pins(items: list[str] | None, flag: str, cast) -> dict:
+    """``NAME=VALUE`` strings as a dict (a repeated name is refused)."""
+    out: dict = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise CoplanError(f"{flag} {item!r}: expected NAME=VALUE, e.g. {'sparse_replicate=2' if cast is int else 'user_id=row_wise'}")
+        if name in out:
+            raise CoplanError(f"{flag} {name} is given twice")
+        try:
+            out[name] = cast(value)
+        except ValueError:
+            raise CoplanError(f"{flag} {item!r}: '{value}' is not a whole number") from None
+    return out
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from coplan.planner.search import PlannerConfig, make_plan
 
@@ -116,7 +133,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise CoplanError(f"--max-solves must be at least 1 (got {args.max_solves})")
     cfg = PlannerConfig(world_size=args.gpus, time_limit_s=args.time_limit, num_workers=args.workers, seed=args.seed,
                         policy=args.policy, solve_dtime=args.solve_dtime, max_solves=args.max_solves,
-                        gap_tolerance=args.gap_tolerance)
+                        gap_tolerance=args.gap_tolerance, pins=parse_pins(args.pin, "--pin", int),
+                        table_pins=parse_pins(args.pin_table, "--pin-table", str))
     progress = None if (args.json or args.quiet) else (lambda msg: print(msg, file=sys.stderr, flush=True))
     plan, _ = make_plan(workload, topology, calibration, cfg, progress=progress)
     out = Path(args.output)
@@ -153,6 +171,12 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--workers", type=int, default=0, help="parallel solves (default: the machine's cores)")
     p.add_argument("--seed", type=int, default=0, help="CP-SAT seed (plans are deterministic for a seed)")
     p.add_argument("--policy", choices=["none", "greedy", "karmarkar_karp"], help="jagged balancing policy (default: least expected imbalance)")
+    p.add_argument("--pin", action="append", metavar="AXIS=N",
+                   help="fix a mesh axis (dp_shard, dp_replicate, ep, sparse_shard, sparse_replicate) or micro_batches and plan "
+                        "the rest; repeatable")
+    p.add_argument("--pin-table", action="append", metavar="NAME=SHARDING",
+                   help="fix one table's sharding (table_wise, row_wise, column_wise[/N], table_row_wise, data_parallel) and "
+                        "plan the rest; repeatable")
     p.add_argument("--export-torchrec", nargs="?", const=True, default=None, metavar="PATH",
                    help="also write TorchRec's ShardingPlan (torch.save) and a JSON rendering (default <output>.torchrec.pt)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -71,6 +71,9 @@ class Pricer:
     """Data-parallel only for tables whose copy takes at most this share of HBM."""
     policy: str | None = None
     """Balancing policy; None: the one of least expected imbalance."""
+    table_pins: dict[str, str] = field(default_factory=dict)
+    """Table name -> the sharding it must take (``--pin-table``): a sharding type, or
+    ``column_wise/N`` for N column shards."""
     rho: float = 1.0
     _dense: dict = field(default_factory=dict)
     _sparse: dict = field(default_factory=dict)
@@ -87,7 +90,7 @@ class Pricer:
         from coplan.costmodel.heuristic import mesh_axes
 
         m = MeshPlan(dense_shard=c.dense_shard, dense_replicate=c.dense_replicate, expert_parallel=c.expert_parallel,
-                     sparse_shard=c.sparse_shard, sparse_replicate=c.sparse_replicate)
+                     sparse_shard=c.sparse_shard, sparse_replicate=c.sparse_replicate, micro_batches=c.micro_batches)
         return m.model_copy(update={"axes": mesh_axes(self.topology, m)})
 
     def context(self, c: MeshCandidate):
@@ -104,8 +107,14 @@ class Pricer:
     def _rho(self, policy: str) -> float:
         from coplan.costmodel import imbalance
 
-        ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, self.world_size))
+        ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, self.world_size, self._mb0))
         return float(imbalance(ctx, policy))
+
+    @property
+    def _mb0(self) -> int:
+        from coplan.planner.mesh import micro_batch_counts
+
+        return micro_batch_counts(self.workload, self.world_size)[0]
 
     def _choose_policy(self) -> tuple[str, float]:
         varies = any(not isinstance(s.length, FixedLength) for s in self.workload.sequences)
@@ -133,7 +142,7 @@ class Pricer:
         """Dense figures of the candidate's (dense shard, expert-parallel) pair (cached)."""
         from coplan.costmodel import layer_costs, price
 
-        key = (c.dense_shard, c.expert_parallel)
+        key = (c.dense_shard, c.expert_parallel, c.micro_batches)
         hit = self._dense.get(key)
         if hit is not None:
             return hit
@@ -165,10 +174,10 @@ class Pricer:
         from coplan.costmodel import table_option_costs
 
         S = c.sparse_shard
-        hit = self._sparse.get(S)
+        hit = self._sparse.get((S, c.micro_batches))
         if hit is not None:
             return hit
-        ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, S))
+        ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, S, c.micro_batches))
         ta = ctx.tables
         n = ta.num
         M = ctx.micro_batches
@@ -208,6 +217,8 @@ class Pricer:
             add("table_row_wise", g, ~ta.is_seq)  # TorchRec's EmbeddingCollection has no table-row-wise
         dp_mem = (ta.rows * ta.dim * ta.wbytes + ta.rows * (ta.state_row_fixed + ta.state_per_elem * ta.dim))
         add("data_parallel", 1, dp_mem <= self.max_dp_fraction * hbm)
+        if self.table_pins:
+            opts = self._apply_pins(opts, S)
         options = tuple(tuple(_prune(o)) for o in opts)
         info = SparseInfo(
             options=options, node_size=g if S % g == 0 else 0,
@@ -216,8 +227,20 @@ class Pricer:
             dp_s_per_byte=world_ar.s_per_byte, recv_factor=self.rho, recv_mem_factor=2.0 * self.rho / M,
             groups_bytes=self._groups_bytes(c),
         )
-        self._sparse[S] = info
+        self._sparse[(S, c.micro_batches)] = info
         return info
+
+    def _apply_pins(self, opts: list[list[ShardOption]], S: int) -> list[list[ShardOption]]:
+        """Keep only the pinned sharding of each pinned table; a pin no option of this group size
+        satisfies leaves the table with no option (the candidate is then infeasible, and the search says
+        which pin no candidate could take)."""
+        idx = {t.name: i for i, t in enumerate(self.workload.all_tables)}
+        out = list(opts)
+        for name, want in self.table_pins.items():
+            i = idx[name]
+            kind, _, k = want.partition("/")
+            out[i] = [o for o in opts[i] if o.sharding_type == kind and (not k or o.num_shards == int(k))]
+        return out
 
     # ------------------------------------------------------------------ candidates
     def candidate(self, c: MeshCandidate) -> CandidatePricing:

@@ -48,6 +48,9 @@ class MeshCandidate:
     sparse_shard: int
     """Ranks one copy of the embedding tables is sharded over (inner axis)."""
 
+    micro_batches: int = 1
+    """Gradient-accumulation micro-batches per step."""
+
     @property
     def dense_replicate(self) -> int:
         return self.world_size // self.dense_shard
@@ -58,7 +61,33 @@ class MeshCandidate:
 
     @property
     def key(self) -> str:
-        return f"fsdp{self.dense_shard}x{self.dense_replicate}-ep{self.expert_parallel}-sp{self.sparse_shard}x{self.sparse_replicate}"
+        mb = f"-mb{self.micro_batches}" if self.micro_batches > 1 else ""
+        return f"fsdp{self.dense_shard}x{self.dense_replicate}-ep{self.expert_parallel}-sp{self.sparse_shard}x{self.sparse_replicate}{mb}"
+
+    def axis(self, name: str) -> int:
+        """The size of mesh axis ``name`` (or ``micro_batches``)."""
+        return {"dp_shard": self.dense_shard, "dp_replicate": self.dense_replicate, "ep": self.expert_parallel,
+                "sparse_shard": self.sparse_shard, "sparse_replicate": self.sparse_replicate,
+                "micro_batches": self.micro_batches}[name]
+
+
+PINNABLE = ("dp_shard", "dp_replicate", "ep", "sparse_shard", "sparse_replicate", "micro_batches")
+"""What ``--pin NAME=N`` can fix: the mesh axes and the micro-batch count."""
+
+MAX_AUTO_MICRO_BATCHES = 64
+"""Most micro-batches the planner tries when the workload says 'auto'."""
+
+
+def micro_batch_counts(workload: Workload, world_size: int) -> list[int]:
+    """The micro-batch counts to plan with: the workload's, or with 'auto' every divisor of the local
+    batch up to :data:`MAX_AUTO_MICRO_BATCHES`."""
+    from coplan.costmodel.context import local_batch_of
+
+    local = local_batch_of(workload, world_size)
+    fixed = workload.batch.fixed_micro_batches
+    if fixed is not None:
+        return [fixed]
+    return [d for d in divisors(local) if d <= MAX_AUTO_MICRO_BATCHES]
 
 
 def check_world_size(topology: Topology, world_size: int | None) -> int:
@@ -98,13 +127,15 @@ def enumerate_candidates(
       (1 without MoE), so each EP rank holds whole experts.
     - ``sparse_shard``: any divisor of the world (1 = every rank holds every table, data-parallel
       embeddings); without tables only the whole world (the sparse axes are then unused).
+    - ``micro_batches``: the workload's, or with 'auto' each divisor of the local batch (up to 64).
     """
     divs = divisors(world_size)
     experts = expert_counts(workload)
     ep_gcd = math.gcd(*experts) if experts else 1
     sparse = [world_size] if not workload.all_tables else [d for d in divs if max_sparse_shard is None or d <= max_sparse_shard]
-    for ds in divs:
-        eps = [e for e in divisors(ds) if ep_gcd % e == 0] if experts else [1]
-        for ep in eps:
-            for ss in sparse:
-                yield MeshCandidate(world_size, ds, ep, ss)
+    for mb in micro_batch_counts(workload, world_size):
+        for ds in divs:
+            eps = [e for e in divisors(ds) if ep_gcd % e == 0] if experts else [1]
+            for ep in eps:
+                for ss in sparse:
+                    yield MeshCandidate(world_size, ds, ep, ss, mb)

@@ -27,11 +27,12 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 import multiprocessing as mp
 
 from coplan import __version__
+from coplan.errors import CoplanError
 from coplan.planner.costs import Pricer
 from coplan.planner.mesh import MeshCandidate, check_world_size, enumerate_candidates
 from coplan.planner.pricing import Assignment, CandidatePricing
@@ -94,6 +95,37 @@ class PlannerConfig:
     relative_gap: float = 1e-4
     """A CP-SAT solve stops once proven within this relative gap."""
 
+    pins: dict[str, int] = field(default_factory=dict)
+    """Mesh axes (and ``micro_batches``) the user fixed (``--pin AXIS=N``); the rest is planned."""
+
+    table_pins: dict[str, str] = field(default_factory=dict)
+    """Tables whose sharding the user fixed (``--pin-table NAME=SHARDING``; ``column_wise/N`` for N shards)."""
+
+    @property
+    def pin_labels(self) -> tuple[str, ...]:
+        return tuple(f"{k}={v}" for k, v in self.pins.items()) + tuple(f"table {k}={v}" for k, v in self.table_pins.items())
+
+
+def check_pins(workload: Workload, cfg: PlannerConfig) -> None:
+    """Refuse pins that name no axis or table, or a sharding that does not exist, before any search."""
+    from coplan.planner.mesh import PINNABLE
+    from coplan.spec.plan import SHARDING_TYPES
+
+    for k, v in cfg.pins.items():
+        if k not in PINNABLE:
+            raise CoplanError(f"--pin {k}={v}: '{k}' is not a mesh axis; pin one of {', '.join(PINNABLE)}")
+        if int(v) < 1:
+            raise CoplanError(f"--pin {k}={v}: the size must be a positive integer")
+    names = {t.name: t for t in workload.all_tables}
+    for k, v in cfg.table_pins.items():
+        if k not in names:
+            near = sorted(names)[:5]
+            raise CoplanError(f"--pin-table {k}={v}: '{k}' is not a table of workload '{workload.name}' (tables: {near}...)")
+        kind, _, n = v.partition("/")
+        if kind not in SHARDING_TYPES or (n and (kind != "column_wise" or not n.isdigit() or int(n) < 1)):
+            raise CoplanError(f"--pin-table {k}={v}: the sharding must be one of {', '.join(SHARDING_TYPES)} "
+                              "(or column_wise/N for N column shards)")
+
 
 @dataclass(slots=True)
 class CandidateRecord:
@@ -121,6 +153,18 @@ class SearchResult:
     wall_s: float
     num_workers: int
     pricer: Pricer
+
+
+def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int) -> str:
+    opts = {k: sorted({c.axis(k) for c in every}) for k in cfg.pins}
+    bad = [k for k, v in cfg.pins.items() if v not in opts[k]]
+    if bad:
+        k = bad[0]
+        return (f"--pin {k}={cfg.pins[k]}: no mesh of {world:,} ranks has {k} = {cfg.pins[k]}; possible values: "
+                f"{', '.join(str(x) for x in opts[k][:24])}")
+    return (f"--pin {' '.join(f'{k}={v}' for k, v in cfg.pins.items())}: no mesh of {world:,} ranks has all of these at once "
+            "(dp_shard x dp_replicate and sparse_shard x sparse_replicate must each equal the world; ep must divide dp_shard "
+            "and every MoE block's expert count)")
 
 
 def recompute_floor(p: CandidatePricing, need_bytes: float) -> float:
@@ -199,20 +243,35 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     t0 = time.perf_counter()
     world = check_world_size(topology, cfg.world_size)
     workers = min(cfg.num_workers or available_cores(), max(1, cfg.batch_size))
-    pricer = Pricer(workload, topology, world, calibration, min_cw_dim=cfg.min_cw_dim, policy=cfg.policy)
-    cands = list(enumerate_candidates(topology, workload, world))
+    check_pins(workload, cfg)
+    pricer = Pricer(workload, topology, world, calibration, min_cw_dim=cfg.min_cw_dim, policy=cfg.policy,
+                    table_pins=dict(cfg.table_pins))
+    every = list(enumerate_candidates(topology, workload, world))
+    cands = [c for c in every if all(c.axis(k) == v for k, v in cfg.pins.items())]
+    if not cands:
+        raise CoplanError(_pin_miss(cfg, every, world))
     floors: dict[int, _SparseFloor] = {}
     records: list[CandidateRecord] = []
     pricings: dict[MeshCandidate, CandidatePricing] = {}
+    unpinnable: dict[str, list[int]] = {}
     for c in cands:
         p = pricer.candidate(c)
-        f = floors.get(c.sparse_shard)
+        empty = [p.table_names[t] for t, o in enumerate(p.options) if not o]
+        if empty:
+            for n in empty:
+                unpinnable.setdefault(n, []).append(c.sparse_shard)
+            continue
+        f = floors.get((c.sparse_shard, c.micro_batches))
         if f is None:
-            f = floors[c.sparse_shard] = _sparse_floor(p)
+            f = floors[(c.sparse_shard, c.micro_batches)] = _sparse_floor(p)
         lb, mem_floor = bounds(p, f)
         feasible = mem_floor <= p.capacity_bytes and math.isfinite(lb)
         records.append(CandidateRecord(c, lb, mem_floor, feasible))
         pricings[c] = p
+    if not records:
+        n, sizes = next(iter(unpinnable.items()))
+        raise CoplanError(f"--pin-table {n}={cfg.table_pins[n]}: no mesh candidate can shard '{n}' that way "
+                          f"(sparse groups tried: {sorted(set(sizes))[:8]}); pin another sharding or drop the pin")
     if progress:
         progress(f"priced {len(cands)} mesh candidates in {time.perf_counter() - t0:.1f} s")
     feasible = sorted((r for r in records if r.feasible), key=lambda r: (r.lower_bound_s, r.mesh.key))
@@ -331,7 +390,7 @@ def build_plan(workload: Workload, topology: Topology, calibration: Calibration 
         status=status, objective_us=objective * 1e6, best_bound_us=max(0.0, bound * 1e6),
         gap=max(0.0, (objective - bound) / objective) if objective > 0 else 0.0, wall_s=result.wall_s,
         num_workers=result.num_workers, seed=cfg.seed, candidates_total=len(result.records),
-        candidates_solved=sum(1 for r in result.records if r.status != "PRUNED"),
+        candidates_solved=sum(1 for r in result.records if r.status != "PRUNED"), pins=cfg.pin_labels,
     )
     return Plan(
         coplan_version=__version__, created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),

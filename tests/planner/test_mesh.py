@@ -29,6 +29,7 @@ def test_no_tables_means_one_sparse_group_and_no_moe_means_no_ep():
 
 def test_axes_map_to_the_tiers_their_groups_cross():
     t, w = load_topology("h200-superpod-4k"), load_workload("gem-tiny")
+    w = w.model_copy(update={"batch": w.batch.model_copy(update={"global_batch_size": None, "local_batch_size": 4})})
     pr = Pricer(w, t, 4096)
     mesh = pr.mesh_plan(MeshCandidate(4096, 8, 8, 512))
     axes = {a.name: a for a in mesh.axes}
