@@ -1,20 +1,24 @@
-"""A rank's batch as the model takes it: TorchRec KeyedJaggedTensors, history offsets, dense features, labels.
+"""A rank's batch as the model takes it: TorchRec KeyedJaggedTensors, history offsets, token ids and their
+next-token targets, dense features, labels.
 
-The sequence KJTs hold each sample's history as :meth:`FeatureLayout.chunks_per_sample` bags when the
+A workload without tables has no KJT (and this module then imports no TorchRec). The sequence KJTs hold each sample's history as :meth:`FeatureLayout.chunks_per_sample` bags when the
 layout's ``seq_chunk`` is set (:func:`chunk_lengths`): the same ids in the same order, so the lookup's
 output rows, and the per-sample offsets the dense arch reads (``Batch.offsets``), do not change.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torchrec import KeyedJaggedTensor
 
 from coplan.trainer.data import DataError, HostBatch
 from coplan.trainer.features import FeatureLayout
+
+if TYPE_CHECKING:
+    from torchrec import KeyedJaggedTensor
 
 
 @dataclass
@@ -45,6 +49,15 @@ class Batch:
     sparse_dist: dict[str, tuple] | None = None
     """The KJTs' TorchRec input distribution, done ahead (:meth:`SparseArch.input_dist`), or None."""
 
+    token_ids: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Token sequence -> ``[T]`` int64 input ids (``T`` = the sequence's events on this rank)."""
+
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Token sequence -> ``[T]`` int64 next-token targets (each input's successor in its sample)."""
+
+    micro_batch: int = 0
+    """Which micro-batch of its step this is."""
+
     def record_stream(self, stream) -> None:
         """Mark every device tensor of the batch (and of its distributed inputs) as used on ``stream``:
         they were allocated on the side stream that copied them, whose allocator would otherwise reuse
@@ -52,7 +65,7 @@ class Batch:
         for kjt in [self.pooled, *self.sequences.values()]:
             if kjt is not None:
                 kjt.record_stream(stream)
-        for t in [*self.offsets.values(), self.dense, self.labels]:
+        for t in [*self.offsets.values(), *self.token_ids.values(), *self.targets.values(), self.dense, self.labels]:
             if t is not None:
                 t.record_stream(stream)
         for ctx, dist_input in (self.sparse_dist or {}).values():
@@ -82,6 +95,9 @@ class HostTensors:
     labels: torch.Tensor
     size: int
     tokens: int
+    token_ids: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Token sequence -> (input ids, next-token targets)."""
+    micro_batch: int = 0
 
 
 def chunk_lengths(lengths: np.ndarray, chunk: int, num_chunks: int) -> np.ndarray:
@@ -117,6 +133,15 @@ def host_tensors(hb: HostBatch, layout: FeatureLayout, pin: bool) -> HostTensors
             lengths = np.concatenate([hb.seq_lengths[t2s[t.name]] for t in tables])
         values = np.concatenate([hb.seq_values[t.name] for t in tables])
         seqs[name] = jagged([t.name for t in tables], values, lengths)
+    token_ids = {}
+    for s, ids in hb.token_ids.items():
+        # L + 1 ids per sample: the inputs are all but each sample's last, the targets all but its first
+        counts = hb.seq_lengths[s] + 1
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        last = first + counts - 1
+        keep_in, keep_tg = np.ones(ids.size, bool), np.ones(ids.size, bool)
+        keep_in[last], keep_tg[first] = False, False
+        token_ids[s] = (_tensor(ids[keep_in], pin), _tensor(ids[keep_tg], pin))
     return HostTensors(
         pooled=pooled,
         sequences=seqs,
@@ -125,6 +150,8 @@ def host_tensors(hb: HostBatch, layout: FeatureLayout, pin: bool) -> HostTensors
         labels=_tensor(hb.labels, pin),
         size=hb.size,
         tokens=int(sum(int(v.sum()) for v in hb.seq_lengths.values())),
+        token_ids=token_ids,
+        micro_batch=hb.micro_batch,
     )
 
 
@@ -135,7 +162,9 @@ def to_device(ht: HostTensors, device: torch.device) -> Batch:
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=cuda)  # (from pageable memory it is a synchronous copy anyway)
 
-    def kjt(parts) -> KeyedJaggedTensor:
+    def kjt(parts) -> "KeyedJaggedTensor":
+        from torchrec import KeyedJaggedTensor
+
         keys, values, lengths, per_key = parts
         # bags per key: the samples, or samples x chunks for chunked sequence features
         stride = lengths.numel() // len(keys) if keys else ht.size
@@ -150,6 +179,9 @@ def to_device(ht: HostTensors, device: torch.device) -> Batch:
         labels=dev(ht.labels),
         size=ht.size,
         tokens=ht.tokens,
+        token_ids={s: dev(i) for s, (i, _) in ht.token_ids.items()},
+        targets={s: dev(t) for s, (_, t) in ht.token_ids.items()},
+        micro_batch=ht.micro_batch,
     )
 
 

@@ -2,15 +2,19 @@
 
 Files hold one row per sample: ``dense`` (list<float32>), one ``list<int64>`` column per pooled
 feature (a bag of ids), one ``list<int64>`` column per sequence table (one id per event), ``len_<sequence>``
-(int32) and ``label_<task>`` (float32). The generator draws long-tailed history lengths from the
-workload's distributions, Zipf-skewed ids spread over the rows by an affine hash (as hashed ids
-are), and labels from a hidden teacher (per-id scores, recency-weighted history scores and a dense
-linear term), so a model that learns the ids sees its loss fall for real.
+(int32), ``tok_<sequence>`` (list<int64>, ``L + 1`` token ids, for the sequences a transformer with a
+vocabulary reads) and ``label_<task>`` (float32). The generator draws long-tailed history lengths from
+the workload's distributions, Zipf-skewed ids spread over the rows by an affine hash (as hashed ids
+are), token ids from a hidden Markov chain (each token the previous one plus a fixed stride, three
+times in four; a uniform draw otherwise), and labels from a hidden teacher (per-id scores,
+recency-weighted history scores, token scores and a dense linear term), so a model that learns the
+ids sees its loss fall for real.
 
 Step ``s`` reads global batch ``s`` (rows ``s·G … s·G+G-1``, wrapping around the files), costs each
-sample with the FLOP formula, and splits the batch over ranks with the planner's balancer
-(:func:`coplan.costmodel.jagged.balance`), identically on every rank, then evens out the sample
-counts (see :func:`equalize_counts`). Each rank keeps its share, in global order.
+sample with the FLOP formula, and splits the batch over (rank, micro-batch) bins with the planner's
+balancer (:func:`coplan.costmodel.jagged.balance` with ``num_micro_batches``: bin ``b`` is rank
+``b // M``, micro-batch ``b % M``), identically on every rank, then evens out the sample counts of
+the bins (see :func:`equalize_counts`). Each rank keeps its ``M`` shares, each in global order.
 """
 
 from __future__ import annotations
@@ -106,8 +110,10 @@ def _generate_chunk(workload: Workload, layout: FeatureLayout, n: int, seed: int
             pooled_terms[:, k] += _segment_mean(teacher_score(ids, 1_000 * k + fi), lengths)
     logits += math.sqrt(3.0) * pooled_terms / math.sqrt(max(1, len(layout.pooled)))
     # histories: recency-weighted mean of the events' id scores
+    seq_lengths: dict[str, np.ndarray] = {}
     for si, s in enumerate(layout.sequences):
         lengths = sample_lengths(workload.sequence(s).length, n, seed=int(rng.integers(2**31)))
+        seq_lengths[s] = lengths
         cols[f"len_{s}"] = pa.array(lengths.astype(np.int32), type=pa.int32())
         offs = _offsets(lengths)
         ends = np.cumsum(lengths)
@@ -121,7 +127,14 @@ def _generate_chunk(workload: Workload, layout: FeatureLayout, n: int, seed: int
             cols[t.name] = pa.ListArray.from_arrays(offs, pa.array(ids, type=pa.int64()))
             for k in range(n_tasks):
                 hist[:, k] += _segment_mean(teacher_score(ids, 77_000 + 1_000 * k + 10 * si + ti), lengths, w)
-        logits += 1.5 * math.sqrt(3.0) * hist / math.sqrt(max(1, len(tables)))
+        if tables:
+            logits += 1.5 * math.sqrt(3.0) * hist / math.sqrt(max(1, len(tables)))
+    # token sequences: a Markov chain per sample (its own generator: the other columns do not move)
+    for si, (s, vocab) in enumerate(layout.token_sequences.items()):
+        ids, counts = markov_tokens(np.random.default_rng([seed, chunk, 1_000 + si]), seq_lengths[s] + 1, vocab)
+        cols[f"tok_{s}"] = pa.ListArray.from_arrays(_offsets(counts), pa.array(ids, type=pa.int64()))
+        for k in range(n_tasks):
+            logits[:, k] += math.sqrt(3.0) * _segment_mean(teacher_score(ids, 55_000 + 1_000 * k + si), counts)
     if layout.num_dense:
         x = rng.standard_normal((n, layout.num_dense)).astype(np.float32)
         w_dense = np.random.default_rng([seed, 99]).standard_normal((layout.num_dense, n_tasks)) / math.sqrt(layout.num_dense)
@@ -133,6 +146,27 @@ def _generate_chunk(workload: Workload, layout: FeatureLayout, n: int, seed: int
     for k, task in enumerate(layout.tasks):
         cols[f"label_{task}"] = pa.array(labels[:, k], type=pa.float32())
     return pa.table(cols)
+
+
+TOKEN_STRIDE = 7
+"""The hidden chain's stride: after token ``x`` comes ``(x + 7) mod V`` three times in four."""
+
+
+def markov_tokens(rng: np.random.Generator, counts: np.ndarray, vocab: int, keep: float = 0.75) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of samples with ``counts`` ids each (int64, concatenated) from the hidden chain: a sample's
+    first id is uniform; each next one is the previous plus :data:`TOKEN_STRIDE` (mod ``vocab``) with
+    probability ``keep``, else uniform. Vectorised: an id is its last uniform draw plus the stride times the
+    steps since it."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    draws = rng.integers(0, vocab, size=total, dtype=np.int64)
+    reset = rng.random(total) >= keep
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    reset[starts[counts > 0]] = True
+    pos = np.arange(total, dtype=np.int64)
+    last = np.maximum.accumulate(np.where(reset, pos, 0)) if total else pos
+    ids = (draws[last] + (pos - last) * TOKEN_STRIDE) % vocab
+    return ids.astype(np.int64), counts
 
 
 def _offsets(lengths: np.ndarray) -> pa.Array:
@@ -158,6 +192,8 @@ def data_sha256(workload: Workload) -> str:
         "tasks": list(layout.tasks),
         "generator_version": GENERATOR_VERSION,
     }
+    if layout.token_sequences:  # (only then: the hashes, so the datasets, of other workloads stay as they were)
+        key["token_sequences"] = layout.token_sequences
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -216,6 +252,7 @@ class ParquetSource:
         schema = self.files[0].schema_arrow
         need = layout.pooled_names + [t.name for s in layout.sequences for t in layout.sequence_tables[s]]
         need += [f"len_{s}" for s in layout.sequences] + [f"label_{t}" for t in layout.tasks]
+        need += [f"tok_{s}" for s in layout.token_sequences]
         if layout.num_dense:
             need.append("dense")
         missing = [c for c in need if c not in schema.names]
@@ -310,11 +347,13 @@ def sample_costs(workload: Workload, lengths: dict[str, np.ndarray], n: int) -> 
     return cost
 
 
-def split_global_batch(costs: np.ndarray, world_size: int, policy: str) -> list[np.ndarray]:
-    """Sample indices of each rank, sorted: the balancer's bins with the counts evened out."""
-    bins = balance(costs, world_size, policy)  # type: ignore[arg-type]
-    bins = equalize_counts(bins, costs, world_size)
-    return [np.flatnonzero(bins == r) for r in range(world_size)]
+def split_global_batch(costs: np.ndarray, world_size: int, policy: str, micro_batches: int = 1) -> list[np.ndarray]:
+    """Sample indices of each (rank, micro-batch) bin, sorted, rank-major (bin ``r·M + m``): the balancer's
+    bins with the counts evened out. With ``micro_batches`` 1, one share per rank."""
+    k = world_size * micro_batches
+    bins = balance(costs, world_size, policy, num_micro_batches=micro_batches)  # type: ignore[arg-type]
+    bins = equalize_counts(bins, costs, k)
+    return [np.flatnonzero(bins == b) for b in range(k)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +367,7 @@ class HostBatch:
 
     step: int
     indices: np.ndarray
-    """Positions of this rank's samples in the global batch."""
+    """Positions of this rank's samples (of this micro-batch) in the global batch."""
     pooled_lengths: np.ndarray
     """Feature-major lengths of the pooled features, ``[num_pooled · b]``."""
     pooled_values: np.ndarray
@@ -341,7 +380,13 @@ class HostBatch:
     global_lengths: dict[str, np.ndarray] = field(default_factory=dict)
     """Sequence -> lengths of the whole global batch (for FLOPs and token counts)."""
     rank_costs: np.ndarray | None = None
-    """Cost (model FLOPs) of every rank's share, for the imbalance metric."""
+    """Cost (model FLOPs) of every rank's share of this micro-batch, for the imbalance metric."""
+    token_ids: dict[str, np.ndarray] = field(default_factory=dict)
+    """Token sequence -> its ids, ``L + 1`` per sample, concatenated over this rank's samples."""
+    micro_batch: int = 0
+    """Which of the step's micro-batches this is."""
+    num_micro_batches: int = 1
+    """Micro-batches of the step."""
 
     @property
     def size(self) -> int:
@@ -356,23 +401,38 @@ def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BatchReader:
-    """Global batch ``step`` → this rank's :class:`HostBatch` (deterministic on every rank)."""
+    """Global batch ``step`` → this rank's :class:`HostBatch` of each micro-batch (deterministic on every rank)."""
 
     def __init__(self, workload: Workload, path: str | Path, *, world_size: int, rank: int, policy: str,
-                 global_batch: int) -> None:
+                 global_batch: int, micro_batches: int = 1) -> None:
+        if micro_batches < 1 or global_batch % (world_size * micro_batches):
+            raise DataError(f"a global batch of {global_batch} does not split into {world_size} ranks x {micro_batches} "
+                            "micro-batches of equal size")
         self.workload = workload
         self.layout = feature_layout(workload)
         self.source = ParquetSource(path, self.layout)
         self.world_size, self.rank, self.policy, self.global_batch = world_size, rank, policy, global_batch
+        self.micro_batches = micro_batches
+        self._split: tuple[int, pa.Table, dict[str, np.ndarray], list[np.ndarray], np.ndarray] | None = None
 
-    def read(self, step: int) -> HostBatch:
+    def _step(self, step: int):
+        """(step, table, global lengths, the bins' sample indices, the bins' costs) of global batch ``step``,
+        kept for its micro-batches."""
+        if self._split is None or self._split[0] != step:
+            lay = self.layout
+            table = self.source.rows(step * self.global_batch, self.global_batch)
+            g_lengths = {s: table.column(f"len_{s}").to_numpy().astype(np.int64) for s in lay.sequences}
+            costs = sample_costs(self.workload, g_lengths, self.global_batch)
+            shares = split_global_batch(costs, self.world_size, self.policy, self.micro_batches)
+            self._split = (step, table, g_lengths, shares, np.array([costs[s].sum() for s in shares]))
+        return self._split
+
+    def read(self, step: int, micro_batch: int = 0) -> HostBatch:
         lay = self.layout
-        table = self.source.rows(step * self.global_batch, self.global_batch)
-        g_lengths = {s: table.column(f"len_{s}").to_numpy().astype(np.int64) for s in lay.sequences}
-        costs = sample_costs(self.workload, g_lengths, self.global_batch)
-        shares = split_global_batch(costs, self.world_size, self.policy)
-        mine = shares[self.rank]
-        rank_costs = np.array([costs[s].sum() for s in shares])
+        M = self.micro_batches
+        _, table, g_lengths, shares, bin_costs = self._step(step)
+        mine = shares[self.rank * M + micro_batch]
+        rank_costs = bin_costs.reshape(self.world_size, M)[:, micro_batch]
         local = table.take(pa.array(mine))
         pl, pv = [], []
         for name in lay.pooled_names:
@@ -387,19 +447,28 @@ class BatchReader:
                 if not np.array_equal(ln, seq_lengths[s]):
                     raise DataError(f"{self.source.path}: column '{t.name}' has lengths that differ from len_{s}")
                 seq_values[t.name] = vals
+        token_ids = {}
+        for s in lay.token_sequences:
+            ln, vals = _list_column(local, f"tok_{s}")
+            if not np.array_equal(ln, seq_lengths[s] + 1):
+                raise DataError(f"{self.source.path}: column 'tok_{s}' does not hold len_{s} + 1 ids per sample")
+            token_ids[s] = vals
         dense = None
         if lay.num_dense:
             dense = local.column("dense").combine_chunks().flatten().to_numpy().astype(np.float32).reshape(len(mine), lay.num_dense)
-        labels = np.stack([local.column(f"label_{t}").to_numpy().astype(np.float32) for t in lay.tasks], axis=1)
+        labels = (np.stack([local.column(f"label_{t}").to_numpy().astype(np.float32) for t in lay.tasks], axis=1)
+                  if lay.tasks else np.zeros((len(mine), 0), np.float32))
         return HostBatch(
             step=step, indices=mine, pooled_lengths=np.concatenate(pl) if pl else np.zeros(0, np.int64),
             pooled_values=np.concatenate(pv) if pv else np.zeros(0, np.int64), seq_lengths=seq_lengths,
             seq_values=seq_values, dense=dense, labels=labels, global_lengths=g_lengths, rank_costs=rank_costs,
+            token_ids=token_ids, micro_batch=micro_batch, num_micro_batches=M,
         )
 
 
 class Prefetcher:
-    """Reads the next host batches on a background thread (pyarrow and numpy release the GIL)."""
+    """Reads the next host batches on a background thread (pyarrow and numpy release the GIL): every
+    micro-batch of every step from ``start`` to ``stop``, in order."""
 
     def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2,
                  prepare: Callable[[HostBatch], Any] | None = None, setup: Callable[[], None] | None = None) -> None:
@@ -416,16 +485,17 @@ class Prefetcher:
                 self._q.put(e)
                 return
             for step in range(start, stop):
-                if self._stop.is_set():
-                    return
-                try:
-                    item = reader.read(step)
-                    if prepare is not None:
-                        item = (item, prepare(item))
-                except BaseException as e:  # surfaced on the consumer side
-                    self._q.put(e)
-                    return
-                self._q.put(item)
+                for micro in range(getattr(reader, "micro_batches", 1)):
+                    if self._stop.is_set():
+                        return
+                    try:
+                        item = reader.read(step, micro)
+                        if prepare is not None:
+                            item = (item, prepare(item))
+                    except BaseException as e:  # surfaced on the consumer side
+                        self._q.put(e)
+                        return
+                    self._q.put(item)
 
         self._thread = threading.Thread(target=work, name="coplan-data", daemon=True)
         self._thread.start()

@@ -59,8 +59,12 @@ class StepTimer:
 
 
 def step_flops(workload: Workload, global_lengths: dict[str, np.ndarray], batch_size: int) -> float:
-    """Model FLOPs (forward + backward) of one global batch, on its real lengths."""
-    return model_flops(workload, lengths=global_lengths or None, batch_size=batch_size).total
+    """Model FLOPs (forward + backward) of one global batch, on its real lengths. A sequence of the workload
+    that no block or table reads has no lengths in the data (and no op): it counts as empty."""
+    if not workload.sequences:
+        return model_flops(workload, batch_size=batch_size).total
+    lengths = {s.name: global_lengths.get(s.name, np.zeros(batch_size, np.int64)) for s in workload.sequences}
+    return model_flops(workload, lengths=lengths, batch_size=batch_size).total
 
 
 def stats(times: list[float]) -> StepTimeStats | None:

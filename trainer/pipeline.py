@@ -15,24 +15,31 @@ Order of a step with the pipeline on: forward of batch i (its distributed inputs
 batch i's queued forward and backward), then backward and optimizer of batch i. Every rank issues the
 same collectives in the same order, so multi-rank input all-to-alls stay matched. On CPU there is no
 stream: the same calls run in the same order, so the CPU tests exercise the code path.
+
+The unit is the micro-batch: with gradient accumulation, the batch prepared ahead is the step's next
+micro-batch (or the next step's first). A workload without tables has no sparse arch (``sparse`` None):
+only the copies run ahead.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
 from coplan.trainer.batch import Batch, HostTensors, host_tensors, to_device
 from coplan.trainer.data import HostBatch
 from coplan.trainer.features import FeatureLayout
-from coplan.trainer.model.sparse import SparseArch
+
+if TYPE_CHECKING:
+    from coplan.trainer.model.sparse import SparseArch
 
 
 class SparseDistPipeline:
     """``host`` (on the data thread), ``prepare`` (ahead of the batch's step), ``ready`` (right before its forward)."""
 
-    def __init__(self, sparse: SparseArch, layout: FeatureLayout, device: torch.device, *, enabled: bool = True) -> None:
+    def __init__(self, sparse: "SparseArch | None", layout: FeatureLayout, device: torch.device, *, enabled: bool = True) -> None:
         """``enabled`` False: the batch pinned, copied and distributed on the training thread at the start
         of its step, on the compute stream (input dist inside forward), as before this pipeline."""
         self.sparse = sparse
@@ -61,7 +68,8 @@ class SparseDistPipeline:
         # recorded there (:meth:`ready`), so the allocator hands none out while that stream reads it.
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             batch = to_device(ht, self.device)
-            batch.sparse_dist = self.sparse.input_dist(batch.pooled, batch.sequences)
+            if self.sparse is not None:
+                batch.sparse_dist = self.sparse.input_dist(batch.pooled, batch.sequences)
         return batch
 
     def ready(self, batch: Batch) -> Batch:

@@ -131,3 +131,50 @@ def test_equalize_counts_gives_equal_counts_and_keeps_items(costs, k):
     assert np.array_equal(out, equalize_counts(bins, c, k))
     assert np.array_equal(equalize_counts(out, c, k), out)
     assert np.isclose(bin_loads(c, out, k).sum(), c.sum())
+
+
+def test_micro_batches_partition_each_rank_share(tiny, dataset):
+    """With M micro-batches the global batch splits into world x M bins of equal size, balanced by cost;
+    together they are the global batch, and the per-rank share of M = 1 has the same size."""
+    M, W = 4, 2
+    readers = [BatchReader(tiny, dataset, world_size=W, rank=r, policy="greedy", global_batch=64, micro_batches=M) for r in range(W)]
+    parts = [readers[r].read(3, m) for r in range(W) for m in range(M)]
+    assert {p.size for p in parts} == {64 // (W * M)}
+    assert [(p.micro_batch, p.num_micro_batches) for p in parts[:M]] == [(m, M) for m in range(M)]
+    idx = np.sort(np.concatenate([p.indices for p in parts]))
+    assert np.array_equal(idx, np.arange(64))
+    whole = BatchReader(tiny, dataset, world_size=1, rank=0, policy="greedy", global_batch=64).read(3)
+    assert sum(int(p.seq_lengths["history"].sum()) for p in parts) == int(whole.seq_lengths["history"].sum())
+    assert parts[0].rank_costs.shape == (W,)
+    with pytest.raises(CoplanError, match="does not split into 2 ranks x 3 micro-batches"):
+        BatchReader(tiny, dataset, world_size=2, rank=0, policy="greedy", global_batch=64, micro_batches=3)
+
+
+def test_token_sequences_hold_next_token_targets(tmp_path):
+    """A decoder's sequence gets L + 1 token ids per sample from the hidden chain; the batch's inputs and
+    targets are each sample's ids shifted by one, and the chain is learnable (mostly the stride)."""
+    from coplan.spec.draw import random_workload
+    from coplan.trainer.batch import to_batch
+    from coplan.trainer.data import TOKEN_STRIDE
+
+    w = random_workload(1, "dense")  # jagged lengths
+    lay = feature_layout(w)
+    (s, vocab), = lay.token_sequences.items()
+    data = generate_dataset(w, tmp_path / "d", 64, seed=1)
+    gb = w.batch.global_(1)
+    hb = BatchReader(w, data, world_size=1, rank=0, policy="greedy", global_batch=gb).read(0)
+    ids = hb.token_ids[s]
+    assert ids.size == int(hb.seq_lengths[s].sum()) + hb.size and ids.min() >= 0 and ids.max() < vocab
+    import torch
+
+    b = to_batch(hb, lay, torch.device("cpu"))
+    x, y = b.token_ids[s].numpy(), b.targets[s].numpy()
+    assert x.size == y.size == int(hb.seq_lengths[s].sum()) and b.offsets[s][-1] == x.size
+    pos = 0
+    for i, n in enumerate(hb.seq_lengths[s]):
+        first = int(hb.seq_lengths[s][:i].sum()) + i
+        assert np.array_equal(x[pos : pos + n], ids[first : first + n])
+        assert np.array_equal(y[pos : pos + n], ids[first + 1 : first + n + 1])
+        pos += n
+    assert np.mean((y - x) % vocab == TOKEN_STRIDE) > 0.6
+    assert b.labels.shape == (hb.size, 0) and b.pooled is None and b.sequences == {}

@@ -129,8 +129,9 @@ def test_inconsistent_shapes_are_refused():
     blocks = tuple(b.model_copy(update={"model_dim": 48}) if isinstance(b, KunlunBlock) else b for b in w.blocks)
     with pytest.raises(MismatchError, match="one width"):
         token_layout(w.model_copy(update={"blocks": blocks}))
-    with pytest.raises(MismatchError, match="GEM-shaped"):
-        feature_layout(load_workload("dense-decoder-8b"))
+    heads = tuple(b.model_copy(update={"input_dim": 16}) if b.type == "heads" else b for b in w.blocks)
+    with pytest.raises(MismatchError, match="heads.input_dim is 16 .* set input_dim: 32"):
+        DenseArch(w.model_copy(update={"blocks": heads}), feature_layout(w), "reference")
 
 
 def test_segment_expansion_matches_indexing():

@@ -1,7 +1,8 @@
-"""The GEM-shaped model, built from a Workload spec: sparse arch (TorchRec) + dense arch (blocks).
+"""The model of any workload the spec allows, built from its Workload: sparse arch (TorchRec; none
+without tables) + dense arch (the blocks, in order).
 
 It is the model :mod:`coplan.costmodel.flops` describes, op for op, so that the MFU the trainer
-reports counts exactly the FLOPs it runs. Token flow of one sample:
+reports counts exactly the FLOPs it runs. Token flow of one sample of a GEM-shaped workload:
 
 - pooled embeddings → ``kunlun.0.input_proj``: the pooled features are cut into ``num_tokens``
   groups and each group's concatenated embeddings is projected to one token (block-diagonal);
@@ -13,6 +14,14 @@ reports counts exactly the FLOPs it runs. Token flow of one sample:
 - the ``num_tokens + out_tokens + Σ summaries`` non-sequence tokens (pooled first) → ``kunlun``
   layers → ``moe`` layers over the first ``tokens_per_sample`` tokens → mean → one tower per task.
 
+Without a kunlun block, the pooled embeddings join the tokens unprojected (:class:`TokenLayout`); a
+kunlun block without pooled features starts from learned tokens. A DLRM-shaped workload runs its
+dense MLP and its pooled features through :mod:`~coplan.trainer.model.dlrm`'s dot interaction into the
+heads; a transformer block (:mod:`~coplan.trainer.model.decoder`) runs over its sequence, with a
+next-token loss when it has a vocabulary and, when a heads block follows it, each sample's last token
+as the towers' input. What each heads block reads, and what is refused with the field to change,
+is :func:`readouts` and :func:`check_sequences`.
+
 Not in the FLOP formula (each well under 0.1% of the FLOPs at GEM sizes): the FiLM projection that
 lets the non-sequence context modulate the history, the projection of that context into the initial
 summary tokens, and the recency position embedding (a lookup).
@@ -21,7 +30,7 @@ summary tokens, and the recency position embedding (a lookup).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +39,19 @@ from torch.autograd.profiler import record_function
 
 from coplan.errors import MismatchError
 from coplan.spec import Workload
-from coplan.spec.workload import DenseMLPBlock, InterFormerBlock, KunlunBlock, MoEBlock, TaskHeads
+from coplan.costmodel.flops import _token_width
+from coplan.spec.workload import (
+    DenseMLPBlock,
+    DotInteractionBlock,
+    InterFormerBlock,
+    KunlunBlock,
+    MoEBlock,
+    TaskHeads,
+    TransformerBlock,
+)
 from coplan.trainer.features import FeatureLayout, feature_layout
+from coplan.trainer.model.decoder import DecoderStack, last_tokens
+from coplan.trainer.model.dlrm import DotInteraction, column_index
 from coplan.trainer.model.layers import MLP, InterFormerLayer, KunlunLayer, segment_ids, segment_sum
 from coplan.trainer.model.moe import MoELayer
 
@@ -41,7 +61,7 @@ class TokenLayout:
     """How many non-sequence tokens of which kind a sample has, and their width."""
 
     pooled: int
-    """Tokens the pooled embeddings are projected into (Kunlun's ``num_tokens``); they come first."""
+    """Tokens of the pooled embeddings; they come first (see :attr:`pooled_source`)."""
 
     dense: int
     """Tokens from the dense MLP."""
@@ -50,7 +70,14 @@ class TokenLayout:
     """InterFormer block name -> its summary tokens."""
 
     width: int
-    """Width of the non-sequence tokens."""
+    """Width of the non-sequence tokens (the cost model's token width, ``flops._token_width``)."""
+
+    pooled_source: str = "kunlun"
+    """'kunlun': the pooled embeddings projected into Kunlun's ``num_tokens`` tokens; 'learned': Kunlun's
+    tokens without pooled features (learned constants); 'chunks': no Kunlun or DotInteraction block reads
+    the pooled embeddings, so their concatenation joins the tokens as it is, cut into width-wide tokens
+    (zero-padded; no projection, no FLOPs, as the cost model counts none); 'none': no pooled tokens
+    (none exist, or a DotInteraction block takes them)."""
 
     @property
     def total(self) -> int:
@@ -58,39 +85,111 @@ class TokenLayout:
 
 
 def token_layout(workload: Workload) -> TokenLayout:
-    """The non-sequence tokens of a GEM-shaped workload; refuses inconsistent block shapes clearly."""
+    """The non-sequence tokens of a workload; refuses inconsistent block shapes clearly."""
     blocks = workload.blocks
     dense = sum(b.out_tokens for b in blocks if isinstance(b, DenseMLPBlock))
     inter = [b for b in blocks if isinstance(b, InterFormerBlock)]
     summaries = {b.name: b.num_summary_tokens for b in inter}
     kunlun = [b for b in blocks if isinstance(b, KunlunBlock)]
     moe = [b for b in blocks if isinstance(b, MoEBlock)]
-    heads = next(b for b in blocks if isinstance(b, TaskHeads))
-    if not kunlun:
-        raise MismatchError(f"workload '{workload.name}': the trainer's GEM model needs a kunlun block "
-                            "(it projects the pooled embeddings into tokens)")
-    width = kunlun[0].model_dim
-    pooled = kunlun[0].num_tokens
+    dots = [b for b in blocks if isinstance(b, DotInteractionBlock)]
+    width = _token_width(workload)
+    pooled_dim = sum(t.dim * t.num_features for t in workload.all_tables if t.feature_kind == "pooled")
+    if kunlun:
+        pooled, source = kunlun[0].num_tokens, "kunlun" if pooled_dim else "learned"
+    elif dots or not pooled_dim:
+        pooled, source = 0, "none"
+    else:
+        pooled, source = -(-pooled_dim // width), "chunks"
     for b in kunlun[1:]:
-        if b.num_tokens != pooled:
-            raise MismatchError(f"workload '{workload.name}': kunlun blocks disagree on num_tokens ({b.num_tokens} vs {pooled})")
-    for b in kunlun + moe:
-        if b.model_dim != width:
-            raise MismatchError(f"workload '{workload.name}': block '{b.name}' has model_dim {b.model_dim} but the "
-                                f"non-sequence tokens are {width} wide; kunlun and moe blocks must share one width")
-    if heads.input_dim != width:
-        raise MismatchError(f"workload '{workload.name}': heads.input_dim is {heads.input_dim} but the tokens the "
-                            f"towers read are {width} wide; set input_dim: {width}")
-    first_interaction = min(i for i, b in enumerate(blocks) if isinstance(b, (KunlunBlock, MoEBlock)))
-    if any(isinstance(b, InterFormerBlock) for b in blocks[first_interaction:]):
+        if b.num_tokens != kunlun[0].num_tokens:
+            raise MismatchError(f"workload '{workload.name}': kunlun blocks disagree on num_tokens ({b.num_tokens} vs "
+                                f"{kunlun[0].num_tokens})")
+    for b in kunlun + moe + dots:
+        have = b.dim if isinstance(b, DotInteractionBlock) else b.model_dim
+        if have != width:
+            field_ = "dim" if isinstance(b, DotInteractionBlock) else "model_dim"
+            raise MismatchError(f"workload '{workload.name}': block '{b.name}' has {field_} {have} but the "
+                                f"non-sequence tokens are {width} wide; kunlun, moe and dot_interaction blocks must "
+                                f"share one width (set {field_}: {width})")
+    interaction = [i for i, b in enumerate(blocks) if isinstance(b, (KunlunBlock, MoEBlock))]
+    if interaction and any(isinstance(b, InterFormerBlock) for b in blocks[min(interaction):]):
         raise MismatchError(f"workload '{workload.name}': interformer blocks must come before kunlun and moe blocks "
                             "(their summaries are non-sequence tokens the interaction blocks read)")
-    layout = TokenLayout(pooled=pooled, dense=dense, summaries=summaries, width=width)
+    layout = TokenLayout(pooled=pooled, dense=dense, summaries=summaries, width=width, pooled_source=source)
     for b in moe:
         if b.tokens_per_sample > layout.total:
             raise MismatchError(f"workload '{workload.name}': block '{b.name}' routes {b.tokens_per_sample} tokens per "
-                                f"sample but a sample has {layout.total} non-sequence tokens")
+                                f"sample but a sample has {layout.total} non-sequence tokens (set tokens_per_sample "
+                                f"to at most {layout.total})")
     return layout
+
+
+def readouts(workload: Workload, tokens: TokenLayout) -> dict[str, tuple[str, str | None, int]]:
+    """What each heads block reads: the output of the nearest block before it, ``(kind, source block, width)``:
+    ``('vector', dot block)`` after a dot_interaction (its top MLP's output), ``('last', transformer block)``
+    after a transformer (each sample's last token), ``('tokens', None)`` after any other block (the mean of
+    the non-sequence tokens). Refuses a heads block whose ``input_dim`` is not that width, and a
+    transformer whose output nothing reads."""
+    out: dict[str, tuple[str, str | None, int]] = {}
+    blocks = workload.blocks
+    for i, b in enumerate(blocks):
+        if isinstance(b, TransformerBlock) and not b.vocab_size:
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+            chained = any(isinstance(c, TransformerBlock) and c.sequence == b.sequence for c in blocks[i + 1:])
+            if not isinstance(nxt, TaskHeads) and not chained:
+                raise MismatchError(f"workload '{workload.name}': nothing reads the output of transformer block "
+                                    f"'{b.name}' (blocks[{i}]: vocab_size 0 and no heads block right after it); "
+                                    "give it a vocab_size (next-token loss) or put a heads block after it")
+        if not isinstance(b, TaskHeads):
+            continue
+        prev = next((c for c in reversed(blocks[:i]) if not isinstance(c, TaskHeads)), None)
+        if prev is None:
+            raise MismatchError(f"workload '{workload.name}': heads block '{b.name}' (blocks[{i}]) has no block before "
+                                "it to read; put it after the blocks whose output it classifies")
+        if isinstance(prev, DotInteractionBlock):
+            n = prev.num_tokens
+            src = ("vector", prev.name, ([n * (n - 1) // 2 + prev.dim, *prev.top_hidden_dims])[-1])
+        elif isinstance(prev, TransformerBlock):
+            src = ("last", prev.name, prev.model_dim)
+        else:
+            src = ("tokens", None, tokens.width)
+        if b.input_dim != src[2]:
+            what = {"vector": f"the output of dot_interaction block '{src[1]}'",
+                    "last": f"the last token of transformer block '{src[1]}'",
+                    "tokens": "the mean of the non-sequence tokens"}[src[0]]
+            raise MismatchError(f"workload '{workload.name}': heads.input_dim is {b.input_dim} (block '{b.name}', "
+                                f"blocks[{i}]) but its towers read {what}, which is {src[2]} wide; set input_dim: {src[2]}")
+        out[b.name] = src
+    return out
+
+
+def check_sequences(workload: Workload, layout: FeatureLayout) -> None:
+    """Refuse transformer blocks the trainer cannot feed: no input at all, or sequence tables whose widths
+    do not add up to the block's width (the cost model prices no input projection for a transformer)."""
+    seen: set[str] = set()
+    for i, b in enumerate(workload.blocks):
+        if not isinstance(b, TransformerBlock):
+            continue
+        tables = layout.sequence_tables.get(b.sequence, ())
+        width = sum(t.dim for t in tables)
+        if tables and width != b.model_dim:
+            raise MismatchError(f"workload '{workload.name}': the sequence tables of '{b.sequence}' "
+                                f"({', '.join(t.name for t in tables)}) are {width} wide together but transformer block "
+                                f"'{b.name}' (blocks[{i}]) has model_dim {b.model_dim}; the cost model prices no input "
+                                f"projection for a transformer: give the tables dims that sum to {b.model_dim}")
+        if not b.vocab_size and not tables and b.sequence not in seen:
+            raise MismatchError(f"workload '{workload.name}': transformer block '{b.name}' (blocks[{i}]) has no input: "
+                                f"vocab_size is 0 and sequence '{b.sequence}' has no sequence table; set vocab_size "
+                                f"(token ids) or add a table with feature_kind: sequence, sequence: {b.sequence}")
+        seen.add(b.sequence)
+    for i, b in enumerate(workload.blocks):
+        if isinstance(b, DotInteractionBlock):
+            n = len(layout.pooled) + sum(c.out_tokens for c in workload.blocks if isinstance(c, DenseMLPBlock))
+            if b.num_tokens != n:
+                raise MismatchError(f"workload '{workload.name}': dot_interaction block '{b.name}' (blocks[{i}]) has "
+                                    f"num_tokens {b.num_tokens} but it interacts {n} vectors ({len(layout.pooled)} pooled "
+                                    f"features and the dense MLP's tokens); set num_tokens: {n}")
 
 
 def group_features(dims: list[int], num_groups: int) -> list[list[int]]:
@@ -210,8 +309,8 @@ class LayerStack(nn.Module):
 
 
 class Heads(nn.Module):
-    """Mean of the final tokens → one ReLU MLP tower and one logit per task; linear ``i`` of every
-    task runs in the op range ``heads.<i>.gemm``."""
+    """Norm of what the block reads (the mean of the final tokens, or one vector per sample) → one ReLU MLP
+    tower and one logit per task; linear ``i`` of every task runs in the op range ``heads.<i>.gemm``."""
 
     def __init__(self, block: TaskHeads, width: int) -> None:
         super().__init__()
@@ -223,7 +322,10 @@ class Heads(nn.Module):
         self.depth = len(dims) - 1
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        p = self.norm(z).mean(dim=1)
+        """``z [B, tokens, width]`` (read as the mean of the normed tokens) or ``[B, width]`` → ``[B, tasks]``."""
+        if not self.tasks:
+            return z.new_zeros(z.shape[0], 0)
+        p = self.norm(z).mean(dim=1) if z.dim() == 3 else self.norm(z)
         xs = [p for _ in self.tasks]
         for i in range(self.depth):
             with record_function(f"{self.name}.{i}.gemm"):
@@ -233,19 +335,43 @@ class Heads(nn.Module):
         return torch.cat(xs, dim=-1)
 
 
+class DenseOutput(NamedTuple):
+    """What the dense arch computes for a loss: the task logits and, per token sequence, the summed
+    next-token cross-entropy of the transformer blocks with a vocabulary."""
+
+    logits: torch.Tensor
+    """``[B, tasks]`` (every heads block's tasks, in block order)."""
+
+    token_loss: dict[str, torch.Tensor]
+    """Sequence -> sum over its tokens (on this rank) of the next-token cross-entropy (empty: no vocabulary)."""
+
+
 class DenseArch(nn.Module):
-    """Everything after the embedding lookups; FSDP shards it."""
+    """Everything after the embedding lookups; FSDP shards it.
+
+    The blocks run in the workload's order over three kinds of state: the non-sequence tokens ``z``
+    (pooled tokens and the dense MLP's tokens, then the InterFormer summaries; Kunlun and MoE layers
+    transform them), each sequence's hidden states (transformer blocks; the next transformer on the same
+    sequence continues from them) and the DotInteraction output. A heads block reads the output of the
+    block right before it (:func:`readouts`)."""
 
     def __init__(self, workload: Workload, layout: FeatureLayout, backend: str) -> None:
         super().__init__()
         tokens = token_layout(workload)
         self.tokens = tokens
         self.layout = layout
+        self.readouts = readouts(workload, tokens)
+        check_sequences(workload, layout)
         w = tokens.width
-        if not layout.pooled:
-            raise MismatchError(f"workload '{workload.name}': the trainer needs at least one pooled feature")
-        kunlun = next(b for b in workload.blocks if isinstance(b, KunlunBlock))
-        self.pooled = PooledTokens([(f.name, f.table.dim) for f in layout.pooled], w, tokens.pooled, f"{kunlun.name}.0")
+        self.pooled = None
+        self.pooled_const = None
+        kunlun = next((b for b in workload.blocks if isinstance(b, KunlunBlock)), None)
+        if tokens.pooled_source == "kunlun":
+            assert kunlun is not None
+            self.pooled = PooledTokens([(f.name, f.table.dim) for f in layout.pooled], w, tokens.pooled, f"{kunlun.name}.0")
+        elif tokens.pooled_source == "learned":
+            self.pooled_const = nn.Parameter(torch.randn(tokens.pooled, w) * 0.02)
+        self.pooled_features = [(f.name, f.table.dim) for f in layout.pooled]
         self.blocks = nn.ModuleDict()
         self.order: list[str] = []
         for b in workload.blocks:
@@ -258,8 +384,14 @@ class DenseArch(nn.Module):
                 self.blocks[b.name] = LayerStack([KunlunLayer(f"{b.name}.{i}", b, tokens.total) for i in range(b.num_layers)])
             elif isinstance(b, MoEBlock):
                 self.blocks[b.name] = LayerStack([MoELayer(f"{b.name}.{i}", b) for i in range(b.num_layers)])
+            elif isinstance(b, TransformerBlock):
+                max_len = workload.sequence(b.sequence).length.max_len
+                feats = [t.name for t in layout.sequence_tables.get(b.sequence, ())]
+                self.blocks[b.name] = DecoderStack(b, max_len, backend, feats)
+            elif isinstance(b, DotInteractionBlock):
+                self.blocks[b.name] = DotInteraction(b, self.pooled_features, tokens.dense)
             elif isinstance(b, TaskHeads):
-                self.blocks[b.name] = Heads(b, w)
+                self.blocks[b.name] = Heads(b, b.input_dim)
             self.order.append(b.name)
         self.kinds = {b.name: b.type for b in workload.blocks}
 
@@ -267,61 +399,133 @@ class DenseArch(nn.Module):
         """(``<block>.<layer index>``, the ModuleList holding it, its index) for every stacked layer."""
         for name in self.order:
             block = self.blocks[name]
-            if isinstance(block, (InterFormerStack, LayerStack)):
+            if isinstance(block, (InterFormerStack, LayerStack, DecoderStack)):
                 for i in range(len(block.layers)):
                     yield f"{name}.{i}", block.layers, i
 
+    def _pooled_chunks(self, pooled: torch.Tensor, keys: tuple[str, ...], widths: list[int], batch: int) -> torch.Tensor:
+        """The pooled embeddings (in layout order) as ``[B, ⌈Σ dims / width⌉, width]``, zero-padded."""
+        w = self.tokens.width
+        cols = torch.tensor(column_index(self.pooled_features, keys, widths), dtype=torch.long, device=pooled.device)
+        x = pooled.index_select(1, cols)
+        pad = self.tokens.pooled * w - x.shape[1]
+        if pad:
+            x = torch.cat([x, x.new_zeros(batch, pad)], dim=1)
+        return x.view(batch, self.tokens.pooled, w)
+
     def forward(
         self,
-        pooled: torch.Tensor,
+        pooled: torch.Tensor | None,
         pooled_keys: tuple[str, ...],
         pooled_widths: list[int],
         seq: dict[str, torch.Tensor],
         offsets: dict[str, torch.Tensor],
         dense: torch.Tensor | None,
-    ) -> torch.Tensor:
-        batch = pooled.shape[0]
-        x = [self.pooled(pooled, pooled_keys, pooled_widths)]
+        *,
+        token_ids: dict[str, torch.Tensor] | None = None,
+        targets: dict[str, torch.Tensor] | None = None,
+        batch_size: int | None = None,
+    ):
+        """Task logits ``[B, tasks]``; with ``targets`` (token sequence -> next-token ids; ``{}`` when there
+        are none), a :class:`DenseOutput` with the token losses too."""
+        if batch_size is None:
+            sources = [t.shape[0] for t in (pooled, dense) if t is not None] + [o.numel() - 1 for o in offsets.values()]
+            if not sources:
+                raise ValueError("pass batch_size: this workload's inputs do not say how many samples there are")
+            batch_size = sources[0]
+        batch = batch_size
+        w = self.tokens.width
+        x = []
+        if self.pooled is not None:
+            assert pooled is not None
+            x.append(self.pooled(pooled, pooled_keys, pooled_widths))
+        elif self.pooled_const is not None:
+            x.append(self.pooled_const.unsqueeze(0).expand(batch, -1, -1))
+        elif self.tokens.pooled_source == "chunks":
+            assert pooled is not None
+            x.append(self._pooled_chunks(pooled, pooled_keys, pooled_widths, batch))
+        dense_tokens = []
         for name in self.order:
             if self.kinds[name] == "dense_mlp":
-                x.append(self.blocks[name](dense).view(batch, -1, self.tokens.width))
-        z = torch.cat(x, dim=1) if len(x) > 1 else x[0]
-        ctx = z.mean(dim=1)
-        logits = None
+                dense_tokens.append(self.blocks[name](dense).view(batch, -1, w))
+        x += dense_tokens
+        z = torch.cat(x, dim=1) if len(x) > 1 else x[0] if x else None
+        ctx = z.mean(dim=1) if z is not None else None
+        hidden: dict[str, torch.Tensor] = {}
+        vectors: dict[str, torch.Tensor] = {}
+        token_loss: dict[str, torch.Tensor] = {}
+        logits = []
         for name in self.order:
             kind, block = self.kinds[name], self.blocks[name]
             if kind == "interformer":
-                z = torch.cat([z, block(seq, offsets[block.sequence], ctx)], dim=1)
+                if ctx is None:
+                    ctx = torch.zeros(batch, w, device=offsets[block.sequence].device)
+                s = block(seq, offsets[block.sequence], ctx)
+                z = s if z is None else torch.cat([z, s], dim=1)
             elif kind in ("kunlun", "moe"):
                 z = block(z)
+            elif kind == "transformer":
+                s = block.sequence
+                tg = targets.get(s) if targets is not None else None
+                h, loss = block(hidden.get(s), seq, offsets[s], (token_ids or {}).get(s), tg)
+                hidden[s] = h
+                vectors[name] = h
+                if loss is not None:
+                    token_loss[s] = token_loss[s] + loss if s in token_loss else loss
+            elif kind == "dot_interaction":
+                d = torch.cat(dense_tokens, dim=1) if len(dense_tokens) > 1 else dense_tokens[0] if dense_tokens else None
+                vectors[name] = block(pooled, pooled_keys, pooled_widths, d, batch)
             elif kind == "heads":
-                logits = block(z)
-        assert logits is not None
-        return logits
+                what, src, _ = self.readouts[name]
+                if what == "tokens":
+                    assert z is not None
+                    logits.append(block(z))
+                elif what == "vector":
+                    logits.append(block(vectors[src]))
+                else:
+                    b = self.blocks[src]
+                    logits.append(block(last_tokens(vectors[src], offsets[b.sequence])))
+        if logits:
+            out = torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0]
+        else:
+            ref = next(iter(token_loss.values()), None)
+            out = torch.zeros(batch, 0, device=ref.device if ref is not None else None)
+        if targets is None:
+            return out
+        return DenseOutput(out, token_loss)
 
 
 class GEMModel(nn.Module):
-    """Sparse arch (on the meta device until TorchRec shards it) + dense arch."""
+    """Sparse arch (TorchRec, on the meta device until it shards it; None for a workload without tables)
+    + dense arch. Any workload the spec allows, despite the name: GEM-shaped, DLRM-shaped, a dense
+    decoder, or a mix."""
 
     def __init__(self, workload: Workload, *, attention_backend: str = "reference", seed: int = 0,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.workload = workload
         self.layout = feature_layout(workload)
-        # imported here: the dense arch alone (benchmarks/compile_probe.py) then needs no TorchRec/FBGEMM
-        from coplan.trainer.model.sparse import SparseArch
+        self.sparse = None
+        if self.layout.has_tables:
+            # imported here: the dense arch alone (benchmarks/compile_probe.py, dense-only workloads) needs no TorchRec/FBGEMM
+            from coplan.trainer.model.sparse import SparseArch
 
-        self.sparse = SparseArch(self.layout, device="meta")
+            self.sparse = SparseArch(self.layout, device="meta")
         # Dense weights are drawn on the CPU from one seed, so every rank (and the reference) starts equal.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             dense = DenseArch(workload, self.layout, attention_backend)
         self.dense = dense.to(device)
 
-    def forward(self, batch) -> torch.Tensor:
-        """Logits ``[local batch, tasks]`` in fp32 for a :class:`~coplan.trainer.data.Batch`."""
-        pooled, keys, widths, seq = self.sparse(batch.pooled, batch.sequences, getattr(batch, "sparse_dist", None))
-        return self.dense(pooled, keys, widths, seq, batch.offsets, batch.dense).float()
+    def forward(self, batch) -> DenseOutput:
+        """Task logits ``[local batch, tasks]`` in fp32 and the token losses of a :class:`~coplan.trainer.batch.Batch`."""
+        if self.sparse is not None:
+            pooled, keys, widths, seq = self.sparse(batch.pooled, batch.sequences, getattr(batch, "sparse_dist", None))
+        else:
+            pooled, keys, widths, seq = None, (), [], {}
+        out = self.dense(pooled, keys, widths, seq, batch.offsets, batch.dense, token_ids=getattr(batch, "token_ids", {}),
+                         targets=getattr(batch, "targets", {}), batch_size=batch.size)
+        return DenseOutput(out.logits.float(), {s: v.float() for s, v in out.token_loss.items()})
 
 
 def bce_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -329,5 +533,25 @@ def bce_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
 
 
-__all__ = ["DenseArch", "GEMModel", "Heads", "InterFormerStack", "LayerStack", "PooledTokens", "TokenLayout",
-           "bce_loss_sum", "group_features", "token_layout"]
+def loss_parts(out: DenseOutput, labels: torch.Tensor, global_batch: int, global_tokens: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """This micro-batch's share of the step's global mean loss, its parts (no gradient) and their names.
+
+    The loss is the tasks' BCE summed over this micro-batch's samples over the global batch, plus, per
+    token sequence, the next-token cross-entropy summed over its tokens over the global batch's tokens of
+    that sequence: summed over micro-batches and ranks, each is the global mean, so the gradients sum
+    (FSDP's reduce-scatter, the embedding all-to-alls) to the gradient of one pass over the whole batch.
+    Parts: each task's BCE share, then ``next_token:<sequence>`` shares."""
+    loss = bce_loss_sum(out.logits, labels) / global_batch
+    names = []
+    with torch.no_grad():
+        parts = [F.binary_cross_entropy_with_logits(out.logits.detach(), labels, reduction="none").sum(0) / global_batch]
+    for s, v in out.token_loss.items():
+        term = v / max(1, int(global_tokens.get(s, 0)))
+        loss = loss + term
+        parts.append(term.detach().reshape(1))
+        names.append(f"next_token:{s}")
+    return loss, torch.cat(parts), names
+
+
+__all__ = ["DenseArch", "DenseOutput", "GEMModel", "Heads", "InterFormerStack", "LayerStack", "PooledTokens", "TokenLayout",
+           "bce_loss_sum", "check_sequences", "group_features", "loss_parts", "readouts", "token_layout"]
