@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, generate_dataset
     from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
     from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
-    from coplan.trainer.model.gem import GEMModel, bce_loss_sum
+    from coplan.trainer.model.gem import GEMModel, loss_parts
     from coplan.trainer.model.layers import resolve_backend
     from coplan.trainer.optim import Optimizers
     from coplan.trainer.optim import local as _local
@@ -348,7 +348,9 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps
     log_every = max(1, args.log_every or (10 if device_type == "cuda" else 1))
     warmup = args.warmup if args.warmup is not None else min(5, steps // 4)
-    reader = BatchReader(workload, data_dir, world_size=world, rank=rank, policy=plan.balancing.policy, global_batch=global_batch)
+    micro_batches = plan.micro_batches
+    reader = BatchReader(workload, data_dir, world_size=world, rank=rank, policy=plan.balancing.policy, global_batch=global_batch,
+                         micro_batches=micro_batches)
     layout = model.layout.with_seq_chunk(args.seq_chunk)
     if rank == 0:  # this launch's switches, machine-readable (calibration reads seq_chunk from here)
         cfg = {k: v for k, v in vars(args).items()}
@@ -356,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
     timer = StepTimer(device)
     peak = plan.topology.gpu.peak_flops_per_s.get("bf16", 0.0)
-    tasks = layout.tasks
+    tasks = list(layout.tasks) + [f"next_token:{s}" for s in layout.token_sequences]  # loss_parts' names, in its order
     metrics_path = run_dir / "metrics.jsonl"
     pending: list[tuple] = []
     poison = _poison()
@@ -414,21 +416,45 @@ def run(args: argparse.Namespace) -> int:
                 timer.mark(step)  # a step runs from its start to the next step's start: data stalls count
                 if step > start and step % log_every == 0:
                     flush()
-                if ahead is None:
-                    hb, ht = next(prefetch)
-                    batch = pipe.prepare(hb, ht)
-                else:
-                    (hb, batch), ahead = ahead, None
-                logits = pm.dmp(pipe.ready(batch))
-                if pipe.enabled and step + 1 < steps:
-                    # the next batch's copies and input dist, on the side stream behind this forward
-                    nhb, nht = next(prefetch)
-                    ahead = (nhb, pipe.prepare(nhb, nht))
-                # this rank's share of the global mean: gradients then sum over ranks (see distributed/embedding.py)
-                loss = bce_loss_sum(logits, batch.labels) / global_batch
-                if poison == ("loss", step) and rank == 0:
-                    loss = loss * float("nan")
-                loss.backward()
+                # Gradient accumulation: forward and backward per micro-batch, one optimizer step. FSDP2
+                # reduce-scatters each micro-batch's gradients and adds them to the shards; the fused
+                # embedding optimizer updates the sharded tables in every micro-batch's backward (so a
+                # later micro-batch reads rows an earlier one moved), as the cost model prices it (one
+                # fused TBE backward per micro-batch).
+                step_parts, hbs = None, []
+                stash: dict = {}
+                for micro in range(micro_batches):
+                    if ahead is None:
+                        hb, ht = next(prefetch)
+                        batch = pipe.prepare(hb, ht)
+                    else:
+                        (hb, batch), ahead = ahead, None
+                    hbs.append(hb)
+                    out = pm.dmp(pipe.ready(batch))
+                    if pipe.enabled and (step + 1 < steps or micro + 1 < micro_batches):
+                        # the next micro-batch's copies and input dist, on the side stream behind this forward
+                        nhb, nht = next(prefetch)
+                        ahead = (nhb, pipe.prepare(nhb, nht))
+                    # this micro-batch's share of the global mean: gradients then sum over micro-batches
+                    # and ranks (see distributed/embedding.py and gem.loss_parts)
+                    g_tok = {s: int(hb.global_lengths[s].sum()) for s in layout.token_sequences}
+                    loss, mb_parts, _ = loss_parts(out, batch.labels, global_batch, g_tok)
+                    if poison == ("loss", step) and rank == 0:
+                        loss = loss * float("nan")
+                    loss.backward()
+                    mb_parts = torch.cat([loss.detach().reshape(1), mb_parts])
+                    step_parts = mb_parts if step_parts is None else step_parts + mb_parts
+                    if micro + 1 < micro_batches:
+                        # Data-parallel tables: TorchRec's DDP all-reduces (sums) .grad at every backward;
+                        # left in place, an earlier micro-batch's already-summed gradient would be summed
+                        # again (x ranks). Keep each micro-batch's sum aside, give it back after the last.
+                        for _, p in pm.dp_tables:
+                            if p.grad is not None:
+                                stash[p] = stash[p] + p.grad if p in stash else p.grad.clone()
+                                p.grad = None
+                for p, g in stash.items():
+                    p.grad = g if p.grad is None else p.grad + g
+                assert step_parts is not None
                 grads = [to_local(g) for p in grad_params if (g := p.grad) is not None]
                 if poison == ("grad", step) and rank == 0 and grads:
                     grads[0].fill_(float("inf"))
@@ -441,20 +467,21 @@ def run(args: argparse.Namespace) -> int:
                 optims.step()
                 optims.zero_grad()
                 with torch.no_grad():
-                    per_task = torch.nn.functional.binary_cross_entropy_with_logits(
-                        logits.detach(), batch.labels, reduction="none").sum(0) / global_batch
-                    parts = torch.cat([loss.detach().reshape(1), n_bad.to(loss.dtype), per_task])
+                    parts = torch.cat([step_parts[:1], n_bad.to(step_parts.dtype), step_parts[1:]])
                     if world > 1:  # (on one rank the sum is the tensor itself: no collective to issue)
                         dist.all_reduce(parts)
                 g_tokens = int(sum(int(v.sum()) for v in hb.global_lengths.values()))
                 flops = step_flops(workload, hb.global_lengths, global_batch)
-                rc = hb.rank_costs
-                imb = float(rc.max() / rc.mean()) if rc is not None and rc.mean() > 0 else 1.0
-                seq_stats = {k: [float(v.size), float(v.sum()), float((v.astype(np.float64) ** 2).sum())]
-                             for k, v in hb.seq_lengths.items()}
-                # the longest history of this rank's micro-batch (one per step here), from the host
-                # lengths: no device read-back
-                seq_max = {k: [int(v.max()) if v.size else 0] for k, v in hb.seq_lengths.items()}
+                # a step costs the sum over micro-batches of the slowest rank's share
+                rcs = [h.rank_costs for h in hbs if h.rank_costs is not None]
+                mean = sum(float(rc.mean()) for rc in rcs)
+                imb = sum(float(rc.max()) for rc in rcs) / mean if mean > 0 else 1.0
+                seq_stats = {k: [float(sum(h.seq_lengths[k].size for h in hbs)), float(sum(h.seq_lengths[k].sum() for h in hbs)),
+                                 float(sum((h.seq_lengths[k].astype(np.float64) ** 2).sum() for h in hbs))]
+                             for k in hb.seq_lengths}
+                # the longest history of each of this rank's micro-batches, from the host lengths: no
+                # device read-back
+                seq_max = {k: [int(h.seq_lengths[k].max()) if h.seq_lengths[k].size else 0 for h in hbs] for k in hb.seq_lengths}
                 pending.append((step, parts[0], parts[1], parts[2:], g_tokens, global_batch, flops, imb, seq_stats, seq_max))
                 tw.step()
                 if bar is not None:
