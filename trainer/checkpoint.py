@@ -3,10 +3,17 @@ continues bit for bit (the data position is the step number; all random state is
 
 One checkpoint holds, through DCP, the model (TorchRec ShardedTensors for sharded tables, FSDP
 DTensors for dense weights), the dense optimizer (FQN-keyed), the data-parallel tables' optimizer and
-the step; and, one file per rank, the fused embedding optimizer's local shards (``fused/rank<k>.pt``).
+the step; and, one file per rank of one sparse group, the fused embedding optimizer's local shards
+(``fused/rank<k>.pt``).
 The fused state is kept apart because TorchRec lists a table's optimizer state only on the ranks
 holding a shard of it, and DCP takes keys that differ between ranks for a pre-2.4 checkpoint and
 refuses to load. A resumed run has the same plan (checked), hence the same shards on each rank.
+
+With 2-D sparse parallelism (several replicas of the tables) one copy is written: the replicas are synced
+first (:class:`~coplan.trainer.distributed.replica_sync.ReplicaSync`; a no-op right after a step's own
+sync), TorchRec describes each shard as a DTensor over the ``(sparse_replicate, sparse_shard)`` mesh, DCP
+writes each distinct shard once, and only the first sparse group writes the fused state; rank ``k`` of
+every group reads ``fused/rank<k mod S>.pt``.
 Each rank's RNG states (torch, numpy, python) go in ``rng/rank<k>.pt``: the model draws no random
 numbers while training today, but a resumed run must not depend on that staying true.
 
@@ -35,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.tensor import DTensor, Shard
 
 from coplan.errors import CoplanError
+from coplan.trainer.distributed.embedding import local_shards
 from coplan.trainer.optim import Optimizers
 from coplan.trainer.parallelize import ParallelModel
 
@@ -99,12 +107,18 @@ def _fused_local(pm: ParallelModel) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for pkey, st in pm.dmp.fused_optimizer.state_dict()["state"].items():
         for skey, v in st.items():
-            if hasattr(v, "local_shards"):
-                for i, shard in enumerate(v.local_shards()):
-                    out[f"{pkey}/{skey}/{i}"] = shard.tensor
+            if hasattr(v, "local_shards") or isinstance(v, DTensor):
+                for i, (t, _) in enumerate(local_shards(v)):
+                    out[f"{pkey}/{skey}/{i}"] = t
             elif isinstance(v, torch.Tensor):
                 out[f"{pkey}/{skey}"] = v
     return out
+
+
+def _fused_file(path: Path, pm: ParallelModel, rank: int) -> Path:
+    """The fused-state file of this rank's shards: one per rank of the first sparse group (replicas of the
+    tables hold the same shards, synced before saving, so one copy is written)."""
+    return path / "fused" / f"rank{rank % pm.sparse_shard}.pt"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -160,6 +174,10 @@ def save(run_dir: Path, pm: ParallelModel, optims: Optimizers, step: int, keep: 
     path = root / f"{STEP_PREFIX}{step:08d}"
     tmp = path.with_name(path.name + TMP_SUFFIX)
     rank = dist.get_rank()
+    if pm.replica_sync is not None:
+        # one copy of the tables is written (DCP keeps one of identical shards): the replicas must be
+        # identical, which they are only after a sync when the plan syncs less often than every step
+        pm.replica_sync.sync(step)
     if rank == 0:  # a leftover of an interrupted save of the same step
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -167,7 +185,8 @@ def save(run_dir: Path, pm: ParallelModel, optims: Optimizers, step: int, keep: 
     dcp.save(_state(pm, optims, step), checkpoint_id=str(tmp))
     (tmp / "fused").mkdir(parents=True, exist_ok=True)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in _fused_local(pm).items()}, tmp / "fused" / f"rank{rank}.pt")
+    if rank < pm.sparse_shard:
+        torch.save({k: v.detach().cpu() for k, v in _fused_local(pm).items()}, _fused_file(tmp, pm, rank))
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     dist.barrier()  # every rank's part is on disk before the marker says so
     if rank == 0:
@@ -208,7 +227,7 @@ def load(path: Path, pm: ParallelModel, optims: Optimizers) -> int:
             if _is_expert(fqn):
                 st.update({k: optim_sd["state"][fqn][k] for k, v in st.items() if isinstance(v, DTensor)})
     set_optimizer_state_dict(pm.model.dense, optims.dense, state["dense_optim"])
-    fused_file = path / "fused" / f"rank{dist.get_rank()}.pt"
+    fused_file = _fused_file(path, pm, dist.get_rank())
     saved = torch.load(fused_file, map_location="cpu") if fused_file.is_file() else {}
     live = _fused_local(pm)
     if set(saved) != set(live):

@@ -2,8 +2,10 @@
 
 Order, and why:
 
-1. **Embedding sharding** (TorchRec DMP) first: it replaces the meta-device embedding collections
-   with sharded ones and must see the model before any wrapper, and FSDP must never own a table.
+1. **Embedding sharding** (TorchRec DMP; with several table replicas, TorchRec's 2-D sparse parallelism:
+   DMPCollection on CUDA, the same parts on CPU) first: it replaces the meta-device embedding collections
+   with sharded ones and must see the model before any wrapper, and FSDP must never own a table. The
+   replicas' sync (:class:`ReplicaSync`) is built with it and runs once per optimizer step in the loop.
 2. **Expert parallelism** next: it changes which expert weights a rank holds, and FSDP shards
    whatever parameters exist when it is applied.
 2b. **FP8** (the plan's fp8 layers): swaps their ``nn.Linear`` modules for ``Float8Linear`` (same
@@ -34,6 +36,7 @@ from coplan.trainer.distributed.expert_parallel import apply_expert_parallel
 from coplan.trainer.distributed.fp8 import apply_fp8
 from coplan.trainer.distributed.fsdp import apply_fsdp
 from coplan.trainer.distributed.mesh import Meshes, ParallelDims
+from coplan.trainer.distributed.replica_sync import ReplicaSync
 
 
 @dataclass
@@ -47,7 +50,7 @@ class ParallelModel:
     """The unwrapped GEM model (``.sparse`` sharded by TorchRec, ``.dense`` by FSDP)."""
 
     dp_tables: list[tuple[str, nn.Parameter]]
-    """Replicated (data-parallel) tables, whose gradients the loop sums over the sparse group."""
+    """Replicated (data-parallel) tables, whose gradients are summed over the world."""
 
     recomputed: list[str]
     """Layers under activation checkpointing."""
@@ -58,11 +61,19 @@ class ParallelModel:
     fsdp_per_layer: bool = True
     """Whether each layer is an FSDP unit of its own (False: one unit, the dense root; on one rank)."""
 
+    replica_sync: ReplicaSync | None = None
+    """Averages the table replicas of 2-D sparse parallelism (None: one copy of the tables)."""
+
+    sparse_shard: int = 1
+    """Ranks one copy of the tables spans (checkpoints keep one copy: the first sparse group's)."""
+
 
 def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
                 local_size: int, seed: int, compile_layers: str | bool = False, fsdp_per_layer: bool | None = None) -> ParallelModel:
-    dmp = apply_embedding_sharding(model, plan, device=device, group=meshes.sparse_group, local_size=local_size)
+    dmp = apply_embedding_sharding(model, plan, device=device, meshes=meshes, local_size=local_size)
     init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
+    sync = (ReplicaSync(dmp, meshes.replica_group, dims.sparse_replicate, plan.workload.optimizer.sparse_sync_interval_steps)
+            if dims.sparse_2d_enabled else None)
     dense = model.dense
     apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
     # FP8 swaps nn.Linear modules in place: before activation checkpointing (which wraps the layers) and FSDP2 (which shards the params it finds).
@@ -71,7 +82,8 @@ def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes
     apply_compile(dense, compile_layers)
     per_layer = apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision, per_layer=fsdp_per_layer)
     return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed,
-                         ep_mesh=meshes.ep_mesh if dims.ep_enabled else None, fsdp_per_layer=per_layer)
+                         ep_mesh=meshes.ep_mesh if dims.ep_enabled else None, fsdp_per_layer=per_layer,
+                         replica_sync=sync, sparse_shard=dims.sparse_shard)
 
 
 __all__ = ["ParallelModel", "parallelize"]

@@ -28,6 +28,18 @@ def test_row_wise_blocks_follow_torchrec():
     assert [s.placement.rank() for s in ps.sharding_spec.shards] == [0, 1, 2, 3]
 
 
+def test_data_parallel_sequence_tables_are_accepted_on_cpu():
+    dp = _ps("data_parallel", is_sequence=True)  # the trainer's CPU lookup path (embedding.cpu_sequence_lookups)
+    assert dp.compute_kernel == "dense" and dp.ranks == [0, 1, 2, 3]
+
+
+def test_ranks_of_a_later_sparse_group_are_global():
+    """2-D sparse parallelism on CPU: the group-local plan shifted to the group's first global rank."""
+    rw = _ps("row_wise", (0, 1, 2, 3), rank_offset=4)
+    assert rw.ranks == [4, 5, 6, 7] and [s.placement.rank() for s in rw.sharding_spec.shards] == [4, 5, 6, 7]
+    assert _ps("data_parallel", rank_offset=4).ranks == [4, 5, 6, 7]
+
+
 def test_table_wise_column_wise_table_row_wise_and_dp():
     tw = _ps("table_wise", (3,))
     assert tw.ranks == [3] and tw.sharding_spec.shards[0].shard_sizes == [10, 8]
@@ -45,7 +57,8 @@ def test_table_wise_column_wise_table_row_wise_and_dp():
         ("row_wise", (1, 0, 2, 3), {}, "in order"),
         ("table_row_wise", (1, 2), {}, "one node"),
         ("column_wise", (0, 1, 2), {}, "evenly"),
-        ("data_parallel", (), {"is_sequence": True}, "need CUDA"),
+        ("table_row_wise", (0, 1), {"is_sequence": True}, "sequence table"),
+        ("table_wise", (5,), {}, "outside the sparse group"),
     ],
 )
 def test_unsupported_layouts_are_refused(kind, ranks, kw, match):
@@ -68,7 +81,9 @@ def test_parallel_dims_checks_itself():
     assert d.hsdp_enabled and d.fsdp_enabled and d.ep_enabled
     with pytest.raises(MismatchError, match="divide"):
         ParallelDims(dp_replicate=1, dp_shard=4, ep=3, sparse_shard=4, sparse_replicate=1, world_size=4)
-    with pytest.raises(MismatchError, match="DMPCollection"):
-        ParallelDims(dp_replicate=1, dp_shard=4, ep=1, sparse_shard=2, sparse_replicate=2, world_size=4)
+    two_d = ParallelDims(dp_replicate=1, dp_shard=4, ep=1, sparse_shard=2, sparse_replicate=2, world_size=4)
+    assert two_d.sparse_2d_enabled and not d.sparse_2d_enabled
+    with pytest.raises(MismatchError, match="sparse_replicate × sparse_shard"):
+        ParallelDims(dp_replicate=1, dp_shard=4, ep=1, sparse_shard=2, sparse_replicate=3, world_size=4)
     with pytest.raises(MismatchError, match="world"):
         ParallelDims(dp_replicate=2, dp_shard=4, ep=1, sparse_shard=8, sparse_replicate=1, world_size=4)

@@ -11,6 +11,9 @@ what lets a sharded run reproduce the unsharded one step for step, whatever the 
 from __future__ import annotations
 
 import math
+import os
+import types
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -21,11 +24,13 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import placement
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
     ParameterSharding,
     ShardingEnv,
+    ShardingEnv2D,
     ShardingPlan,
     ShardMetadata,
 )
@@ -33,6 +38,8 @@ from torchrec.distributed.types import (
 from coplan.errors import MismatchError
 from coplan.spec import Plan
 from coplan.spec.plan import TableShard
+from coplan.trainer.distributed.layout import node_group_size, table_problem
+from coplan.trainer.distributed.mesh import Meshes
 from coplan.trainer.model.sparse import SparseArch, init_table_rows
 
 
@@ -51,10 +58,17 @@ SPARSE_EPS = 1e-8
 """Epsilon of the sparse optimizers (fused and data-parallel alike)."""
 
 
-def fused_params(plan: Plan) -> dict[str, Any]:
-    """FBGEMM's fused (in-backward) optimizer of the sharded tables, from the workload."""
+DMP_COLLECTION_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+"""Sparse optimizers whose whole state TorchRec's ``DMPCollection.sync`` averages (it reads each TBE's
+``sum`` state only); with another one (Adam) the 2-D tables are built from DMPCollection's parts on every
+device and :class:`~coplan.trainer.distributed.replica_sync.ReplicaSync` averages every state tensor."""
+
+
+def fused_params(plan: Plan, lr_scale: float = 1.0) -> dict[str, Any]:
+    """FBGEMM's fused (in-backward) optimizer of the sharded tables, from the workload. ``lr_scale``: the
+    number of table replicas (see the module docstring: what makes an averaged 2-D SGD step the 1-D one)."""
     opt = plan.workload.optimizer
-    return {"optimizer": _emb_optim_type(opt.sparse), "learning_rate": opt.sparse_lr, "eps": SPARSE_EPS}
+    return {"optimizer": _emb_optim_type(opt.sparse), "learning_rate": opt.sparse_lr * lr_scale, "eps": SPARSE_EPS}
 
 
 class EBCSharder(EmbeddingBagCollectionSharder):
@@ -79,63 +93,48 @@ def _rw_sizes(rows: int, parts: int) -> list[int]:
 
 
 def parameter_sharding(ts: TableShard, rows: int, dim: int, *, group_size: int, local_size: int, device_type: str,
-                       is_sequence: bool) -> ParameterSharding:
-    """One table's ParameterSharding; ``ranks`` are ranks of the sparse group (global when it is the world)."""
+                       is_sequence: bool, node_size: int | None = None, rank_offset: int = 0) -> ParameterSharding:
+    """One table's ParameterSharding. ``ranks`` of the TableShard are ranks of the sparse group; the
+    ParameterSharding's are those plus ``rank_offset`` (the group's first global rank, where TorchRec
+    wants global ranks). ``node_size``: ranks of one node within the group (table-row-wise; default
+    ``local_size``); ``local_size``: the launch's processes per node (CUDA device indices)."""
     kind = ts.sharding_type
-    where = f"table '{ts.table}'"
+    node = node_size or local_size
+    problem = table_problem(ts, dim=dim, is_sequence=is_sequence, group_size=group_size, node_size=node)
+    if problem:
+        raise MismatchError(problem)
     if kind == "data_parallel":
-        if is_sequence and device_type != "cuda":
-            raise MismatchError(
-                f"{where}: data-parallel sequence tables need CUDA (TorchRec's dense sequence kernel returns wrongly "
-                "shaped lookups on CPU); use table_wise or row_wise for it on CPU"
-            )
-        return ParameterSharding(sharding_type="data_parallel", compute_kernel="dense", ranks=list(range(group_size)))
-    if ts.compute_kernel != "fused":
-        raise MismatchError(f"{where}: compute_kernel '{ts.compute_kernel}' for a {kind} table; the trainer shards "
-                            "tables with FBGEMM's fused kernel (dense is for data_parallel tables)")
+        return ParameterSharding(sharding_type="data_parallel", compute_kernel="dense",
+                                 ranks=[rank_offset + r for r in range(group_size)])
     ranks = list(ts.ranks)
     if kind == "table_wise":
         shards = [([rows, dim], [0, 0], ranks[0])]
-    elif kind == "row_wise":
-        if ranks != list(range(group_size)):
-            raise MismatchError(f"{where}: row-wise shards must cover the sparse group in order (ranks 0..{group_size - 1}: "
-                                f"TorchRec sends row block i to rank i); got {ranks}")
+    elif kind in ("row_wise", "table_row_wise"):
         shards, off = [], 0
-        for r, n in zip(ranks, _rw_sizes(rows, group_size)):
+        for r, n in zip(ranks, _rw_sizes(rows, len(ranks))):
             shards.append(([n, dim], [off, 0], r))
             off += n
-    elif kind == "table_row_wise":
-        host = ranks[0] // local_size
-        node = list(range(host * local_size, min((host + 1) * local_size, group_size)))
-        if ranks != node:
-            raise MismatchError(f"{where}: table-row-wise shards must cover one node's ranks in order ({node}); got {ranks}")
-        shards, off = [], 0
-        for r, n in zip(ranks, _rw_sizes(rows, local_size)):
-            shards.append(([n, dim], [off, 0], r))
-            off += n
-    elif kind == "column_wise":
-        if dim % len(ranks):
-            raise MismatchError(f"{where}: dim {dim} does not split evenly over {len(ranks)} column-wise shards")
+    else:  # column_wise (the spec's Literal is closed; table_problem checked the split)
         w = dim // len(ranks)
         shards = [([rows, w], [0, i * w], r) for i, r in enumerate(ranks)]
-    else:  # pragma: no cover - the spec's Literal is closed
-        raise MismatchError(f"{where}: unknown sharding type {kind}")
-    for _, _, r in shards:
-        if r >= group_size:
-            raise MismatchError(f"{where}: rank {r} is outside the sparse group of {group_size}")
-    spec = EnumerableShardingSpec(
-        [ShardMetadata(shard_sizes=size, shard_offsets=off, placement=placement(device_type, r, local_size)) for size, off, r in shards]
-    )
-    return ParameterSharding(sharding_type=kind, compute_kernel="fused", ranks=[r for _, _, r in shards], sharding_spec=spec)
+    spec = EnumerableShardingSpec([
+        ShardMetadata(shard_sizes=size, shard_offsets=off, placement=placement(device_type, rank_offset + r, local_size))
+        for size, off, r in shards
+    ])
+    return ParameterSharding(sharding_type=kind, compute_kernel="fused", ranks=[rank_offset + r for _, _, r in shards],
+                             sharding_spec=spec)
 
 
-def build_sharding_plan(plan: Plan, sparse: SparseArch, *, device_type: str, local_size: int, prefix: str = "sparse") -> ShardingPlan:
-    """TorchRec ShardingPlan of the model's sparse arch from the plan's table shards."""
+def build_sharding_plan(plan: Plan, sparse: SparseArch, *, device_type: str, local_size: int, prefix: str = "sparse",
+                        rank_offset: int = 0) -> ShardingPlan:
+    """TorchRec ShardingPlan of the model's sparse arch from the plan's table shards, over one sparse group
+    (its ranks plus ``rank_offset``: 0 gives the group-local plan that DMPCollection remaps itself)."""
     by_name = {t.table: t for t in plan.tables}
     tables = {t.name: t for t in plan.workload.all_tables}
     if not by_name:
         raise MismatchError("the plan shards no table ('tables' is empty); re-plan, or build one with coplan.trainer.plans")
     group = plan.mesh.sparse_shard
+    node = node_group_size(plan)
     out: dict[str, EmbeddingModuleShardingPlan] = {}
 
     def module_plan(names: list[str], is_sequence: bool) -> EmbeddingModuleShardingPlan:
@@ -143,7 +142,8 @@ def build_sharding_plan(plan: Plan, sparse: SparseArch, *, device_type: str, loc
         for n in names:
             t = tables[n]
             mp[n] = parameter_sharding(by_name[n], t.num_rows, t.dim, group_size=group, local_size=local_size,
-                                       device_type=device_type, is_sequence=is_sequence)
+                                       device_type=device_type, is_sequence=is_sequence, node_size=node,
+                                       rank_offset=rank_offset)
         return mp
 
     if sparse.ebc is not None:
@@ -154,25 +154,119 @@ def build_sharding_plan(plan: Plan, sparse: SparseArch, *, device_type: str, loc
     return ShardingPlan(out)
 
 
-def apply_embedding_sharding(model: nn.Module, plan: Plan, *, device: torch.device, group: dist.ProcessGroup,
-                             local_size: int) -> DistributedModelParallel:
-    """Shard ``model.sparse`` with TorchRec DMP (the dense part is left to FSDP: no DDP wrapping)."""
+def reset_torchrec_groups() -> None:
+    """Forget the node groups TorchRec caches per process (table-row-wise's intra/cross-node groups):
+    a process that shards a second plan (``coplan train a.json b.json``) must not reuse the first's."""
+    from torchrec.distributed import comm
+
+    comm._INTRA_PG = comm._CROSS_PG = None
+    comm._INTRA_PG_2D = comm._CROSS_PG_2D = comm._NODE_GROUP_SIZE_2D = None
+
+
+@contextmanager
+def _node_size_env(size: int):
+    """TorchRec's 1-D table-row-wise sharding reads the node size from ``LOCAL_WORLD_SIZE``; a CPU run
+    launches every rank on one machine, so the plan's node size is put there while the tables are sharded."""
+    old = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(size)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = old
+
+
+def apply_embedding_sharding(model: nn.Module, plan: Plan, *, device: torch.device, local_size: int,
+                             group: dist.ProcessGroup | None = None, meshes: Meshes | None = None,
+                             use_dmp_collection: bool | None = None) -> DistributedModelParallel:
+    """Shard ``model.sparse`` with TorchRec (the dense part is left to FSDP: no DDP wrapping).
+
+    One copy of the tables (``sparse_replicate = 1``): DistributedModelParallel over the world (or
+    ``group``). Several (2-D sparse parallelism): each sparse group shards one copy with the same
+    group-local plan, TorchRec's 2-D environment (:class:`ShardingEnv2D`: all-to-alls within the group,
+    data-parallel tables over the world) -- built by TorchRec's ``DMPCollection`` on CUDA
+    (``use_dmp_collection``, default: on CUDA where its sync covers the sparse optimizer's state), and
+    from the same parts on CPU, where DMPCollection refuses to run. The replicas' sync is
+    :class:`~coplan.trainer.distributed.replica_sync.ReplicaSync`.
+    """
     set_gradient_division(False)
-    sharding_plan = build_sharding_plan(plan, model.sparse, device_type=device.type, local_size=local_size)
-    fp = fused_params(plan)
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(group),
-        device=device,
-        plan=sharding_plan,
-        sharders=[EBCSharder(fused_params=fp), ECSharder(fused_params=fp)],
-        init_data_parallel=False,
-    )
-    changed = sum_data_parallel_grads(dmp, group)
+    reset_torchrec_groups()
+    R = plan.mesh.sparse_replicate
+    fp = fused_params(plan, lr_scale=R)
+    sharders = [EBCSharder(fused_params=fp), ECSharder(fused_params=fp)]
+    node = node_group_size(plan)
+    if R == 1:
+        sharding_plan = build_sharding_plan(plan, model.sparse, device_type=device.type, local_size=local_size)
+        env_ctx = _node_size_env(node) if device.type != "cuda" else nullcontext()
+        with env_ctx:
+            dmp = DistributedModelParallel(
+                model, env=ShardingEnv.from_process_group(group or (meshes.sparse_group if meshes else dist.group.WORLD)),
+                device=device, plan=sharding_plan, sharders=sharders, init_data_parallel=False)
+    else:
+        if meshes is None or meshes.sparse_mesh is None:
+            raise ValueError("2-D sparse parallelism needs the sparse mesh (build_meshes)")
+        S = plan.mesh.sparse_shard
+        if use_dmp_collection is None:
+            use_dmp_collection = device.type == "cuda" and plan.workload.optimizer.sparse in DMP_COLLECTION_OPTIMIZERS
+        if use_dmp_collection:
+            from torchrec.distributed.model_parallel import DMPCollection
+
+            dmp = DMPCollection(
+                module=model, device=device,
+                plan=build_sharding_plan(plan, model.sparse, device_type=device.type, local_size=local_size),
+                world_size=dist.get_world_size(), sharding_group_size=S, global_pg=dist.group.WORLD,
+                node_group_size=node, sharders=sharders, init_data_parallel=False, use_inter_host_allreduce=True,
+            )
+        else:
+            group_index = dist.get_rank() // S  # the plan's layout: sparse group g is ranks [g·S, (g+1)·S)
+            mesh = meshes.sparse_mesh
+            env = ShardingEnv2D(sharding_pg=mesh.get_group("sparse_shard"), replica_pg=mesh.get_group("sparse_replicate"),
+                                global_pg=dist.group.WORLD, device_mesh=mesh, node_group_size=node,
+                                use_inter_host_allreduce=True)
+            sharding_plan = build_sharding_plan(plan, model.sparse, device_type=device.type, local_size=local_size,
+                                                rank_offset=group_index * S)
+            dmp = DistributedModelParallel(model, env=env, device=device, plan=sharding_plan, sharders=sharders,
+                                           init_data_parallel=False)
+    # data-parallel tables are replicated on every rank of every group: their gradients sum over the world
+    changed = sum_data_parallel_grads(dmp, dist.group.WORLD)
     if changed == 0 and any(t.sharding_type == "data_parallel" for t in plan.tables):
         raise RuntimeError("data-parallel tables but no DDP wrapper found in the sharded modules: TorchRec's internals "
                            "changed, and their gradients would be averaged instead of summed")
+    if device.type != "cuda":
+        cpu_sequence_lookups(dmp)
     return dmp
+
+
+def _dense_sequence_forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+    """One row per id, in input order, from the data-parallel tables' flat weights (autograd-tracked)."""
+    emb = self._emb_module
+    ids = features.values().long()
+    outs = []
+    for f, part in enumerate(torch.split(ids, features.length_per_key())):
+        t = self._feature_table_map[f]
+        rows, dim = emb.embedding_specs[t][:2]
+        off = int(emb.weights_physical_offsets[t])
+        outs.append(emb.weights[off : off + rows * dim].view(rows, dim)[part])
+    return torch.cat(outs).float() if outs else emb.weights.new_zeros(0, emb.max_D, dtype=torch.float32)
+
+
+def cpu_sequence_lookups(dmp: nn.Module) -> int:
+    """The CPU path of data-parallel sequence tables: FBGEMM's dense no-bag lookup on CPU returns one
+    row per bag instead of one per id, so TorchRec's sequence lookup of those tables would fail on a
+    shape mismatch. Their lookup modules get a forward that indexes the same weights (one row per id,
+    autograd to the same flat parameter that DDP and the dense-kernel optimizer hold); returns how many."""
+    from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbedding
+
+    n = 0
+    for m in dmp.modules():
+        for lookup in [m, *getattr(m, "_lookups", [])]:
+            for k in lookup.modules():
+                if isinstance(k, BatchedDenseEmbedding) and getattr(k.forward, "__func__", None) is not _dense_sequence_forward:
+                    k.forward = types.MethodType(_dense_sequence_forward, k)
+                    n += 1
+    return n
 
 
 def sparse_state(dmp: nn.Module, prefix: str = "sparse.") -> dict[str, Any]:
@@ -184,17 +278,33 @@ def _table_of(key: str) -> str:
     return key.rsplit(".", 2)[-2]  # ...embedding_bags.<table>.weight / ...embeddings.<table>.weight
 
 
+def local_shards(v: Any) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+    """This rank's pieces of one table's state entry, each with its (row, column) offset in the table:
+    a ShardedTensor's local shards (one copy of the tables), a DTensor's (2-D sparse parallelism: TorchRec
+    then describes the shards as DTensors over the ``(sparse_replicate, sparse_shard)`` mesh, their local
+    part a LocalShardsWrapper), or a whole replicated tensor (data-parallel tables)."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(v, "local_shards") and not isinstance(v, DTensor):  # ShardedTensor
+        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in v.local_shards()]
+    if isinstance(v, DTensor):
+        loc = v._local_tensor
+        if hasattr(loc, "local_shards"):  # LocalShardsWrapper
+            return [(t, tuple(o)) for t, o in zip(loc.local_shards(), loc.local_offsets())]
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, off = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+        return [(loc, tuple(off))] if loc.numel() else []
+    return [(v, (0, 0))]
+
+
 @torch.no_grad()
 def init_sharded_tables(dmp: nn.Module, seed: int, dims: dict[str, int]) -> None:
     """Fill every local shard with its rows of the seeded full table (see :func:`init_table_rows`)."""
     for key, v in sparse_state(dmp).items():
         table = _table_of(key)
-        if hasattr(v, "local_shards"):
-            for shard in v.local_shards():
-                row, col = shard.metadata.shard_offsets
-                init_table_rows(shard.tensor, seed, table, dims[table], row, col)
-        else:
-            init_table_rows(v, seed, table, dims[table], 0, 0)
+        for t, (row, col) in local_shards(v):
+            init_table_rows(t, seed, table, dims[table], row, col)
 
 
 def data_parallel_tables(dmp: nn.Module, plan: Plan, prefix: str = "sparse.") -> list[tuple[str, nn.Parameter]]:

@@ -2,7 +2,9 @@
 
 Ranks are laid out innermost-axis-fastest (the plan's convention): dense rank ``r·S + s`` for replica
 ``r`` and shard ``s``; the expert-parallel group is an inner block of ``ep`` consecutive shard ranks.
-Two meshes cover the same ranks: ``dense`` (``dp_replicate × dp_shard``) for FSDP/HSDP of the dense
+The sparse side has its own layout: one copy of the tables is sharded over ``sparse_shard`` consecutive
+ranks and replicated ``sparse_replicate`` times (2-D sparse parallelism), which :mod:`.embedding` builds
+on. Two meshes cover the same ranks: ``dense`` (``dp_replicate × dp_shard``) for FSDP/HSDP of the dense
 parameters, and ``expert`` (``dp_replicate × dp_shard_mod_ep × ep``) for the experts, which are split
 over ``ep`` and FSDP-sharded over the rest. Both are built directly rather than flattened out of one
 mesh, which PyTorch is deprecating.
@@ -51,11 +53,6 @@ class ParallelDims:
             raise MismatchError(f"sparse_replicate × sparse_shard = {self.sparse_replicate * self.sparse_shard} but the world has {self.world_size} ranks")
         if self.dp_shard % self.ep:
             raise MismatchError(f"expert-parallel degree {self.ep} must divide the FSDP shard degree {self.dp_shard}")
-        if self.sparse_replicate > 1:
-            raise MismatchError(
-                f"sparse_replicate = {self.sparse_replicate}: 2-D sparse parallelism (TorchRec's DMPCollection) is not "
-                "supported by this trainer yet; plan with sparse_replicate = 1 (one copy of the tables over every rank)"
-            )
 
     @classmethod
     def from_plan(cls, plan: Plan) -> "ParallelDims":
@@ -74,6 +71,11 @@ class ParallelDims:
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
+
+    @property
+    def sparse_2d_enabled(self) -> bool:
+        """Whether the tables are sharded within groups and replicated across them (2-D sparse parallelism)."""
+        return self.sparse_replicate > 1
 
 
 @dataclass(slots=True)
@@ -96,7 +98,14 @@ class Meshes:
     """The 1-D ``ep`` mesh of this rank's EP group (checkpoints describe the experts over it)."""
 
     sparse_group: dist.ProcessGroup
-    """The group one copy of the embedding tables is sharded over."""
+    """The group one copy of the embedding tables is sharded over (the world without 2-D sparse parallelism)."""
+
+    sparse_mesh: DeviceMesh | None = None
+    """``(sparse_replicate, sparse_shard)``: row ``g`` is sparse group ``g``, ranks ``[g·S, (g+1)·S)``; column
+    ``s`` the replica group of shard ``s``, ranks ``{s, s+S, ...}`` (None without 2-D sparse parallelism)."""
+
+    replica_group: dist.ProcessGroup | None = None
+    """The ranks holding the same shards as this one, one per sparse group (None without 2-D sparse parallelism)."""
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
@@ -106,13 +115,20 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     dense_fsdp = dense if dims.hsdp_enabled else dense["dp_shard"]
     expert_fsdp = expert["dp_replicate", "dp_shard_mod_ep"] if dims.hsdp_enabled else expert["dp_shard_mod_ep"]
     ep_mesh = expert["ep"]
+    sparse_mesh = None
+    if dims.sparse_2d_enabled:
+        # the plan's layout: the sparse shard group is the inner axis (contiguous ranks), the replicas the outer
+        sparse_mesh = init_device_mesh(device_type, (dims.sparse_replicate, dims.sparse_shard),
+                                       mesh_dim_names=("sparse_replicate", "sparse_shard"))
     return Meshes(
         dense=dense_fsdp,
         expert=expert_fsdp,
         ep_group=ep_mesh.get_group() if dims.ep_enabled else None,
         ep_rank=ep_mesh.get_local_rank(),
         ep_mesh=ep_mesh,
-        sparse_group=dist.group.WORLD,
+        sparse_group=sparse_mesh.get_group("sparse_shard") if sparse_mesh is not None else dist.group.WORLD,
+        sparse_mesh=sparse_mesh,
+        replica_group=sparse_mesh.get_group("sparse_replicate") if sparse_mesh is not None else None,
     )
 
 
