@@ -466,6 +466,8 @@ def run(args: argparse.Namespace) -> int:
                              if grads else torch.zeros(1, device=device))
                 optims.step()
                 optims.zero_grad()
+                if pm.replica_sync is not None:  # 2-D sparse parallelism: average the table replicas (every N steps)
+                    pm.replica_sync.after_step(step)
                 with torch.no_grad():
                     parts = torch.cat([step_parts[:1], n_bad.to(step_parts.dtype), step_parts[1:]])
                     if world > 1:  # (on one rank the sum is the tensor itself: no collective to issue)
