@@ -367,6 +367,9 @@ def run(args: argparse.Namespace) -> int:
     to_local = _local if optims.local_step else (lambda g: g.to_local() if hasattr(g, "to_local") else g)
     if optims.tables is not None:
         grad_params += [p for g in optims.tables.param_groups for p in g["params"]]
+    # the tensors the data-parallel tables' gradients live in: TorchRec's per-table parameters are slices
+    # of one batched weight whose .grad they read and write (setting one slice's .grad to None clears all)
+    dp_grad_tensors = list({id(b): b for _, p in pm.dp_tables for b in [getattr(p, "_original_tensor", p)]}.values())
     records: list[StepRecord] = []
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     trace_first, trace_count = _trace_window(args.trace, warmup, steps)
@@ -448,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
                         # Data-parallel tables: TorchRec's DDP all-reduces (sums) .grad at every backward;
                         # left in place, an earlier micro-batch's already-summed gradient would be summed
                         # again (x ranks). Keep each micro-batch's sum aside, give it back after the last.
-                        for _, p in pm.dp_tables:
+                        for p in dp_grad_tensors:
                             if p.grad is not None:
                                 stash[p] = stash[p] + p.grad if p in stash else p.grad.clone()
                                 p.grad = None
