@@ -68,12 +68,31 @@ class ParallelModel:
     """Ranks one copy of the tables spans (checkpoints keep one copy: the first sparse group's)."""
 
 
+class _NoFusedOptimizer:
+    """DMP's ``fused_optimizer`` where the model has no table: no state, nothing to step."""
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _without_tables(model: nn.Module) -> nn.Module:
+    """The model stands where DMP would (``pm.dmp(batch)``, its state dict, an empty fused optimizer)."""
+    model.fused_optimizer = _NoFusedOptimizer()
+    return model
+
+
 def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
                 local_size: int, seed: int, compile_layers: str | bool = False, fsdp_per_layer: bool | None = None) -> ParallelModel:
-    dmp = apply_embedding_sharding(model, plan, device=device, meshes=meshes, local_size=local_size)
-    init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
-    sync = (ReplicaSync(dmp, meshes.replica_group, dims.sparse_replicate, plan.workload.optimizer.sparse_sync_interval_steps)
-            if dims.sparse_2d_enabled else None)
+    if getattr(model, "sparse", None) is None:  # no tables (a dense decoder): no TorchRec sharding at all
+        dmp, sync = _without_tables(model), None
+    else:
+        dmp = apply_embedding_sharding(model, plan, device=device, meshes=meshes, local_size=local_size)
+        init_sharded_tables(dmp, seed, {t.name: t.dim for t in plan.workload.all_tables})
+        sync = (ReplicaSync(dmp, meshes.replica_group, dims.sparse_replicate, plan.workload.optimizer.sparse_sync_interval_steps)
+                if dims.sparse_2d_enabled else None)
     dense = model.dense
     apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
     # FP8 swaps nn.Linear modules in place: before activation checkpointing (which wraps the layers) and FSDP2 (which shards the params it finds).
