@@ -1,8 +1,15 @@
-"""``coplan train plan.json``: launch the trainer with torchrun (one process per rank).
+"""``coplan train plan.json [more.json ...]``: launch the trainer with torchrun (one process per rank).
 
-Imports no torch: the launcher only reads the plan, checks the process count against it, and
-starts ``torchrun -m coplan.trainer.train``. A plan for several nodes cannot be launched from one
-machine: the command prints the ``torchrun`` line to run on each node instead.
+Imports no torch: the launcher reads the plans and refuses, before torchrun starts a single worker,
+everything it can tell from them and the command line (:func:`check_plans`: each plan's validity, its
+world size against ``--nproc``, the table layouts the trainer runs, the workload's shape, the device).
+Then it starts ``torchrun -m coplan.trainer.train`` through :func:`torchrun_main`, which prints one line
+per failed launch instead of the elastic agent's error dump (the failing rank has printed its own message
+above it). A plan for several nodes cannot be launched from one machine: the command prints the
+``torchrun`` line to run on each node instead.
+
+Several plans of one world size run in turn in the same workers (a sweep: one torchrun start, each plan
+with a run directory of its own, ``<run id>-<plan file stem>``).
 """
 
 from __future__ import annotations
@@ -12,17 +19,22 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
-from coplan.errors import MismatchError
-from coplan.spec import load_plan
+from coplan.errors import CoplanError, MismatchError
+from coplan.spec import Plan, load_plan
 
 _PASS = ("steps", "warmup", "runs_root", "run_id", "resume", "data", "data_samples", "seed", "device", "attention",
          "trace", "checkpoint_every", "keep_last_n", "log_every", "seq_chunk", "compile")
 _FLAGS = ("allow_device_mismatch", "no_progress")
 
 
+def _plans_of(args: argparse.Namespace) -> list[str]:
+    return [args.plan] if isinstance(args.plan, str) else list(args.plan)
+
+
 def _trainer_args(args: argparse.Namespace) -> list[str]:
-    out = [args.plan]
+    out = _plans_of(args)
     for k in _PASS:
         v = getattr(args, k)
         if v is not None:
@@ -34,10 +46,10 @@ def _trainer_args(args: argparse.Namespace) -> list[str]:
 
 
 def torchrun_commands(args: argparse.Namespace, world_size: int, gpus_per_node: int, nodes: int) -> list[list[str]]:
-    """One command per node (a single ``--standalone`` command for one node)."""
+    """One command per node (a single ``--standalone`` command for one node, through :func:`torchrun_main`)."""
     tail = ["-m", "coplan.trainer.train", *_trainer_args(args)]
     if nodes == 1:
-        return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *tail]]
+        return [[sys.executable, "-m", "coplan.trainer.cli", "--standalone", f"--nproc-per-node={world_size}", *tail]]
     return [
         ["torchrun", f"--nnodes={nodes}", f"--node-rank={i}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
          f"--rdzv-endpoint={args.master}", f"--rdzv-id={args.run_id or 'coplan'}", *tail]
@@ -45,15 +57,78 @@ def torchrun_commands(args: argparse.Namespace, world_size: int, gpus_per_node: 
     ]
 
 
+def check_plan(plan: Plan, *, where: str, nproc: int | None = None) -> None:
+    """Refuse, from the plan alone, a launch the workers would refuse (torch-free; the workers check again)."""
+    from coplan.spec.workload import MoEBlock
+    from coplan.trainer.distributed.layout import table_problems
+    from coplan.trainer.features import feature_layout
+
+    if nproc is not None and nproc != plan.world_size:
+        raise MismatchError(f"{where}: the plan is for {plan.world_size} ranks but --nproc is {nproc}; launch "
+                            f"{plan.world_size} processes, or re-plan for {nproc} GPUs")
+    try:
+        feature_layout(plan.workload)  # the inputs the trainer builds the workload's model from
+    except CoplanError as e:
+        raise MismatchError(f"{where}: {e}") from None
+    problems = table_problems(plan)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise MismatchError(f"{where}: " + "; ".join(problems[:3]) + more + "; re-plan (or pin another sharding with --pin-table)")
+    ep = plan.mesh.expert_parallel
+    for b in plan.workload.blocks:
+        if isinstance(b, MoEBlock) and b.num_experts % ep:
+            raise MismatchError(f"{where}: block '{b.name}' has {b.num_experts} experts, which do not split evenly over "
+                                f"expert-parallel degree {ep}; re-plan")
+    fp8 = sorted(lp.name for lp in plan.layers if lp.precision == "fp8")
+    if fp8 and plan.precision.fp8 == "off":
+        raise MismatchError(f"{where}: the plan puts {fp8[:4]} in fp8 while precision.fp8 is 'off'; re-plan")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The trainer's options that the launcher can check alone."""
+    trace = getattr(args, "trace", None)
+    if trace not in (None, "auto", "none"):
+        a, sep, b = trace.partition(":")
+        if not (sep and a.isdigit() and b.isdigit() and int(a) < int(b)):
+            raise MismatchError(f"--trace {trace}: expected 'A:B' (profile steps A..B-1, A < B), 'auto' or 'none'")
+    for name in ("steps", "data_samples"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise MismatchError(f"--{name.replace('_', '-')} {v}: expected at least 1")
+    if getattr(args, "resume", None) == "auto" and not getattr(args, "run_id", None):
+        raise MismatchError("--resume auto needs --run-id: a restarted job must find the same run directory")
+
+
+def check_plans(args: argparse.Namespace) -> list[Plan]:
+    """Every plan of the command line loaded and checked (:func:`check_plan`), and the command line with them."""
+    check_options(args)
+    paths = _plans_of(args)
+    plans = [load_plan(p) for p in paths]
+    nproc = getattr(args, "nproc", None)
+    for path, plan in zip(paths, plans):
+        check_plan(plan, where=path, nproc=nproc)
+    if len(plans) > 1:
+        sizes = {p.world_size for p in plans}
+        if len(sizes) > 1:
+            raise MismatchError(f"plans for different world sizes ({sorted(sizes)}) cannot share one launch: run one "
+                                "`coplan train` per world size")
+        if getattr(args, "resume", None):
+            raise MismatchError("--resume continues one run: give one plan with it")
+        if getattr(args, "data", None) and len({p.workload_sha256 or p.workload.name for p in plans}) > 1:
+            raise MismatchError("--data is one workload's dataset; these plans are for different workloads (leave --data "
+                                "out: each gets its own under <runs-root>/data)")
+        stems = [Path(p).stem for p in paths]
+        if len(set(stems)) != len(stems):
+            raise MismatchError(f"plan file names must differ (each run directory is named after its plan): {stems}")
+    return plans
+
+
 def run_train(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)
-    nproc = args.nproc if args.nproc is not None else plan.world_size
-    if nproc != plan.world_size:
-        raise MismatchError(
-            f"{args.plan}: the plan is for {plan.world_size} ranks but --nproc is {nproc}; launch {plan.world_size} "
-            f"processes, or re-plan for {nproc} GPUs"
-        )
+    plans = check_plans(args)
+    plan = plans[0]
     nodes = plan.num_nodes if args.device != "cpu" else 1
+    if nodes > 1 and len(plans) > 1:
+        raise MismatchError("several plans in one launch run on one node (or --device cpu); launch multi-node plans one by one")
     cmds = torchrun_commands(args, plan.world_size, plan.topology.gpus_per_node, nodes)
     if nodes > 1 or args.dry_run:
         if nodes > 1:
@@ -63,12 +138,61 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1" if args.device == "cpu" else env.get("OMP_NUM_THREADS", "8"))
+    env["COPLAN_LAUNCHER"] = "1"  # the workers leave their error messages to torchrun_main (trainer.train.LAUNCHER_ENV)
     return subprocess.call(cmds[0], env=env)
+
+
+def _error_file_message(path: str | None) -> str | None:
+    """The message a worker left in torchrun's error file (``{"message": {"message": ...}}``), if any."""
+    import json
+
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            m = json.load(f).get("message")
+    except (OSError, ValueError):
+        return None
+    if isinstance(m, dict):
+        m = m.get("message")
+    return m if isinstance(m, str) and m else None
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """torchrun, minus the elastic agent's error dump: the first failing rank's one-line message (which
+    ``coplan.trainer.train.main`` leaves in torchrun's error file), or one line naming the rank and how it
+    stopped (``COPLAN_DEBUG=1``: torchrun's own report, and every rank's traceback)."""
+    if os.environ.get("COPLAN_DEBUG"):
+        from torch.distributed.run import main
+
+        main(argv)
+        return 0
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        message = _error_file_message(failure.error_file)
+        if message:
+            print(message, file=sys.stderr, flush=True)  # the rank's own message
+        else:
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            print(f"error: the trainer's rank {rank} stopped ({how}) before it could say why; its output is above "
+                  "(COPLAN_DEBUG=1 for torchrun's report)", file=sys.stderr, flush=True)
+        return code if code > 0 else 1
+    return 0
 
 
 def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("train", help=help_text, description=help_text + ".")
-    p.add_argument("plan", help="plan.json (from coplan plan, or python -m coplan.trainer.plans)")
+    p.add_argument("plan", nargs="+", help="plan.json (from coplan plan, or python -m coplan.trainer.plans); several "
+                   "plans of one world size run in turn in the same workers, each in <run id>-<plan file stem>")
     p.add_argument("--steps", type=int, default=None, help="total steps (default 20)")
     p.add_argument("--nproc", type=int, default=None, help="processes to launch (must equal the plan's world size)")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the statistics")
@@ -93,8 +217,12 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--allow-device-mismatch", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--master", default="MASTER_HOST:29500", help="rendezvous host:port printed for multi-node plans")
-    p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    p.add_argument("--dry-run", action="store_true", help="check the plans and print the torchrun command instead of running it")
     p.set_defaults(func=run_train)
 
 
-__all__ = ["register_train", "run_train", "torchrun_commands"]
+__all__ = ["check_options", "check_plan", "check_plans", "register_train", "run_train", "torchrun_commands", "torchrun_main"]
+
+
+if __name__ == "__main__":  # the launcher's torchrun (see torchrun_main)
+    sys.exit(torchrun_main(sys.argv[1:]))

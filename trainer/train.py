@@ -44,7 +44,8 @@ def _non_negative(v: str) -> int:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m coplan.trainer.train", description="Train a plan (one rank; launch with torchrun).")
-    p.add_argument("plan", help="plan.json")
+    p.add_argument("plan", nargs="+", help="plan.json; several plans of one world size run in turn in these processes, "
+                   "each in its own run directory (<run id>-<plan file stem>)")
     p.add_argument("--steps", type=int, default=20, help="total steps of the run (a resumed run continues up to it)")
     p.add_argument("--warmup", type=int, default=None, help="leading steps left out of the statistics (default: min(5, steps/4))")
     p.add_argument("--runs-root", default="runs", help="folder holding run directories")
@@ -551,18 +552,77 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     dist.barrier()
-    dist.destroy_process_group()
+    if getattr(args, "last_plan", True):
+        dist.destroy_process_group()
     return 0
+
+
+LAUNCHER_ENV = "COPLAN_LAUNCHER"
+"""Set by ``coplan train``: a failing rank leaves its one-line message to the launcher (through torchrun's
+error file) instead of printing it, so that the launch prints one message per failure."""
+
+
+def _report(e: BaseException, rank: int) -> None:
+    """One message for a failure: the launcher prints it from torchrun's error file (``coplan train``);
+    under a plain torchrun, rank 0 prints a plan's error and any rank prints its own crash, in one line."""
+    import time
+    import traceback
+
+    coplan_error = isinstance(e, CoplanError)
+    text = (f"error: {e}" if coplan_error else
+            f"error on rank {rank} (a bug in coplan, or in a library under it): {type(e).__name__}: {e}\n"
+            "Set COPLAN_DEBUG=1 to see the traceback, and please report it.")
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": traceback.format_exc(),
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    if path and os.environ.get(LAUNCHER_ENV):
+        return
+    if rank == 0 or not coplan_error:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _quiet_libraries() -> None:
+    """Known, checked notices of the libraries under the trainer, kept out of a run's output
+    (``COPLAN_DEBUG=1`` shows them): TorchRec's process-group, sharding and FX-tracing logs, the c10d
+    collectives' and DDP's deprecation notices that FSDP2 and TorchRec trigger, and FBGEMM's CPU dense
+    lookup's autograd notice (its gradient is checked in tests/trainer/test_sparse_2d.py)."""
+    import logging
+    import warnings
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # TorchRec's is_fx_tracing notice
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel")
+    warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated", category=FutureWarning)  # TorchRec's DDP
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    debug = bool(os.environ.get("COPLAN_DEBUG"))
+    if not debug:
+        _quiet_libraries()
+    plans = list(args.plan)
     try:
-        return run(args)
-    except CoplanError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
+        if len(plans) > 1 and args.resume:
+            raise CoplanError("--resume continues one run: give one plan with it")
+        for i, path in enumerate(plans):
+            one = argparse.Namespace(**vars(args))
+            one.plan, one.last_plan = path, i == len(plans) - 1
+            if len(plans) > 1:  # a sweep: a run directory per plan, named after the plan file
+                one.run_id = f"{args.run_id}-{Path(path).stem}" if args.run_id else \
+                    f"{Path(path).stem}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+            rc = run(one)
+            if rc:
+                return rc
+        return 0
+    except Exception as e:
+        if debug:
+            raise
+        _report(e, rank)
+        return e.exit_code if isinstance(e, CoplanError) else 1
 
 
 if __name__ == "__main__":

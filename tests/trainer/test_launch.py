@@ -75,3 +75,79 @@ def test_every_launcher_option_reaches_the_trainer(plan4, tmp_path):
         assert getattr(parsed, k) == v, k
     for k in _FLAGS:
         assert getattr(parsed, k) is True, k
+
+
+# ---- refused before torchrun starts (issue 21): coplan.trainer.cli.check_plans, torch-free ----------------------
+
+
+def _edit_tables(plan, **kinds):
+    """The plan with some tables' shards replaced: {table: (sharding_type, ranks)} (no planner involved)."""
+    from coplan.spec import Plan
+    from coplan.spec.plan import TableShard
+
+    shards = [TableShard(table=t.table, sharding_type=kinds[t.table][0], ranks=kinds[t.table][1],
+                         compute_kernel="dense" if kinds[t.table][0] == "data_parallel" else "fused")
+              if t.table in kinds else t for t in plan.tables]
+    return Plan.model_validate(plan.model_copy(update={"tables": tuple(shards)}).model_dump())
+
+
+def _refused_without_torch(argv: list[str]) -> str:
+    """Run `coplan <argv>` in a fresh interpreter; it must fail, print one clean error and never import torch."""
+    code = ("import sys\nfrom coplan.cli import main\nrc = main(sys.argv[1:])\n"
+            "assert 'torch' not in sys.modules, 'torch imported before the refusal'\nsys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
+    return r.stderr
+
+
+@pytest.mark.parametrize("table, kind, ranks, match", [
+    ("ad_id", "row_wise", (1, 0, 2, 3), "row-wise shards must cover the sparse group in order"),
+    ("hist_item", "table_row_wise", (0, 1), "sequence table"),
+    ("user_id", "column_wise", (0, 1, 2), "does not split evenly"),
+])
+def test_layouts_the_trainer_cannot_run_are_refused_before_launch(plan4, tmp_path, table, kind, ranks, match):
+    bad = dump_spec(_edit_tables(plan4, **{table: (kind, ranks)}), tmp_path / "bad.json")
+    err = _refused_without_torch(["train", str(bad), "--device", "cpu"])
+    assert match in err and f"table '{table}'" in err
+
+
+def test_every_layout_the_planner_emits_passes_the_launch_check(plan4):
+    from coplan.trainer.cli import check_plan
+
+    every = _edit_tables(plan4, user_id=("table_wise", (3,)), ad_id=("row_wise", (0, 1, 2, 3)), interests=("column_wise", (2, 0)),
+                         geo=("data_parallel", ()), hist_item=("data_parallel", ()), hist_action=("column_wise", (1, 3)))
+    check_plan(every, where="every.json", nproc=4)
+
+
+def test_sweep_launch_checks(plan4, tmp_path):
+    a = dump_spec(plan4, tmp_path / "a.json")
+    b = dump_spec(make_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 2), tmp_path / "b.json")
+    assert "different world sizes" in _refused_without_torch(["train", str(a), str(b), "--device", "cpu"])
+    c = dump_spec(plan4, tmp_path / "c.json")
+    assert "--resume continues one run" in _refused_without_torch(["train", str(a), str(c), "--resume", "x", "--device", "cpu"])
+    assert "--trace 5:3" in _refused_without_torch(["train", str(a), "--trace", "5:3", "--device", "cpu"])
+
+
+def test_sweep_is_one_torchrun_through_the_quiet_launcher(plan4, tmp_path, capsys):
+    a, c = dump_spec(plan4, tmp_path / "a.json"), dump_spec(plan4, tmp_path / "c.json")
+    assert main(["train", str(a), str(c), "--device", "cpu", "--dry-run", "--steps", "3"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert "-m coplan.trainer.cli --standalone --nproc-per-node=4 -m coplan.trainer.train" in line
+    assert f"{a} {c} --steps 3" in line
+
+
+def test_a_worker_failure_is_one_message_not_an_elastic_dump(tmp_path):
+    """A failure only the workers can see (here: --resume of a run that trained another plan) prints the
+    rank's one-line message, once, and no torchrun ChildFailedError report."""
+    w = load_workload("gem-tiny")
+    one = dump_spec(make_plan(w, load_topology("h200-1gpu"), 1, tables="table_wise"), tmp_path / "one.json")
+    other = tmp_path / "runs" / "other"
+    other.mkdir(parents=True)
+    dump_spec(make_plan(w, load_topology("h200-1gpu"), 1, tables="data_parallel"), other / "plan.json")
+    r = subprocess.run([sys.executable, "-m", "coplan.cli", "train", str(one), "--device", "cpu", "--resume", str(other),
+                        "--runs-root", str(tmp_path / "runs"), "--no-progress"], capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "that run trained a different plan" in out and out.count("error:") == 1, out
+    assert "ChildFailedError" not in out and "Traceback" not in out, out

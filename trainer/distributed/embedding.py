@@ -193,6 +193,11 @@ def apply_embedding_sharding(model: nn.Module, plan: Plan, *, device: torch.devi
     """
     set_gradient_division(False)
     reset_torchrec_groups()
+    if getattr(model, "sparse", None) is None:
+        # a workload without tables: DMP only wraps the model, so that the loop, the optimizers and the
+        # checkpoints see one interface (forward, fused_optimizer (empty), state_dict)
+        return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
+                                        plan=ShardingPlan({}), sharders=[], init_data_parallel=False)
     R = plan.mesh.sparse_replicate
     fp = fused_params(plan, lr_scale=R)
     sharders = [EBCSharder(fused_params=fp), ECSharder(fused_params=fp)]
