@@ -332,3 +332,24 @@ def test_unbuildable_shapes_are_refused_with_the_field_and_the_fix():
     unread = Workload.model_validate({**fits.model_dump(), "blocks": [fits.blocks[0].model_dump(), mlp, fits.blocks[1].model_dump()]})
     with pytest.raises(MismatchError, match="nothing reads the output of transformer block 'decoder'"):
         DenseArch(unread, feature_layout(unread), "reference")
+
+
+@pytest.mark.parametrize("case", ["dlrm-mixed-dims", "sparse-0", "dense-0", "decoder-swiglu-heads", "gem-no-kunlun"])
+def test_op_ranges_are_the_cost_models_op_names(case):
+    """The ``record_function`` ranges a step opens are the cost model's dense op names, every one of them
+    (what calibration attributes a trace's kernels, forward and backward, by)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    w = CASES[case]()
+    torch.manual_seed(0)
+    lay = feature_layout(w)
+    arch = DenseArch(w, lay, "reference")
+    args, kw, lengths = inputs(w, 4, seed=2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = arch(*args, **kw)
+        labels = torch.zeros(4, len(lay.tasks))
+        loss_parts(out, labels, 4, {s: max(1, int(v.sum())) for s, v in lengths.items()})[0].backward()
+    blocks = {b.name for b in w.blocks}
+    ranges = {e.name for e in prof.events() if e.name.split(".")[0] in blocks and e.name.count(".") == 2}
+    ops = {op.name for op in workload_ops(w) if op.layer != "sparse"}
+    assert ranges == ops

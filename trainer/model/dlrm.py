@@ -70,7 +70,8 @@ class DotInteraction(nn.Module):
         """``pooled [B, Σ dims]`` (None without pooled features), ``dense [B, tokens, dim]`` (None without a
         dense MLP) → ``[B, out_dim]``."""
         z = []
-        with record_function(f"{self.name}.0.input_proj"):
+        # the gather runs in the projection's range when there is one (the cost model has that op only then)
+        with record_function(f"{self.name}.0.input_proj" if len(self.proj) else f"{self.name}.0.dot"):
             if self.groups:
                 assert pooled is not None
                 for (w, feats), cols in zip(self.groups, self._columns(keys, widths, pooled.device)):
