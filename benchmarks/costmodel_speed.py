@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from coplan import __version__
-from coplan.costmodel import build_context, heuristic_plan_choices, price
+from coplan.costmodel import build_context, price
+from coplan.planner.heuristic import heuristic_plan_choices
 from coplan.costmodel import jagged
-from coplan.costmodel.cli import topology_for
+from coplan.planner.simulate import topology_for
 from coplan.costmodel.embedding import TableAssignment
 from coplan.spec import load_workload
 

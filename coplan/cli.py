@@ -25,7 +25,7 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "report": ("coplan.reports.cli", "write a self-contained Plotly HTML report of a plan (and runs, calibrations)", "#7 reports"),
     "train": ("coplan.trainer.cli", "run a plan on GPUs (or CPU/gloo) with torchrun; metrics, MFU, traces, checkpoints", "#6 trainer"),
     "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json", "#8 calibration"),
-    "simulate": ("coplan.costmodel.cli", "sweep GPU count or one knob and print predicted step time, MFU, memory", "#3 cost model"),
+    "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory", "#3 cost model"),
     "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)", "#2 foundation"),
     "schema": ("coplan.spec_cli", "print the JSON Schema of a spec", "#2 foundation"),
 }

@@ -40,15 +40,14 @@ from coplan.costmodel.efficiency import Efficiencies, resolve_efficiencies
 from coplan.costmodel.embedding import TableAssignment, TableOptionCosts
 from coplan.costmodel.flops import FlopCount, Op, attention_flops, model_flops, workload_ops
 from coplan.costmodel.goodput import goodput
-from coplan.costmodel.heuristic import HeuristicPlan, heuristic_plan_choices
 from coplan.costmodel.pricer import price
 from coplan.costmodel.results import CommCost, Goodput, Memory, OpCost, Perf, StepCost
 
 __all__ = [
     "CollectiveModel", "CommCost", "Context", "DenseFixedCosts", "Efficiencies", "FlopCount", "Goodput", "GroupPlacement",
-    "HeuristicPlan", "LayerCost", "Memory", "Op", "OpCost", "Options", "Perf", "StepCost", "TableAssignment",
+    "LayerCost", "Memory", "Op", "OpCost", "Options", "Perf", "StepCost", "TableAssignment",
     "TableOptionCost", "TableOptionCosts", "attention_flops", "build_context", "bus_factor", "collective_model",
-    "collective_time", "dense_fixed_costs", "goodput", "heuristic_plan_choices", "imbalance", "layer_costs",
+    "collective_time", "dense_fixed_costs", "goodput", "imbalance", "layer_costs",
     "model_flops", "p2p_time", "place_group", "price", "resolve_efficiencies", "table_option_cost", "table_option_costs",
     "workload_ops",
 ]

@@ -256,7 +256,57 @@ class TableAssignment:
         return cls(code, ks, np.asarray(st, dtype=np.int64), np.asarray(sr, dtype=np.int64), np.flatnonzero(code == DP))
 
 
+def greedy_table_wise(ctx, *, memory_share: float = 0.4) -> TableAssignment:
+    """The pricer's default placement, for pricing before (or without) a plan: every table table-wise
+    (row-wise for tables too big for a quarter of a rank's share), placed by longest processing time
+    first on ``max(share of lookup time, share of memory)``."""
+    import heapq
+
+    ta = ctx.tables
+    G = ctx.mesh.sparse_shard
+    hbm = ctx.topology.gpu.hbm_bytes
+    tw = option_costs(ta, "table_wise", 1, G, ctx.local_batch, ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw)
+    mem = tw.memory_bytes
+    budget = memory_share * hbm
+    k = np.ones(ta.num, dtype=np.int64)
+    big = mem > 0.25 * budget
+    if big.any():
+        need = np.ceil(mem[big] / (0.25 * budget)).astype(np.int64)
+        k[big] = np.minimum(G, 1 << np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
+    code = np.where(k > 1, SHARDING_CODES["row_wise"], SHARDING_CODES["table_wise"]).astype(np.int64)
+    rw = option_costs(ta, "row_wise", k, G, ctx.local_batch, ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw)
+    cost = np.where(k > 1, rw.fwd_s + rw.bwd_s, tw.fwd_s + tw.bwd_s)
+    smem = np.where(k > 1, rw.memory_bytes, mem)
+    # multi-shard tables first, each on its k least-loaded distinct ranks; then LPT for the rest
+    w_cost = cost / max((cost * 1.0).sum() / G, 1e-300)
+    w_mem = smem * k / max((smem * k).sum() / G, 1e-300)
+    weight = np.maximum(w_cost, w_mem)
+    loads = np.zeros(G)
+    tables_out: list[np.ndarray] = []
+    ranks_out: list[np.ndarray] = []
+    for i in np.flatnonzero(k > 1)[np.argsort(-weight[k > 1], kind="stable")]:
+        r = np.argsort(loads, kind="stable")[: k[i]]
+        loads[r] += weight[i] / k[i]
+        tables_out.append(np.full(k[i], i))
+        ranks_out.append(r)
+    single = np.flatnonzero(k == 1)
+    heap = [(float(loads[r]), int(r)) for r in range(G)]
+    heapq.heapify(heap)
+    order = single[np.argsort(-weight[single], kind="stable")]
+    placed = np.empty(order.size, dtype=np.int64)
+    for j, i in enumerate(order.tolist()):
+        ld, r = heapq.heappop(heap)
+        placed[j] = r
+        heapq.heappush(heap, (ld + float(weight[i]), r))
+    tables_out.append(order)
+    ranks_out.append(placed)
+    shard_table = np.concatenate(tables_out).astype(np.int64)
+    ranks = np.concatenate(ranks_out).astype(np.int64)
+    return TableAssignment(code, k, shard_table, ranks, np.zeros(0, dtype=np.int64))
+
+
 __all__ = [
+    "greedy_table_wise",
     "SHARDING_CODES", "TableArrays", "TableAssignment", "TableOptionCosts", "expected_unique", "option_costs",
     "sparse_state_bytes_per_row", "table_arrays",
 ]

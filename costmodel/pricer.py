@@ -27,6 +27,7 @@ slowest embedding shard at each all-to-all, because every collective synchronise
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -45,7 +46,7 @@ from coplan.costmodel.context import (
 )
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment
 from coplan.costmodel.goodput import goodput as goodput_of
-from coplan.costmodel.results import CommCost, Memory, OpCost, Perf, StepCost
+from coplan.costmodel.results import CommCost, Memory, OpCost, Perf, StepCost, StepCut
 from coplan.costmodel.schedule import COMPUTE, Schedule
 from coplan.errors import CoplanError
 from coplan.spec.plan import BalancingPlan, LayerPlan, TableShard
@@ -81,7 +82,7 @@ def _assignment(ctx: Context, tables) -> TableAssignment:
 def default_assignment(ctx: Context) -> TableAssignment:
     """Every table table-wise, greedily on the least-loaded rank by lookup time (a placeholder
     placement for pricing before the planner runs)."""
-    from coplan.costmodel.heuristic import greedy_table_wise
+    from coplan.costmodel.embedding import greedy_table_wise
 
     return greedy_table_wise(ctx)
 
@@ -106,6 +107,7 @@ def embedding_loads(ctx: Context, a: TableAssignment) -> dict[str, np.ndarray | 
     dp = a.dp_tables
     for f in ("fwd_s", "bwd_s", "weight_bytes", "optimizer_bytes", "io_bytes"):
         out[f] = out[f] + float(per_t[f][dp].sum())
+    out["dp_state_bytes"] = float(per_t["weight_bytes"][dp].sum() + per_t["optimizer_bytes"][dp].sum())
     nondp = a.sharding != DP
     out["recv_bytes"] = float(per_t["recv_bytes"][nondp].sum())
     out["ids_send_bytes"] = float(per_t["ids_send_bytes"][nondp].sum())
@@ -113,6 +115,84 @@ def embedding_loads(ctx: Context, a: TableAssignment) -> dict[str, np.ndarray | 
     holds = np.bincount(sr, minlength=G) if st.size else np.zeros(G)
     out["shards"] = holds + dp.size
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class SparseAggregates:
+    """What a table placement adds to the step, as the schedule sees it: per step, on the ranks that
+    set each all-to-all's pace. :func:`sparse_aggregates` computes it from a placement; the planner
+    computes the same figures from its solution's per-shard options and prices them without building
+    shards (equal up to float rounding: tested)."""
+
+    fwd_max_s: float
+    """Slowest rank's forward lookups (its table-row-wise NVLink reduction and kernel launches included)."""
+
+    bwd_max_s: float
+    """Slowest rank's backward lookups and fused optimizer (likewise)."""
+
+    a2a_bytes: float
+    """Output all-to-all volume: the busiest sender's bytes, or ρ × the bytes every rank receives."""
+
+    ids_bytes: float
+    """Input (ids) all-to-all volume: the bytes every rank sends, or the busiest receiver's."""
+
+    dp_bytes: float
+    """Data-parallel tables' gradient all-reduce bytes."""
+
+    sync_bytes: float
+    """Fullest rank's shard weights and optimizer state (what a replica sync all-reduces)."""
+
+    emb_kernels: float
+    """Embedding kernels per micro-batch forward on the busiest rank (1 with the fused TBE)."""
+
+    mean_s: float
+    """Mean rank's forward + backward lookups."""
+
+    mem_weight_bytes: float
+    """Shard weights on the rank whose embeddings take the most memory."""
+
+    mem_optimizer_bytes: float
+    """Their optimizer state."""
+
+    mem_io_bytes: float
+    """Its lookup buffers (outputs, gradients, ids) of one micro-batch, receive buffers excluded."""
+
+    recv_bytes: float
+    """Output bytes every rank receives per step (sharded tables; sizes the receive buffers)."""
+
+    ranks: tuple | None = field(default=None, compare=False)
+    """(forward, backward, memory) per rank, when known (for the per-rank figures of a report)."""
+
+    def time_vars(self) -> dict[str, float]:
+        """The values of the cut variables (see :class:`StepCut`)."""
+        return {"fwd": self.fwd_max_s, "bwd": self.bwd_max_s, "a2a": self.a2a_bytes, "ids": self.ids_bytes,
+                "dp": self.dp_bytes, "sync": self.sync_bytes}
+
+
+def sparse_aggregates(ctx: Context, a: TableAssignment, rho: float, kernels: Kernels) -> SparseAggregates:
+    """:class:`SparseAggregates` of a placement (``rho``: the jagged imbalance the receive volume scales by)."""
+    M = ctx.micro_batches
+    loads = embedding_loads(ctx, a)
+    emb_launch = ctx.eff.launch_s.get("embedding", 5e-6)
+    nk = np.where(loads["shards"] > 0, 1.0 if kernels.embedding == "fused" else loads["shards"], 0.0)
+    t0cap = ctx.topology.tiers[0].bw_bytes_per_s * ctx.eff.collective.get((ctx.topology.tiers[0].name, "all_to_all"), 1.0)
+    intra = loads["intra_node_bytes"] / t0cap
+    fwd_r = loads["fwd_s"] + intra + nk * emb_launch * M
+    bwd_r = loads["bwd_s"] + intra + 2 * nk * emb_launch * M
+    mem_r = loads["weight_bytes"] + loads["optimizer_bytes"] + loads["io_bytes"]
+    r_mem = int(np.argmax(mem_r))
+    return SparseAggregates(
+        fwd_max_s=float(fwd_r.max()), bwd_max_s=float(bwd_r.max()),
+        a2a_bytes=max(float(loads["send_bytes"].max()), loads["recv_bytes"] * rho),
+        ids_bytes=max(loads["ids_send_bytes"], float(loads["ids_recv_bytes"].max())),
+        dp_bytes=float(loads["allreduce_bytes"]),
+        # replicated (data-parallel) tables stay equal through their gradient all-reduce: no replica sync
+        sync_bytes=float((loads["weight_bytes"] + loads["optimizer_bytes"]).max()) - loads["dp_state_bytes"],
+        emb_kernels=float(nk.max()), mean_s=float(fwd_r.mean() + bwd_r.mean()),
+        mem_weight_bytes=float(loads["weight_bytes"][r_mem]), mem_optimizer_bytes=float(loads["optimizer_bytes"][r_mem]),
+        mem_io_bytes=float(loads["io_bytes"][r_mem]), recv_bytes=float(loads["recv_bytes"]),
+        ranks=(fwd_r, bwd_r, mem_r),
+    )
 
 
 def _layer_map(ctx: Context, layers: Sequence[LayerPlan] | None) -> tuple[frozenset[str], frozenset[str]]:
@@ -277,11 +357,18 @@ def price(
     detail: bool = True,
     include_embeddings: bool = True,
     segments: bool = False,
+    aggregates: SparseAggregates | None = None,
+    cuts: bool = False,
 ) -> StepCost:
     """Price one plan. ``tables=None`` prices a greedy table-wise placement; ``detail=False`` skips the
     per-op rows (the planner's inner loop); ``include_embeddings=False`` prices the dense part alone
     (no lookups, all-to-alls or embedding memory), the rank-independent base a placement adds to;
-    ``segments=True`` fills :attr:`StepCost.segments` even without a host cost (the calibration's fit of it)."""
+    ``segments=True`` fills :attr:`StepCost.segments` even without a host cost (the calibration's fit of it).
+
+    ``aggregates`` prices a table placement given only by what it adds to the step
+    (:class:`SparseAggregates`: the planner's solutions, priced without building shards); ``tables`` is
+    then ignored. ``cuts=True`` fills :attr:`StepCost.cuts`: the step as a linear function of the
+    aggregates and the recompute set along the schedule's critical path (see :class:`StepCut`)."""
     w = ctx.workload
     kernels = kernels or w.kernels
     balancing = balancing or BalancingPlan()
@@ -321,34 +408,32 @@ def price(
             d[part] = (pf + float(f_op[k]), pb + float(b_op[k]))
 
     # ---------------------------------------------------------------- embeddings
-    if not include_embeddings or not ctx.tables.num:
+    if not include_embeddings or not ctx.tables.num or aggregates is not None:
         a = None
     else:
         a = _assignment(ctx, tables) if tables is not None else default_assignment(ctx)
     sparse_model = ctx.model("sparse_shard", "all_to_all")
-    emb_launch = ctx.eff.launch_s.get("embedding", 5e-6)
-    if a is not None:
-        loads = embedding_loads(ctx, a)
-        nk = np.where(loads["shards"] > 0, 1.0 if kernels.embedding == "fused" else loads["shards"], 0.0)
-        t0cap = ctx.topology.tiers[0].bw_bytes_per_s * ctx.eff.collective.get((ctx.topology.tiers[0].name, "all_to_all"), 1.0)
-        intra = loads["intra_node_bytes"] / t0cap
-        fwd_r = loads["fwd_s"] + intra + nk * emb_launch * M
-        bwd_r = loads["bwd_s"] + intra + 2 * nk * emb_launch * M
-        emb_fwd = float(fwd_r.max()) / M
-        emb_bwd = float(bwd_r.max()) / M
-        a2a_bytes = max(float(loads["send_bytes"].max()), loads["recv_bytes"] * rho) / M
-        ids_bytes = max(loads["ids_send_bytes"], float(loads["ids_recv_bytes"].max())) / M
-        emb_mem_r = loads["weight_bytes"] + loads["optimizer_bytes"] + loads["io_bytes"]
-        dp_ar = loads["allreduce_bytes"]
-        rsync = float((loads["weight_bytes"] + loads["optimizer_bytes"]).max()) if ctx.mesh.sparse_replicate > 1 else 0.0
+    if aggregates is not None and include_embeddings and ctx.tables.num:
+        a = None
+        agg = aggregates
+    elif a is not None:
+        agg = sparse_aggregates(ctx, a, rho, kernels)
     else:
-        loads = None
-        fwd_r = bwd_r = np.zeros(1)
+        agg = None
+    loads = agg
+    if agg is not None:
+        emb_fwd = agg.fwd_max_s / M
+        emb_bwd = agg.bwd_max_s / M
+        a2a_bytes = agg.a2a_bytes / M
+        ids_bytes = agg.ids_bytes / M
+        dp_ar = agg.dp_bytes
+        rsync = agg.sync_bytes if ctx.mesh.sparse_replicate > 1 else 0.0
+        emb_mean = agg.mean_s
+    else:
         emb_fwd = emb_bwd = a2a_bytes = ids_bytes = dp_ar = rsync = 0.0
-        emb_mem_r = np.zeros(1)
+        emb_mean = 0.0
     a2a_t = sparse_model.time(a2a_bytes)
     ids_t = sparse_model.time(ids_bytes)
-    emb_mean = float((fwd_r.mean() + bwd_r.mean())) if loads is not None else 0.0
 
     # ---------------------------------------------------------------- dense collectives per call
     cb = ctx.compute_bytes
@@ -392,6 +477,16 @@ def price(
 
     streams: dict[tuple[str, str], str] = {}
 
+    def affine(model, nbytes: float, var: str, per: float) -> tuple:
+        """A collective's time as (constant, ((var, seconds per unit of var),)): latency + bytes × s/byte,
+        the bytes being ``per ×`` the variable (0 for one rank)."""
+        if model.trivial:
+            return (0.0, ())
+        return (model.latency_s if nbytes > 0 else 0.0, ((var, model.s_per_byte * per),))
+
+    a2a_form = affine(sparse_model, a2a_bytes, "a2a", 1.0 / M)
+    ids_form = affine(sparse_model, ids_bytes, "ids", 1.0 / M)
+
     def comm_add(name: str, dur: float, deps=(), *, meta, **kw) -> int:
         # one stream per bottleneck link: collectives that share links queue, others run side by side
         key = (meta[1], meta[0])
@@ -410,10 +505,12 @@ def price(
     for m in range(M):
         ids_task = None
         if loads is not None and not ctx.options.pipeline_input_dist:
-            ids_task = comm_add("sparse.ids_all_to_all", ids_t, phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
-        emb_f = S.add("sparse.tbe", COMPUTE, emb_fwd, (ids_task,), phase="fwd", layer="sparse") if loads is not None else None
+            ids_task = comm_add("sparse.ids_all_to_all", ids_t, phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes),
+                                form=ids_form)
+        emb_f = S.add("sparse.tbe", COMPUTE, emb_fwd, (ids_task,), phase="fwd", layer="sparse",
+                      form=(0.0, (("fwd", 1.0 / M),))) if loads is not None else None
         out_a2a = comm_add("sparse.all_to_all_fwd", a2a_t, (emb_f,), phase="fwd", layer="sparse", sm=sparse_sm,
-                        meta=("all_to_all", "sparse_shard", a2a_bytes)) if loads is not None else None
+                        meta=("all_to_all", "sparse_shard", a2a_bytes), form=a2a_form) if loads is not None else None
         # forward
         fwd_task: list[int] = [-1] * nl
         ag_task: list[int | None] = [None] * nl
@@ -458,11 +555,18 @@ def price(
                 agb[j] = gather(j, bwd_task[i + 1] if i + 1 < nl else fwd_task[nl - 1], "bwd")
             deps = (agb[i],)
             if names[i] in recomputed:
-                rc = S.add(f"{names[i]}.recompute", COMPUTE, fl[i], deps, phase="recompute", layer=names[i])
+                rc = S.add(f"{names[i]}.recompute", COMPUTE, fl[i], deps, phase="recompute", layer=names[i],
+                           form=(0.0, ((f"rc:{names[i]}", float(fl[i])),)))
                 sync_task[(m, i, "recompute")] = rc
                 if i in moe_parts and ep_t[i] > 0:  # recomputing a MoE layer dispatches and combines again
                     deps = (comm_add(f"{names[i]}.ep_recompute", 2 * ep_t[i], (rc,), phase="bwd", layer=names[i],
-                                  sm=not a2a_ep.sm_free, meta=("all_to_all", "expert", ep_bytes[i])),)
+                                  sm=not a2a_ep.sm_free, meta=("all_to_all", "expert", ep_bytes[i]),
+                                  form=(0.0, ((f"rc:{names[i]}", float(2 * ep_t[i])),))),)
+            elif cuts:
+                # not recomputed: a task of no duration in the recompute's place changes nothing in the
+                # schedule, and lets a critical path through it price what recomputing this layer would add
+                S.add(f"{names[i]}.recompute", COMPUTE, 0.0, deps, phase="recompute", layer=names[i],
+                      form=(0.0, ((f"rc:{names[i]}", float(fl[i])),)))
             if i in moe_parts:
                 p = moe_parts[i]
                 post = S.add(f"{names[i]}.post_bwd", COMPUTE, p.get("post", (0, 0))[1], deps, phase="bwd", layer=names[i])
@@ -479,29 +583,32 @@ def price(
                 last_rs.append(comm_add(name, dur, (bwd_task[i],), phase="bwd", layer=names[i], sm=sm_of[meta[1]], meta=meta))
             if i == first_need and loads is not None:
                 grad_a2a = comm_add("sparse.all_to_all_bwd", a2a_t, (bwd_task[i],), phase="bwd", layer="sparse", sm=sparse_sm,
-                                 meta=("all_to_all", "sparse_shard", a2a_bytes))
+                                 meta=("all_to_all", "sparse_shard", a2a_bytes), form=a2a_form)
         if fixed.fsdp_copy_bwd_s > 0:
             # the gradients' copy-in, the one-rank divided copy and casts: after the layers' backward
             S.add("fsdp.hooks", COMPUTE, fixed.fsdp_copy_bwd_s, (bwd_task[0] if nl else None,), phase="bwd", layer="fsdp")
         if loads is not None:
             if grad_a2a is None:
                 grad_a2a = comm_add("sparse.all_to_all_bwd", a2a_t, (), phase="bwd", layer="sparse", sm=sparse_sm,
-                                 meta=("all_to_all", "sparse_shard", a2a_bytes))
-            S.add("sparse.tbe_bwd", COMPUTE, emb_bwd, (grad_a2a,), phase="bwd", layer="sparse")
+                                 meta=("all_to_all", "sparse_shard", a2a_bytes), form=a2a_form)
+            S.add("sparse.tbe_bwd", COMPUTE, emb_bwd, (grad_a2a,), phase="bwd", layer="sparse", form=(0.0, (("bwd", 1.0 / M),)))
     # once per step
     world_ar = ctx.model("world", "all_reduce")
     if dp_ar > 0:
         last_rs.append(comm_add("sparse.dp_all_reduce", world_ar.time(dp_ar), (), phase="bwd", layer="sparse",
-                             sm=not world_ar.sm_free, meta=("all_reduce", "world", dp_ar)))
+                             sm=not world_ar.sm_free, meta=("all_reduce", "world", dp_ar), form=affine(world_ar, dp_ar, "dp", 1.0)))
     if rsync > 0:
         rm = ctx.model("sparse_replicate", "all_reduce")
-        comm_add("sparse.replica_sync", rm.time(rsync) / w.optimizer.sparse_sync_interval_steps, (), phase="bwd", layer="sparse",
-              sm=not rm.sm_free, meta=("all_reduce", "sparse_replicate", rsync))
+        every = w.optimizer.sparse_sync_interval_steps
+        c0, terms = affine(rm, rsync, "sync", 1.0 / every)
+        comm_add("sparse.replica_sync", rm.time(rsync) / every, (), phase="bwd", layer="sparse",
+              sm=not rm.sm_free, meta=("all_reduce", "sparse_replicate", rsync), form=(c0 / every, terms))
     if fixed.optimizer_step_s > 0:
         S.add("optimizer.step", COMPUTE, fixed.optimizer_step_s, tuple(last_rs), phase="optimizer", layer="optimizer")
     if loads is not None and ctx.options.pipeline_input_dist:
         for _ in range(M):
-            comm_add("sparse.ids_all_to_all", ids_t, (), phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes))
+            comm_add("sparse.ids_all_to_all", ids_t, (), phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes),
+                     form=ids_form)
     before = [t.duration for t in S.tasks]
     S.run(ctx.sm_contention)
 
@@ -543,7 +650,7 @@ def price(
                      f"the ops do not price) = {device_step * 1e3:.2f} ms")
     seg_out: tuple[tuple[float, float, float], ...] = ()
     if segments or ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
-        segs, syncs, exposed = _walk_segments(ctx, arr, recomputed, float(nk.max()) if a is not None else 0.0)
+        segs, syncs, exposed = _walk_segments(ctx, arr, recomputed, agg.emb_kernels if agg is not None else 0.0)
         if syncs:
             dev_at = [factor * _device_position(ctx, S, before, sync_task, moe_parts, f_op, m, k, ph) for m, k, ph in syncs]
             dev_seg = np.diff(np.concatenate(([0.0], dev_at, [step])))
@@ -572,6 +679,11 @@ def price(
                          f"device {step * 1e3:.2f}) ms")
             host_s = synced
         step = max(step, host_s)
+    step_cuts: tuple[StepCut, ...] = ()
+    if cuts:
+        step_cuts = (_path_cut(S, factor),)
+        if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
+            step_cuts += (_host_cut(ctx, arr, recomputed, host_s),)
     layers_perf = {k: Perf(*v) for k, v in perf_by_layer.items()}
 
     ops_out: list[OpCost] = []
@@ -607,13 +719,11 @@ def price(
     n_comm = sum(1 for k, g in ctx.groups.items() if g.size > 1 and k != "world") + (1 if dp_ar > 0 else 0)
     ep_stage = 2.0 * float(ep_bytes.max()) if nl else 0.0
     hbm = ctx.topology.gpu.hbm_bytes
-    if loads is not None:
-        r_mem = int(np.argmax(emb_mem_r))
-        emb_w = float(loads["weight_bytes"][r_mem])
-        emb_o = float(loads["optimizer_bytes"][r_mem])
-        emb_io = float(loads["io_bytes"][r_mem]) + 2.0 * loads["recv_bytes"] * rho / M
+    if agg is not None:
+        emb_w, emb_o = agg.mem_weight_bytes, agg.mem_optimizer_bytes
+        emb_io = agg.mem_io_bytes + 2.0 * agg.recv_bytes * rho / M
     else:
-        r_mem, emb_w, emb_o, emb_io = 0, 0.0, 0.0, 0.0
+        emb_w, emb_o, emb_io = 0.0, 0.0, 0.0
     mem = Memory(
         parameters=fixed.params_bytes, gradients=fixed.grads_bytes, optimizer=fixed.optimizer_bytes,
         fsdp_buffers=fixed.fsdp_buffer_bytes, activations=acts, recompute_peak=rpeak,
@@ -622,7 +732,9 @@ def price(
     )
 
     # ---------------------------------------------------------------- ranks, flops, goodput
-    if loads is not None:
+    if agg is not None and agg.ranks is not None:
+        fwd_r, bwd_r, emb_tot = agg.ranks
+        r_mem = int(np.argmax(emb_tot))
         tot = fwd_r + bwd_r
         r_hi, r_lo = int(np.argmax(tot)), int(np.argmin(tot))
         ids = [r_hi] if r_hi == r_lo else [r_hi, r_lo]
@@ -630,7 +742,6 @@ def price(
             ids.append(r_mem)
         base = perf.total - (emb_fwd + emb_bwd) * M
         rank_time = tuple(float(base + fwd_r[r] + bwd_r[r]) for r in ids)
-        emb_tot = emb_mem_r
         rank_mem = tuple(float(mem.total - (emb_tot[r_mem] - emb_tot[r])) for r in ids)
     else:
         ids, rank_time, rank_mem = [0], (perf.total,), (mem.total,)
@@ -644,8 +755,42 @@ def price(
         memory=mem, hbm_capacity_bytes=hbm, hbm_reserve_bytes=hbm * ctx.topology.gpu.hbm_reserve_fraction, ops=tuple(ops_out), comms=tuple(comms_out), layers=layers_perf,
         rank_ids=tuple(int(r) for r in ids), rank_time_s=rank_time, rank_memory_bytes=rank_mem, goodput=gp, notes=tuple(notes),
         unpriced_device_s=max(0.0, device_step - S.makespan) if step <= device_step else 0.0,
-        segments=seg_out,
+        segments=seg_out, cuts=step_cuts,
     )
+
+
+def _path_cut(S: Schedule, factor: float) -> StepCut:
+    """The schedule's critical path as a :class:`StepCut`: each task's duration in the planner's
+    variables where it has a form (its SM-contention lengthening kept as a constant), else its duration;
+    times the calibrated device-step factor. Exact at the plan priced: the path's durations add up to
+    the makespan."""
+    const = 0.0
+    coef: dict[str, float] = {}
+    rc: dict[str, float] = {}
+    for i in S.critical_path():
+        t = S.tasks[i]
+        if t.form is None:
+            const += t.duration
+            continue
+        c0, terms = t.form
+        const += c0 + (t.duration - S.base[i])
+        for var, k in terms:
+            if var.startswith("rc:"):
+                rc[var[3:]] = rc.get(var[3:], 0.0) + k
+            else:
+                coef[var] = coef.get(var, 0.0) + k
+    return StepCut(const * factor, {k: v * factor for k, v in coef.items()}, {k: v * factor for k, v in rc.items()}, "device")
+
+
+def _host_cut(ctx: Context, arr, recomputed: frozenset[str], host_s: float) -> StepCut:
+    """The host's time (calibrated host-bound form) as a :class:`StepCut`: constant in the placement,
+    plus each recomputed layer's forward launches again."""
+    M = ctx.micro_batches
+    per = np.zeros(len(ctx.layer_names))
+    np.add.at(per, ctx.op_layer, np.asarray(arr.fwd_host_launches, dtype=float))
+    h = {n: float(ctx.eff.host_launch_s * M * per[i]) for i, n in enumerate(ctx.layer_names)}
+    const = host_s - sum(h[n] for n in recomputed if n in h)
+    return StepCut(const, {}, h, "host")
 
 
 def _device_position(ctx: Context, S: Schedule, before: list[float], sync_task: dict, moe_parts: dict, f_op: np.ndarray,
@@ -693,4 +838,4 @@ def _state_bytes(ctx: Context) -> float:
     return hit
 
 
-__all__ = ["default_assignment", "embedding_loads", "host_launches", "host_segments", "price", "sync_exposed", "synced_step"]
+__all__ = ["SparseAggregates", "default_assignment", "embedding_loads", "host_launches", "sparse_aggregates", "host_segments", "price", "sync_exposed", "synced_step"]

@@ -126,6 +126,31 @@ class Memory:
 
 
 @dataclass(frozen=True, slots=True)
+class StepCut:
+    """The step along one path of the pricer's schedule, as a linear function of what the planner
+    decides: ``const_s + Σ coef[v] · x[v] + Σ_{recomputed layers l} rc_s[l]``.
+
+    ``x`` are the :class:`~coplan.costmodel.pricer.SparseAggregates` variables ('fwd', 'bwd': slowest
+    rank's lookup seconds; 'a2a', 'ids', 'dp', 'sync': bytes). A path's length never exceeds the
+    schedule's makespan, and every task duration on it is affine in these variables, so any one cut is
+    a lower bound of the device step wherever the other tasks keep their durations; the pricer's
+    critical path gives the cut that is exact at the plan priced. The SM-contention slowdown of the
+    path's compute tasks (and a calibrated device-step factor) is held at its value in that plan. The
+    planner's CP-SAT model minimises the largest of its cuts: a piecewise-linear model of the pricer's
+    step, refined with the cut of every plan it prices."""
+
+    const_s: float
+    coef: Mapping[str, float]
+    rc_s: Mapping[str, float] = field(default_factory=dict)
+    source: str = "device"
+    """'device' (a critical path of the schedule) or 'host' (the host's launches, when calibrated host-bound)."""
+
+    def value(self, x: Mapping[str, float], recomputed=()) -> float:
+        return float(self.const_s + sum(c * x.get(k, 0.0) for k, c in self.coef.items())
+                     + sum(self.rc_s.get(n, 0.0) for n in recomputed))
+
+
+@dataclass(frozen=True, slots=True)
 class OpCost:
     """One op on the critical rank, one phase, summed over the step's micro-batches."""
 
@@ -233,6 +258,10 @@ class StepCost:
     """Step time added by a calibration's device-step factor (device work no priced op accounts for) when the
     step is the device's; 0 without one, or when the host's time sets the step."""
 
+    cuts: tuple[StepCut, ...] = ()
+    """Filled with ``price(..., cuts=True)``: linear pieces of the step (see :class:`StepCut`); the
+    largest of them at the priced plan equals ``step_time_s`` (the device's, or the host's)."""
+
     segments: tuple[tuple[float, float, float], ...] = ()
     """The step cut at the host's syncs with the device, per segment (host launches, of them those the
     device waits through at the segment's start, device seconds): the launches are
@@ -327,4 +356,4 @@ class StepCost:
         )
 
 
-__all__ = ["CommCost", "Goodput", "Memory", "OpCost", "Perf", "StepCost"]
+__all__ = ["CommCost", "Goodput", "Memory", "OpCost", "Perf", "StepCost", "StepCut"]

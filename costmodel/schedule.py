@@ -37,6 +37,10 @@ class Task:
     sm: bool = False
     """Communication that occupies SMs (slows concurrent compute)."""
     meta: object = None
+    form: tuple | None = None
+    """The duration as (constant, ((variable, coefficient), ...)) in the planner's variables, for the
+    tasks whose duration depends on the plan's table placement or recompute set (see
+    :class:`coplan.costmodel.results.StepCut`); None: a constant."""
 
     @property
     def is_compute(self) -> bool:
@@ -50,27 +54,50 @@ class Schedule:
     end: list[float] = field(default_factory=list)
     exposed: list[float] = field(default_factory=list)
     makespan: float = 0.0
+    pred: list[int] = field(default_factory=list)
+    """Per task, the task whose end set its start (its stream's previous task or a dependency; -1: none)."""
+    base: list[float] = field(default_factory=list)
+    """Per task, its duration before the SM-contention slowdown."""
 
-    def add(self, name: str, stream: str, duration: float, deps=(), *, phase: str = "fwd", layer: str = "", sm: bool = False, meta=None) -> int:
-        self.tasks.append(Task(name, stream, max(0.0, float(duration)), tuple(d for d in deps if d is not None and d >= 0), phase, layer, sm, meta))
+    def add(self, name: str, stream: str, duration: float, deps=(), *, phase: str = "fwd", layer: str = "", sm: bool = False, meta=None,
+            form=None) -> int:
+        self.tasks.append(Task(name, stream, max(0.0, float(duration)), tuple(d for d in deps if d is not None and d >= 0), phase, layer, sm, meta,
+                               form))
         return len(self.tasks) - 1
 
     def _pass(self) -> None:
         free: dict[str, float] = {}
+        last: dict[str, int] = {}
         n = len(self.tasks)
         start = [0.0] * n
         end = [0.0] * n
+        pred = [-1] * n
         for i, t in enumerate(self.tasks):
             s = free.get(t.stream, 0.0)
+            p = last.get(t.stream, -1)
             for d in t.deps:
                 e = end[d]
                 if e > s:
-                    s = e
+                    s, p = e, d
             start[i] = s
             end[i] = s + t.duration
+            pred[i] = p if s > 0 or p >= 0 else -1
             free[t.stream] = end[i]
-        self.start, self.end = start, end
+            last[t.stream] = i
+        self.start, self.end, self.pred = start, end, pred
         self.makespan = max(end) if end else 0.0
+
+    def critical_path(self) -> list[int]:
+        """The tasks of a longest chain ending at the makespan, last first: each task's start is the end
+        of the next one in the list (a path of the DAG of dependencies and stream order)."""
+        if not self.tasks:
+            return []
+        i = max(range(len(self.tasks)), key=lambda k: (self.end[k], k))
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.pred[i]
+        return path
 
     def _comm_intervals(self, sm_only: bool) -> list[tuple[float, float, int]]:
         out = [(self.start[i], self.end[i], i) for i, t in enumerate(self.tasks)
@@ -79,6 +106,7 @@ class Schedule:
         return out
 
     def run(self, sm_contention: float) -> "Schedule":
+        self.base = [t.duration for t in self.tasks]
         self._pass()
         if sm_contention > 0:
             union = _union([(s, e) for s, e, _ in self._comm_intervals(sm_only=True)])

@@ -1,15 +1,16 @@
 """From the cost model to the solver's figures: one :class:`~coplan.planner.pricing.CandidatePricing`
 per mesh candidate, built from ``coplan.costmodel`` (the planner never prices anything itself).
 
-- The dense part of a candidate (dense shard × expert-parallel degree) is the cost model's step with
-  no embeddings (``price(..., include_embeddings=False)``): dense compute with the jagged imbalance
-  of the balancing policy, exposed FSDP/HSDP/EP communication, optimizer; and its memory.
-  Recompute adds each layer's forward again (``layer_costs``) and trades activations for the layer
-  input; MoE layers also dispatch and combine again.
-- The sparse part depends only on the shard group size: every table's options are priced at once
-  (``table_option_costs``), and the output all-to-all's alpha-beta model over the placed group
-  converts bytes to seconds. The per-call latencies and kernel launches, identical on every rank,
-  join the base time.
+- The sparse part depends only on the shard group size and the micro-batch count: every table's
+  options are priced at once (``table_option_costs``) as per-shard loads (lookup seconds, bytes sent
+  and received, replicated state) and memory.
+- The dense part (dense shard × expert-parallel × micro-batches) gives the memory every rank holds
+  and the recompute options: each layer's forward again (``layer_costs``), traded for its activations.
+- The step is the cost model's full pricer: :meth:`Pricer.price` prices a solution by the aggregates
+  it adds (``price(..., aggregates=...)``), and every pricing returns the critical path of the
+  schedule as a cut (:class:`~coplan.costmodel.results.StepCut`). A candidate starts with the cut of
+  its floor point (every aggregate at the least any solution can give it), which also bounds it from
+  below; the search adds the cut of each solution it prices.
 
 Dominated options (no better in any figure, no fewer shards) are dropped before solving.
 """
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coplan.planner.mesh import MeshCandidate
-from coplan.planner.pricing import CandidatePricing, LayerOption, ShardOption
-from coplan.spec import BalancingPlan, Calibration, MeshPlan, Topology, Workload
+from coplan.planner.pricing import LOADS, Assignment, CandidatePricing, LayerOption, ShardOption, copies, loads
+from coplan.spec import BalancingPlan, Calibration, LayerPlan, MeshPlan, Topology, Workload
 from coplan.spec.workload import FixedLength
 
 POLICY_ORDER = ("greedy", "karmarkar_karp", "none")
@@ -31,9 +32,8 @@ POLICY_ORDER = ("greedy", "karmarkar_karp", "none")
 
 @dataclass(frozen=True, slots=True)
 class DenseInfo:
-    """The dense part of one (dense shard, expert-parallel) pair."""
+    """The dense part of one (dense shard, expert-parallel, micro-batches) triple."""
 
-    base_time_s: float
     base_bytes: float
     layers: tuple[LayerOption, ...]
     memory_parts: dict[str, float]
@@ -43,23 +43,32 @@ class DenseInfo:
 
 @dataclass(frozen=True, slots=True)
 class SparseInfo:
-    """The sparse part of one shard-group size."""
+    """The sparse part of one (shard-group size, micro-batches) pair."""
 
     options: tuple[tuple[ShardOption, ...], ...]
     node_size: int
-    a2a_s_per_byte: float
-    fixed_time_s: float
-    """Per-call latencies of the output all-to-alls and the lookup kernels' launches, per step."""
-    dp_s_per_byte: float
     recv_factor: float
     recv_mem_factor: float
+    launch_s: tuple[float, float]
     groups_bytes: float
     """NCCL buffers of the sparse shard and replica groups."""
 
 
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """A candidate's floor point: every aggregate at the least any solution can give it."""
+
+    x: dict[str, float]
+    mem_bytes: float
+    """Least shard memory per rank (average, or the largest single shard)."""
+    recv_bytes: float
+    """Least bytes every rank receives."""
+
+
 @dataclass(slots=True)
 class Pricer:
-    """Builds and caches candidate pricings for one (workload, topology, world size, calibration)."""
+    """Builds and caches candidate pricings for one (workload, topology, world size, calibration), and
+    prices solutions with the cost model's pricer."""
 
     workload: Workload
     topology: Topology
@@ -78,8 +87,12 @@ class Pricer:
     _dense: dict = field(default_factory=dict)
     _sparse: dict = field(default_factory=dict)
     _ctx: dict = field(default_factory=dict)
+    _mb0: int = 1
 
     def __post_init__(self) -> None:
+        from coplan.planner.mesh import micro_batch_counts
+
+        self._mb0 = micro_batch_counts(self.workload, self.world_size)[0]
         if self.policy is None:
             self.policy, self.rho = self._choose_policy()
         else:
@@ -87,7 +100,7 @@ class Pricer:
 
     # ------------------------------------------------------------------ contexts
     def mesh_plan(self, c: MeshCandidate) -> MeshPlan:
-        from coplan.costmodel.heuristic import mesh_axes
+        from coplan.planner.mesh import mesh_axes
 
         m = MeshPlan(dense_shard=c.dense_shard, dense_replicate=c.dense_replicate, expert_parallel=c.expert_parallel,
                      sparse_shard=c.sparse_shard, sparse_replicate=c.sparse_replicate, micro_batches=c.micro_batches)
@@ -109,12 +122,6 @@ class Pricer:
 
         ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, self.world_size, self._mb0))
         return float(imbalance(ctx, policy))
-
-    @property
-    def _mb0(self) -> int:
-        from coplan.planner.mesh import micro_batch_counts
-
-        return micro_batch_counts(self.workload, self.world_size)[0]
 
     def _choose_policy(self) -> tuple[str, float]:
         varies = any(not isinstance(s.length, FixedLength) for s in self.workload.sequences)
@@ -139,7 +146,7 @@ class Pricer:
         return per * ((c.sparse_shard > 1) + (c.sparse_replicate > 1))
 
     def dense(self, c: MeshCandidate) -> DenseInfo:
-        """Dense figures of the candidate's (dense shard, expert-parallel) pair (cached)."""
+        """Dense figures of the candidate's (dense shard, expert-parallel, micro-batches) (cached)."""
         from coplan.costmodel import layer_costs, price
 
         key = (c.dense_shard, c.expert_parallel, c.micro_batches)
@@ -164,13 +171,13 @@ class Pricer:
             LayerOption(lc.name, lc.recompute_s + ep.get(lc.name, 0.0), max(0.0, lc.activation_bytes - lc.recomputed_activation_bytes), lc.activation_bytes)
             for lc in lcs
         )
-        info = DenseInfo(float(cost.step_time_s), base_bytes, layers, mem, self._groups_bytes(c))
+        info = DenseInfo(base_bytes, layers, mem, self._groups_bytes(c))
         self._dense[key] = info
         return info
 
     # ------------------------------------------------------------------ sparse
     def sparse(self, c: MeshCandidate) -> SparseInfo:
-        """Every table's options for the candidate's shard group size (cached per size)."""
+        """Every table's options for the candidate's shard group size and micro-batches (cached)."""
         from coplan.costmodel import table_option_costs
 
         S = c.sparse_shard
@@ -186,20 +193,23 @@ class Pricer:
         g = min(gpn, S)
         t0 = self.topology.tiers[0]
         t0cap = t0.bw_bytes_per_s * ctx.eff.collective.get((t0.name, "all_to_all"), 1.0)
-        a2a = ctx.model("sparse_shard", "all_to_all")
-        world_ar = ctx.model("world", "all_reduce")
         launch = ctx.eff.launch_s.get("embedding", 5e-6)
         fused = self.workload.kernels.embedding == "fused"
+        per_shard = 0.0 if fused else launch * M  # per-table kernels: each shard launches its own
         opts: list[list[ShardOption]] = [[] for _ in range(n)]
 
         def add(kind: str, k: int, mask: np.ndarray) -> None:
             cc = table_option_costs(ctx, kind, k)
             intra = cc.intra_node_bytes / t0cap
             mem = cc.weight_bytes + cc.optimizer_bytes + cc.io_bytes
+            dp = kind == "data_parallel"
             for i in np.flatnonzero(mask):
                 opts[i].append(ShardOption(
-                    kind, int(k if kind not in ("row_wise", "data_parallel") else S), float(cc.fwd_s[i] + intra[i]), float(cc.bwd_s[i] + intra[i]),
-                    float(cc.send_bytes[i]), float(mem[i]), float(cc.recv_bytes[i]), float(cc.allreduce_bytes[i]),
+                    kind, int(k if kind not in ("row_wise", "data_parallel") else S),
+                    float(cc.fwd_s[i] + intra[i] + per_shard), float(cc.bwd_s[i] + intra[i] + 2 * per_shard),
+                    float(cc.send_bytes[i]), float(mem[i]), 0.0 if dp else float(cc.recv_bytes[i]), float(cc.allreduce_bytes[i]),
+                    0.0 if dp else float(cc.ids_recv_bytes[i]), 0.0 if dp else float(cc.ids_send_bytes[i]),
+                    0.0 if dp else float(cc.weight_bytes[i] + cc.optimizer_bytes[i]),
                 ))
 
         everything = np.ones(n, dtype=bool)
@@ -220,19 +230,14 @@ class Pricer:
         if self.table_pins:
             opts = self._apply_pins(opts, S)
         options = tuple(tuple(_prune(o)) for o in opts)
-        info = SparseInfo(
-            options=options, node_size=g if S % g == 0 else 0,
-            a2a_s_per_byte=2.0 * a2a.s_per_byte,  # forward and backward, each moving A/M per micro-batch, M times
-            fixed_time_s=(2 * M * a2a.latency_s if S > 1 else 0.0) + (3 * M * launch if fused else 0.0),
-            dp_s_per_byte=world_ar.s_per_byte, recv_factor=self.rho, recv_mem_factor=2.0 * self.rho / M,
-            groups_bytes=self._groups_bytes(c),
-        )
+        info = SparseInfo(options=options, node_size=g if S % g == 0 else 0, recv_factor=self.rho, recv_mem_factor=2.0 * self.rho / M,
+                          launch_s=(launch * M, 2 * launch * M) if fused and n else (0.0, 0.0), groups_bytes=self._groups_bytes(c))
         self._sparse[(S, c.micro_batches)] = info
         return info
 
     def _apply_pins(self, opts: list[list[ShardOption]], S: int) -> list[list[ShardOption]]:
         """Keep only the pinned sharding of each pinned table; a pin no option of this group size
-        satisfies leaves the table with no option (the candidate is then infeasible, and the search says
+        satisfies leaves the table with no option (the candidate is then left out, and the search says
         which pin no candidate could take)."""
         idx = {t.name: i for i, t in enumerate(self.workload.all_tables)}
         out = list(opts)
@@ -243,30 +248,165 @@ class Pricer:
         return out
 
     # ------------------------------------------------------------------ candidates
-    def candidate(self, c: MeshCandidate) -> CandidatePricing:
+    def scale(self, c: MeshCandidate) -> dict[str, float]:
+        """Seconds of one schedule task per raw unit of each aggregate (see CandidatePricing.scale)."""
+        ctx = self.context(c)
+        M = ctx.micro_batches
+        a2a = ctx.model("sparse_shard", "all_to_all")
+        world_ar = ctx.model("world", "all_reduce")
+        rep = ctx.model("sparse_replicate", "all_reduce")
+        every = self.workload.optimizer.sparse_sync_interval_steps
+        return {"fwd": 1.0 / M, "bwd": 1.0 / M, "a2a": 0.0 if a2a.trivial else a2a.s_per_byte / M,
+                "ids": 0.0 if a2a.trivial else a2a.s_per_byte / M, "dp": 0.0 if world_ar.trivial else world_ar.s_per_byte,
+                "sync": 0.0 if rep.trivial else rep.s_per_byte / every}
+
+    def candidate(self, c: MeshCandidate, *, with_cut: bool = True) -> CandidatePricing:
+        """The candidate's figures; ``with_cut``: with the cut of its floor point (one pricing)."""
         from coplan.costmodel import Options
 
         d = self.dense(c)
         s = self.sparse(c)
         # a data-parallel table adds the world all-reduce's communicator; reserve it whenever one may be chosen
         dp_comm = Options().nccl_bytes_per_communicator if any(o.sharding_type == "data_parallel" for opts in s.options for o in opts) else 0.0
-        return CandidatePricing(
-            mesh=c, node_size=s.node_size, base_time_s=d.base_time_s + s.fixed_time_s,
+        p = CandidatePricing(
+            mesh=c, node_size=s.node_size,
             base_bytes=d.base_bytes - d.sparse_groups_bytes + s.groups_bytes + dp_comm,
             capacity_bytes=self.topology.gpu.usable_hbm_bytes, layers=d.layers, options=s.options,
-            table_names=tuple(t.name for t in self.workload.all_tables),
-            a2a_s_per_byte=s.a2a_s_per_byte, recv_factor=s.recv_factor, recv_mem_factor=s.recv_mem_factor,
-            dp_s_per_byte=s.dp_s_per_byte, memory_parts=dict(d.memory_parts),
+            table_names=tuple(t.name for t in self.workload.all_tables), scale=self.scale(c), launch_s=s.launch_s,
+            recv_factor=s.recv_factor, recv_mem_factor=s.recv_mem_factor, memory_parts=dict(d.memory_parts),
+        )
+        if with_cut and all(p.options):
+            p = p.with_cut(self.floor_cost(p).cuts[0])
+        return p
+
+    def floor(self, p: CandidatePricing) -> Floor:
+        """The candidate's floor point. Each aggregate is at least what the average rank carries when
+        every table takes its least share, and at least the largest shard some table cannot avoid;
+        the all-to-alls move at least the bytes every rank receives or sends; memory likewise. Depends
+        only on the options (cached per shard-group size and micro-batches)."""
+        key = ("floor", p.group_size, p.mesh.micro_batches)
+        hit = self._sparse.get(key)
+        if hit is not None:
+            return hit
+        if not p.options:
+            f = Floor({"fwd": 0.0, "bwd": 0.0, "a2a": 0.0, "ids": 0.0, "dp": 0.0, "sync": 0.0}, 0.0, 0.0)
+            self._sparse[key] = f
+            return f
+        s = p.group_size
+        flat = [(t, o) for t, opts in enumerate(p.options) for o in opts]
+        tid = np.array([t for t, _ in flat])
+        vec = np.array([o.load() for _, o in flat])
+        share = np.array([1.0 if o.placement == "all" else copies(o) / s for _, o in flat])
+        extra = np.array([(o.mem_bytes, o.recv_bytes, o.ids_send_bytes, o.allreduce_bytes) for _, o in flat])
+        n = len(p.options)
+
+        def per_table_min(v: np.ndarray) -> np.ndarray:
+            out = np.full((n,) + v.shape[1:], np.inf)
+            np.minimum.at(out, tid, v)
+            return out
+
+        avg = per_table_min(vec * share[:, None]).sum(axis=0)
+        lump = per_table_min(vec).max(axis=0)
+        mem_avg = per_table_min(extra[:, 0] * share).sum()
+        mem_lump = per_table_min(extra[:, 0]).max()
+        recv, ids, dp = (per_table_min(extra[:, k]).sum() for k in (1, 2, 3))
+        lo = np.maximum(avg, lump)
+        x = {"fwd": float(lo[0]) + p.launch_s[0], "bwd": float(lo[1]) + p.launch_s[1],
+             "a2a": max(float(lo[2]), p.recv_factor * float(recv)), "ids": max(float(lo[3]), float(ids)), "dp": float(dp), "sync": float(lo[4])}
+        f = Floor(x, float(max(mem_avg, mem_lump)), float(recv))
+        self._sparse[key] = f
+        return f
+
+    def probe_cuts(self, p: CandidatePricing) -> CandidatePricing:
+        """The candidate with the cuts of probe points: the floor point with one aggregate at the most
+        any solution can give it (every table's largest shard on one rank, or its largest bytes),
+        with nothing and with everything recomputed. Each prices a path through the tasks that
+        aggregate sets, so the first solve already sees what each aggregate costs where the floor's
+        path does not cross it (six pricings per candidate solved)."""
+        if not p.options:
+            return p
+        f = self.floor(p)
+        arr_max = np.zeros(len(LOADS))
+        recv = ids = dp = 0.0
+        for opts in p.options:
+            arr_max += np.max([o.load() for o in opts], axis=0)
+            recv = recv + max(o.recv_bytes for o in opts)
+            ids = ids + max(o.ids_send_bytes for o in opts)
+            dp = dp + max(o.allreduce_bytes for o in opts)
+        high = {"fwd": arr_max[0] + p.launch_s[0], "bwd": arr_max[1] + p.launch_s[1],
+                "a2a": max(arr_max[2], p.recv_factor * recv), "ids": max(arr_max[3], ids), "dp": dp, "sync": arr_max[4]}
+        out = p
+        rc_none = (False,) * len(p.layers)
+        rc_all = tuple(l.saved_bytes > 0 for l in p.layers)
+        for v in ("fwd", "bwd", "a2a", "ids", "dp", "sync"):
+            if high[v] <= f.x[v] * (1 + 1e-9):
+                continue
+            for c in self._price_x(p.mesh, {**f.x, v: high[v]}, rc_none, mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes).cuts:
+                out = out.with_cut(c)
+        if any(rc_all):
+            for c in self._price_x(p.mesh, f.x, rc_all, mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes).cuts:
+                out = out.with_cut(c)
+        return out
+
+    def floor_cost(self, p: CandidatePricing):
+        """The pricer's step at the candidate's floor point with nothing recomputed (with its cut)."""
+        f = self.floor(p)
+        return self._price_x(p.mesh, f.x, (False,) * len(p.layers), mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes)
+
+    # ------------------------------------------------------------------ pricing solutions
+    def aggregates(self, p: CandidatePricing, a: Assignment):
+        """The :class:`~coplan.costmodel.pricer.SparseAggregates` of a solution, as the pricer computes
+        them from the same placement written as shards."""
+        from coplan.costmodel.pricer import SparseAggregates
+
+        ld = loads(p, a)
+        tot = ld.per_rank + ld.uniform
+        lf, lb = p.launch_s
+        f = tot[:, 0] + lf * ld.holds
+        b = tot[:, 1] + lb * ld.holds
+        uni_state = sum(p.options[t][oi].mem_bytes for t, oi in enumerate(a.choice) if p.options[t][oi].placement == "all")
+        mem_r = ld.mem + uni_state
+        # the fullest rank's shard memory, as one figure (the pricer of the final plan splits it by kind)
+        state = float(mem_r.max()) if mem_r.size else 0.0
+        return SparseAggregates(
+            fwd_max_s=float(f.max()), bwd_max_s=float(b.max()), a2a_bytes=max(float(tot[:, 2].max()), p.recv_factor * ld.recv),
+            ids_bytes=max(ld.ids_send, float(tot[:, 3].max())), dp_bytes=ld.dp, sync_bytes=float(tot[:, 4].max()),
+            emb_kernels=1.0 if ld.holds.any() else 0.0, mean_s=float(f.mean() + b.mean()),
+            mem_weight_bytes=state, mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=ld.recv,
+            ranks=(f, b, mem_r),
         )
 
+    def layer_plans(self, p: CandidatePricing, recompute) -> tuple[LayerPlan, ...]:
+        return tuple(LayerPlan(name=l.name, recompute=bool(on)) for l, on in zip(p.layers, recompute))
 
-def _dominates(a: ShardOption, b: ShardOption, group: int) -> bool:
-    ca = a.num_shards
-    cb = b.num_shards
+    def price(self, p: CandidatePricing, a: Assignment, *, detail: bool = False):
+        """The cost model's full pricing of a solution (its cuts included)."""
+        from coplan.costmodel import price
+
+        agg = self.aggregates(p, a) if p.options else None
+        return price(self.context(p.mesh), None, self.layer_plans(p, a.recompute), self.balancing, self.workload.kernels,
+                     detail=detail, aggregates=agg, cuts=True, include_embeddings=bool(p.options))
+
+    def _price_x(self, c: MeshCandidate, x: dict[str, float], recompute, *, mem_bytes: float = 0.0, recv_bytes: float = 0.0):
+        from coplan.costmodel import price
+        from coplan.costmodel.pricer import SparseAggregates
+
+        ctx = self.context(c)
+        if not ctx.tables.num:
+            return price(ctx, None, (), self.balancing, self.workload.kernels, detail=False, cuts=True)
+        agg = SparseAggregates(fwd_max_s=x["fwd"], bwd_max_s=x["bwd"], a2a_bytes=x["a2a"], ids_bytes=x["ids"], dp_bytes=x["dp"],
+                               sync_bytes=x["sync"], emb_kernels=1.0, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
+                               mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=recv_bytes)
+        layers = tuple(LayerPlan(name=n, recompute=bool(on)) for n, on in zip(ctx.layer_names, recompute))
+        return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, aggregates=agg, cuts=True)
+
+
+def _dominates(a: ShardOption, b: ShardOption) -> bool:
     if not (a.placement == b.placement or a.placement == "rank"):
         return False
-    return (ca <= cb and a.fwd_s <= b.fwd_s and a.bwd_s <= b.bwd_s and a.send_bytes <= b.send_bytes and a.mem_bytes <= b.mem_bytes
-            and a.recv_bytes <= b.recv_bytes and a.allreduce_bytes <= b.allreduce_bytes)
+    return (a.num_shards <= b.num_shards and a.fwd_s <= b.fwd_s and a.bwd_s <= b.bwd_s and a.send_bytes <= b.send_bytes
+            and a.mem_bytes <= b.mem_bytes and a.recv_bytes <= b.recv_bytes and a.allreduce_bytes <= b.allreduce_bytes
+            and a.ids_recv_bytes <= b.ids_recv_bytes and a.ids_send_bytes <= b.ids_send_bytes and a.sync_bytes <= b.sync_bytes)
 
 
 def _prune(opts: list[ShardOption]) -> list[ShardOption]:
@@ -277,7 +417,7 @@ def _prune(opts: list[ShardOption]) -> list[ShardOption]:
         for j, a in enumerate(opts):
             if i == j:
                 continue
-            if _dominates(a, b, 0) and (not _dominates(b, a, 0) or j < i):
+            if _dominates(a, b) and (not _dominates(b, a) or j < i):
                 dominated = True
                 break
         if not dominated:

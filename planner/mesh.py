@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from coplan.errors import CoplanError
-from coplan.spec import Topology, Workload
+from coplan.spec import MeshAxis, MeshPlan, Topology, Workload
 from coplan.spec.workload import MoEBlock
 
 
@@ -88,6 +88,28 @@ def micro_batch_counts(workload: Workload, world_size: int) -> list[int]:
     if fixed is not None:
         return [fixed]
     return [d for d in divisors(local) if d <= MAX_AUTO_MICRO_BATCHES]
+
+
+def mesh_axes(topology: Topology, mesh: MeshPlan) -> tuple[MeshAxis, ...]:
+    """The mesh's axes with the tiers each spans (innermost first): the one mapping of mesh axes to
+    tiers, derived from the topology by the cost model's placement of each axis's process groups
+    (:func:`coplan.costmodel.comm.place_group`, ranks innermost-axis-fastest), so plans, prices and
+    reports agree."""
+    from coplan.costmodel.comm import place_group
+
+    first = topology.tiers[0].name
+
+    def tiers(size: int, stride: int) -> tuple[str, ...]:
+        t = place_group(topology, size, stride).tiers
+        return t or (first,)
+
+    ax = [MeshAxis(name="dp_shard", size=mesh.dense_shard, tiers=tiers(mesh.dense_shard, 1)),
+          MeshAxis(name="dp_replicate", size=mesh.dense_replicate, tiers=tiers(mesh.dense_replicate, mesh.dense_shard))]
+    if mesh.expert_parallel > 1:
+        ax.append(MeshAxis(name="ep", size=mesh.expert_parallel, tiers=tiers(mesh.expert_parallel, 1)))
+    ax += [MeshAxis(name="sparse_shard", size=mesh.sparse_shard, tiers=tiers(mesh.sparse_shard, 1)),
+           MeshAxis(name="sparse_replicate", size=mesh.sparse_replicate, tiers=tiers(mesh.sparse_replicate, mesh.sparse_shard))]
+    return tuple(ax)
 
 
 def check_world_size(topology: Topology, world_size: int | None) -> int:

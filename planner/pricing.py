@@ -1,23 +1,28 @@
 """What the solver sees of one mesh candidate: the cost model's figures, as small frozen values, and
-the one formula (:func:`evaluate`) that combines them into the step time the solver minimises.
+the one model of the step (:func:`evaluate`) that the solver minimises.
 
-The cost model prices; the planner only adds and compares. For one candidate the step is modelled as
-(the same decomposition as the cost model's pricer, ``coplan.costmodel.pricer``):
+The cost model prices; the planner only adds, takes maxima and compares. A solution (an option and
+ranks per table, a recompute set) adds to the step through a handful of aggregates, the same ones the
+pricer's schedule reads (:class:`coplan.costmodel.pricer.SparseAggregates`):
 
-    step = base_time_s                      dense compute (jagged imbalance included), exposed dense
-                                            communication, optimizer, per-call latencies of the sparse
-                                            all-to-alls and kernel launches: identical on every rank
-         + Σ_{recomputed layers} recompute_s
-         + max_r fwd_r + max_r bwd_r          embedding lookups: every all-to-all waits for the slowest rank
-         + a2a_s_per_byte · max(max_r send_r, recv_factor · Σ_t recv_t)
-                                            output all-to-all forward and backward: the busiest sender, or
-                                            what every rank receives
-         + dp_s_per_byte · Σ_{data-parallel t} allreduce_t
+    fwd   = the slowest rank's forward lookups (each rank's shards summed, kernel launches included)
+    bwd   = the slowest rank's backward lookups and fused optimizer
+    a2a   = max(busiest sender's output bytes, ρ · Σ_t bytes every rank receives)
+    ids   = max(Σ_t id bytes every rank sends, busiest receiver's id bytes)
+    dp    = Σ data-parallel tables' gradient all-reduce bytes
+    sync  = fullest rank's shard weights and optimizer state (the replica sync, with 2-D sparse)
 
-and memory on rank ``r``
+and the step is modelled as the largest of the candidate's **cuts** (:class:`~coplan.costmodel.results.StepCut`):
+each is the length of one path of the pricer's two-stream schedule, linear in the aggregates and in
+the recompute set, and exact at the plan it was priced from. So the model is a piecewise-linear
+under-estimate of the pricer's step that is exact wherever it was priced; the search prices every
+solution CP-SAT returns and adds its critical path as a new cut until the model and the pricer
+agree (:mod:`coplan.planner.search`).
+
+Memory on rank ``r`` is linear, as the pricer's memory is:
 
     base_bytes − Σ_{recomputed} saved_bytes + max_{recomputed} peak_bytes
-         + mem_r + recv_mem_factor · Σ_t recv_t  ≤  capacity_bytes.
+         + mem_r + recv_mem_factor · Σ_t recv_t  ≤  capacity_bytes (HBM less the topology's reserve).
 
 A table option puts ``num_shards`` equal shards somewhere: on ranks the solver picks (table-wise: 1,
 column-wise: n), on the ranks of one node it picks (table-row-wise), or one on every rank of the
@@ -29,11 +34,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
+from coplan.costmodel.results import StepCut
 from coplan.planner.mesh import MeshCandidate
 
 Placement = Literal["rank", "node", "all"]
 
 PLACEMENT_OF = {"table_wise": "rank", "column_wise": "rank", "table_row_wise": "node", "row_wise": "all", "data_parallel": "all"}
+
+VARS = ("fwd", "bwd", "a2a", "ids", "dp", "sync")
+"""The aggregates a cut is linear in (see the module docstring)."""
+
+LOADS = ("fwd", "bwd", "a2a", "ids", "sync")
+"""The aggregates that are a maximum over ranks (per-rank loads); 'dp' is a sum."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +78,18 @@ class ShardOption:
     allreduce_bytes: float = 0.0
     """Data-parallel gradient all-reduce bytes."""
 
+    ids_recv_bytes: float = 0.0
+    """Id bytes the shard's rank receives (input all-to-all)."""
+
+    ids_send_bytes: float = 0.0
+    """Id bytes every rank sends for this table (input all-to-all; 0 for data-parallel)."""
+
+    sync_bytes: float = 0.0
+    """Weights and optimizer state of one shard that a replica sync all-reduces (0 for data-parallel:
+    replicated tables are kept equal by their gradient all-reduce)."""
+
     placement: Placement = field(init=False, compare=False, repr=False)
-    """Where the solver puts the shards ('rank', 'node' or 'all'); derived from the sharding type, and
-    stored because the solver's inner loops read it millions of times."""
+    """Where the solver puts the shards ('rank', 'node' or 'all'); derived from the sharding type."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", PLACEMENT_OF[self.sharding_type])
@@ -74,6 +97,10 @@ class ShardOption:
     @property
     def label(self) -> str:
         return f"column_wise/{self.num_shards}" if self.sharding_type == "column_wise" else self.sharding_type
+
+    def load(self) -> tuple[float, float, float, float, float]:
+        """Per-rank loads of one shard, in :data:`LOADS` order (raw units: seconds and bytes)."""
+        return (self.fwd_s, self.bwd_s, self.send_bytes, self.ids_recv_bytes, self.sync_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +111,7 @@ class LayerOption:
     """'<block>.<layer index>'."""
 
     recompute_s: float
-    """Forward time recomputed in backward (per step)."""
+    """Forward time recomputed in backward (per step), with a MoE layer's dispatch and combine again."""
 
     saved_bytes: float
     """Activation bytes no longer kept (all but the layer input)."""
@@ -103,14 +130,11 @@ class CandidatePricing:
     node_size: int
     """Ranks of one node within the shard group (table-row-wise spans one)."""
 
-    base_time_s: float
-    """Step time identical on every rank, without recompute and embedding work."""
-
     base_bytes: float
-    """Memory identical on every rank, without recompute and embeddings (headroom included)."""
+    """Memory identical on every rank, without recompute and embeddings."""
 
     capacity_bytes: float
-    """HBM of one GPU."""
+    """HBM a rank may fill: capacity less the topology's reserve."""
 
     layers: tuple[LayerOption, ...]
     """Layers that may be recomputed."""
@@ -121,8 +145,16 @@ class CandidatePricing:
     table_names: tuple[str, ...]
     """Table names, in the same order."""
 
-    a2a_s_per_byte: float = 0.0
-    """Seconds per byte of the step's output all-to-all volume (forward + backward, exposed)."""
+    cuts: tuple[StepCut, ...] = ()
+    """The step model: its largest cut (see the module docstring). Grows as solutions are priced."""
+
+    scale: dict[str, float] = field(default_factory=dict)
+    """Per aggregate, seconds of one schedule task per raw unit (1/M for lookups; the all-to-all's
+    seconds per byte over M...): converts a cut's coefficients into counts of tasks on its path, which
+    is how the CP-SAT model states them in integers. A missing or zero entry: the aggregate costs nothing."""
+
+    launch_s: tuple[float, float] = (0.0, 0.0)
+    """Kernel launches a rank holding any shard adds to its forward and backward lookups (per step)."""
 
     recv_factor: float = 1.0
     """Multiplier of the received bytes (the jagged imbalance of sequence lengths)."""
@@ -130,11 +162,11 @@ class CandidatePricing:
     recv_mem_factor: float = 0.0
     """Bytes of receive buffers per received byte of the step."""
 
-    dp_s_per_byte: float = 0.0
-    """Seconds per byte of the data-parallel tables' gradient all-reduce."""
-
     memory_parts: dict[str, float] = field(default_factory=dict)
     """``base_bytes`` split by kind, for explanations."""
+
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """Flat arrays of the options (built on first use; see :func:`option_arrays`)."""
 
     @property
     def group_size(self) -> int:
@@ -143,6 +175,25 @@ class CandidatePricing:
     @property
     def num_nodes(self) -> int:
         return self.group_size // self.node_size if self.node_size else 0
+
+    def with_cut(self, cut: StepCut) -> "CandidatePricing":
+        """The same candidate with one more cut (a cut already there, up to rounding, is not repeated)."""
+        for c in self.cuts:
+            if _same_cut(c, cut):
+                return self
+        from dataclasses import replace
+
+        return replace(self, cuts=self.cuts + (cut,), cache=self.cache)
+
+
+def _same_cut(a: StepCut, b: StepCut) -> bool:
+    if abs(a.const_s - b.const_s) > 1e-12 * max(1.0, abs(a.const_s)):
+        return False
+    keys = set(a.coef) | set(b.coef)
+    if any(abs(a.coef.get(k, 0.0) - b.coef.get(k, 0.0)) > 1e-9 * max(abs(a.coef.get(k, 0.0)), 1e-300) for k in keys):
+        return False
+    keys = set(a.rc_s) | set(b.rc_s)
+    return all(abs(a.rc_s.get(k, 0.0) - b.rc_s.get(k, 0.0)) <= 1e-12 for k in keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,63 +211,226 @@ class Assignment:
 
 
 @dataclass(frozen=True, slots=True)
+class Loads:
+    """Per-rank sums of a solution, and what every rank adds alike."""
+
+    per_rank: np.ndarray
+    """(ranks, 5): :data:`LOADS` per rank from the shards placed on ranks and nodes."""
+
+    uniform: np.ndarray
+    """(5,): :data:`LOADS` every rank adds (row-wise and data-parallel tables)."""
+
+    mem: np.ndarray
+    """(ranks,): shard memory per rank (placed shards)."""
+
+    uniform_mem: float
+    recv: float
+    """Σ output bytes every rank receives."""
+    ids_send: float
+    """Σ id bytes every rank sends."""
+    dp: float
+    """Σ data-parallel all-reduce bytes."""
+    holds: np.ndarray
+    """(ranks,): whether the rank holds any shard (its lookup kernels launch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptionArrays:
+    """Every option of every table as flat arrays (option ``off[t] + i`` is table t's option i)."""
+
+    off: np.ndarray
+    vec: np.ndarray
+    """(options, 5) per-rank loads of one shard."""
+    mem: np.ndarray
+    recv: np.ndarray
+    ids_send: np.ndarray
+    dp: np.ndarray
+    place: np.ndarray
+    """0 rank, 1 node, 2 all."""
+
+
+_PLACE_CODE = {"rank": 0, "node": 1, "all": 2}
+
+
+def option_arrays(p: CandidatePricing) -> OptionArrays:
+    hit = p.cache.get("arrays")
+    if hit is not None:
+        return hit
+    flat = [o for opts in p.options for o in opts]
+    off = np.zeros(len(p.options) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(opts) for opts in p.options])
+    arr = OptionArrays(
+        off=off, vec=np.array([o.load() for o in flat], dtype=float).reshape(len(flat), len(LOADS)),
+        mem=np.array([o.mem_bytes for o in flat], dtype=float), recv=np.array([o.recv_bytes for o in flat], dtype=float),
+        ids_send=np.array([o.ids_send_bytes for o in flat], dtype=float), dp=np.array([o.allreduce_bytes for o in flat], dtype=float),
+        place=np.array([_PLACE_CODE[o.placement] for o in flat], dtype=np.int64),
+    )
+    p.cache["arrays"] = arr
+    return arr
+
+
+def loads(p: CandidatePricing, a: Assignment) -> Loads:
+    s = p.group_size
+    n = len(LOADS)
+    if not p.options:
+        return Loads(np.zeros((s, n)), np.zeros(n), np.zeros(s), 0.0, 0.0, 0.0, 0.0, np.zeros(s, dtype=bool))
+    arr = option_arrays(p)
+    g = arr.off[:-1] + np.asarray(a.choice, dtype=np.int64)
+    uni_mask = arr.place[g] == 2
+    uni = arr.vec[g[uni_mask]].sum(axis=0)
+    um = float(arr.mem[g[uni_mask]].sum())
+    lens = np.fromiter((len(rr) for rr in a.ranks), dtype=np.int64, count=len(a.ranks))
+    ranks = np.fromiter((r for rr in a.ranks for r in rr), dtype=np.int64, count=int(lens.sum()))
+    gg = np.repeat(g, lens)
+    L = np.empty((s, n))
+    for j in range(n):
+        L[:, j] = np.bincount(ranks, weights=arr.vec[gg, j], minlength=s)
+    mem = np.bincount(ranks, weights=arr.mem[gg], minlength=s)
+    holds = np.bincount(ranks, minlength=s) > 0
+    if uni_mask.any():
+        holds[:] = True
+    return Loads(L, uni, mem, um, float(arr.recv[g].sum()), float(arr.ids_send[g].sum()), float(arr.dp[g].sum()), holds)
+
+
+def aggregate_values(p: CandidatePricing, ld: Loads) -> dict[str, float]:
+    """The cut variables of a solution from its loads (raw units)."""
+    if not p.options:
+        return {k: 0.0 for k in VARS}
+    tot = ld.per_rank + ld.uniform
+    lf, lb = p.launch_s
+    f = tot[:, 0] + lf * ld.holds
+    b = tot[:, 1] + lb * ld.holds
+    return {
+        "fwd": float(f.max()), "bwd": float(b.max()),
+        "a2a": max(float(tot[:, 2].max()), p.recv_factor * ld.recv),
+        "ids": max(ld.ids_send, float(tot[:, 3].max())),
+        "dp": ld.dp, "sync": float(tot[:, 4].max()),
+    }
+
+
+def model_step(p: CandidatePricing, x: dict[str, float], recompute: tuple[bool, ...]) -> float:
+    """The step the model gives for aggregates ``x`` and a recompute set: the largest cut."""
+    m = step_model(p)
+    return m.step(np.array([x[v] for v in VARS]), recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class StepModel:
+    """The cuts as arrays: ``step = max_k (const[k] + coef[k] · x + rc[k] · recompute)``, ``x`` in
+    :data:`VARS` order (raw units)."""
+
+    const: np.ndarray
+    coef: np.ndarray
+    """(cuts, 6)."""
+    rc: np.ndarray
+    """(cuts, layers)."""
+
+    def step(self, x: np.ndarray, recompute) -> float:
+        if not self.const.size:
+            return 0.0
+        on = np.asarray(recompute, dtype=float) if len(recompute) else np.zeros(self.rc.shape[1])
+        return float((self.const + self.coef @ x + self.rc @ on).max())
+
+    def steps(self, X: np.ndarray, recompute) -> np.ndarray:
+        """Steps of many aggregate vectors at once (``X``: (..., 6))."""
+        if not self.const.size:
+            return np.zeros(X.shape[:-1])
+        on = np.asarray(recompute, dtype=float) if len(recompute) else np.zeros(self.rc.shape[1])
+        return (X @ self.coef.T + (self.const + self.rc @ on)).max(axis=-1)
+
+
+def step_model(p: CandidatePricing) -> StepModel:
+    key = ("model", len(p.cuts))
+    hit = p.cache.get(key)
+    if hit is not None:
+        return hit
+    names = [l.name for l in p.layers]
+    m = StepModel(np.array([c.const_s for c in p.cuts], dtype=float),
+                  np.array([[c.coef.get(v, 0.0) for v in VARS] for c in p.cuts], dtype=float).reshape(len(p.cuts), len(VARS)),
+                  np.array([[c.rc_s.get(n, 0.0) for n in names] for c in p.cuts], dtype=float).reshape(len(p.cuts), len(names)))
+    p.cache[key] = m
+    return m
+
+
+def x_vector(p: CandidatePricing, colmax: np.ndarray, recv: float, ids_send: float, dp: float, any_held: bool = True) -> np.ndarray:
+    """The aggregates (:data:`VARS` order) from each per-rank load's maximum over ranks (uniform parts
+    included); ``colmax`` may carry leading batch dimensions."""
+    lf, lb = p.launch_s if any_held else (0.0, 0.0)
+    out = np.empty(colmax.shape[:-1] + (len(VARS),))
+    out[..., 0] = colmax[..., 0] + lf
+    out[..., 1] = colmax[..., 1] + lb
+    out[..., 2] = np.maximum(colmax[..., 2], p.recv_factor * recv)
+    out[..., 3] = np.maximum(colmax[..., 3], ids_send)
+    out[..., 4] = dp
+    out[..., 5] = colmax[..., 4]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class Evaluation:
-    """The surrogate's figures for one assignment."""
+    """The model's figures for one assignment."""
 
     step_time_s: float
+    """The largest cut at this solution."""
+
     peak_bytes: float
-    fwd_max_s: float
-    bwd_max_s: float
-    a2a_bytes: float
+    """Memory of the fullest rank."""
+
+    x: dict[str, float]
+    """The cut variables."""
+
     recompute_s: float
-    dp_bytes: float
-    rank_time_s: tuple[float, ...]
+    """Forward time recomputed."""
+
     rank_bytes: tuple[float, ...]
     dense_bytes: float
-    """Memory of the dense part (base with recompute applied)."""
+    """Memory of the dense part (base with recompute applied, receive buffers included)."""
 
 
-def evaluate(p: CandidatePricing, a: Assignment) -> Evaluation:
-    """Step time and memory of a solution under the candidate's surrogate (floats, see the module docstring)."""
-    s = p.group_size
-    fwd = [0.0] * s
-    bwd = [0.0] * s
-    send = [0.0] * s
-    mem = [0.0] * s
-    uf = ub = us = um = recv = dp = 0.0
-    for t, (oi, ranks) in enumerate(zip(a.choice, a.ranks)):
-        o = p.options[t][oi]
-        recv += o.recv_bytes
-        dp += o.allreduce_bytes
-        if o.placement == "all":
-            uf += o.fwd_s
-            ub += o.bwd_s
-            us += o.send_bytes
-            um += o.mem_bytes
-        else:
-            for r in ranks:
-                fwd[r] += o.fwd_s
-                bwd[r] += o.bwd_s
-                send[r] += o.send_bytes
-                mem[r] += o.mem_bytes
-    f_max = uf + max(fwd)
-    b_max = ub + max(bwd)
-    a2a = max(us + max(send), p.recv_factor * recv)
+def recompute_memory(p: CandidatePricing, recompute) -> tuple[float, float]:
+    """(bytes freed by the recompute set, its peak)."""
+    saved = sum(l.saved_bytes for l, on in zip(p.layers, recompute) if on)
+    peak = max((l.peak_bytes for l, on in zip(p.layers, recompute) if on), default=0.0)
+    return saved, peak
+
+
+def evaluate(p: CandidatePricing, a: Assignment, ld: Loads | None = None) -> Evaluation:
+    """Step (the model) and memory of a solution (``ld``: its loads, when already known)."""
+    ld = ld if ld is not None else loads(p, a)
+    x = aggregate_values(p, ld)
+    saved, peak = recompute_memory(p, a.recompute)
+    dense = p.base_bytes - saved + peak + p.recv_mem_factor * ld.recv
+    rank_bytes = dense + ld.uniform_mem + ld.mem
     rc_t = sum(l.recompute_s for l, on in zip(p.layers, a.recompute) if on)
-    saved = sum(l.saved_bytes for l, on in zip(p.layers, a.recompute) if on)
-    peak_rc = max((l.peak_bytes for l, on in zip(p.layers, a.recompute) if on), default=0.0)
-    dense = p.base_bytes - saved + peak_rc + p.recv_mem_factor * recv
-    step = p.base_time_s + rc_t + f_max + b_max + p.a2a_s_per_byte * a2a + p.dp_s_per_byte * dp
-    rank_bytes = tuple(dense + um + m for m in mem)
-    rank_time = tuple(p.base_time_s + rc_t + uf + ub + f + b for f, b in zip(fwd, bwd))
-    return Evaluation(step, max(rank_bytes), f_max, b_max, a2a, rc_t, dp, rank_time, rank_bytes, dense)
+    step = step_model(p).step(np.array([x[v] for v in VARS]), a.recompute) if p.cuts else 0.0
+    return Evaluation(step, float(rank_bytes.max()) if rank_bytes.size else dense + ld.uniform_mem,
+                      x, rc_t, tuple(float(v) for v in rank_bytes), dense)
 
 
-def shard_weight(o: ShardOption, a2a_s_per_byte: float) -> float:
-    """A scalar size of one shard for list scheduling: its time plus the all-to-all time it sends."""
-    return o.fwd_s + o.bwd_s + a2a_s_per_byte * o.send_bytes
+def weights(p: CandidatePricing) -> np.ndarray:
+    """Seconds of step per raw unit of each per-rank load (:data:`LOADS` order), for scalar list
+    scheduling: the largest coefficient any cut gives it, and at least half a task's worth, so that
+    every load is kept even (a load off the critical path today can be on it after placement)."""
+    out = np.zeros(len(LOADS))
+    for j, v in enumerate(LOADS):
+        sc = p.scale.get(v, 0.0)
+        best = max((c.coef.get(v, 0.0) for c in p.cuts), default=0.0)
+        out[j] = max(best, 0.5 * sc)
+    return out
+
+
+def shard_weight(o: ShardOption, w: np.ndarray) -> float:
+    """A scalar size of one shard for list scheduling: its loads weighted by :func:`weights`."""
+    return float(np.dot(o.load(), w))
 
 
 def copies(o: ShardOption) -> int:
     """Shards the solver places (0 for options on every rank)."""
     return 0 if o.placement == "all" else o.num_shards
+
+
+__all__ = [
+    "Assignment", "CandidatePricing", "Evaluation", "LOADS", "LayerOption", "Loads", "PLACEMENT_OF", "ShardOption", "StepModel", "VARS",
+    "aggregate_values", "copies", "evaluate", "loads", "model_step", "option_arrays", "recompute_memory", "shard_weight", "step_model",
+    "weights", "x_vector",
+]

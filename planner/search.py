@@ -1,24 +1,27 @@
-"""The search over mesh candidates: price, bound, prune, solve, choose, and assemble the Plan.
+"""The search over mesh candidates: price, bound, prune, solve, re-price, choose, and assemble the Plan.
 
-1. Enumerate every (dense shard, expert-parallel, sparse shard) factorisation of the world
-   (:mod:`coplan.planner.mesh`).
-2. Price each with the cost model (:mod:`coplan.planner.costs`; dense figures are shared by
-   candidates with the same dense degrees, sparse figures by those with the same shard group) and
-   bound it from below without solving: the base step, the average rank's least lookups and
-   all-to-all floor, and the least recompute time that frees the memory the candidate needs
-   (exact, from the recompute frontier of :mod:`coplan.planner.recompute`). Candidates whose memory cannot fit even with every
-   layer recomputed and tables spread as thinly as possible are infeasible; they feed the
-   explanation when nothing fits.
-3. Branch and bound over candidates in order of their bound: solve them with CP-SAT
-   (:mod:`coplan.planner.solver`) in deterministic batches of ``num_workers`` (one single-threaded,
-   deterministic solve per process; the batch is fixed before it runs, so the result does not depend
-   on which finishes first), and stop when the next bound cannot beat the best plan by more than
-   ``gap_tolerance`` (1%), or when the budget is spent. Once a plan is known, each later candidate is
-   solved with an objective cutoff (that plan less the tolerance), which CP-SAT refutes far faster
-   than it solves the candidate; a refuted candidate's bound is the cutoff. The reported bound is the least of the solved candidates' proven bounds
-   and the unsolved candidates' bounds; the gap is against it.
-4. Price the chosen plan with the cost model's full pricer (overlap schedule included) for the
-   prediction, and write everything into a :class:`~coplan.spec.Plan`.
+1. Enumerate every (dense shard, expert-parallel, sparse shard, micro-batches) factorisation of the
+   world (:mod:`coplan.planner.mesh`), keeping the user's pins.
+2. Price each at its **floor point** (every aggregate a table placement adds at the least any
+   placement can give it, nothing recomputed) with the cost model's full pricer
+   (:mod:`coplan.planner.costs`). The pricer's step is non-decreasing in every task duration, so that
+   price, plus the least recompute its memory needs (each layer at what the floor path's cut charges
+   for it), bounds the candidate from below. The floor's critical path is the candidate's first cut.
+   Candidates whose memory cannot fit even with every layer recomputed and tables spread as thinly as
+   possible are infeasible; they feed the explanation when nothing fits.
+3. Branch and bound over candidates in order of their bound, in deterministic batches (one
+   single-threaded solve per process; the batch is fixed before it runs). Each candidate is solved
+   with CP-SAT on its cut model (:mod:`coplan.planner.solver`), the solution is **priced** with the
+   full pricer, and its critical path is added as a cut; the candidate is re-solved until the priced
+   step agrees with the model within ``model_tolerance`` (Kelley's cutting-plane method: the model is
+   a piecewise-linear under-estimate of the pricer's step that is exact at every plan it priced). The
+   search stops when the next bound cannot beat the best *priced* plan by more than
+   ``gap_tolerance``; later candidates get that plan as an objective cutoff.
+4. The simulate heuristic's plan is priced too; the fastest priced plan that fits is returned. The
+   reported objective is its priced step; the bound is the least of the solved candidates' proven
+   bounds (of their cut models) and the unsolved candidates' floor bounds; the gap is against it.
+5. The plan, with the best few alternatives and why each lost, is assembled by
+   :func:`coplan.planner.assemble.assemble`.
 """
 
 from __future__ import annotations
@@ -27,18 +30,19 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field, replace
 import multiprocessing as mp
 
-from coplan import __version__
+import numpy as np
+
 from coplan.errors import CoplanError
 from coplan.planner.costs import Pricer
 from coplan.planner.mesh import MeshCandidate, check_world_size, enumerate_candidates
-from coplan.planner.pricing import Assignment, CandidatePricing
+from coplan.planner.pricing import Assignment, CandidatePricing, LayerOption, evaluate
 from coplan.planner.recompute import frontier
 from coplan.planner.solver import SolveResult, SolverSettings, solve_candidate
-from coplan.spec import Calibration, LayerPlan, Plan, SolverReport, TableShard, Topology, Workload, spec_sha256
+from coplan.spec import Calibration, LayerPlan, Plan, SolverReport, TableShard, Topology, Workload
+from coplan.spec.plan import Alternative
 
 
 def available_cores() -> int:
@@ -94,6 +98,19 @@ class PlannerConfig:
 
     relative_gap: float = 1e-4
     """A CP-SAT solve stops once proven within this relative gap."""
+
+    cut_rounds: int = 6
+    """Re-solves of one candidate at most, each after pricing its solution added that solution's
+    critical path to the candidate's model (Kelley's cutting planes on the pricer's step)."""
+
+    model_tolerance: float = 0.005
+    """A solution whose priced step is within this fraction of the model's step ends the candidate's rounds."""
+
+    alternatives: int = 8
+    """Alternatives kept in the plan (other meshes, runner-up sharding and recompute, the heuristic's plan)."""
+
+    baseline: bool = True
+    """Also price the simulate heuristic's plan and return it if it is faster (never beaten by it)."""
 
     pins: dict[str, int] = field(default_factory=dict)
     """Mesh axes (and ``micro_batches``) the user fixed (``--pin AXIS=N``); the rest is planned."""
@@ -167,23 +184,23 @@ def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int) -> str
             "and every MoE block's expert count)")
 
 
-def recompute_floor(p: CandidatePricing, need_bytes: float) -> float:
-    """Least recompute time that frees ``need_bytes`` net of the recompute peak: exact, from the
-    recompute frontier (:mod:`coplan.planner.recompute`); when the frontier is too large to build,
-    for each possible peak (the largest activation among recomputed layers) a fractional knapsack
-    over the layers no bigger than it. A valid lower bound either way; inf when even recomputing
-    everything cannot free enough."""
+def recompute_floor(p: CandidatePricing, need_bytes: float, times: dict[str, float] | None = None) -> float:
+    """Least recompute time that frees ``need_bytes`` net of the recompute peak, with each layer at
+    ``times[name]`` (default its recompute time): exact, from the recompute frontier; when the frontier
+    is too large to build, for each possible peak a fractional knapsack over the layers no bigger than
+    it. A valid lower bound either way; inf when even recomputing everything cannot free enough."""
     if need_bytes <= 0:
         return 0.0
-    front = frontier(p.layers)
+    layers = p.layers if times is None else tuple(LayerOption(l.name, times.get(l.name, 0.0), l.saved_bytes, l.peak_bytes) for l in p.layers)
+    front = frontier(layers)
     if front is not None:
         return front.least_time(need_bytes)
-    layers = [l for l in p.layers if l.saved_bytes > 0]
+    useful = [l for l in layers if l.saved_bytes > 0]
     best = math.inf
-    for peak in sorted({l.peak_bytes for l in layers}):
+    for peak in sorted({l.peak_bytes for l in useful}):
         need = need_bytes + peak
         t = 0.0
-        for l in sorted((l for l in layers if l.peak_bytes <= peak), key=lambda l: l.recompute_s / l.saved_bytes):
+        for l in sorted((l for l in useful if l.peak_bytes <= peak), key=lambda l: l.recompute_s / l.saved_bytes):
             take = min(1.0, need / l.saved_bytes)
             t += take * l.recompute_s
             need -= take * l.saved_bytes
@@ -194,44 +211,150 @@ def recompute_floor(p: CandidatePricing, need_bytes: float) -> float:
     return best
 
 
+def most_freed(p: CandidatePricing) -> float:
+    """The most memory recompute can free: all layers up to some peak size, minus that peak."""
+    return max([0.0] + [sum(l.saved_bytes for l in p.layers if l.peak_bytes <= pk) - pk for pk in {l.peak_bytes for l in p.layers}])
+
+
 @dataclass(frozen=True, slots=True)
-class _SparseFloor:
-    time_s: float
-    """Least the tables add to the step (lookups, all-to-all, all-reduce), per-table minima of joint terms."""
-    mem_bytes: float
-    recv_mem_bytes: float
+class CandidateBound:
+    """What pricing a candidate's floor point proves."""
+
+    lower_bound_s: float
+    """No plan of this candidate prices below this."""
+    memory_floor_bytes: float
+    """No plan of this candidate needs less memory on its fullest rank (every layer recomputed)."""
+    floor_step_s: float
+    """The pricer's step at the floor point."""
 
 
-def _sparse_floor(p: CandidatePricing) -> _SparseFloor:
-    """Valid lower bounds of what the tables add. The slowest rank's lookups are at least the average
-    rank's; the all-to-all moves at least the receive volume and at least the average rank's sends; so
-    the sum of lookups, all-to-all and all-reduce is at least each table's least joint contribution."""
-    s = p.group_size
-    wa, rf, wdp = p.a2a_s_per_byte, p.recv_factor, p.dp_s_per_byte
-    via_recv = via_send = item = mem = recv_mem = 0.0
-    for opts in p.options:
-        share = [(1.0 if o.placement == "all" else o.num_shards / s) for o in opts]
-        via_recv += min((o.fwd_s + o.bwd_s) * k + wa * rf * o.recv_bytes + wdp * o.allreduce_bytes for o, k in zip(opts, share))
-        via_send += min((o.fwd_s + o.bwd_s) * k + wa * o.send_bytes * k + wdp * o.allreduce_bytes for o, k in zip(opts, share))
-        item = max(item, min(0.0 if o.placement == "all" else o.fwd_s + o.bwd_s + wa * o.send_bytes for o in opts))
-        mem += min(o.mem_bytes * k for o, k in zip(opts, share))
-        recv_mem += min(o.recv_bytes for o in opts)
-    return _SparseFloor(max(via_recv, via_send, item), mem, p.recv_mem_factor * recv_mem)
+def candidate_bound(pricer: Pricer, p: CandidatePricing, floor_cost) -> CandidateBound:
+    f = pricer.floor(p)
+    mem_no_rc = p.base_bytes + f.mem_bytes + p.recv_mem_factor * f.recv_bytes
+    mem_floor = mem_no_rc - most_freed(p)
+    cut = floor_cost.cuts[0] if floor_cost.cuts else None
+    times = dict(cut.rc_s) if cut is not None else {}
+    rc = recompute_floor(p, mem_no_rc - p.capacity_bytes, times)
+    return CandidateBound(float(floor_cost.step_time_s) + rc, mem_floor, float(floor_cost.step_time_s))
 
 
-def bounds(p: CandidatePricing, floor: _SparseFloor) -> tuple[float, float]:
-    """(step-time lower bound, memory floor) of a candidate."""
-    mem_no_rc = p.base_bytes + floor.mem_bytes + floor.recv_mem_bytes
-    # the most recompute can free: all layers up to some peak size, minus that peak
-    most = max([0.0] + [sum(l.saved_bytes for l in p.layers if l.peak_bytes <= pk) - pk for pk in {l.peak_bytes for l in p.layers}])
-    mem_floor = mem_no_rc - most
-    rc = recompute_floor(p, mem_no_rc - p.capacity_bytes)
-    return p.base_time_s + floor.time_s + rc, mem_floor
+@dataclass(frozen=True, slots=True)
+class PricedSolve:
+    """One candidate solved on its cut model, its solutions priced with the full pricer."""
+
+    assignment: Assignment | None
+    """The best solution by priced step that fits (priced memory within the usable HBM)."""
+    step_time_s: float
+    """Its priced step (inf when none)."""
+    peak_bytes: float
+    """Its priced memory of the fullest rank."""
+    model_step_s: float
+    """The model's step of it (the largest cut, its own included)."""
+    solver_objective_s: float
+    """CP-SAT's objective of the last solve (the model before that solution's cut was added)."""
+    bound_s: float
+    """The last solve's proven bound on the candidate's model."""
+    status: str
+    rounds: int
+    """Solves after the first."""
+    method: str
+    pricing: CandidatePricing
+    """The candidate with every cut the rounds added."""
+    runner_up: tuple[Assignment, float] | None = None
+    """Another solution priced on the way (a different sharding or recompute), with its priced step."""
 
 
-def _solve_job(args) -> SolveResult:
-    p, settings, cutoff = args
-    return solve_candidate(p, settings, cutoff_s=cutoff)
+def solve_priced(pricer: Pricer, p: CandidatePricing, settings: SolverSettings, *, cutoff_s: float | None = None,
+                 rounds: int = 6, tol: float = 0.005) -> PricedSolve:
+    """Kelley's cutting planes on one candidate: solve the cut model, price the solution, add its
+    critical path, and again, until the priced step is within ``tol`` of the model (or ``rounds``)."""
+    p = pricer.probe_cuts(p)
+    seen: list[tuple[float, Assignment, float]] = []
+    best: tuple[float, Assignment, float, float] | None = None  # (priced, assignment, peak, model)
+    hint = None
+    res: SolveResult | None = None
+    last_obj = math.inf
+    n = 0
+    for n in range(rounds + 1):
+        res = solve_candidate(p, settings, hint=hint, cutoff_s=cutoff_s)
+        if res.assignment is None:
+            break
+        a = res.assignment
+        last_obj = res.step_time_s
+        cost = pricer.price(p, a)
+        q = p
+        for c in cost.cuts:
+            q = q.with_cut(c)
+        priced = float(cost.step_time_s)
+        fits = cost.fits
+        seen.append((priced, a, float(cost.memory.total)))
+        if fits and (best is None or priced < best[0]):
+            best = (priced, a, float(cost.memory.total), evaluate(q, a).step_time_s)
+        converged = priced <= res.step_time_s * (1 + tol) and fits
+        p = q
+        hint = best[1] if best is not None else None
+        if converged or q is p and not fits:
+            break
+    if best is None:
+        bound = res.bound_s if res is not None else math.inf
+        status = res.status if res is not None else "UNKNOWN"
+        return PricedSolve(None, math.inf, math.inf, math.inf, last_obj, bound, status if status == "INFEASIBLE" else "UNKNOWN", n,
+                           res.method if res else "", p)
+    priced, a, peak, _ = best
+    model = evaluate(p, a).step_time_s
+    others = sorted((s, x) for s, x, _ in seen if x != a)
+    runner = (others[0][1], others[0][0]) if others else None
+    return PricedSolve(a, priced, peak, model, last_obj, min(res.bound_s, priced), res.status, n, res.method, p, runner)
+
+
+_STATE: dict = {}
+"""The search's pricer and candidates, set before the worker pool forks (workers inherit them)."""
+
+
+def _solve_job(args) -> PricedSolve:
+    key, settings, cutoff, rounds, tol = args
+    return solve_priced(_STATE["pricer"], _STATE["pricings"][key], settings, cutoff_s=cutoff, rounds=rounds, tol=tol)
+
+
+@dataclass(slots=True)
+class CandidateRecord:
+    """What the search knows about one candidate (for reports and explanations)."""
+
+    mesh: MeshCandidate
+    lower_bound_s: float
+    memory_floor_bytes: float
+    feasible: bool
+    status: str = "PRUNED"
+    step_time_s: float = math.inf
+    """Priced step of its best solution."""
+    bound_s: float = math.inf
+    method: str = ""
+    peak_bytes: float = 0.0
+    solve: PricedSolve | None = None
+
+
+@dataclass(slots=True)
+class SearchResult:
+    """The search's outcome, with the chosen candidate's pricing and solution."""
+
+    pricing: CandidatePricing | None
+    assignment: Assignment | None
+    solve: PricedSolve | None
+    records: list[CandidateRecord]
+    bound_s: float
+    wall_s: float
+    num_workers: int
+    pricer: Pricer
+    heuristic: Plan | None = None
+    """The simulate heuristic's plan, priced."""
+    chosen: str = "cpsat"
+    """'cpsat' or 'heuristic'."""
+
+
+def _least_bound(records: list[CandidateRecord], best: float) -> float:
+    solved = [r.bound_s for r in records if r.feasible and r.status != "PRUNED"]
+    pruned = [r.lower_bound_s for r in records if r.feasible and r.status == "PRUNED" and r.lower_bound_s < best]
+    return min(solved + pruned + [best])
 
 
 def search(workload: Workload, topology: Topology, calibration: Calibration | None = None, config: PlannerConfig | None = None,
@@ -242,50 +365,52 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     cfg = config or PlannerConfig()
     t0 = time.perf_counter()
     world = check_world_size(topology, cfg.world_size)
-    workers = min(cfg.num_workers or available_cores(), max(1, cfg.batch_size))
     check_pins(workload, cfg)
+    from coplan.costmodel.context import local_batch_of
+
+    local_batch_of(workload, world)  # a batch that does not split is refused before anything else
+    workers = min(cfg.num_workers or available_cores(), max(1, cfg.batch_size))
     pricer = Pricer(workload, topology, world, calibration, min_cw_dim=cfg.min_cw_dim, policy=cfg.policy,
                     table_pins=dict(cfg.table_pins))
     every = list(enumerate_candidates(topology, workload, world))
     cands = [c for c in every if all(c.axis(k) == v for k, v in cfg.pins.items())]
     if not cands:
         raise CoplanError(_pin_miss(cfg, every, world))
-    floors: dict[int, _SparseFloor] = {}
     records: list[CandidateRecord] = []
     pricings: dict[MeshCandidate, CandidatePricing] = {}
     unpinnable: dict[str, list[int]] = {}
     for c in cands:
-        p = pricer.candidate(c)
+        p = pricer.candidate(c, with_cut=False)
         empty = [p.table_names[t] for t, o in enumerate(p.options) if not o]
         if empty:
             for n in empty:
                 unpinnable.setdefault(n, []).append(c.sparse_shard)
             continue
-        f = floors.get((c.sparse_shard, c.micro_batches))
-        if f is None:
-            f = floors[(c.sparse_shard, c.micro_batches)] = _sparse_floor(p)
-        lb, mem_floor = bounds(p, f)
-        feasible = mem_floor <= p.capacity_bytes and math.isfinite(lb)
-        records.append(CandidateRecord(c, lb, mem_floor, feasible))
+        fc = pricer.floor_cost(p)
+        p = p.with_cut(fc.cuts[0])
+        b = candidate_bound(pricer, p, fc)
+        feasible = b.memory_floor_bytes <= p.capacity_bytes and math.isfinite(b.lower_bound_s)
+        records.append(CandidateRecord(c, b.lower_bound_s, b.memory_floor_bytes, feasible))
         pricings[c] = p
     if not records:
         n, sizes = next(iter(unpinnable.items()))
         raise CoplanError(f"--pin-table {n}={cfg.table_pins[n]}: no mesh candidate can shard '{n}' that way "
                           f"(sparse groups tried: {sorted(set(sizes))[:8]}); pin another sharding or drop the pin")
     if progress:
-        progress(f"priced {len(cands)} mesh candidates in {time.perf_counter() - t0:.1f} s")
+        progress(f"priced {len(records)} mesh candidates in {time.perf_counter() - t0:.1f} s")
     feasible = sorted((r for r in records if r.feasible), key=lambda r: (r.lower_bound_s, r.mesh.key))
     if not feasible:
-        raise explain_infeasible(workload, topology, world, pricer, records, pricings)
+        raise explain_infeasible(workload, topology, world, pricer, records, pricings, cfg=cfg)
     settings = SolverSettings(time_limit_s=cfg.solve_dtime, num_workers=1, seed=cfg.seed, flat_max_vars=cfg.flat_max_vars,
                               relative_gap=cfg.relative_gap)
-    best: tuple[float, CandidateRecord, SolveResult] | None = None
+    best: tuple[float, CandidateRecord, PricedSolve] | None = None
     i = 0
     solved = 0
     import ortools.sat.python.cp_model  # noqa: F401  (imported once, before the workers fork)
 
+    _STATE["pricer"], _STATE["pricings"] = pricer, pricings
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx) if workers > 1 else None
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx) if workers > 1 and ctx is not None else None
     try:
         while i < len(feasible) and solved < cfg.max_solves:
             if best is not None and feasible[i].lower_bound_s >= best[0] * (1 - cfg.gap_tolerance):
@@ -302,29 +427,52 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
             if not batch:
                 break
             # Once a plan is known, a candidate only matters if it can beat it by more than the gap
-            # tolerance: the solver is told so (an objective cutoff), which is cheaper to refute than
-            # to solve. The cutoff is fixed before the batch runs, so plans stay deterministic.
+            # tolerance: the solver is told so (an objective cutoff on its model, which under-estimates
+            # the priced step), cheaper to refute than to solve. Fixed before the batch runs: deterministic.
             cutoff = best[0] * (1 - cfg.gap_tolerance) if best is not None and cfg.gap_tolerance > 0 else None
-            jobs = [(pricings[r.mesh], settings, cutoff) for r in batch]
+            jobs = [(r.mesh, settings, cutoff, cfg.cut_rounds, cfg.model_tolerance) for r in batch]
             results = list(pool.map(_solve_job, jobs)) if pool is not None and len(jobs) > 1 else [_solve_job(j) for j in jobs]
             for r, res in zip(batch, results):
                 solved += 1
-                r.status, r.step_time_s, r.bound_s, r.method = res.status, res.step_time_s, res.bound_s, res.method
+                r.status, r.step_time_s, r.bound_s, r.method, r.peak_bytes, r.solve = (
+                    res.status, res.step_time_s, res.bound_s, res.method, res.peak_bytes, res)
+                pricings[r.mesh] = res.pricing
                 if res.assignment is not None and (best is None or res.step_time_s < best[0]):
                     best = (res.step_time_s, r, res)
             if progress:
                 el = time.perf_counter() - t0
-                progress(f"[{el:5.1f} s] solved {solved} candidates; best {best[0] * 1e3:.1f} ms" if best else f"[{el:5.1f} s] solved {solved} candidates; none feasible yet")
+                progress(f"[{el:5.1f} s] solved {solved} candidates; best {best[0] * 1e3:.1f} ms (priced)" if best
+                         else f"[{el:5.1f} s] solved {solved} candidates; none feasible yet")
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-    if best is None:
-        raise explain_infeasible(workload, topology, world, pricer, records, pricings, solved=True)
+        _STATE.clear()
+    heur = _baseline(workload, topology, world, calibration, cfg) if cfg.baseline else None
+    if best is None and heur is None:
+        raise explain_infeasible(workload, topology, world, pricer, records, pricings, solved=True, cfg=cfg)
+    wall = time.perf_counter() - t0
+    if best is None or (heur is not None and heur.predicted.step_time_s < best[0]):
+        step = heur.predicted.step_time_s
+        bound = _least_bound(records, step)
+        return SearchResult(None, None, None, records, bound, wall, workers, pricer, heur, "heuristic")
     step, rec, res = best
-    # valid bound: solved candidates' proven bounds; unsolved feasible candidates' cheap bounds
-    bound = min([r.bound_s for r in feasible if r.status not in ("PRUNED",)] +
-                [r.lower_bound_s for r in feasible if r.status == "PRUNED" and r.lower_bound_s < step] + [step])
-    return SearchResult(pricings[rec.mesh], res.assignment, res, records, bound, time.perf_counter() - t0, workers, pricer)
+    return SearchResult(pricings[rec.mesh], res.assignment, res, records, _least_bound(records, step), wall, workers, pricer, heur)
+
+
+def _baseline(workload, topology, world, calibration, cfg) -> Plan | None:
+    """The simulate heuristic's plan when it fits, keeps the user's pins and micro-batches (else None)."""
+    from coplan.planner.assemble import heuristic_plan
+
+    if cfg.pins or cfg.table_pins:
+        return None  # the heuristic knows no pins: it is not a plan the user asked for
+    try:
+        plan = heuristic_plan(workload, topology, world, calibration)
+    except CoplanError:
+        return None
+    pred = plan.predicted
+    if pred is None or pred.peak_memory_bytes > pred.hbm_capacity_bytes - pred.hbm_reserve_bytes:
+        return None
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,56 +497,115 @@ def layer_plans(p: CandidatePricing, a: Assignment) -> tuple[LayerPlan, ...]:
     return tuple(LayerPlan(name=l.name, recompute=bool(on)) for l, on in zip(p.layers, a.recompute))
 
 
-def build_plan(workload: Workload, topology: Topology, calibration: Calibration | None, result: SearchResult, cfg: PlannerConfig) -> Plan:
-    from coplan.costmodel import price
+def _why(step: float, best_step: float, peak: float, cap: float) -> str:
+    if peak > cap:
+        return f"does not fit: its fullest rank needs {peak / 2**30:,.2f} GiB, {(peak - cap) / 2**30:,.2f} GiB over the usable HBM"
+    d = step - best_step
+    return f"slower by {d * 1e3:,.3f} ms ({d / best_step:+.1%})" if d > 0 else "as fast (kept the first found)"
 
-    p, a = result.pricing, result.assignment
+
+def alternatives(result: SearchResult, cfg: PlannerConfig, best_step: float, chosen_key: str) -> tuple[Alternative, ...]:
+    """The best few plans the search priced and did not return, best first, and why each lost."""
+    pricer = result.pricer
+    cap = pricer.topology.gpu.usable_hbm_bytes
+    out: list[Alternative] = []
+    for r in sorted((r for r in result.records if r.solve is not None and r.solve.assignment is not None and r.mesh.key != chosen_key),
+                    key=lambda r: (r.step_time_s, r.mesh.key))[: max(0, cfg.alternatives - 3)]:
+        out.append(Alternative(kind="micro_batches" if _only_micro(r.mesh, chosen_key, result) else "mesh", mesh=r.mesh.key,
+                               description=_describe(r.mesh), step_time_s=r.step_time_s, bound_s=max(0.0, r.bound_s),
+                               peak_memory_bytes=r.peak_bytes, why=_why(r.step_time_s, best_step, r.peak_bytes, cap)))
+    if result.solve is not None and result.solve.runner_up is not None and result.pricing is not None:
+        a, step = result.solve.runner_up
+        p = result.pricing
+        ch = result.assignment
+        kinds = []
+        if a.choice != ch.choice or a.ranks != ch.ranks:
+            n = sum(1 for x, y in zip(a.choice, ch.choice) if x != y)
+            kinds.append(f"{n} tables sharded differently" if n else "the same options placed on other ranks")
+        if a.recompute != ch.recompute:
+            rc = sum(a.recompute)
+            kinds.append(f"recompute {rc} layers instead of {sum(ch.recompute)}")
+        out.append(Alternative(kind="recompute" if a.recompute != ch.recompute and a.choice == ch.choice else "sharding", mesh=p.mesh.key,
+                               description="; ".join(kinds) or "another solution of the same mesh", step_time_s=step,
+                               peak_memory_bytes=evaluate(p, a).peak_bytes, why=_why(step, best_step, evaluate(p, a).peak_bytes, cap)))
+    if result.heuristic is not None and result.chosen != "heuristic":
+        h = result.heuristic
+        out.append(Alternative(kind="heuristic", mesh=_mesh_key(h), description="the simulate heuristic's plan",
+                               step_time_s=h.predicted.step_time_s, peak_memory_bytes=h.predicted.peak_memory_bytes,
+                               why=_why(h.predicted.step_time_s, best_step, h.predicted.peak_memory_bytes, cap)))
+    pruned = sorted((r for r in result.records if r.feasible and r.status == "PRUNED"), key=lambda r: r.lower_bound_s)[:2]
+    for r in pruned:
+        out.append(Alternative(kind="mesh", mesh=r.mesh.key, description=_describe(r.mesh) + " (not solved)", step_time_s=None,
+                               bound_s=r.lower_bound_s,
+                               why=f"cannot beat it by more than the gap tolerance: at least {r.lower_bound_s * 1e3:,.3f} ms"))
+    infeasible = sorted((r for r in result.records if not r.feasible), key=lambda r: r.memory_floor_bytes)[:1]
+    for r in infeasible:
+        out.append(Alternative(kind="infeasible", mesh=r.mesh.key, description=_describe(r.mesh), step_time_s=None,
+                               peak_memory_bytes=r.memory_floor_bytes,
+                               why=f"does not fit: needs at least {r.memory_floor_bytes / 2**30:,.2f} GiB per rank even with every layer "
+                                   f"recomputed, {(r.memory_floor_bytes - cap) / 2**30:,.2f} GiB over the usable HBM"))
+    out.sort(key=lambda x: (x.step_time_s is None, x.step_time_s or 0.0, x.bound_s))
+    return tuple(out[: cfg.alternatives])
+
+
+def _only_micro(m: MeshCandidate, key: str, result: SearchResult) -> bool:
+    c = result.pricing.mesh if result.pricing is not None else None
+    return c is not None and (m.dense_shard, m.expert_parallel, m.sparse_shard) == (c.dense_shard, c.expert_parallel, c.sparse_shard)
+
+
+def _describe(m: MeshCandidate) -> str:
+    mb = f", {m.micro_batches} micro-batches" if m.micro_batches > 1 else ""
+    return (f"FSDP {m.dense_shard} x {m.dense_replicate}, EP {m.expert_parallel}, tables over {m.sparse_shard} x "
+            f"{m.sparse_replicate}{mb}")
+
+
+def _mesh_key(plan: Plan) -> str:
+    m = plan.mesh
+    c = MeshCandidate(plan.world_size, m.dense_shard, m.expert_parallel, m.sparse_shard, plan.micro_batches)
+    return c.key
+
+
+def build_plan(workload: Workload, topology: Topology, calibration: Calibration | None, result: SearchResult, cfg: PlannerConfig) -> Plan:
+    from coplan.planner.assemble import assemble
+    from coplan.planner.precision import choose_layer_precision
+
     pr = result.pricer
+    counts = dict(candidates_total=len(result.records), candidates_solved=sum(1 for r in result.records if r.status != "PRUNED"),
+                  wall_s=result.wall_s, num_workers=result.num_workers, seed=cfg.seed, pins=cfg.pin_labels)
+    if result.chosen == "heuristic":
+        h = result.heuristic
+        step = h.predicted.step_time_s
+        bound = min(result.bound_s, step)
+        report = SolverReport(status="HEURISTIC", objective_us=step * 1e6, best_bound_us=max(0.0, bound * 1e6),
+                              gap=max(0.0, (step - bound) / step) if step > 0 else 0.0, model_objective_us=step * 1e6, **counts)
+        alts = alternatives(result, cfg, step, _mesh_key(h))
+        return h.model_copy(update={"solver": report, "alternatives": alts})
+    p, a, res = result.pricing, result.assignment, result.solve
     mesh = pr.mesh_plan(p.mesh)
     tables = table_shards(p, a)
     layers = layer_plans(p, a)
     ctx = pr.context(p.mesh)
-    cost = price(ctx, tables if tables else None, layers, pr.balancing, workload.kernels, detail=False)
-    # The surrogate and the full pricer agree on memory up to their rounding; if the full pricer says
-    # the fullest rank does not fit, recompute more layers (cheapest per byte freed) until it does.
-    rc = [lp.recompute for lp in layers]
-    order = sorted(range(len(p.layers)), key=lambda i: (p.layers[i].recompute_s / max(p.layers[i].saved_bytes, 1.0), i))
-    while not cost.fits:
-        nxt = next((i for i in order if not rc[i] and p.layers[i].saved_bytes > 0), None)
-        if nxt is None:
-            break
-        rc[nxt] = True
-        layers = tuple(LayerPlan(name=l.name, recompute=on) for l, on in zip(p.layers, rc))
-        cost = price(ctx, tables if tables else None, layers, pr.balancing, workload.kernels, detail=False)
-    # Per-layer bf16/fp8 after the solve: precision changes no memory in this recipe (see planner/precision.py).
-    from coplan.planner.precision import choose_layer_precision, precision_line
-
     layers, precision_report = choose_layer_precision(ctx, layers, tables=tables if tables else None, balancing=pr.balancing,
                                                       kernels=workload.kernels)
-    cost = price(ctx, tables if tables else None, layers, pr.balancing, workload.kernels, detail=True)
-    pred = cost.to_prediction()
+    notes = ()
     if precision_report is not None:
-        pred = pred.model_copy(update={"notes": pred.notes + (precision_line(precision_report),)})
-    objective = result.solve.step_time_s
-    bound = min(result.bound_s, objective)
-    # proven optimal when the chosen candidate is, and nothing else can beat it beyond integer rounding
-    from coplan.planner.solver import _rounding_slack
+        from coplan.planner.precision import precision_line
 
-    slack = 2 * _rounding_slack(p) + 1e-12
-    status = "OPTIMAL" if result.solve.status == "OPTIMAL" and bound >= objective - slack else "FEASIBLE"
+        notes = (precision_line(precision_report),)
+    step = res.step_time_s
+    plan = assemble(workload, topology, mesh=mesh, tables=tables, layers=layers, balancing=pr.balancing, calibration=calibration,
+                    precision_report=precision_report, notes=notes)
+    final = plan.predicted.step_time_s
+    # the precision post-pass can only move the step by what fp8 saves; the bound scales with it
+    scale = final / step if step > 0 else 1.0
+    bound = min(result.bound_s * min(1.0, scale), final)
+    proven = res.status == "OPTIMAL" and bound >= final * (1 - 1e-9) - 1e-9
     report = SolverReport(
-        status=status, objective_us=objective * 1e6, best_bound_us=max(0.0, bound * 1e6),
-        gap=max(0.0, (objective - bound) / objective) if objective > 0 else 0.0, wall_s=result.wall_s,
-        num_workers=result.num_workers, seed=cfg.seed, candidates_total=len(result.records),
-        candidates_solved=sum(1 for r in result.records if r.status != "PRUNED"), pins=cfg.pin_labels,
+        status="OPTIMAL" if proven else "FEASIBLE", objective_us=final * 1e6, best_bound_us=max(0.0, bound * 1e6),
+        gap=max(0.0, (final - bound) / final) if final > 0 else 0.0, model_objective_us=res.solver_objective_s * 1e6,
+        cut_rounds=res.rounds, **counts,
     )
-    return Plan(
-        coplan_version=__version__, created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        topology=topology, workload=workload, calibration=calibration, topology_sha256=spec_sha256(topology),
-        workload_sha256=spec_sha256(workload), world_size=p.mesh.world_size, mesh=mesh, tables=tables, layers=layers,
-        balancing=pr.balancing, kernels=workload.kernels, precision=workload.precision, predicted=pred, solver=report,
-        precision_report=precision_report,
-    )
+    return plan.model_copy(update={"solver": report, "alternatives": alternatives(result, cfg, final, p.mesh.key)})
 
 
 def make_plan(workload: Workload, topology: Topology, calibration: Calibration | None = None, config: PlannerConfig | None = None,

@@ -1,5 +1,5 @@
 """Scaling curve: predicted MFU, scaling ratio and step time against the number of GPUs, from
-``coplan simulate`` (:func:`coplan.costmodel.cli.simulate_point`, one heuristic plan per point), with
+``coplan simulate`` (:func:`coplan.planner.simulate.simulate_point`, one heuristic plan per point), with
 the reported plan marked on it.
 
 The sweep is either computed here (powers of two up to the plan's topology, the plan's own GPU count
@@ -42,7 +42,7 @@ def default_gpu_counts(plan: Plan) -> list[int]:
 
 def simulate_sweep(plan: Plan, gpus: list[int] | None = None) -> list[dict]:
     """Run ``coplan simulate``'s per-point pricing for the plan's workload on the plan's topology."""
-    from coplan.costmodel.cli import simulate_point
+    from coplan.planner.simulate import simulate_point
 
     rows = []
     for g in gpus or default_gpu_counts(plan):

@@ -8,13 +8,13 @@ import pytest
 from coplan.costmodel import (
     build_context,
     dense_fixed_costs,
-    heuristic_plan_choices,
     layer_costs,
     price,
     table_option_cost,
     table_option_costs,
 )
 from coplan.costmodel.embedding import expected_unique
+from coplan.planner.heuristic import heuristic_plan_choices
 from coplan.errors import CoplanError
 from coplan.spec import BalancingPlan, LayerPlan, MeshPlan, Prediction, TableShard, load_topology, load_workload
 from coplan.spec.workload import Kernels

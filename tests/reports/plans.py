@@ -33,7 +33,7 @@ def planner_api():
 def heuristic_plan(workload_name: str, topology_name: str, world_size: int) -> Plan:
     """The cost model's heuristic choices for this point, priced, as a Plan with its Prediction."""
     from coplan.costmodel import build_context, heuristic_plan_choices, price
-    from coplan.costmodel.heuristic import mesh_axes
+    from coplan.planner.mesh import mesh_axes
     from coplan.spec import SolverReport
 
     w, t = load_workload(workload_name), load_topology(topology_name)

@@ -1,7 +1,8 @@
 """A simple, explainable plan for pricing before (or without) the CP-SAT planner.
 
-Used by ``coplan simulate`` to choose a reasonable plan per point of a sweep. The planner replaces
-it; keep it simple and monotone:
+Used by ``coplan simulate`` to choose a reasonable plan per point of a sweep, and by ``coplan plan``
+as a baseline its CP-SAT plan must never lose to (the search prices it and returns it if it is
+faster). Keep it simple and monotone:
 
 - dense: HSDP with the shard group inside the innermost tier (the NVLink domain) when the dense
   state (parameters, gradients, optimizer: 16 bytes/param with fp32 AdamW) fits in a quarter of HBM
@@ -18,15 +19,14 @@ it; keep it simple and monotone:
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.comm import place_group
-from coplan.costmodel.embedding import SHARDING_CODES, TableAssignment, option_costs
+from coplan.costmodel.embedding import SHARDING_CODES, TableAssignment, greedy_table_wise
+from coplan.planner.mesh import mesh_axes
 from coplan.spec.calibration import Calibration
 from coplan.spec.plan import BalancingPlan, LayerPlan, MeshAxis, MeshPlan, TableShard
 from coplan.spec.topology import Topology
@@ -65,23 +65,6 @@ def _pow2_floor(x: int) -> int:
 
 def _divisors_pow2(world: int) -> list[int]:
     return [d for d in (1 << k for k in range(world.bit_length())) if world % d == 0]
-
-
-def mesh_axes(topology: Topology, mesh: MeshPlan) -> tuple[MeshAxis, ...]:
-    """The mesh's axes with the tiers each spans (innermost first)."""
-    first = topology.tiers[0].name
-
-    def tiers(size: int, stride: int) -> tuple[str, ...]:
-        t = place_group(topology, size, stride).tiers
-        return t or (first,)
-
-    ax = [MeshAxis(name="dp_shard", size=mesh.dense_shard, tiers=tiers(mesh.dense_shard, 1)),
-          MeshAxis(name="dp_replicate", size=mesh.dense_replicate, tiers=tiers(mesh.dense_replicate, mesh.dense_shard))]
-    if mesh.expert_parallel > 1:
-        ax.append(MeshAxis(name="ep", size=mesh.expert_parallel, tiers=tiers(mesh.expert_parallel, 1)))
-    ax += [MeshAxis(name="sparse_shard", size=mesh.sparse_shard, tiers=tiers(mesh.sparse_shard, 1)),
-           MeshAxis(name="sparse_replicate", size=mesh.sparse_replicate, tiers=tiers(mesh.sparse_replicate, mesh.sparse_shard))]
-    return tuple(ax)
 
 
 def choose_mesh(workload: Workload, topology: Topology, world_size: int) -> tuple[MeshPlan, list[str]]:
@@ -126,51 +109,6 @@ def choose_mesh(workload: Workload, topology: Topology, world_size: int) -> tupl
     return mesh.model_copy(update={"axes": mesh_axes(topology, mesh)}), reasons
 
 
-def greedy_table_wise(ctx, *, memory_share: float = 0.4) -> TableAssignment:
-    """Table-wise (row-wise for tables too big for a quarter of a rank's share), placed by LPT."""
-    ta = ctx.tables
-    G = ctx.mesh.sparse_shard
-    hbm = ctx.topology.gpu.hbm_bytes
-    tw = option_costs(ta, "table_wise", 1, G, ctx.local_batch, ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw)
-    mem = tw.memory_bytes
-    budget = memory_share * hbm
-    k = np.ones(ta.num, dtype=np.int64)
-    big = mem > 0.25 * budget
-    if big.any():
-        need = np.ceil(mem[big] / (0.25 * budget)).astype(np.int64)
-        k[big] = np.minimum(G, 1 << np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
-    code = np.where(k > 1, SHARDING_CODES["row_wise"], SHARDING_CODES["table_wise"]).astype(np.int64)
-    rw = option_costs(ta, "row_wise", k, G, ctx.local_batch, ctx.micro_batches, ctx.compute_bytes, ctx.emb_bw)
-    cost = np.where(k > 1, rw.fwd_s + rw.bwd_s, tw.fwd_s + tw.bwd_s)
-    smem = np.where(k > 1, rw.memory_bytes, mem)
-    # multi-shard tables first, each on its k least-loaded distinct ranks; then LPT for the rest
-    w_cost = cost / max((cost * 1.0).sum() / G, 1e-300)
-    w_mem = smem * k / max((smem * k).sum() / G, 1e-300)
-    weight = np.maximum(w_cost, w_mem)
-    loads = np.zeros(G)
-    tables_out: list[np.ndarray] = []
-    ranks_out: list[np.ndarray] = []
-    for i in np.flatnonzero(k > 1)[np.argsort(-weight[k > 1], kind="stable")]:
-        r = np.argsort(loads, kind="stable")[: k[i]]
-        loads[r] += weight[i] / k[i]
-        tables_out.append(np.full(k[i], i))
-        ranks_out.append(r)
-    single = np.flatnonzero(k == 1)
-    heap = [(float(loads[r]), int(r)) for r in range(G)]
-    heapq.heapify(heap)
-    order = single[np.argsort(-weight[single], kind="stable")]
-    placed = np.empty(order.size, dtype=np.int64)
-    for j, i in enumerate(order.tolist()):
-        ld, r = heapq.heappop(heap)
-        placed[j] = r
-        heapq.heappush(heap, (ld + float(weight[i]), r))
-    tables_out.append(order)
-    ranks_out.append(placed)
-    shard_table = np.concatenate(tables_out).astype(np.int64)
-    ranks = np.concatenate(ranks_out).astype(np.int64)
-    return TableAssignment(code, k, shard_table.astype(np.int64), ranks.astype(np.int64), np.zeros(0, dtype=np.int64))
-
-
 def heuristic_plan_choices(
     workload: Workload, topology: Topology, world_size: int, calibration: Calibration | None = None,
 ) -> HeuristicPlan:
@@ -212,4 +150,4 @@ def heuristic_plan_choices(
     return HeuristicPlan(mesh, tables, layers, balancing, tuple(reasons))
 
 
-__all__ = ["HeuristicPlan", "choose_mesh", "greedy_table_wise", "heuristic_plan_choices", "mesh_axes"]
+__all__ = ["HeuristicPlan", "choose_mesh", "heuristic_plan_choices"]

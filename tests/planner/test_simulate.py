@@ -7,7 +7,7 @@ import json
 import pytest
 
 from coplan.cli import main
-from coplan.costmodel.cli import scale_topology, topology_for
+from coplan.planner.simulate import scale_topology, topology_for
 from coplan.spec import load_topology
 
 

@@ -1,8 +1,8 @@
 """``coplan simulate``: sweep the GPU count (or one knob) for a workload on a topology family and
 print the predicted step time, MFU, scaling ratio and memory headroom of a reasonable plan per point.
 
-The plan per point comes from :func:`coplan.costmodel.heuristic.heuristic_plan_choices` (the planner
-may replace it). A *topology family* is a preset name prefix (``h200-superpod`` covers
+The plan per point comes from :func:`coplan.planner.heuristic.heuristic_plan_choices` (fast and
+explainable; ``coplan plan`` prices it too and never returns a slower plan). A *topology family* is a preset name prefix (``h200-superpod`` covers
 ``h200-superpod-1k`` and ``h200-superpod-4k``): each point uses the smallest member with enough GPUs;
 past the largest, its outermost tier is repeated as needed (the output says so).
 """
@@ -105,7 +105,8 @@ def _gpu_list(raw: str | None) -> list[int]:
 def simulate_point(workload: Workload, topology: Topology, gpus: int, calibration=None, knob: str | None = None, value=None) -> dict:
     """Plan (heuristically) and price one point; returns a JSON-ready row."""
     from coplan.costmodel.context import build_context
-    from coplan.costmodel.heuristic import heuristic_plan_choices, mesh_axes
+    from coplan.planner.heuristic import heuristic_plan_choices
+    from coplan.planner.mesh import mesh_axes
     from coplan.costmodel.pricer import price
     from coplan.spec.workload import Kernels
 
@@ -122,8 +123,11 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
             raise SimulateError(f"knob '{knob}': topology '{topo.name}' has no tier '{tier}' (tiers: {names})")
         tiers = [t.model_copy(update={"bw_bytes_per_s": t.bw_bytes_per_s * float(value)}) if t.name == tier else t for t in topo.tiers]
         topo = topo.model_copy(update={"tiers": tuple(tiers)})
-    if w.batch.global_batch_size is not None and w.batch.global_batch_size < gpus * w.batch.micro_batches:
-        return {"gpus": gpus, "value": value, "skipped": f"global batch {w.batch.global_batch_size} is too small for {gpus:,} GPUs"}
+    if not w.batch.splits(gpus):
+        return {"gpus": gpus, "value": value, "skipped": f"global batch {w.batch.global_batch_size:,} does not split evenly over {gpus:,} GPUs"}
+    local = w.batch.local(gpus)
+    if w.batch.fixed_micro_batches and local % w.batch.fixed_micro_batches:
+        return {"gpus": gpus, "value": value, "skipped": f"{w.batch.fixed_micro_batches} micro-batches do not split the local batch of {local}"}
     hp = heuristic_plan_choices(w, topo, gpus, calibration)
     mesh, tables, layers, bal = hp.mesh, hp.tables, hp.layers, hp.balancing
     kernels = w.kernels
@@ -140,7 +144,7 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
             raise SimulateError(f"{knob}={v} gives an inconsistent mesh: {str(e).splitlines()[-1]}") from None
         mesh = mesh.model_copy(update={"axes": mesh_axes(topo, mesh)})
         if knob == "sparse_shard":
-            from coplan.costmodel.heuristic import greedy_table_wise
+            from coplan.costmodel.embedding import greedy_table_wise
 
             tables = greedy_table_wise(build_context(w, topo, mesh, calibration)) if w.all_tables else None
     ctx = build_context(w, topo, mesh, calibration)
@@ -173,7 +177,7 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
         "goodput": c.goodput.fraction if c.goodput else 1.0,
         "goodput_mfu": c.goodput_mfu,
         "memory_bytes": c.memory.total,
-        "hbm_bytes": c.hbm_capacity_bytes,
+        "hbm_bytes": c.usable_hbm_bytes,
         "headroom_bytes": c.memory_headroom_bytes,
         "fits": c.fits,
         "memory": c.memory.as_dict(),
