@@ -1,5 +1,6 @@
 """Optimizers: the dense one over FSDP's sharded parameters, FBGEMM's fused one inside the sharded
-tables (it updates in backward), and the sparse optimizer's dense twin for data-parallel tables.
+tables (it updates in backward), and the sparse optimizer's dense twin for data-parallel tables (whose
+gradients it sums over the world first, once per step: ``sparse.dp_all_reduce``).
 
 The twin follows FBGEMM's update rule exactly (``EXACT_ROWWISE_ADAGRAD``: one accumulator per row,
 ``acc += mean(g²)``, ``w -= lr·g / (√acc + eps)``), so a table's optimizer means the same thing
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from coplan.spec import Plan
-from coplan.trainer.distributed.embedding import SPARSE_EPS
+from coplan.trainer.distributed.embedding import SPARSE_EPS, all_reduce_data_parallel_grads
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
@@ -138,11 +139,12 @@ class Optimizers:
     """Steps and zeroes every optimizer of the model together."""
 
     def __init__(self, dense: nn.Module, dp_tables: list[tuple[str, nn.Parameter]], fused: Any, plan: Plan,
-                 *, fused_dense: bool = False, local_step: bool = True) -> None:
+                 *, fused_dense: bool = False, local_step: bool = True, dp_group: Any = None) -> None:
         """``fused_dense``: the dense optimizer's fused kernel (CUDA runs; the CPU tests keep the foreach
         path that the reference run uses). Where it turns out unsupported at the first step, the
         foreach path is used instead and :attr:`fused_dense` says so. ``local_step``: step the dense
-        optimizer on the DTensors' local shards (:class:`LocalStepper`; off: through DTensor)."""
+        optimizer on the DTensors' local shards (:class:`LocalStepper`; off: through DTensor). ``dp_group``:
+        the ranks the data-parallel tables' gradients are summed over before their step (default: the world)."""
         self._params = [p for p in dense.parameters() if p.requires_grad]
         self._plan = plan
         self.fused_dense = fused_dense
@@ -153,6 +155,7 @@ class Optimizers:
         self._stepper = LocalStepper(self.dense) if self.local_step else None
         self.dp_names = [n for n, _ in dp_tables]
         self.tables = _table_optimizer([p for _, p in dp_tables], plan)
+        self.dp_group = dp_group
         self.fused = fused
 
     def step(self) -> None:
@@ -172,6 +175,8 @@ class Optimizers:
             self._stepper = LocalStepper(self.dense) if self.local_step else None
             self.dense.step()
         if self.tables is not None:
+            # data-parallel tables: this rank's gradients (every micro-batch's) summed over the world, once
+            all_reduce_data_parallel_grads([p for g in self.tables.param_groups for p in g["params"]], self.dp_group)
             self.tables.step()
         # the fused optimizer already ran inside the embedding backward
 

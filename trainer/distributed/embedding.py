@@ -4,8 +4,16 @@ Gradient semantics are made explicit once for the whole trainer: every rank's lo
 the *global* mean (sum over its samples / global batch), and every gradient reduction *sums*. So
 TorchRec's own division of embedding gradients by the world size (meant for per-rank mean losses)
 is switched off (:func:`torchrec.distributed.comm_ops.set_gradient_division`), and data-parallel
-tables, whose lookups TorchRec wraps in DDP (an average), get a DDP comm hook that sums instead. This is
+tables, whose lookups TorchRec wraps in DDP (an average, at every backward), are unwrapped and their
+gradients summed over the world once per optimizer step (:func:`all_reduce_data_parallel_grads`). This is
 what lets a sharded run reproduce the unsharded one step for step, whatever the per-rank counts.
+
+2-D sparse parallelism (``sparse_replicate = R > 1``): each sparse group of ``S`` consecutive ranks holds
+one copy of the tables, sharded by the same group-local plan, through TorchRec's 2-D environment
+(``ShardingEnv2D``: all-to-alls within the group). A group's embedding gradients hold its own samples
+only; each replica's fused optimizer steps with ``R`` times the learning rate, and
+:mod:`.replica_sync` averages the replicas (see there for what that means for each optimizer).
+Data-parallel tables stay one table over the whole world.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.profiler import record_function
 from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -234,11 +243,12 @@ def apply_embedding_sharding(model: nn.Module, plan: Plan, *, device: torch.devi
                                                 rank_offset=group_index * S)
             dmp = DistributedModelParallel(model, env=env, device=device, plan=sharding_plan, sharders=sharders,
                                            init_data_parallel=False)
-    # data-parallel tables are replicated on every rank of every group: their gradients sum over the world
-    changed = sum_data_parallel_grads(dmp, dist.group.WORLD)
-    if changed == 0 and any(t.sharding_type == "data_parallel" for t in plan.tables):
+    # data-parallel tables are replicated on every rank of every group: the optimizers sum their gradients
+    # over the world once per step (all_reduce_data_parallel_grads), not TorchRec's DDP at every backward
+    changed = unwrap_data_parallel_lookups(dmp)
+    if changed == 0 and any(t.sharding_type == "data_parallel" for t in plan.tables) and dist.get_world_size() > 1:
         raise RuntimeError("data-parallel tables but no DDP wrapper found in the sharded modules: TorchRec's internals "
-                           "changed, and their gradients would be averaged instead of summed")
+                           "changed, and their gradients might be reduced twice")
     if device.type != "cuda":
         cpu_sequence_lookups(dmp)
     return dmp
@@ -318,27 +328,61 @@ def data_parallel_tables(dmp: nn.Module, plan: Plan, prefix: str = "sparse.") ->
     return [(n, p) for n, p in dmp.named_parameters() if n.startswith(prefix) and _table_of(n) in dp]
 
 
-def _allreduce_sum_hook(group, bucket):  # unannotated: DDP rejects string annotations (future import)
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+def unwrap_data_parallel_lookups(dmp: nn.Module) -> int:
+    """Take TorchRec's DDP off the data-parallel tables' lookups (returns how many); the trainer sums
+    their gradients itself, once per optimizer step (:func:`all_reduce_data_parallel_grads`).
 
-
-def sum_data_parallel_grads(dmp: nn.Module, group: dist.ProcessGroup) -> int:
-    """Make the DDP that TorchRec wraps around data-parallel table lookups *sum* gradients (DDP's
-    default averages); returns how many DDP wrappers were changed."""
+    Why not DDP: it all-reduces at every backward, so with gradient accumulation an earlier micro-batch's
+    already-summed gradient would be summed again; it averages (the trainer sums); and TorchRec builds it
+    with ``static_graph=True``, whose first-iteration bookkeeping fails (an internal assert in the reducer)
+    when a micro-batch leaves a table unused. One all-reduce per step is also what the cost model prices
+    (``sparse.dp_all_reduce``). The tables start equal on every rank without DDP's initial broadcast:
+    :func:`init_sharded_tables` fills them from the seed."""
     from torch.nn.parallel import DistributedDataParallel
 
     n = 0
     for m in dmp.modules():
-        # TorchRec keeps the lookups in a plain list (not a ModuleList), so look there too
-        for lookup in [m, *getattr(m, "_lookups", [])]:
+        lookups = getattr(m, "_lookups", None)  # TorchRec keeps the lookups in a plain list (not a ModuleList)
+        if not isinstance(lookups, list):
+            continue
+        for i, lookup in enumerate(lookups):
             if isinstance(lookup, DistributedDataParallel):
-                lookup.register_comm_hook(group, _allreduce_sum_hook)
+                lookups[i] = lookup.module
                 n += 1
     return n
 
 
+DP_ALL_REDUCE_RANGE = "sparse.dp_all_reduce"
+"""The ``record_function`` name of the data-parallel tables' gradient all-reduce (the cost model's op name)."""
+
+
+@torch.no_grad()
+def all_reduce_data_parallel_grads(params: list[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Sum the data-parallel tables' gradients over every rank (of every sparse group), in place, in one
+    flattened buffer per dtype. A table no sample of this rank looked up has no gradient here: it takes
+    part with zeros, and gets the others' sum."""
+    if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    with record_function(DP_ALL_REDUCE_RANGE):
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for ps in by_dtype.values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+            dist.all_reduce(flat, group=group)
+            off = 0
+            for p in ps:
+                n = p.numel()
+                g = flat[off : off + n].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += n
+
+
 __all__ = [
     "EBCSharder", "ECSharder", "SPARSE_EPS", "apply_embedding_sharding", "build_sharding_plan", "data_parallel_tables",
-    "fused_params", "init_sharded_tables", "parameter_sharding", "sparse_state", "sum_data_parallel_grads",
+    "DP_ALL_REDUCE_RANGE", "all_reduce_data_parallel_grads", "fused_params", "init_sharded_tables", "local_shards",
+    "parameter_sharding", "reset_torchrec_groups", "sparse_state", "unwrap_data_parallel_lookups", "cpu_sequence_lookups",
 ]
