@@ -368,9 +368,6 @@ def run(args: argparse.Namespace) -> int:
     to_local = _local if optims.local_step else (lambda g: g.to_local() if hasattr(g, "to_local") else g)
     if optims.tables is not None:
         grad_params += [p for g in optims.tables.param_groups for p in g["params"]]
-    # the tensors the data-parallel tables' gradients live in: TorchRec's per-table parameters are slices
-    # of one batched weight whose .grad they read and write (setting one slice's .grad to None clears all)
-    dp_grad_tensors = list({id(b): b for _, p in pm.dp_tables for b in [getattr(p, "_original_tensor", p)]}.values())
     records: list[StepRecord] = []
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     trace_first, trace_count = _trace_window(args.trace, warmup, steps)
@@ -424,9 +421,9 @@ def run(args: argparse.Namespace) -> int:
                 # reduce-scatters each micro-batch's gradients and adds them to the shards; the fused
                 # embedding optimizer updates the sharded tables in every micro-batch's backward (so a
                 # later micro-batch reads rows an earlier one moved), as the cost model prices it (one
-                # fused TBE backward per micro-batch).
+                # fused TBE backward per micro-batch). Data-parallel tables' gradients accumulate over the
+                # micro-batches and are summed over the ranks once, in the optimizer step.
                 step_parts, hbs = None, []
-                stash: dict = {}
                 for micro in range(micro_batches):
                     if ahead is None:
                         hb, ht = next(prefetch)
@@ -448,16 +445,6 @@ def run(args: argparse.Namespace) -> int:
                     loss.backward()
                     mb_parts = torch.cat([loss.detach().reshape(1), mb_parts])
                     step_parts = mb_parts if step_parts is None else step_parts + mb_parts
-                    if micro + 1 < micro_batches:
-                        # Data-parallel tables: TorchRec's DDP all-reduces (sums) .grad at every backward;
-                        # left in place, an earlier micro-batch's already-summed gradient would be summed
-                        # again (x ranks). Keep each micro-batch's sum aside, give it back after the last.
-                        for p in dp_grad_tensors:
-                            if p.grad is not None:
-                                stash[p] = stash[p] + p.grad if p in stash else p.grad.clone()
-                                p.grad = None
-                for p, g in stash.items():
-                    p.grad = g if p.grad is None else p.grad + g
                 assert step_parts is not None
                 grads = [to_local(g) for p in grad_params if (g := p.grad) is not None]
                 if poison == ("grad", step) and rank == 0 and grads:
