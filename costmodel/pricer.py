@@ -763,23 +763,31 @@ def _path_cut(S: Schedule, factor: float) -> StepCut:
     """The schedule's critical path as a :class:`StepCut`: each task's duration in the planner's
     variables where it has a form (its SM-contention lengthening kept as a constant), else its duration;
     times the calibrated device-step factor. Exact at the plan priced: the path's durations add up to
-    the makespan."""
-    const = 0.0
+    the makespan. Its ``slack_s`` is the path's SM-contention lengthening: the path's tasks at their
+    durations before it add up to a lower bound of the makespan wherever the placement moves."""
+    const = slack = 0.0
     coef: dict[str, float] = {}
     rc: dict[str, float] = {}
+    on: dict[str, float] = {}
     for i in S.critical_path():
         t = S.tasks[i]
+        slack += t.duration - S.base[i]
         if t.form is None:
             const += t.duration
             continue
         c0, terms = t.form
-        const += c0 + (t.duration - S.base[i])
+        const += t.duration - S.base[i]
+        if c0 and len(terms) == 1 and not terms[0][0].startswith("rc:"):
+            on[terms[0][0]] = on.get(terms[0][0], 0.0) + c0  # a latency: paid only when bytes move
+        else:
+            const += c0
         for var, k in terms:
             if var.startswith("rc:"):
                 rc[var[3:]] = rc.get(var[3:], 0.0) + k
             else:
                 coef[var] = coef.get(var, 0.0) + k
-    return StepCut(const * factor, {k: v * factor for k, v in coef.items()}, {k: v * factor for k, v in rc.items()}, "device")
+    return StepCut(const * factor, {k: v * factor for k, v in coef.items()}, {k: v * factor for k, v in rc.items()}, "device",
+                   {k: v * factor for k, v in on.items()}, slack * factor)
 
 
 def _host_cut(ctx: Context, arr, recomputed: frozenset[str], host_s: float) -> StepCut:

@@ -144,9 +144,17 @@ class StepCut:
     rc_s: Mapping[str, float] = field(default_factory=dict)
     source: str = "device"
     """'device' (a critical path of the schedule) or 'host' (the host's launches, when calibrated host-bound)."""
-
+    on_s: Mapping[str, float] = field(default_factory=dict)
+    """Constants charged only when their variable is positive: a collective's latency is paid only when
+    it moves bytes (no data-parallel table: no all-reduce at all)."""
+    slack_s: float = 0.0
+    """The part of ``const_s`` that is not a lower bound elsewhere: the SM-contention slowdown of the
+    path's compute tasks, held at its value in the plan priced (it moves with the overlap). The cut
+    less this is a lower bound of the step at any aggregates; the planner subtracts the largest slack
+    of a candidate's cuts from the bound it proves."""
     def value(self, x: Mapping[str, float], recomputed=()) -> float:
         return float(self.const_s + sum(c * x.get(k, 0.0) for k, c in self.coef.items())
+                     + sum(c for k, c in self.on_s.items() if x.get(k, 0.0) > 0)
                      + sum(self.rc_s.get(n, 0.0) for n in recomputed))
 
 

@@ -270,7 +270,7 @@ class Pricer:
         dp_comm = Options().nccl_bytes_per_communicator if any(o.sharding_type == "data_parallel" for opts in s.options for o in opts) else 0.0
         p = CandidatePricing(
             mesh=c, node_size=s.node_size,
-            base_bytes=d.base_bytes - d.sparse_groups_bytes + s.groups_bytes + dp_comm,
+            base_bytes=d.base_bytes - d.sparse_groups_bytes + s.groups_bytes, dp_comm_bytes=dp_comm,
             capacity_bytes=self.topology.gpu.usable_hbm_bytes, layers=d.layers, options=s.options,
             table_names=tuple(t.name for t in self.workload.all_tables), scale=self.scale(c), launch_s=s.launch_s,
             recv_factor=s.recv_factor, recv_mem_factor=s.recv_mem_factor, memory_parts=dict(d.memory_parts),

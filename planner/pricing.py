@@ -165,6 +165,10 @@ class CandidatePricing:
     memory_parts: dict[str, float] = field(default_factory=dict)
     """``base_bytes`` split by kind, for explanations."""
 
+    dp_comm_bytes: float = 0.0
+    """NCCL buffers of the world communicator that the data-parallel tables' all-reduce opens, held
+    on every rank once any table is data-parallel."""
+
     cache: dict = field(default_factory=dict, compare=False, repr=False)
     """Flat arrays of the options (built on first use; see :func:`option_arrays`)."""
 
@@ -191,6 +195,9 @@ def _same_cut(a: StepCut, b: StepCut) -> bool:
         return False
     keys = set(a.coef) | set(b.coef)
     if any(abs(a.coef.get(k, 0.0) - b.coef.get(k, 0.0)) > 1e-9 * max(abs(a.coef.get(k, 0.0)), 1e-300) for k in keys):
+        return False
+    keys = set(a.on_s) | set(b.on_s)
+    if any(abs(a.on_s.get(k, 0.0) - b.on_s.get(k, 0.0)) > 1e-15 for k in keys):
         return False
     keys = set(a.rc_s) | set(b.rc_s)
     return all(abs(a.rc_s.get(k, 0.0) - b.rc_s.get(k, 0.0)) <= 1e-12 for k in keys)
@@ -324,19 +331,21 @@ class StepModel:
     """(cuts, 6)."""
     rc: np.ndarray
     """(cuts, layers)."""
+    on: np.ndarray
+    """(cuts, 6): constants charged when the variable is positive."""
 
     def step(self, x: np.ndarray, recompute) -> float:
         if not self.const.size:
             return 0.0
-        on = np.asarray(recompute, dtype=float) if len(recompute) else np.zeros(self.rc.shape[1])
-        return float((self.const + self.coef @ x + self.rc @ on).max())
+        rc = np.asarray(recompute, dtype=float) if len(recompute) else np.zeros(self.rc.shape[1])
+        return float((self.const + self.coef @ x + self.on @ (x > 0) + self.rc @ rc).max())
 
     def steps(self, X: np.ndarray, recompute) -> np.ndarray:
         """Steps of many aggregate vectors at once (``X``: (..., 6))."""
         if not self.const.size:
             return np.zeros(X.shape[:-1])
-        on = np.asarray(recompute, dtype=float) if len(recompute) else np.zeros(self.rc.shape[1])
-        return (X @ self.coef.T + (self.const + self.rc @ on)).max(axis=-1)
+        rc = np.asarray(recompute, dtype=float) if len(recompute) else np.zeros(self.rc.shape[1])
+        return (X @ self.coef.T + (X > 0) @ self.on.T + (self.const + self.rc @ rc)).max(axis=-1)
 
 
 def step_model(p: CandidatePricing) -> StepModel:
@@ -347,7 +356,8 @@ def step_model(p: CandidatePricing) -> StepModel:
     names = [l.name for l in p.layers]
     m = StepModel(np.array([c.const_s for c in p.cuts], dtype=float),
                   np.array([[c.coef.get(v, 0.0) for v in VARS] for c in p.cuts], dtype=float).reshape(len(p.cuts), len(VARS)),
-                  np.array([[c.rc_s.get(n, 0.0) for n in names] for c in p.cuts], dtype=float).reshape(len(p.cuts), len(names)))
+                  np.array([[c.rc_s.get(n, 0.0) for n in names] for c in p.cuts], dtype=float).reshape(len(p.cuts), len(names)),
+                  np.array([[c.on_s.get(v, 0.0) for v in VARS] for c in p.cuts], dtype=float).reshape(len(p.cuts), len(VARS)))
     p.cache[key] = m
     return m
 
@@ -399,7 +409,7 @@ def evaluate(p: CandidatePricing, a: Assignment, ld: Loads | None = None) -> Eva
     ld = ld if ld is not None else loads(p, a)
     x = aggregate_values(p, ld)
     saved, peak = recompute_memory(p, a.recompute)
-    dense = p.base_bytes - saved + peak + p.recv_mem_factor * ld.recv
+    dense = p.base_bytes - saved + peak + p.recv_mem_factor * ld.recv + (p.dp_comm_bytes if ld.dp > 0 else 0.0)
     rank_bytes = dense + ld.uniform_mem + ld.mem
     rc_t = sum(l.recompute_s for l, on in zip(p.layers, a.recompute) if on)
     step = step_model(p).step(np.array([x[v] for v in VARS]), a.recompute) if p.cuts else 0.0

@@ -235,7 +235,8 @@ def candidate_bound(pricer: Pricer, p: CandidatePricing, floor_cost) -> Candidat
     cut = floor_cost.cuts[0] if floor_cost.cuts else None
     times = dict(cut.rc_s) if cut is not None else {}
     rc = recompute_floor(p, mem_no_rc - p.capacity_bytes, times)
-    return CandidateBound(float(floor_cost.step_time_s) + rc, mem_floor, float(floor_cost.step_time_s))
+    slack = cut.slack_s if cut is not None else 0.0
+    return CandidateBound(float(floor_cost.step_time_s) - slack + rc, mem_floor, float(floor_cost.step_time_s))
 
 
 @dataclass(frozen=True, slots=True)

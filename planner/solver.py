@@ -183,6 +183,8 @@ class _IntCuts:
     n: tuple[dict[str, int], ...]
     rc: tuple[tuple[int, ...], ...]
     used: tuple[str, ...]
+    on: tuple[dict[str, int], ...] = ()
+    """Per cut, constants charged when an aggregate is positive (a collective's latency)."""
     """Aggregates some cut charges (the others are not modelled)."""
 
     def unit(self, p: CandidatePricing, v: str, raw: float) -> int:
@@ -199,7 +201,9 @@ def _int_cuts(p: CandidatePricing) -> _IntCuts:
     const = tuple(int(round(c.const_s / TIME_UNIT_S * Q)) for c in p.cuts)
     n = tuple({v: int(round(d[v] * Q)) for v in used if d[v] > 1e-9} for d in counts)
     rc = tuple(tuple(int(round(c.rc_s.get(l.name, 0.0) / TIME_UNIT_S * Q)) for l in p.layers) for c in p.cuts)
-    return _IntCuts(Q, const, n, rc, used)
+    on = tuple({v: int(round(c.on_s.get(v, 0.0) / TIME_UNIT_S * Q)) for v in VARS if c.on_s.get(v, 0.0) > 0} for c in p.cuts)
+    used = tuple(v for v in VARS if v in used or any(v in d for d in on))
+    return _IntCuts(Q, const, n, rc, used, on)
 
 
 def _rounding_slack(p: CandidatePricing, ic: _IntCuts | None = None) -> float:
@@ -214,10 +218,14 @@ def _objective(m, p: CandidatePricing, ic: _IntCuts, X: dict, H: dict, rc_terms:
     from ortools.sat.python import cp_model
 
     hi = max(ic.const) + sum(max(d.get(v, 0) for d in ic.n) * H[v] for v in ic.used) + \
-        max((sum(c for c, _ in rc) for rc in rc_terms), default=0) + 1
+        max((sum(c for c, _ in rc) for rc in rc_terms), default=0) + max((sum(d.values()) for d in ic.on), default=0) + 1
     z = m.NewIntVar(0, max(1, hi), "step")
+    on_var = {}
+    for v in sorted({v for d in ic.on for v in d}):
+        on_var[v] = m.NewBoolVar(f"on_{v}")
+        m.Add(X[v] <= H[v] * on_var[v])  # a positive aggregate pays its latencies
     for k in range(len(p.cuts)):
-        terms = [(ic.n[k][v], X[v]) for v in ic.n[k]] + list(rc_terms[k])
+        terms = [(ic.n[k][v], X[v]) for v in ic.n[k]] + list(rc_terms[k]) + [(c, on_var[v]) for v, c in ic.on[k].items()]
         expr = cp_model.LinearExpr.WeightedSum([v for _, v in terms], [c for c, _ in terms]) if terms else 0
         m.Add(z >= ic.const[k] + expr)
     m.Minimize(z)
@@ -225,7 +233,13 @@ def _objective(m, p: CandidatePricing, ic: _IntCuts, X: dict, H: dict, rc_terms:
 
 
 def _bound_s(solver, ic: _IntCuts, p: CandidatePricing) -> float:
-    return solver.BestObjectiveBound() * TIME_UNIT_S / ic.Q - _rounding_slack(p, ic)
+    """CP-SAT's proven bound of the model, made a bound of the priced step: less the rounding and the
+    largest contention slack any cut holds (see :attr:`coplan.costmodel.results.StepCut.slack_s`)."""
+    return solver.BestObjectiveBound() * TIME_UNIT_S / ic.Q - _rounding_slack(p, ic) - cut_slack(p)
+
+
+def cut_slack(p: CandidatePricing) -> float:
+    return max((c.slack_s for c in p.cuts), default=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +274,8 @@ def _room(p: CandidatePricing, choice, recompute) -> float:
     saved, peak = recompute_memory(p, recompute)
     uni = sum(p.options[t][oi].mem_bytes for t, oi in enumerate(choice) if p.options[t][oi].placement == "all")
     recv = sum(p.options[t][oi].recv_bytes for t, oi in enumerate(choice))
-    return p.capacity_bytes - (p.base_bytes - saved + peak + p.recv_mem_factor * recv) - uni
+    comm = p.dp_comm_bytes if any(p.options[t][oi].allreduce_bytes > 0 for t, oi in enumerate(choice)) else 0.0
+    return p.capacity_bytes - (p.base_bytes - saved + peak + p.recv_mem_factor * recv) - uni - comm
 
 
 def _targets(p: CandidatePricing, choice, w: np.ndarray) -> np.ndarray:
@@ -671,6 +686,8 @@ def heuristic(p: CandidatePricing, recompute: tuple[bool, ...] | None = None) ->
         best = None
         for i, o in enumerate(p.options[t]):
             new_u = U + p.recv_mem_factor * (o.recv_bytes - rmin[t]) + (o.mem_bytes if o.placement == "all" else 0.0)
+            if o.allreduce_bytes > 0 and dp == 0:
+                new_u += p.dp_comm_bytes  # the first data-parallel table opens the world communicator
             if mem_max + new_u > room0:
                 continue
             room = room0 - new_u
@@ -711,6 +728,8 @@ def heuristic(p: CandidatePricing, recompute: tuple[bool, ...] | None = None) ->
         choice[t] = i
         ranks[t] = rr
         U += p.recv_mem_factor * (o.recv_bytes - rmin[t]) + (o.mem_bytes if o.placement == "all" else 0.0)
+        if o.allreduce_bytes > 0 and dp == 0:
+            U += p.dp_comm_bytes
         recv += o.recv_bytes
         ids_send += o.ids_send_bytes
         dp += o.allreduce_bytes
@@ -792,6 +811,19 @@ def _recompute_model(m, p: CandidatePricing, ic: _IntCuts, points=None):
     freed = (cp_model.LinearExpr.WeightedSum(rc, [_m_down(l.saved_bytes) for l in p.layers]) if rc else 0) - peak
     terms = [[(c, v) for c, v in zip(ic.rc[k], rc) if c] for k in range(len(p.cuts))]
     return rc, freed, terms
+
+
+def _any_dp(m, p: CandidatePricing, y, tables):
+    """KiB of the world communicator's buffers, charged once any of ``tables`` is data-parallel."""
+    if p.dp_comm_bytes <= 0:
+        return 0
+    dps = [y[t][i] for t in tables for i, o in enumerate(p.options[t]) if o.allreduce_bytes > 0]
+    if not dps:
+        return 0
+    any_dp = m.NewBoolVar("any_dp")
+    for v in dps:
+        m.AddImplication(v, any_dp)
+    return _m_up(p.dp_comm_bytes) * any_dp
 
 
 def _lin(terms):
@@ -894,7 +926,7 @@ def solve_flat(p: CandidatePricing, settings: SolverSettings, *, hint: Assignmen
                      for t in range(len(p.options)) for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0])
     cap = _m_down(p.capacity_bytes) - _m_up(p.base_bytes)
     room = m.NewIntVar(-(10**15), 10**15, "room")
-    m.Add(room == cap + freed - recv_mem)
+    m.Add(room == cap + freed - recv_mem - _any_dp(m, p, y, range(len(p.options))))
     m.Add(room >= 0)  # the dense part alone must fit, with or without tables
     H = _horizon(p, ic)
     X = {v: m.NewIntVar(0, H[v], f"X_{v}") for v in ic.used}
@@ -1088,7 +1120,8 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
                      for t in free for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0])
     cap = _m_down(p.capacity_bytes) - _m_up(p.base_bytes) - recv_mem_c
     room = m.NewIntVar(-(10**15), 10**15, "room")
-    m.Add(room == cap + freed - recv_mem)
+    forced_dp = any(min(o.allreduce_bytes for o in p.options[t]) > 0 for t in fixed)
+    m.Add(room == cap + freed - recv_mem - (_m_up(p.dp_comm_bytes) if forced_dp else _any_dp(m, p, y, free)))
     H = _horizon(p, ic)
     X = {v: m.NewIntVar(0, H[v], f"X_{v}") for v in ic.used}
     launch = {"fwd": ic.unit(p, "fwd", p.launch_s[0]), "bwd": ic.unit(p, "bwd", p.launch_s[1])} if n_t else {}
@@ -1165,7 +1198,7 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     hint_ok = hint is not None and hint_ev is not None and hint_ev.peak_bytes <= p.capacity_bytes
     if status == cp_model.INFEASIBLE and cut is not None:
         wall = time.perf_counter() - t0
-        lb = cut * TIME_UNIT_S / ic.Q - 2 * _rounding_slack(p, ic)
+        lb = cut * TIME_UNIT_S / ic.Q - 2 * _rounding_slack(p, ic) - cut_slack(p)
         if hint_ok:
             return SolveResult(hint, "FEASIBLE", hint_ev.step_time_s, hint_ev.peak_bytes, min(lb, hint_ev.step_time_s), wall, "decomposed")
         return SolveResult(None, "UNKNOWN", math.inf, math.inf, lb, wall, "decomposed")

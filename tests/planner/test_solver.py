@@ -124,22 +124,25 @@ def _two_load_case(node: int = 0):
     """Four table-wise tables over two ranks: two forward-and-backward heavy that send nothing, two
     send-heavy that compute little, all of the same scalar weight (time plus send time). Putting the
     two compute-heavy ones together balances the scalar but doubles the forward and backward maxima."""
+    from coplan.costmodel.results import StepCut
     from coplan.planner.mesh import MeshCandidate
     from coplan.planner.pricing import CandidatePricing, ShardOption
 
     wa = 1e-9  # one byte sent costs 1 ns
     heavy = (ShardOption("table_wise", 1, 400e-6, 600e-6, 0.0, 1e9, 0.0),)
     sender = (ShardOption("table_wise", 1, 0.0, 0.0, 1e6, 1e9, 0.0),)  # 1 ms of sends
+    cut = StepCut(5e-3, {"fwd": 1.0, "bwd": 1.0, "a2a": wa}, {})
     return CandidatePricing(
-        mesh=MeshCandidate(2, 2, 1, 2), node_size=node, base_time_s=5e-3, base_bytes=1e9, capacity_bytes=10e9,
-        layers=(), options=(heavy, heavy, sender, sender), table_names=("a", "b", "c", "d"), a2a_s_per_byte=wa,
+        mesh=MeshCandidate(2, 2, 1, 2), node_size=node, base_bytes=1e9, capacity_bytes=10e9,
+        layers=(), options=(heavy, heavy, sender, sender), table_names=("a", "b", "c", "d"), cuts=(cut,),
+        scale={"fwd": 1.0, "bwd": 1.0, "a2a": wa},
     )
 
 
-def test_three_load_placement_and_rebalance_reach_the_optimum():
-    """A plan balanced in the scalar weight (heavy tables together) is 2 ms slower than the one that
-    pairs a compute-heavy with a send-heavy table on each rank; the three-load placement finds the
-    latter directly and :func:`rebalance` finds it from the former by a swap."""
+def test_vector_placement_and_rebalance_reach_the_optimum():
+    """A plan balanced in a scalar weight (heavy tables together) is 2 ms slower than the one that
+    pairs a compute-heavy with a send-heavy table on each rank; the vector placement finds the
+    latter directly and :func:`rebalance` finds it from the former."""
     from coplan.planner.pricing import Assignment
     from coplan.planner.solver import place, rebalance
 
@@ -147,19 +150,19 @@ def test_three_load_placement_and_rebalance_reach_the_optimum():
     bad = Assignment((0, 0, 0, 0), ((0,), (0,), (1,), (1,)), ())
     good = Assignment((0, 0, 0, 0), ((0,), (1,), (0,), (1,)), ())
     assert evaluate(p, bad).step_time_s == pytest.approx(evaluate(p, good).step_time_s + 2e-3)
-    for a in (place(p, (0, 0, 0, 0), (), by_memory="loads"), rebalance(p, bad)):
+    for a in (place(p, (0, 0, 0, 0), ()), rebalance(p, bad)):
         assert evaluate(p, a).step_time_s == pytest.approx(evaluate(p, good).step_time_s)
         assert sorted(a.ranks[:2]) == [(0,), (1,)] and sorted(a.ranks[2:]) == [(0,), (1,)]
 
 
-def test_three_load_placement_respects_memory():
+def test_vector_placement_respects_memory():
     """No rank with room for a shard: no placement (the caller then tries other orders or recompute)."""
     import dataclasses
 
     from coplan.planner.solver import place
 
-    p = dataclasses.replace(_two_load_case(), capacity_bytes=2.5e9)  # room for one 1 GB shard per rank
-    assert place(p, (0, 0, 0, 0), (), by_memory="loads") is None
+    p = dataclasses.replace(_two_load_case(), capacity_bytes=2.5e9, cache={})  # room for one 1 GB shard per rank
+    assert place(p, (0, 0, 0, 0), ()) is None
 
 
 @pytest.mark.parametrize("seed", [0, 3, 8, 13])
