@@ -57,6 +57,14 @@ def test_sync_schedule_and_learning_rate_scale():
     assert fused_params(plan)["learning_rate"] == lr and fused_params(plan, lr_scale=4)["learning_rate"] == 4 * lr
 
 
+def test_sync_buckets_bound_the_copies():
+    from coplan.trainer.distributed.replica_sync import _buckets
+
+    ts = [torch.zeros(5), torch.zeros(3, dtype=torch.float64), torch.zeros(7), torch.zeros(20), torch.zeros(2)]
+    shapes = sorted(sorted(t.numel() for t in b) for b in _buckets(ts, 10))
+    assert shapes == [[2, 7], [3], [5], [20]]  # by dtype, at most 10 elements, a large tensor alone (in place)
+
+
 def test_data_parallel_sequence_lookup_on_cpu(one_rank_group):
     """The CPU path gives one row per id, in input order, and its gradient reaches exactly those rows."""
     import torch.distributed as dist
@@ -135,6 +143,31 @@ EVERY_2D_8 = {"user_id": ("column_wise", (0, 1, 2, 3)), "ad_id": ("table_row_wis
               "geo": ("data_parallel", ()), "hist_item": ("row_wise", (0, 1, 2, 3)), "hist_action": ("column_wise", (0, 2))}
 
 
+# the planner's own choices under pins (its rank placement, not ours): every type it offers at 4 ranks of
+# 2-GPU nodes (table-row-wise only where the sparse group spans nodes: not with 2 replicas of 2 ranks)
+PLANNED = {
+    "planned_1d": ["--pin", "sparse_replicate=1", "--pin-table", "user_id=column_wise", "--pin-table", "ad_id=table_row_wise",
+                   "--pin-table", "interests=data_parallel", "--pin-table", "geo=row_wise", "--pin-table", "hist_item=column_wise",
+                   "--pin-table", "hist_action=data_parallel"],
+    "planned_2d": ["--pin", "sparse_replicate=2", "--pin-table", "user_id=column_wise", "--pin-table", "ad_id=row_wise",
+                   "--pin-table", "interests=data_parallel", "--pin-table", "geo=table_wise", "--pin-table", "hist_item=data_parallel",
+                   "--pin-table", "hist_action=column_wise"],
+}
+
+
+def _coplan_plan(workload: Path, topology: Path, out: Path, pins: list[str]) -> Path:
+    import contextlib
+    import io
+
+    from coplan.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["plan", "-w", str(workload), "-t", str(topology), "--gpus", "4", *pins, "--quiet", "-o", str(out)])
+    assert code == 0, err.getvalue()
+    return out
+
+
 def _launch(nproc: int, plans: list[Path], args: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "coplan.cli", "train", *map(str, plans), "--device", "cpu", "--no-progress", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -173,10 +206,13 @@ def runs(tmp_path_factory) -> dict:
         "every_2d_8": _plan(w, 8, 2, EVERY_2D_8, dense_replicate=2, expert_parallel=2),
     }
     paths = {k: dump_spec(v, root / f"{k}.json") for k, v in p.items()}
+    wpath, tpath = dump_spec(w, root / "w.yaml"), dump_spec(_topology(), root / "t.yaml")
+    for k, pins in PLANNED.items():
+        paths[k] = _coplan_plan(wpath, tpath, root / f"{k}.json", pins)
     paths["reference"] = dump_spec(as_single_process(p["every_1d"]), root / "reference.json")
     paths["split"] = dump_spec(p["interval2"], root / "split.json")
     common = ["--steps", str(STEPS), "--runs-root", str(root)]
-    four = [paths[k] for k in ("every_1d", "every_2d", "adagrad_2d", "adagrad_1d", "interval2")]
+    four = [paths[k] for k in ("every_1d", "every_2d", "adagrad_2d", "adagrad_1d", "interval2", *PLANNED)]
     _wait([_launch(4, four, [*common, "--run-id", "r4", "--trace", "2:4", "--checkpoint-every", "5"]),
            _launch(1, [paths["reference"]], [*common, "--run-id", "ref", "--trace", "none", "--checkpoint-every", "-1"])])
     _wait([_launch(8, [paths["every_2d_8"]], [*common, "--run-id", "r8", "--trace", "none", "--checkpoint-every", "-1"]),
@@ -184,16 +220,26 @@ def runs(tmp_path_factory) -> dict:
                                          "--checkpoint-every", "5"])])
     _wait([_launch(4, [paths["split"]], ["--steps", str(STEPS), "--resume", str(root / "split"), "--trace", "none",
                                          "--checkpoint-every", "5"])])
-    dirs = {k: root / f"r4-{k}" for k in ("every_1d", "every_2d", "adagrad_2d", "adagrad_1d", "interval2")}
+    dirs = {k: root / f"r4-{k}" for k in ("every_1d", "every_2d", "adagrad_2d", "adagrad_1d", "interval2", *PLANNED)}
     dirs |= {"reference": root / "ref", "every_2d_8": root / "r8", "split": root / "split"}
-    return {"dirs": dirs, "plans": p}
+    return {"dirs": dirs, "plans": p, "paths": paths}
 
 
-@pytest.mark.parametrize("case", ["every_1d", "every_2d", "every_2d_8"])
+@pytest.mark.parametrize("case", ["every_1d", "every_2d", "every_2d_8", *PLANNED])
 def test_every_layout_matches_the_single_process(runs, case):
     a, b = _losses(runs["dirs"][case]), _losses(runs["dirs"]["reference"])
     assert len(a) == len(b) == STEPS
     np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
+
+
+def test_the_planner_emitted_what_was_pinned(runs):
+    from coplan.spec import load_plan
+
+    for k, pins in PLANNED.items():
+        plan = load_plan(runs["paths"][k])
+        want = dict(a.split("=") for a in pins[3::2])
+        assert {t.table: t.sharding_type for t in plan.tables} == want, k
+        assert plan.mesh.sparse_replicate == int(pins[1].split("=")[1]) and plan.micro_batches == 1
 
 
 def test_rowwise_adagrad_2d_trains_near_1d(runs):

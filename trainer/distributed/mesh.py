@@ -6,8 +6,8 @@ The sparse side has its own layout: one copy of the tables is sharded over ``spa
 ranks and replicated ``sparse_replicate`` times (2-D sparse parallelism), which :mod:`.embedding` builds
 on. Two meshes cover the same ranks: ``dense`` (``dp_replicate × dp_shard``) for FSDP/HSDP of the dense
 parameters, and ``expert`` (``dp_replicate × dp_shard_mod_ep × ep``) for the experts, which are split
-over ``ep`` and FSDP-sharded over the rest. Both are built directly rather than flattened out of one
-mesh, which PyTorch is deprecating.
+over ``ep`` and FSDP-sharded over the rest. Each mesh is built directly rather than flattened out of one,
+which PyTorch is deprecating.
 """
 
 from __future__ import annotations

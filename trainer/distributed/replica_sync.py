@@ -3,8 +3,8 @@ copies of each table shard (one per sparse group) are averaged, weights and opti
 
 On CUDA with TorchRec's ``DMPCollection`` this is its own ``sync()`` (an all-reduce with ``ReduceOp.AVG``
 over the replica group); elsewhere the same tensors (each fused TBE's weights and optimizer state) are
-summed over the replica group and divided by the number of replicas (gloo has no ``AVG``), in one
-flattened buffer per dtype. Either way the range is ``sparse.replica_sync``, the cost model's name for it.
+summed over the replica group and divided by the number of replicas (gloo has no ``AVG``), small ones
+together in flat buffers of bounded size. Either way the range is ``sparse.replica_sync``, the cost model's name for it.
 
 Why averaging reproduces one copy: each replica's fused optimizer steps with ``R`` times the learning rate
 (:func:`~coplan.trainer.distributed.embedding.fused_params`), and its gradient holds only its own group's
@@ -28,6 +28,28 @@ from torch.autograd.profiler import record_function
 
 SYNC_RANGE = "sparse.replica_sync"
 """The ``record_function`` name of the sync: the cost model's op name (``costmodel/pricer.py``)."""
+
+
+BUCKET_ELEMENTS = 1 << 24
+"""Small tensors are averaged together in flat buffers of up to this many elements (64 MiB of fp32), so
+that thousands of tables cost a few collectives and no full copy of the shards is ever made."""
+
+
+def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Tensors grouped by dtype into runs of at most ``cap`` elements (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    open_: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        if t.numel() >= cap:
+            out.append([t])
+            continue
+        cur, n = open_.get(t.dtype, ([], 0))
+        if n + t.numel() > cap and cur:
+            out.append(cur)
+            cur, n = [], 0
+        open_[t.dtype] = (cur + [t], n + t.numel())
+    out += [cur for cur, _ in open_.values() if cur]
+    return out
 
 
 def sync_tensors(dmp: nn.Module) -> list[torch.Tensor]:
@@ -60,7 +82,9 @@ class ReplicaSync:
         self.group = replica_group
         self.replicas = replicas
         self.interval = max(1, interval)
-        self.use_collection = hasattr(dmp, "sync") and type(dmp).__name__ == "DMPCollection"
+        from torchrec.distributed.model_parallel import DMPCollection
+
+        self.use_collection = isinstance(dmp, DMPCollection)
         self.tensors = [] if self.use_collection or replicas == 1 else sync_tensors(dmp)
         self.synced_step: int | None = None
         """The last optimizer step after which the replicas were averaged."""
@@ -87,19 +111,20 @@ class ReplicaSync:
             if self.use_collection:
                 self.dmp.sync(include_optimizer_state=True)
             else:
-                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-                for t in self.tensors:
-                    by_dtype.setdefault(t.dtype, []).append(t)
-                for ts in by_dtype.values():
-                    flat = torch.cat([t.reshape(-1) for t in ts])
+                for bucket in _buckets(self.tensors, BUCKET_ELEMENTS):
+                    if len(bucket) == 1:  # a large tensor: in place, no copy
+                        dist.all_reduce(bucket[0], group=self.group)
+                        bucket[0].div_(self.replicas)
+                        continue
+                    flat = torch.cat([t.reshape(-1) for t in bucket])
                     dist.all_reduce(flat, group=self.group)
                     flat.div_(self.replicas)
                     off = 0
-                    for t in ts:
+                    for t in bucket:
                         n = t.numel()
                         t.copy_(flat[off : off + n].view_as(t))
                         off += n
         self.synced_step = step
 
 
-__all__ = ["SYNC_RANGE", "ReplicaSync", "sync_tensors"]
+__all__ = ["BUCKET_ELEMENTS", "SYNC_RANGE", "ReplicaSync", "sync_tensors"]
