@@ -61,13 +61,13 @@ def check_plan(plan: Plan, *, where: str, nproc: int | None = None) -> None:
     """Refuse, from the plan alone, a launch the workers would refuse (torch-free; the workers check again)."""
     from coplan.spec.workload import MoEBlock
     from coplan.trainer.distributed.layout import table_problems
-    from coplan.trainer.features import feature_layout
+    from coplan.trainer.features import check_buildable
 
     if nproc is not None and nproc != plan.world_size:
         raise MismatchError(f"{where}: the plan is for {plan.world_size} ranks but --nproc is {nproc}; launch "
                             f"{plan.world_size} processes, or re-plan for {nproc} GPUs")
     try:
-        feature_layout(plan.workload)  # the inputs the trainer builds the workload's model from
+        check_buildable(plan.workload)  # the inputs and block shapes the trainer builds the workload's model from
     except CoplanError as e:
         raise MismatchError(f"{where}: {e}") from None
     problems = table_problems(plan)
@@ -79,6 +79,13 @@ def check_plan(plan: Plan, *, where: str, nproc: int | None = None) -> None:
         if isinstance(b, MoEBlock) and b.num_experts % ep:
             raise MismatchError(f"{where}: block '{b.name}' has {b.num_experts} experts, which do not split evenly over "
                                 f"expert-parallel degree {ep}; re-plan")
+    from coplan.trainer.plans import layer_names
+
+    known = layer_names(plan.workload)
+    unknown = sorted({lp.name for lp in plan.layers if lp.recompute or lp.precision == "fp8"} - set(known))
+    if unknown:
+        raise MismatchError(f"{where}: the plan recomputes or runs in fp8 {unknown[:4]}, which are not layers of this "
+                            f"workload's model (its layers: {known[:6]}{' ...' if len(known) > 6 else ''}); re-plan")
     fp8 = sorted(lp.name for lp in plan.layers if lp.precision == "fp8")
     if fp8 and plan.precision.fp8 == "off":
         raise MismatchError(f"{where}: the plan puts {fp8[:4]} in fp8 while precision.fp8 is 'off'; re-plan")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from coplan.costmodel.flops import _token_width
 from coplan.errors import MismatchError
 from coplan.spec import Workload
 from coplan.spec.workload import (
@@ -173,4 +174,155 @@ def feature_layout(workload: Workload) -> FeatureLayout:
     )
 
 
-__all__ = ["FeatureLayout", "PooledFeature", "feature_layout"]
+# ---------------------------------------------------------------------------------------------
+# The dense arch's token flow: what the model builds from the blocks, checked without torch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLayout:
+    """How many non-sequence tokens of which kind a sample has, and their width."""
+
+    pooled: int
+    """Tokens of the pooled embeddings; they come first (see :attr:`pooled_source`)."""
+
+    dense: int
+    """Tokens from the dense MLP."""
+
+    summaries: dict[str, int]
+    """InterFormer block name -> its summary tokens."""
+
+    width: int
+    """Width of the non-sequence tokens (the cost model's token width, ``flops._token_width``)."""
+
+    pooled_source: str = "kunlun"
+    """'kunlun': the pooled embeddings projected into Kunlun's ``num_tokens`` tokens; 'learned': Kunlun's
+    tokens without pooled features (learned constants); 'chunks': no Kunlun or DotInteraction block reads
+    the pooled embeddings, so their concatenation joins the tokens as it is, cut into width-wide tokens
+    (zero-padded; no projection, no FLOPs, as the cost model counts none); 'none': no pooled tokens
+    (none exist, or a DotInteraction block takes them)."""
+
+    @property
+    def total(self) -> int:
+        return self.pooled + self.dense + sum(self.summaries.values())
+
+
+def token_layout(workload: Workload) -> TokenLayout:
+    """The non-sequence tokens of a workload; refuses inconsistent block shapes clearly."""
+    blocks = workload.blocks
+    dense = sum(b.out_tokens for b in blocks if isinstance(b, DenseMLPBlock))
+    inter = [b for b in blocks if isinstance(b, InterFormerBlock)]
+    summaries = {b.name: b.num_summary_tokens for b in inter}
+    kunlun = [b for b in blocks if isinstance(b, KunlunBlock)]
+    moe = [b for b in blocks if isinstance(b, MoEBlock)]
+    dots = [b for b in blocks if isinstance(b, DotInteractionBlock)]
+    width = _token_width(workload)
+    pooled_dim = sum(t.dim * t.num_features for t in workload.all_tables if t.feature_kind == "pooled")
+    if kunlun:
+        pooled, source = kunlun[0].num_tokens, "kunlun" if pooled_dim else "learned"
+    elif dots or not pooled_dim:
+        pooled, source = 0, "none"
+    else:
+        pooled, source = -(-pooled_dim // width), "chunks"
+    for b in kunlun[1:]:
+        if b.num_tokens != kunlun[0].num_tokens:
+            raise MismatchError(f"workload '{workload.name}': kunlun blocks disagree on num_tokens ({b.num_tokens} vs "
+                                f"{kunlun[0].num_tokens})")
+    for b in kunlun + moe + dots:
+        have = b.dim if isinstance(b, DotInteractionBlock) else b.model_dim
+        if have != width:
+            field_ = "dim" if isinstance(b, DotInteractionBlock) else "model_dim"
+            raise MismatchError(f"workload '{workload.name}': block '{b.name}' has {field_} {have} but the "
+                                f"non-sequence tokens are {width} wide; kunlun, moe and dot_interaction blocks must "
+                                f"share one width (set {field_}: {width})")
+    interaction = [i for i, b in enumerate(blocks) if isinstance(b, (KunlunBlock, MoEBlock))]
+    if interaction and any(isinstance(b, InterFormerBlock) for b in blocks[min(interaction):]):
+        raise MismatchError(f"workload '{workload.name}': interformer blocks must come before kunlun and moe blocks "
+                            "(their summaries are non-sequence tokens the interaction blocks read)")
+    layout = TokenLayout(pooled=pooled, dense=dense, summaries=summaries, width=width, pooled_source=source)
+    for b in moe:
+        if b.tokens_per_sample > layout.total:
+            raise MismatchError(f"workload '{workload.name}': block '{b.name}' routes {b.tokens_per_sample} tokens per "
+                                f"sample but a sample has {layout.total} non-sequence tokens (set tokens_per_sample "
+                                f"to at most {layout.total})")
+    return layout
+
+
+def readouts(workload: Workload, tokens: TokenLayout) -> dict[str, tuple[str, str | None, int]]:
+    """What each heads block reads: the output of the nearest block before it, ``(kind, source block, width)``:
+    ``('vector', dot block)`` after a dot_interaction (its top MLP's output), ``('last', transformer block)``
+    after a transformer (each sample's last token), ``('tokens', None)`` after any other block (the mean of
+    the non-sequence tokens). Refuses a heads block whose ``input_dim`` is not that width, and a
+    transformer whose output nothing reads."""
+    out: dict[str, tuple[str, str | None, int]] = {}
+    blocks = workload.blocks
+    for i, b in enumerate(blocks):
+        if isinstance(b, TransformerBlock) and not b.vocab_size:
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+            chained = any(isinstance(c, TransformerBlock) and c.sequence == b.sequence for c in blocks[i + 1:])
+            if not isinstance(nxt, TaskHeads) and not chained:
+                raise MismatchError(f"workload '{workload.name}': nothing reads the output of transformer block "
+                                    f"'{b.name}' (blocks[{i}]: vocab_size 0 and no heads block right after it); "
+                                    "give it a vocab_size (next-token loss) or put a heads block after it")
+        if not isinstance(b, TaskHeads):
+            continue
+        prev = next((c for c in reversed(blocks[:i]) if not isinstance(c, TaskHeads)), None)
+        if prev is None:
+            raise MismatchError(f"workload '{workload.name}': heads block '{b.name}' (blocks[{i}]) has no block before "
+                                "it to read; put it after the blocks whose output it classifies")
+        if isinstance(prev, DotInteractionBlock):
+            n = prev.num_tokens
+            src = ("vector", prev.name, ([n * (n - 1) // 2 + prev.dim, *prev.top_hidden_dims])[-1])
+        elif isinstance(prev, TransformerBlock):
+            src = ("last", prev.name, prev.model_dim)
+        else:
+            src = ("tokens", None, tokens.width)
+        if b.input_dim != src[2]:
+            what = {"vector": f"the output of dot_interaction block '{src[1]}'",
+                    "last": f"the last token of transformer block '{src[1]}'",
+                    "tokens": "the mean of the non-sequence tokens"}[src[0]]
+            raise MismatchError(f"workload '{workload.name}': heads.input_dim is {b.input_dim} (block '{b.name}', "
+                                f"blocks[{i}]) but its towers read {what}, which is {src[2]} wide; set input_dim: {src[2]}")
+        out[b.name] = src
+    return out
+
+
+def check_sequences(workload: Workload, layout: FeatureLayout) -> None:
+    """Refuse transformer blocks the trainer cannot feed: no input at all, or sequence tables whose widths
+    do not add up to the block's width (the cost model prices no input projection for a transformer)."""
+    seen: set[str] = set()
+    for i, b in enumerate(workload.blocks):
+        if not isinstance(b, TransformerBlock):
+            continue
+        tables = layout.sequence_tables.get(b.sequence, ())
+        width = sum(t.dim for t in tables)
+        if tables and width != b.model_dim:
+            raise MismatchError(f"workload '{workload.name}': the sequence tables of '{b.sequence}' "
+                                f"({', '.join(t.name for t in tables)}) are {width} wide together but transformer block "
+                                f"'{b.name}' (blocks[{i}]) has model_dim {b.model_dim}; the cost model prices no input "
+                                f"projection for a transformer: give the tables dims that sum to {b.model_dim}")
+        if not b.vocab_size and not tables and b.sequence not in seen:
+            raise MismatchError(f"workload '{workload.name}': transformer block '{b.name}' (blocks[{i}]) has no input: "
+                                f"vocab_size is 0 and sequence '{b.sequence}' has no sequence table; set vocab_size "
+                                f"(token ids) or add a table with feature_kind: sequence, sequence: {b.sequence}")
+        seen.add(b.sequence)
+    for i, b in enumerate(workload.blocks):
+        if isinstance(b, DotInteractionBlock):
+            n = len(layout.pooled) + sum(c.out_tokens for c in workload.blocks if isinstance(c, DenseMLPBlock))
+            if b.num_tokens != n:
+                raise MismatchError(f"workload '{workload.name}': dot_interaction block '{b.name}' (blocks[{i}]) has "
+                                    f"num_tokens {b.num_tokens} but it interacts {n} vectors ({len(layout.pooled)} pooled "
+                                    f"features and the dense MLP's tokens); set num_tokens: {n}")
+
+
+def check_buildable(workload: Workload) -> FeatureLayout:
+    """Every check the model's construction makes (inputs, token widths and counts, what each heads block
+    reads, the transformers' inputs), torch-free: what ``coplan train`` refuses before launching."""
+    layout = feature_layout(workload)
+    readouts(workload, token_layout(workload))
+    check_sequences(workload, layout)
+    return layout
+
+
+__all__ = ["FeatureLayout", "PooledFeature", "TokenLayout", "check_buildable", "check_sequences", "feature_layout",
+           "readouts", "token_layout"]

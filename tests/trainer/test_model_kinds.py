@@ -353,3 +353,18 @@ def test_op_ranges_are_the_cost_models_op_names(case):
     ranges = {e.name for e in prof.events() if e.name.split(".")[0] in blocks and e.name.count(".") == 2}
     ops = {op.name for op in workload_ops(w) if op.layer != "sparse"}
     assert ranges == ops
+
+
+def test_the_launcher_refuses_an_unbuildable_shape_before_torchrun(tmp_path):
+    """``coplan train`` runs the model's shape checks torch-free, before launching any worker."""
+    from coplan.spec import load_topology
+    from coplan.trainer.cli import check_plan
+    from coplan.trainer.plans import single_process_plan
+
+    w = dlrm_mixed()
+    bad = w.model_copy(update={"blocks": tuple(b.model_copy(update={"input_dim": 5}) if b.type == "heads" else b
+                                               for b in w.blocks)})
+    plan = single_process_plan(bad, load_topology("h200-1gpu"))
+    with pytest.raises(MismatchError, match="plan.json: .*heads.input_dim is 5 .* set input_dim: 8"):
+        check_plan(plan, where="plan.json")
+    check_plan(single_process_plan(w, load_topology("h200-1gpu")), where="plan.json")
