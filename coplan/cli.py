@@ -1,6 +1,6 @@
 """The ``coplan`` command: one verb per move of the loop, each implemented in its part.
 
-Verbs: plan, report, train, calibrate, simulate, validate, schema. Each part registers its own verb
+Verbs: plan, report, train, calibrate, diff, simulate, validate, schema. Each part registers its own verb
 through ``register(subparsers)`` in its ``cli`` module, imported lazily so that ``coplan --help``
 needs no torch. A verb whose part is not built yet says so and exits non-zero.
 
@@ -25,6 +25,7 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "report": ("coplan.reports.cli", "write a self-contained Plotly HTML report of a plan (and runs, calibrations)", "#7 reports"),
     "train": ("coplan.trainer.cli", "run a plan on GPUs (or CPU/gloo) with torchrun; metrics, MFU, traces, checkpoints", "#6 trainer"),
     "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json", "#8 calibration"),
+    "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)", "#20 planner"),
     "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory", "#3 cost model"),
     "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)", "#2 foundation"),
     "schema": ("coplan.spec_cli", "print the JSON Schema of a spec", "#2 foundation"),

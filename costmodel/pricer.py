@@ -359,6 +359,7 @@ def price(
     segments: bool = False,
     aggregates: SparseAggregates | None = None,
     cuts: bool = False,
+    contention: bool = True,
 ) -> StepCost:
     """Price one plan. ``tables=None`` prices a greedy table-wise placement; ``detail=False`` skips the
     per-op rows (the planner's inner loop); ``include_embeddings=False`` prices the dense part alone
@@ -368,7 +369,9 @@ def price(
     ``aggregates`` prices a table placement given only by what it adds to the step
     (:class:`SparseAggregates`: the planner's solutions, priced without building shards); ``tables`` is
     then ignored. ``cuts=True`` fills :attr:`StepCost.cuts`: the step as a linear function of the
-    aggregates and the recompute set along the schedule's critical path (see :class:`StepCut`)."""
+    aggregates and the recompute set along the schedule's critical path, and each stream's serial
+    work (see :class:`StepCut`). ``contention=False`` prices without the SM-contention slowdown (a
+    lower bound of the step: the planner's floor and probe points)."""
     w = ctx.workload
     kernels = kernels or w.kernels
     balancing = balancing or BalancingPlan()
@@ -597,12 +600,20 @@ def price(
     if dp_ar > 0:
         last_rs.append(comm_add("sparse.dp_all_reduce", world_ar.time(dp_ar), (), phase="bwd", layer="sparse",
                              sm=not world_ar.sm_free, meta=("all_reduce", "world", dp_ar), form=affine(world_ar, dp_ar, "dp", 1.0)))
+    elif cuts and loads is not None and not world_ar.trivial:
+        # no data-parallel table: a task of no duration in the all-reduce's place (nothing waits on it, so
+        # the schedule is unchanged) lets the stream's cut price what one would add
+        comm_add("sparse.dp_all_reduce", 0.0, (), phase="bwd", layer="sparse", sm=False, meta=("all_reduce", "world", 0.0),
+                 form=(world_ar.latency_s, (("dp", world_ar.s_per_byte),)))
+    rm = ctx.model("sparse_replicate", "all_reduce")
+    every = w.optimizer.sparse_sync_interval_steps
     if rsync > 0:
-        rm = ctx.model("sparse_replicate", "all_reduce")
-        every = w.optimizer.sparse_sync_interval_steps
         c0, terms = affine(rm, rsync, "sync", 1.0 / every)
         comm_add("sparse.replica_sync", rm.time(rsync) / every, (), phase="bwd", layer="sparse",
               sm=not rm.sm_free, meta=("all_reduce", "sparse_replicate", rsync), form=(c0 / every, terms))
+    elif cuts and loads is not None and not rm.trivial:
+        comm_add("sparse.replica_sync", 0.0, (), phase="bwd", layer="sparse", sm=False, meta=("all_reduce", "sparse_replicate", 0.0),
+                 form=(rm.latency_s / every, (("sync", rm.s_per_byte / every),)))
     if fixed.optimizer_step_s > 0:
         S.add("optimizer.step", COMPUTE, fixed.optimizer_step_s, tuple(last_rs), phase="optimizer", layer="optimizer")
     if loads is not None and ctx.options.pipeline_input_dist:
@@ -610,7 +621,7 @@ def price(
             comm_add("sparse.ids_all_to_all", ids_t, (), phase="fwd", layer="sparse", sm=sparse_sm, meta=("all_to_all", "sparse_shard", ids_bytes),
                      form=ids_form)
     before = [t.duration for t in S.tasks]
-    S.run(ctx.sm_contention)
+    S.run(ctx.sm_contention if contention else 0.0)
 
     # ---------------------------------------------------------------- breakdowns
     perf_by_layer: dict[str, list[float]] = {}
@@ -681,7 +692,7 @@ def price(
         step = max(step, host_s)
     step_cuts: tuple[StepCut, ...] = ()
     if cuts:
-        step_cuts = (_path_cut(S, factor),)
+        step_cuts = (_path_cut(S, factor),) + _stream_cuts(S, factor) + _through_cuts(S, factor)
         if ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0:
             step_cuts += (_host_cut(ctx, arr, recomputed, host_s),)
     layers_perf = {k: Perf(*v) for k, v in perf_by_layer.items()}
@@ -759,17 +770,16 @@ def price(
     )
 
 
-def _path_cut(S: Schedule, factor: float) -> StepCut:
-    """The schedule's critical path as a :class:`StepCut`: each task's duration in the planner's
-    variables where it has a form (its SM-contention lengthening kept as a constant), else its duration;
-    times the calibrated device-step factor. Exact at the plan priced: the path's durations add up to
-    the makespan. Its ``slack_s`` is the path's SM-contention lengthening: the path's tasks at their
-    durations before it add up to a lower bound of the makespan wherever the placement moves."""
+def _chain_cut(S: Schedule, chain, factor: float, source: str) -> StepCut:
+    """A chain of tasks as a :class:`StepCut`: each task's duration in the planner's variables where it
+    has a form (its SM-contention lengthening kept as a constant, and as slack), else its duration; times
+    the calibrated device-step factor. Tasks of a chain run one after another, so the chain's length is
+    at most the makespan wherever the placement moves."""
     const = slack = 0.0
     coef: dict[str, float] = {}
     rc: dict[str, float] = {}
     on: dict[str, float] = {}
-    for i in S.critical_path():
+    for i in chain:
         t = S.tasks[i]
         slack += t.duration - S.base[i]
         if t.form is None:
@@ -786,8 +796,40 @@ def _path_cut(S: Schedule, factor: float) -> StepCut:
                 rc[var[3:]] = rc.get(var[3:], 0.0) + k
             else:
                 coef[var] = coef.get(var, 0.0) + k
-    return StepCut(const * factor, {k: v * factor for k, v in coef.items()}, {k: v * factor for k, v in rc.items()}, "device",
+    return StepCut(const * factor, {k: v * factor for k, v in coef.items()}, {k: v * factor for k, v in rc.items()}, source,
                    {k: v * factor for k, v in on.items()}, slack * factor)
+
+
+def _path_cut(S: Schedule, factor: float) -> StepCut:
+    """The schedule's critical path as a :class:`StepCut` (see :func:`_chain_cut`): exact at the plan
+    priced, its chain adding up to the makespan."""
+    return _chain_cut(S, S.critical_path(), factor, "device")
+
+
+def _through_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:
+    """For each kind of decision-dependent task (each aggregate, each recomputed layer), the longest
+    chain through one of its tasks, as a cut: where the critical path does not cross a task (a replica
+    sync of no bytes, say), the chain through it says what the step would pay once it grows."""
+    tail, nxt = S.tail_paths()
+    best: dict[tuple, tuple[float, int]] = {}
+    for i, t in enumerate(S.tasks):
+        if t.form is None:
+            continue
+        key = tuple(sorted(v for v, _ in t.form[1]))
+        length = S.start[i] + t.duration + tail[i]
+        if key not in best or length > best[key][0]:
+            best[key] = (length, i)
+    return tuple(_chain_cut(S, S.path_through(i, nxt), factor, "chain") for _, i in sorted(best.values(), key=lambda x: x[1]))
+
+
+def _stream_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:
+    """One cut per stream whose work a decision moves: a stream's tasks run one after another, so
+    their durations add up to a lower bound of the makespan."""
+    by: dict[str, list[int]] = {}
+    for i, t in enumerate(S.tasks):
+        by.setdefault(t.stream, []).append(i)
+    return tuple(_chain_cut(S, idx, factor, f"stream:{stream}") for stream, idx in sorted(by.items())
+                 if any(S.tasks[i].form is not None for i in idx))
 
 
 def _host_cut(ctx: Context, arr, recomputed: frozenset[str], host_s: float) -> StepCut:

@@ -87,6 +87,45 @@ class Schedule:
         self.start, self.end, self.pred = start, end, pred
         self.makespan = max(end) if end else 0.0
 
+    def tail_paths(self) -> tuple[list[float], list[int]]:
+        """Per task, the longest chain of tasks that can only start after it ends (its dependents and the
+        tasks after it on its stream, transitively), as (length, next task on that chain; -1: none)."""
+        n = len(self.tasks)
+        succ: list[list[int]] = [[] for _ in range(n)]
+        last: dict[str, int] = {}
+        for i, t in enumerate(self.tasks):
+            p = last.get(t.stream)
+            if p is not None:
+                succ[p].append(i)
+            last[t.stream] = i
+            for d in t.deps:
+                succ[d].append(i)
+        tail = [0.0] * n
+        nxt = [-1] * n
+        for i in range(n - 1, -1, -1):
+            best, arg = 0.0, -1
+            for j in succ[i]:
+                v = self.tasks[j].duration + tail[j]
+                if v > best:
+                    best, arg = v, j
+            tail[i], nxt[i] = best, arg
+        return tail, nxt
+
+    def path_through(self, i: int, tail_next: list[int]) -> list[int]:
+        """A chain of tasks through task ``i``: the chain that set its start, ``i``, and its longest tail."""
+        path = []
+        j = self.pred[i]
+        while j >= 0:
+            path.append(j)
+            j = self.pred[j]
+        path.reverse()
+        path.append(i)
+        j = tail_next[i]
+        while j >= 0:
+            path.append(j)
+            j = tail_next[j]
+        return path
+
     def critical_path(self) -> list[int]:
         """The tasks of a longest chain ending at the makespan, last first: each task's start is the end
         of the next one in the list (a path of the DAG of dependencies and stream order)."""

@@ -276,7 +276,8 @@ class Pricer:
             recv_factor=s.recv_factor, recv_mem_factor=s.recv_mem_factor, memory_parts=dict(d.memory_parts),
         )
         if with_cut and all(p.options):
-            p = p.with_cut(self.floor_cost(p).cuts[0])
+            for cut in self.floor_cost(p).cuts:
+                p = p.with_cut(cut)
         return p
 
     def floor(self, p: CandidatePricing) -> Floor:
@@ -324,6 +325,10 @@ class Pricer:
         aggregate sets, so the first solve already sees what each aggregate costs where the floor's
         path does not cross it (six pricings per candidate solved)."""
         if not p.options:
+            rc_all = tuple(l.saved_bytes > 0 for l in p.layers)
+            if any(rc_all):
+                for c in self._price_x(p.mesh, self.floor(p).x, rc_all).cuts:
+                    p = p.with_cut(c)
             return p
         f = self.floor(p)
         arr_max = np.zeros(len(LOADS))
@@ -387,18 +392,23 @@ class Pricer:
         return price(self.context(p.mesh), None, self.layer_plans(p, a.recompute), self.balancing, self.workload.kernels,
                      detail=detail, aggregates=agg, cuts=True, include_embeddings=bool(p.options))
 
-    def _price_x(self, c: MeshCandidate, x: dict[str, float], recompute, *, mem_bytes: float = 0.0, recv_bytes: float = 0.0):
+    def _price_x(self, c: MeshCandidate, x: dict[str, float], recompute, *, mem_bytes: float = 0.0, recv_bytes: float = 0.0,
+                 contention: bool = False):
+        """The pricer's step at aggregates ``x`` (without the SM-contention slowdown by default: the floor
+        and probe points give cuts that are lower bounds everywhere, not just where they were priced)."""
         from coplan.costmodel import price
         from coplan.costmodel.pricer import SparseAggregates
 
         ctx = self.context(c)
         if not ctx.tables.num:
-            return price(ctx, None, (), self.balancing, self.workload.kernels, detail=False, cuts=True)
+            layers = tuple(LayerPlan(name=n, recompute=bool(on)) for n, on in zip(ctx.layer_names, recompute))
+            return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, cuts=True, contention=contention)
         agg = SparseAggregates(fwd_max_s=x["fwd"], bwd_max_s=x["bwd"], a2a_bytes=x["a2a"], ids_bytes=x["ids"], dp_bytes=x["dp"],
                                sync_bytes=x["sync"], emb_kernels=1.0, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
                                mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=recv_bytes)
         layers = tuple(LayerPlan(name=n, recompute=bool(on)) for n, on in zip(ctx.layer_names, recompute))
-        return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, aggregates=agg, cuts=True)
+        return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, aggregates=agg, cuts=True,
+                     contention=contention)
 
 
 def _dominates(a: ShardOption, b: ShardOption) -> bool:

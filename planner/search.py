@@ -229,14 +229,73 @@ class CandidateBound:
 
 
 def candidate_bound(pricer: Pricer, p: CandidatePricing, floor_cost) -> CandidateBound:
+    """What no plan of the candidate can beat: the larger of the floor point's price and the joint
+    bound of its cuts (:func:`joint_floor`), each with the least recompute its memory needs."""
     f = pricer.floor(p)
     mem_no_rc = p.base_bytes + f.mem_bytes + p.recv_mem_factor * f.recv_bytes
     mem_floor = mem_no_rc - most_freed(p)
+    need = mem_no_rc - p.capacity_bytes
     cut = floor_cost.cuts[0] if floor_cost.cuts else None
     times = dict(cut.rc_s) if cut is not None else {}
-    rc = recompute_floor(p, mem_no_rc - p.capacity_bytes, times)
-    slack = cut.slack_s if cut is not None else 0.0
-    return CandidateBound(float(floor_cost.step_time_s) - slack + rc, mem_floor, float(floor_cost.step_time_s))
+    at_floor = float(floor_cost.step_time_s) - (cut.slack_s if cut is not None else 0.0) + recompute_floor(p, need, times)
+    return CandidateBound(max(at_floor, joint_floor(p, need)), mem_floor, float(floor_cost.step_time_s))
+
+
+def joint_floor(p: CandidatePricing, need_bytes: float, iterations: int = 24) -> float:
+    """A lower bound of the candidate's step that keeps every table to one option.
+
+    Each aggregate is at least what the average rank carries (per-rank loads: the options' loads times
+    their share of the ranks; the all-to-alls at least half their senders' and receivers' volumes), so
+    each cut is at least a sum over tables of what the table's option adds to it. A convex combination
+    of the cuts (weights λ) is below their maximum, and its least over option choices separates by
+    table: ``L(λ) = Σ_k λ_k (c_k − slack_k) + Σ_t min_o Σ_k λ_k cut_k(o) + least recompute``. Any λ gives
+    a valid bound; a few projected subgradient steps look for a good one."""
+    from coplan.planner.pricing import VARS, option_arrays
+
+    if not p.cuts or not p.options:
+        return 0.0
+    arr = option_arrays(p)
+    s = p.group_size
+    share = np.where(arr.place == 2, 1.0, np.array([o.num_shards for opts in p.options for o in opts], dtype=float) / s)
+    avg = arr.vec * share[:, None]                      # (options, 5) per-rank loads of an average rank
+    A = np.zeros((avg.shape[0], len(VARS)))            # (options, 6) in VARS order
+    A[:, 0], A[:, 1] = avg[:, 0], avg[:, 1]
+    A[:, 2] = 0.5 * (avg[:, 2] + p.recv_factor * arr.recv)
+    A[:, 3] = 0.5 * (avg[:, 3] + arr.ids_send)
+    A[:, 4] = arr.dp
+    A[:, 5] = avg[:, 4]
+    base = np.zeros(len(VARS))
+    base[0], base[1] = p.launch_s
+    N = np.array([[c.coef.get(v, 0.0) for v in VARS] for c in p.cuts])          # (cuts, 6)
+    C = np.array([c.const_s - c.slack_s for c in p.cuts]) + N @ base
+    R = {l.name: np.array([c.rc_s.get(l.name, 0.0) for c in p.cuts]) for l in p.layers}
+    starts = arr.off[:-1]
+
+    def value(lam: np.ndarray) -> tuple[float, np.ndarray]:
+        per_opt = A @ (N.T @ lam)
+        mins = np.minimum.reduceat(per_opt, starts)
+        pick = np.array([int(arr.off[t] + np.argmin(per_opt[arr.off[t]:arr.off[t + 1]])) for t in range(len(starts))])
+        grad = C + N @ A[pick].sum(axis=0)
+        return float(lam @ C + mins.sum()), grad
+
+    K = len(p.cuts)
+    best_val, best_lam = -np.inf, np.full(K, 1.0 / K)
+    lam = best_lam.copy()
+    for k in range(K):
+        v, _ = value(np.eye(K)[k])
+        if v > best_val:
+            best_val, best_lam = v, np.eye(K)[k]
+    lam = best_lam.copy()
+    for it in range(iterations):
+        v, g = value(lam)
+        if v > best_val:
+            best_val, best_lam = v, lam.copy()
+        step = 1.0 / (it + 2)
+        lam = lam + step * (g - g.mean()) / max(float(np.abs(g - g.mean()).max()), 1e-300)
+        lam = np.clip(lam, 0.0, None)
+        lam = lam / lam.sum() if lam.sum() > 0 else np.full(K, 1.0 / K)
+    times = {n: float(best_lam @ r) for n, r in R.items()}
+    return best_val + recompute_floor(p, need_bytes, times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +447,8 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
                 unpinnable.setdefault(n, []).append(c.sparse_shard)
             continue
         fc = pricer.floor_cost(p)
-        p = p.with_cut(fc.cuts[0])
+        for cut in fc.cuts:
+            p = p.with_cut(cut)
         b = candidate_bound(pricer, p, fc)
         feasible = b.memory_floor_bytes <= p.capacity_bytes and math.isfinite(b.lower_bound_s)
         records.append(CandidateRecord(c, b.lower_bound_s, b.memory_floor_bytes, feasible))

@@ -42,11 +42,17 @@ CAPTIONS = {
     ),
     "memory": (
         "Bytes per rank by kind against the GPU's HBM (dashed). Dense state is the same on every rank; embedding shards, their optimizer "
-        "state and lookup buffers differ with the table placement. The allocator headroom is a stated reserve, not an allocation."
+        "state and lookup buffers differ with the table placement. The usable line is HBM less the topology's stated reserve (allocator "
+        "fragmentation, CUDA context, NCCL internals): no plan fills past it."
     ),
     "sharding": (
         "Top: embedding bytes each rank of the sparse shard group holds, by sharding type. Bottom: one row per table (largest first), one "
         "dot per shard on one rank, one bar per shard spread over a run of ranks; size is bytes per shard."
+    ),
+    "alternatives": (
+        "The plans the search priced and did not return, against the returned one: other mesh candidates (and micro-batch counts), the "
+        "runner-up sharding or recompute of the same mesh, the simulate heuristic's plan, and the best candidates it pruned by a proven "
+        "lower bound or found not to fit. Hover a bar for why it lost. `coplan diff` compares any two plan files choice by choice."
     ),
     "balance": (
         "One global batch of jagged samples, drawn from the workload's length distribution and priced per sample by the cost model, split "
@@ -104,7 +110,7 @@ def _section(key: str, title: str, make: Callable[[], object], log: BuildLog) ->
 def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scaling: bool = True, what_if: bool = True,
                  log: BuildLog | None = None) -> Report:
     """Every figure and the summary for ``inputs``."""
-    from coplan.reports import balance, calibration, ledger, ranks, runs, scaling as scaling_mod, sharding, summary, timeline, waterfall
+    from coplan.reports import alternatives, balance, calibration, ledger, ranks, runs, scaling as scaling_mod, sharding, summary, timeline, waterfall
 
     log = log or BuildLog()
     plan = inputs.plan
@@ -125,6 +131,7 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
                  if inputs.priced is not None and inputs.priced.schedule is not None else (None, "the cost model did not expose its schedule"), log),
         _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost, plan, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
         _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
+        _section("alternatives", "Why this plan", lambda: alternatives.alternatives_figure(plan), log),
         _section("sharding", "Embedding sharding map", lambda: sharding.sharding_map(plan) if plan.tables else (None, "the plan shards no embedding tables"), log),
         _section("balance", "Jagged balance", lambda: (balance.jagged_balance(plan, inputs.context)
                  or (None, "the workload has no jagged sequence: every sample costs the same, there is nothing to balance"))
