@@ -81,11 +81,11 @@ def check_plan(plan: Plan, *, where: str, nproc: int | None = None) -> None:
                                 f"expert-parallel degree {ep}; re-plan")
     from coplan.trainer.plans import layer_names
 
-    known = layer_names(plan.workload)
-    unknown = sorted({lp.name for lp in plan.layers if lp.recompute or lp.precision == "fp8"} - set(known))
+    known = layer_names(plan.workload)  # the layers the trainer can wrap in activation checkpointing
+    unknown = sorted({lp.name for lp in plan.layers if lp.recompute} - set(known))
     if unknown:
-        raise MismatchError(f"{where}: the plan recomputes or runs in fp8 {unknown[:4]}, which are not layers of this "
-                            f"workload's model (its layers: {known[:6]}{' ...' if len(known) > 6 else ''}); re-plan")
+        raise MismatchError(f"{where}: the plan recomputes {unknown[:4]}, which are not layers the trainer can recompute "
+                            f"(this workload's: {known[:6]}{' ...' if len(known) > 6 else ''}); re-plan")
     fp8 = sorted(lp.name for lp in plan.layers if lp.precision == "fp8")
     if fp8 and plan.precision.fp8 == "off":
         raise MismatchError(f"{where}: the plan puts {fp8[:4]} in fp8 while precision.fp8 is 'off'; re-plan")
@@ -104,6 +104,23 @@ def check_options(args: argparse.Namespace) -> None:
             raise MismatchError(f"--{name.replace('_', '-')} {v}: expected at least 1")
     if getattr(args, "resume", None) == "auto" and not getattr(args, "run_id", None):
         raise MismatchError("--resume auto needs --run-id: a restarted job must find the same run directory")
+
+
+def _no_nvidia_gpu() -> bool:
+    """Whether this machine surely has no NVIDIA GPU (no device node and no nvidia-smi), torch-free."""
+    import glob
+    import shutil
+
+    return not glob.glob("/dev/nvidia[0-9]*") and shutil.which("nvidia-smi") is None
+
+
+def check_device(args: argparse.Namespace, plan: Plan) -> None:
+    """A GPU launch on a machine without GPUs, refused before torchrun (the workers check the GPU model)."""
+    device = getattr(args, "device", "auto")
+    if device in ("auto", "cuda") and not getattr(args, "dry_run", False) and plan.num_nodes == 1 and _no_nvidia_gpu():
+        raise MismatchError(f"--device {device}: this machine has no NVIDIA GPU, and the plan is for "
+                            f"{plan.topology.gpu.name} GPUs; pass --device cpu for a functional run on CPU processes "
+                            "(gloo), whose timings say nothing about the plan")
 
 
 def check_plans(args: argparse.Namespace) -> list[Plan]:
@@ -127,6 +144,7 @@ def check_plans(args: argparse.Namespace) -> list[Plan]:
         stems = [Path(p).stem for p in paths]
         if len(set(stems)) != len(stems):
             raise MismatchError(f"plan file names must differ (each run directory is named after its plan): {stems}")
+    check_device(args, plans[0])
     return plans
 
 
@@ -228,7 +246,7 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.set_defaults(func=run_train)
 
 
-__all__ = ["check_options", "check_plan", "check_plans", "register_train", "run_train", "torchrun_commands", "torchrun_main"]
+__all__ = ["check_device", "check_options", "check_plan", "check_plans", "register_train", "run_train", "torchrun_commands", "torchrun_main"]
 
 
 if __name__ == "__main__":  # the launcher's torchrun (see torchrun_main)

@@ -10,7 +10,8 @@ and the 2-D plan's table layouts pinned (the same plan with one copy of the tabl
 
 - every plan is accepted by `coplan train` and runs (``STEPS`` steps; the pairs ``PAIR_STEPS``), every
   loss finite;
-- each 2-D run of a pair matches its 1-D run within 1e-5 at every step.
+- each 2-D run of a pair matches its 1-D run within 1e-5 at every step (the 2-D plan recomputing every
+  layer: :func:`_recompute_every_layer`).
 
 Plans of one world size run in one torchrun launch (``coplan train a.json b.json ...``: each in turn in the
 same workers), so the whole property costs a few launches, not one per plan.
@@ -52,6 +53,7 @@ STEPS = 3
 PAIR_STEPS = 10
 TOL = 1e-5
 LAUNCH_TIMEOUT_S = 600
+PLAN_TIMEOUT_S = 120
 
 
 def case(seed: int) -> tuple[str, int]:
@@ -59,59 +61,80 @@ def case(seed: int) -> tuple[str, int]:
 
 
 def _plan(workload: Path, world: int, out: Path, *pins: str) -> str | None:
-    """`coplan plan` (the CLI's own entry point, in this process); None when it wrote the plan, else its error."""
-    import contextlib
-    import io
+    """`coplan plan`, in its own process (as a user runs it); None when it wrote the plan, else its error."""
+    r = subprocess.run([sys.executable, "-m", "coplan.cli", "plan", "-w", str(workload), *TOPOLOGY[world], *pins, "--quiet",
+                        "-o", str(out)], capture_output=True, text=True, timeout=PLAN_TIMEOUT_S)
+    return None if r.returncode == 0 and out.is_file() else (r.stderr.strip() or f"exit code {r.returncode}")
 
-    from coplan.cli import main
 
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["plan", "-w", str(workload), *TOPOLOGY[world], *pins, "--quiet", "-o", str(out)])
-    return None if code == 0 and out.is_file() else (err.getvalue().strip() or f"exit code {code}")
+def _recompute_every_layer(path: Path) -> None:
+    """The planner recomputes no layer of these small models on an H200; recompute changes no value, so
+    the 2-D plan of each pair recomputes every layer the planner may recompute (edited in) and must still
+    match its 1-D twin."""
+    from coplan.spec import Plan
+
+    from coplan.costmodel.flops import recomputable_layers
+
+    plan = load_plan(path)
+    may = set(recomputable_layers(plan.workload))  # what the planner may recompute (stacked layers)
+    if may:
+        layers = tuple(lp.model_copy(update={"recompute": lp.name in may}) for lp in plan.layers)
+        dump_spec(Plan.model_validate(plan.model_copy(update={"layers": layers}).model_dump()), path)
+
+
+def _plan_seed(seed: int, root: Path) -> dict:
+    """Every plan of one seed: {"plans": {path: steps}, "pair": (2-D, 1-D) or None, "error": str or None}."""
+    out: dict = {"plans": {}, "pair": None, "error": None}
+    kind, world = case(seed)
+    w = random_workload(seed, kind, "cpu", world_size=world, optimizer={"dense": "sgd", "sparse": "sgd"})
+    wpath = dump_spec(w, root / f"w{seed:02d}.yaml")
+    p = root / f"s{seed:02d}.json"
+    err = _plan(wpath, world, p)
+    if err:
+        return out | {"error": f"unpinned: {err}"}
+    out["plans"][p] = STEPS
+    if world == 1 or not w.all_tables:
+        return out
+    two = root / f"s{seed:02d}r2.json"
+    err = _plan(wpath, world, two, "--pin", "sparse_replicate=2")
+    if err:
+        return out | {"error": f"--pin sparse_replicate=2: {err}"}
+    if load_plan(two).micro_batches > 1:
+        out["plans"][two] = STEPS
+        # the pair: the same workload in one micro-batch per step (module docstring)
+        one_mb = w.model_copy(update={"batch": w.batch.model_copy(update={"micro_batches": 1})})
+        wpath = dump_spec(type(w).model_validate(one_mb.model_dump()), root / f"w{seed:02d}m1.yaml")
+        two = root / f"s{seed:02d}m1r2.json"
+        err = _plan(wpath, world, two, "--pin", "sparse_replicate=2", "--pin", "micro_batches=1")
+        if err:
+            return out | {"error": f"one micro-batch, --pin sparse_replicate=2: {err}"}
+    one = two.with_name(two.name.replace("r2", "r1"))
+    layouts = [f"{t.table}={t.sharding_type}" + (f"/{len(t.ranks)}" if t.sharding_type == "column_wise" else "")
+               for t in load_plan(two).tables]
+    err = _plan(wpath, world, one, "--pin", "sparse_replicate=1", "--pin", f"micro_batches={load_plan(two).micro_batches}",
+                *[a for lay in layouts for a in ("--pin-table", lay)])
+    if err:
+        return out | {"error": f"--pin sparse_replicate=1 with the 2-D plan's layouts: {err}"}
+    _recompute_every_layer(two)
+    out["plans"][two] = out["plans"][one] = PAIR_STEPS
+    return out | {"pair": (two, one)}
 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> dict:
+    """Every seed's plans, two seeds at a time (each `coplan plan` is a process of its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     root = tmp_path_factory.mktemp("property")
+    with ThreadPoolExecutor(2) as pool:
+        per_seed = dict(zip(SEEDS, pool.map(lambda s: _plan_seed(s, root), SEEDS)))
     out: dict = {"root": root, "plans": {}, "errors": {}, "pairs": {}}
-    for seed in SEEDS:
-        kind, world = case(seed)
-        w = random_workload(seed, kind, "cpu", world_size=world, optimizer={"dense": "sgd", "sparse": "sgd"})
-        wpath = dump_spec(w, root / f"w{seed:02d}.yaml")
-        p = root / f"s{seed:02d}.json"
-        err = _plan(wpath, world, p)
-        if err:
-            out["errors"][seed] = f"unpinned: {err}"
-            continue
-        out["plans"][p] = (seed, STEPS)
-        if world == 1 or not w.all_tables:
-            continue
-        two = root / f"s{seed:02d}r2.json"
-        err = _plan(wpath, world, two, "--pin", "sparse_replicate=2")
-        if err:
-            out["errors"][seed] = f"--pin sparse_replicate=2: {err}"
-            continue
-        if load_plan(two).micro_batches > 1:
-            out["plans"][two] = (seed, STEPS)
-            # the pair: the same workload in one micro-batch per step (module docstring)
-            one_mb = w.model_copy(update={"batch": w.batch.model_copy(update={"micro_batches": 1})})
-            wpath = dump_spec(type(w).model_validate(one_mb.model_dump()), root / f"w{seed:02d}m1.yaml")
-            two = root / f"s{seed:02d}m1r2.json"
-            err = _plan(wpath, world, two, "--pin", "sparse_replicate=2", "--pin", "micro_batches=1")
-            if err:
-                out["errors"][seed] = f"one micro-batch, --pin sparse_replicate=2: {err}"
-                continue
-        one = two.with_name(two.name.replace("r2", "r1"))
-        layouts = [f"{t.table}={t.sharding_type}" + (f"/{len(t.ranks)}" if t.sharding_type == "column_wise" else "")
-                   for t in load_plan(two).tables]
-        err = _plan(wpath, world, one, "--pin", "sparse_replicate=1", "--pin", f"micro_batches={load_plan(two).micro_batches}",
-                    *[a for lay in layouts for a in ("--pin-table", lay)])
-        if err:
-            out["errors"][seed] = f"--pin sparse_replicate=1 with the 2-D plan's layouts: {err}"
-            continue
-        out["plans"][two] = out["plans"][one] = (seed, PAIR_STEPS)
-        out["pairs"][seed] = (two, one)
+    for seed, r in per_seed.items():
+        out["plans"] |= {p: (seed, steps) for p, steps in r["plans"].items()}
+        if r["error"]:
+            out["errors"][seed] = r["error"]
+        if r["pair"]:
+            out["pairs"][seed] = r["pair"]
     return out
 
 
@@ -167,6 +190,17 @@ def _losses(trained: dict, plan: Path, steps: int) -> list[float]:
     lines = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
     assert [ln["step"] for ln in lines] == list(range(steps)), (plan.name, trained["outputs"].get(plan, ""))
     return [ln["loss"] for ln in lines]
+
+
+def test_the_trainer_recomputes_every_layer_the_planner_may():
+    """The contract behind recompute: the cost model's recomputable layers (all the planner chooses from)
+    are layers the trainer wraps in activation checkpointing."""
+    from coplan.costmodel.flops import recomputable_layers
+    from coplan.trainer.plans import layer_names
+
+    for seed in SEEDS:
+        w = random_workload(seed, case(seed)[0], "cpu", world_size=case(seed)[1])
+        assert set(recomputable_layers(w)) <= set(layer_names(w)), seed
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -151,3 +151,21 @@ def test_a_worker_failure_is_one_message_not_an_elastic_dump(tmp_path):
     assert r.returncode == 2, out
     assert "that run trained a different plan" in out and out.count("error:") == 1, out
     assert "ChildFailedError" not in out and "Traceback" not in out, out
+
+
+def test_recomputing_a_layer_the_model_does_not_have_is_refused_before_launch(plan4, tmp_path):
+    from coplan.spec import LayerPlan, Plan
+
+    layers = (*plan4.layers, LayerPlan(name="decoder.7", recompute=True))
+    bad = dump_spec(Plan.model_validate(plan4.model_copy(update={"layers": layers}).model_dump()), tmp_path / "bad.json")
+    assert "recomputes ['decoder.7'], which are not layers" in _refused_without_torch(["train", str(bad), "--device", "cpu"])
+
+
+def test_a_gpu_launch_on_a_machine_without_gpus_is_refused_before_launch(plan4, tmp_path):
+    from coplan.trainer.cli import _no_nvidia_gpu
+
+    if not _no_nvidia_gpu():
+        pytest.skip("this machine has an NVIDIA GPU")
+    path = dump_spec(plan4, tmp_path / "plan.json")
+    err = _refused_without_torch(["train", str(path)])
+    assert "this machine has no NVIDIA GPU" in err and "pass --device cpu" in err

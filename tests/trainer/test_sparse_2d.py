@@ -156,15 +156,9 @@ PLANNED = {
 
 
 def _coplan_plan(workload: Path, topology: Path, out: Path, pins: list[str]) -> Path:
-    import contextlib
-    import io
-
-    from coplan.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["plan", "-w", str(workload), "-t", str(topology), "--gpus", "4", *pins, "--quiet", "-o", str(out)])
-    assert code == 0, err.getvalue()
+    r = subprocess.run([sys.executable, "-m", "coplan.cli", "plan", "-w", str(workload), "-t", str(topology), "--gpus", "4", *pins,
+                        "--quiet", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
     return out
 
 
