@@ -220,19 +220,40 @@ def plan_summary(sharding_plan) -> dict:
     return out
 
 
-def _torchrec_child(wname: str, topo_name: str, world: int, batch: int, timeout_s: int, path: str) -> None:
-    from coplan.spec import load_topology, load_workload
+def _torchrec_child(workload, topo_name: str, world: int, batch: int, timeout_s: int, path: str) -> None:
+    from coplan.spec import load_topology
 
-    plan, wall = torchrec_plan(load_workload(wname), load_topology(topo_name), world, batch, timeout_s)
+    plan, wall = torchrec_plan(workload, load_topology(topo_name), world, batch, timeout_s)
     Path(path).write_text(json.dumps({"wall_s": wall, "plan": plan_summary(plan)}))
 
 
-def torchrec_plan_limited(wname: str, topo_name: str, world: int, batch: int, timeout_s: int, wall_limit_s: float, cache: Path) -> dict:
+def random_tables(seed: int, num_tables: int):
+    """A seeded random table set (mixed dims and pooling factors, a few sequence tables) behind a token
+    dense part, 512 samples per rank."""
+    from coplan.spec import Workload
+
+    rng = __import__("numpy").random.default_rng(seed)
+    seq = int(rng.integers(0, 5))
+    gen = {"seed": seed, "num_tables": num_tables, "min_rows": int(10 ** rng.uniform(2, 4)), "max_rows": int(10 ** rng.uniform(6, 8.3)),
+           "dims": [32, 64, 128, 256], "dim_weights": [0.2, 0.35, 0.3, 0.15], "pooling_mean": round(float(rng.uniform(2, 30)), 2),
+           "pooling_sigma": round(float(rng.uniform(0.3, 1.5)), 3), "dtype": "fp16", "num_sequence_tables": seq,
+           "sequence": "history" if seq else None}
+    return Workload.model_validate({
+        "name": f"random-tables-{seed}", "table_generator": gen,
+        "sequences": [{"name": "history", "length": {"kind": "lognormal", "mean": 64, "sigma": 0.8, "max_len": 512}}] if seq else [],
+        "blocks": [{"type": "dense_mlp", "num_dense_features": 8, "hidden_dims": [16], "out_tokens": 1},
+                   {"type": "heads", "tasks": ["ctr"], "input_dim": 32, "hidden_dims": [8]}],
+        "batch": {"local_batch_size": 512},
+    })
+
+
+def torchrec_plan_limited(workload, topo_name: str, world: int, batch: int, timeout_s: int, wall_limit_s: float, cache: Path) -> dict:
     """TorchRec's plan in a child process killed after ``wall_limit_s`` (its ``timeout_seconds`` only
     bounds the proposal loop, not the enumeration and estimation before it). The plan is cached as
     JSON so that coplan's side can be re-run against the same TorchRec plan."""
     import multiprocessing as mp
 
+    wname = workload.name
     path = cache / f"{wname}@{world}.json"
     if path.exists():
         return {**json.loads(path.read_text()), "cached": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)}
@@ -241,7 +262,7 @@ def torchrec_plan_limited(wname: str, topo_name: str, world: int, batch: int, ti
     import resource
 
     ctx = mp.get_context("fork")
-    proc = ctx.Process(target=_torchrec_child, args=(wname, topo_name, world, batch, timeout_s, str(tmp)))
+    proc = ctx.Process(target=_torchrec_child, args=(workload, topo_name, world, batch, timeout_s, str(tmp)))
     t0 = time.perf_counter()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc.start()
@@ -264,35 +285,32 @@ def torchrec_plan_limited(wname: str, topo_name: str, world: int, batch: int, ti
     return got
 
 
-def coplan_plan(workload, topology, world: int, dtime: float, free_tables: int | None = None):
-    """coplan's sparse plan over one group of all ranks (CP-SAT on coplan's cost model), as a ShardingPlan."""
-    from coplan.planner.costs import Pricer
-    from coplan.planner.mesh import MeshCandidate
-    from coplan.planner.search import table_shards
-    from coplan.planner.solver import SolverSettings, solve_candidate
+def sparse_only(workload, batch: int):
+    """The workload's tables behind a token dense part (one small MLP and one head), with ``batch``
+    samples per rank: what both planners shard is the tables alone, on TorchRec's footing."""
+    from coplan.spec import Workload
+
+    data = workload.model_dump()
+    dims = sorted({t.dim for t in workload.all_tables})
+    data.update(name=f"{workload.name}-sparse", blocks=[
+        {"type": "dense_mlp", "num_dense_features": 8, "hidden_dims": [16], "out_tokens": 1},
+        {"type": "heads", "tasks": ["ctr"], "input_dim": dims[0], "hidden_dims": [8]},
+    ], batch={"local_batch_size": batch, "micro_batches": 1})
+    data.pop("sequences", None) if not any(t.feature_kind == "sequence" for t in workload.all_tables) else None
+    return Workload.model_validate(data)
+
+
+def coplan_plan(workload, topology, world: int, batch: int, dtime: float | None = None):
+    """coplan's plan of the tables over one group of all ranks (as TorchRec plans them), made the way a
+    user makes it: ``coplan plan --pin sparse_shard=<world>`` on the tables with a token dense part."""
+    from coplan.planner.search import PlannerConfig, make_plan
     from coplan.planner.torchrec_export import to_torchrec
-    from coplan.spec import MeshPlan, Plan
 
     t0 = time.perf_counter()
-    pr = Pricer(workload, topology, world)
-    cand = MeshCandidate(world, world, 1, world)
-    # Sparse alone, on TorchRec's footing: no dense layers to recompute, and the HBM TorchRec's
-    # planner leaves to embeddings (its HeuristicalStorageReservation keeps 15% for the dense part).
-    p = dataclasses.replace(pr.candidate(cand), layers=(), base_bytes=0.15 * topology.gpu.hbm_bytes)
-    # One candidate is solved here, not the CLI's twelve, so every table gets a choice variable in the
-    # decomposed model (the CLI frees its 160 most consequential): an exact relaxation of the option
-    # choice, whose choice and bound see every table's own figures; and the thorough placement.
-    free = len(p.options) if free_tables is None else free_tables
-    res = solve_candidate(p, SolverSettings(time_limit_s=dtime, num_workers=1, free_tables=free, thorough_placement=True))
-    if res.assignment is None:
-        raise RuntimeError(f"coplan found no sparse plan at {world} ranks: {res.status}")
-    shards = table_shards(p, res.assignment)
-    plan = Plan(topology=topology, workload=workload, world_size=world, mesh=MeshPlan(dense_shard=world, sparse_shard=world), tables=shards)
-    # the gap of the sparse part alone: the surrogate's step includes the dense part as a constant,
-    # which makes the whole step's gap look small
-    sparse = res.step_time_s - p.base_time_s
-    sparse_gap = (res.step_time_s - res.bound_s) / sparse if sparse > 0 else 0.0
-    return to_torchrec(plan), time.perf_counter() - t0, res, sparse_gap
+    w = sparse_only(workload, batch)
+    cfg = PlannerConfig(world_size=world, pins={"sparse_shard": world}, **({"solve_dtime": dtime} if dtime else {}))
+    plan, res = make_plan(w, topology, None, cfg)
+    return to_torchrec(plan), time.perf_counter() - t0, plan
 
 
 def main() -> int:
@@ -300,9 +318,11 @@ def main() -> int:
     ap.add_argument("--workloads", default="dlrm-856,gem-1t")
     ap.add_argument("--worlds", default="64,512,4096")
     ap.add_argument("--topology", default="h200-superpod-4k")
-    ap.add_argument("--dtime", type=float, default=2.0, help="coplan CP-SAT deterministic time")
-    ap.add_argument("--free-tables", type=int, default=None,
-                    help="tables with choice variables in coplan's decomposed model (default: all; the CLI uses 160)")
+    ap.add_argument("--dtime", type=float, default=None, help="coplan CP-SAT deterministic time per solve (default: coplan plan's)")
+    ap.add_argument("--random", type=int, default=0, metavar="N",
+                    help="instead of --workloads: N seeded random table sets (50-1,000 tables, mixed dims and pooling) at random "
+                         "worlds of --worlds; the seed is taken at run time (or --seed) and reported")
+    ap.add_argument("--seed", type=int, default=None, help="seed of --random (default: taken from the clock at run time)")
     ap.add_argument("--torchrec-timeout", type=int, default=300, help="TorchRec planner timeout_seconds (its proposal loop)")
     ap.add_argument("--torchrec-wall-limit", type=float, default=1800.0,
                     help="kill TorchRec's planner (enumeration and estimation included) after this many seconds")
@@ -327,9 +347,21 @@ def main() -> int:
         old = json.loads(Path(args.output).read_text()).get("rows", [])
     else:
         old = []
-    points = [(wname, int(x)) for x in args.worlds.split(",") for wname in args.workloads.split(",")]
-    for wname, world in points:
-            w = load_workload(wname)
+    if args.random:
+        import numpy as np
+
+        args.seed = int(time.time()) % 2**31 if args.seed is None else args.seed
+        _log(f"random table sets, seed {args.seed}")
+        rng = np.random.default_rng(args.seed)
+        worlds = [int(x) for x in args.worlds.split(",")]
+        points = []
+        for i in range(args.random):
+            w = random_tables(int(rng.integers(0, 2**31 - 1)), int(rng.integers(50, 1001)))
+            points.append((w, int(rng.choice(worlds))))
+    else:
+        points = [(load_workload(wname), int(x)) for x in args.worlds.split(",") for wname in args.workloads.split(",")]
+    for w, world in points:
+            wname = w.name
             batch = w.batch.local(world)
             row = {"workload": wname, "world_size": world, "batch_per_rank": batch, "tables": len(w.all_tables),
                    "load_average_before": os.getloadavg()}
@@ -342,7 +374,7 @@ def main() -> int:
                         raise RuntimeError("no cached TorchRec plan and --skip-torchrec")
                     row["torchrec"] = {**prev[(wname, world)], "from_previous_run": args.previous}
                 else:
-                    got = torchrec_plan_limited(wname, args.topology, world, batch, args.torchrec_timeout, args.torchrec_wall_limit, cache)
+                    got = torchrec_plan_limited(w, args.topology, world, batch, args.torchrec_timeout, args.torchrec_wall_limit, cache)
                     if "error" in got:
                         row["torchrec"] = got
                     else:
@@ -356,14 +388,14 @@ def main() -> int:
             _log(f"{wname} @ {world}: coplan planning...")
             try:
                 c0 = time.process_time()
-                cp, cp_s, res, sparse_gap = coplan_plan(w, topology, world, args.dtime, args.free_tables)
+                cp, cp_s, cplan = coplan_plan(w, topology, world, batch, args.dtime)
                 cpu = time.process_time() - c0
                 _log(f"{wname} @ {world}: rating coplan's plan...")
                 t0 = time.perf_counter()
                 rated = rate_plan(cp, w, topology, world, batch)
                 row["coplan"] = {"wall_s": cp_s, "cpu_s": cpu, **rated, "kinds": _kinds(cp), "rating_s": time.perf_counter() - t0,
-                                 "cp_sat_status": res.status, "coplan_gap": res.gap,
-                                 "coplan_sparse_gap": sparse_gap}
+                                 "solver_status": cplan.solver.status, "coplan_gap": cplan.solver.gap,
+                                 "coplan_step_ms": cplan.predicted.step_time_s * 1e3}
             except Exception as e:
                 row["coplan"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             if "max_rank_shards" in row["coplan"]:
@@ -401,7 +433,7 @@ def _write(args, rows) -> None:
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "load_average": os.getloadavg()},
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "git_commit": args.commit,
-        "versions": _versions(), "topology": args.topology, "rows": rows,
+        "versions": _versions(), "topology": args.topology, "seed": getattr(args, "seed", None), "rows": rows,
         "metric": "TorchRec EmbeddingPerfEstimator + NoopPerfModel: max over ranks of summed shard perf (ms); lower is better",
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

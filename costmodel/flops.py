@@ -342,7 +342,7 @@ def _norm_act(name: str, layer: str, block: str, dtype: str, seq: str | None, to
 # ---------------------------------------------------------------------------------------------
 
 
-def _token_width(w: Workload) -> int:
+def token_width(w: Workload) -> int:
     for b in w.blocks:
         if isinstance(b, KunlunBlock):
             return b.model_dim
@@ -373,7 +373,7 @@ def kunlun_tokens(w: Workload, block: KunlunBlock) -> int:
 
 
 def _dense_mlp(w: Workload, b: DenseMLPBlock, dt: str) -> list[Op]:
-    dims = [b.num_dense_features, *b.hidden_dims, b.out_tokens * _token_width(w)]
+    dims = [b.num_dense_features, *b.hidden_dims, b.out_tokens * token_width(w)]
     ops = []
     for i, (k, n) in enumerate(zip(dims[:-1], dims[1:])):
         ops.append(_gemm(f"{b.name}.{i}.gemm", f"{b.name}.{i}", b.name, dt, None, per_sample(1), k, n, input_grad=i > 0))
@@ -605,6 +605,17 @@ def _ops_cached(workload: Workload) -> tuple[Op, ...]:
 def workload_ops(workload: Workload) -> tuple[Op, ...]:
     """Every op of the workload: the lookups first, then the blocks in execution order (cached)."""
     return _ops_cached(workload)
+
+
+RECOMPUTABLE_BLOCKS = ("interformer", "kunlun", "moe", "transformer")
+"""Block types whose layers can be recomputed: the stacked layers the trainer wraps in activation
+checkpointing one by one (a dense MLP, the dot interaction and the task heads are not checkpointed)."""
+
+
+def recomputable_layers(workload: Workload) -> tuple[str, ...]:
+    """The layers (``<block>.<index>``) a plan may recompute, in execution order."""
+    stacked = {b.name for b in workload.blocks if b.type in RECOMPUTABLE_BLOCKS}
+    return tuple(n for n in layer_names(workload) if n.rsplit(".", 1)[0] in stacked)
 
 
 def layer_names(workload: Workload) -> tuple[str, ...]:
@@ -862,3 +873,6 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
         act_bytes=elems * 8.0 + (q_pad * wq + kv_pad * (2 * wkv)) * 4.0,
         fwd_host_kernels=float(k_fwd), bwd_host_kernels=float(k_bwd), host_sync=True,
     )
+
+
+_token_width = token_width  # the name the trainer imported before it was public

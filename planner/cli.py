@@ -52,7 +52,8 @@ def summary(plan: Plan, result=None) -> dict:
     return out
 
 
-def print_summary(plan: Plan, out=sys.stdout) -> None:
+def print_summary(plan: Plan, out=None) -> None:
+    out = out or sys.stdout
     s = summary(plan)
     p = plan.predicted
     w = lambda *a: print(*a, file=out)  # noqa: E731

@@ -167,9 +167,12 @@ class Pricer:
 
             fixed = dense_fixed_costs(ctx)
             ep = {n: float(x) / 2 for n, x in zip(fixed.layers, fixed.ep_all_to_all_s)}  # a forward pair of the four
+        from coplan.costmodel.flops import recomputable_layers
+
+        may = set(recomputable_layers(self.workload))
         layers = tuple(
             LayerOption(lc.name, lc.recompute_s + ep.get(lc.name, 0.0), max(0.0, lc.activation_bytes - lc.recomputed_activation_bytes), lc.activation_bytes)
-            for lc in lcs
+            for lc in lcs if lc.name in may
         )
         info = DenseInfo(base_bytes, layers, mem, self._groups_bytes(c))
         self._dense[key] = info
@@ -327,7 +330,7 @@ class Pricer:
         if not p.options:
             rc_all = tuple(l.saved_bytes > 0 for l in p.layers)
             if any(rc_all):
-                for c in self._price_x(p.mesh, self.floor(p).x, rc_all).cuts:
+                for c in self._price_x(p, self.floor(p).x, rc_all).cuts:
                     p = p.with_cut(c)
             return p
         f = self.floor(p)
@@ -346,17 +349,17 @@ class Pricer:
         for v in ("fwd", "bwd", "a2a", "ids", "dp", "sync"):
             if high[v] <= f.x[v] * (1 + 1e-9):
                 continue
-            for c in self._price_x(p.mesh, {**f.x, v: high[v]}, rc_none, mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes).cuts:
+            for c in self._price_x(p, {**f.x, v: high[v]}, rc_none, mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes).cuts:
                 out = out.with_cut(c)
         if any(rc_all):
-            for c in self._price_x(p.mesh, f.x, rc_all, mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes).cuts:
+            for c in self._price_x(p, f.x, rc_all, mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes).cuts:
                 out = out.with_cut(c)
         return out
 
     def floor_cost(self, p: CandidatePricing):
         """The pricer's step at the candidate's floor point with nothing recomputed (with its cut)."""
         f = self.floor(p)
-        return self._price_x(p.mesh, f.x, (False,) * len(p.layers), mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes)
+        return self._price_x(p, f.x, (False,) * len(p.layers), mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes)
 
     # ------------------------------------------------------------------ pricing solutions
     def aggregates(self, p: CandidatePricing, a: Assignment):
@@ -392,21 +395,20 @@ class Pricer:
         return price(self.context(p.mesh), None, self.layer_plans(p, a.recompute), self.balancing, self.workload.kernels,
                      detail=detail, aggregates=agg, cuts=True, include_embeddings=bool(p.options))
 
-    def _price_x(self, c: MeshCandidate, x: dict[str, float], recompute, *, mem_bytes: float = 0.0, recv_bytes: float = 0.0,
+    def _price_x(self, p: CandidatePricing, x: dict[str, float], recompute, *, mem_bytes: float = 0.0, recv_bytes: float = 0.0,
                  contention: bool = False):
         """The pricer's step at aggregates ``x`` (without the SM-contention slowdown by default: the floor
         and probe points give cuts that are lower bounds everywhere, not just where they were priced)."""
         from coplan.costmodel import price
         from coplan.costmodel.pricer import SparseAggregates
 
-        ctx = self.context(c)
+        ctx = self.context(p.mesh)
+        layers = self.layer_plans(p, recompute)
         if not ctx.tables.num:
-            layers = tuple(LayerPlan(name=n, recompute=bool(on)) for n, on in zip(ctx.layer_names, recompute))
             return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, cuts=True, contention=contention)
         agg = SparseAggregates(fwd_max_s=x["fwd"], bwd_max_s=x["bwd"], a2a_bytes=x["a2a"], ids_bytes=x["ids"], dp_bytes=x["dp"],
                                sync_bytes=x["sync"], emb_kernels=1.0, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
                                mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=recv_bytes)
-        layers = tuple(LayerPlan(name=n, recompute=bool(on)) for n, on in zip(ctx.layer_names, recompute))
         return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, aggregates=agg, cuts=True,
                      contention=contention)
 

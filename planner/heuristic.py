@@ -131,7 +131,7 @@ def heuristic_plan_choices(
     m, ctx, tables, cost = attempt(mesh.sparse_shard)
     if cost.memory.total - cost.memory.activations - cost.memory.recompute_peak > 0 and not cost.fits:
         full = cost.memory.activations
-        layers = tuple(LayerPlan(name=n, recompute=True) for n in ctx.layer_names)
+        layers = tuple(LayerPlan(name=n, recompute=True) for n in F.recomputable_layers(workload))
         m, ctx, tables, cost = attempt(mesh.sparse_shard)
         reasons.append(f"activations {full / 1e9:.1f} GB do not fit: every layer recomputed (now {cost.memory.activations / 1e9:.1f} GB)")
     # sparse group: from the smallest that holds the tables up to the world, keep the fastest that fits

@@ -153,7 +153,10 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
     elif knob == "attention":
         kernels = Kernels(attention=value, embedding=kernels.embedding)
     elif knob == "recompute":
-        layers = tuple(LayerPlan(name=n, recompute=(value == "all")) for n in ctx.layer_names)
+        from coplan.costmodel.flops import recomputable_layers
+
+        may = set(recomputable_layers(w))
+        layers = tuple(LayerPlan(name=n, recompute=(value == "all" and n in may)) for n in ctx.layer_names)
     elif knob == "fp8":
         rec = {lp.name: lp.recompute for lp in layers}
         layers = tuple(LayerPlan(name=n, recompute=rec.get(n, False), precision=value) for n in ctx.layer_names)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from coplan.costmodel.flops import _token_width
+from coplan.costmodel.flops import token_width
 from coplan.errors import MismatchError
 from coplan.spec import Workload
 from coplan.spec.workload import (
@@ -193,7 +193,7 @@ class TokenLayout:
     """InterFormer block name -> its summary tokens."""
 
     width: int
-    """Width of the non-sequence tokens (the cost model's token width, ``flops._token_width``)."""
+    """Width of the non-sequence tokens (the cost model's token width, ``flops.token_width``)."""
 
     pooled_source: str = "kunlun"
     """'kunlun': the pooled embeddings projected into Kunlun's ``num_tokens`` tokens; 'learned': Kunlun's
@@ -216,7 +216,7 @@ def token_layout(workload: Workload) -> TokenLayout:
     kunlun = [b for b in blocks if isinstance(b, KunlunBlock)]
     moe = [b for b in blocks if isinstance(b, MoEBlock)]
     dots = [b for b in blocks if isinstance(b, DotInteractionBlock)]
-    width = _token_width(workload)
+    width = token_width(workload)
     pooled_dim = sum(t.dim * t.num_features for t in workload.all_tables if t.feature_kind == "pooled")
     if kunlun:
         pooled, source = kunlun[0].num_tokens, "kunlun" if pooled_dim else "learned"

@@ -474,6 +474,10 @@ class Plan(Spec):
             raise field_error("world_size", f"{self.world_size} exceeds the {self.topology.num_gpus} GPUs of topology '{self.topology.name}'")
         if self.mesh.world_size != self.world_size:
             raise field_error("mesh", f"covers {self.mesh.world_size} ranks but world_size is {self.world_size}")
+        if self.topology_sha256 and self.topology_sha256 != spec_sha256(self.topology):
+            raise field_error("topology_sha256", "does not match the embedded topology (edited by hand?); re-plan")
+        if self.workload_sha256 and self.workload_sha256 != spec_sha256(self.workload):
+            raise field_error("workload_sha256", "does not match the embedded workload (edited by hand?); re-plan")
         b = self.workload.batch
         if not b.splits(self.world_size):
             raise field_error("world_size", f"global batch {b.global_batch_size:,} does not split evenly over {self.world_size:,} ranks; re-plan")
@@ -483,10 +487,6 @@ class Plan(Spec):
         local = b.local(self.world_size)
         if local % self.micro_batches:
             raise field_error("mesh.micro_batches", f"{self.micro_batches} micro-batches do not split the local batch of {local} evenly")
-        if self.topology_sha256 and self.topology_sha256 != spec_sha256(self.topology):
-            raise field_error("topology_sha256", "does not match the embedded topology (edited by hand?); re-plan")
-        if self.workload_sha256 and self.workload_sha256 != spec_sha256(self.workload):
-            raise field_error("workload_sha256", "does not match the embedded workload (edited by hand?); re-plan")
         tables = {t.name for t in self.workload.all_tables}
         seen: set[str] = set()
         for i, ts in enumerate(self.tables):

@@ -164,7 +164,7 @@ def test_memory_per_rank_reproduces_the_cost_model(plan_case):
     assert rm.exact, "per-rank memory must reproduce the cost model's sampled ranks"
     tot = sum(rm.kinds.values())
     assert float(tot.max()) == pytest.approx(pp.cost.memory.total, rel=1e-9)
-    assert rm.capacity_bytes == plan.topology.gpu.hbm_bytes
+    assert rm.capacity_bytes == plan.topology.gpu.usable_hbm_bytes
     fig = ranks.memory_per_rank(plan, pp.cost, pp.context)
     _check_common(fig, min_traces=3)
     assert any(sh.type == "line" for sh in fig.layout.shapes), "the HBM capacity line is drawn"
