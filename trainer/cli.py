@@ -138,9 +138,12 @@ def check_plans(args: argparse.Namespace) -> list[Plan]:
                                 "`coplan train` per world size")
         if getattr(args, "resume", None):
             raise MismatchError("--resume continues one run: give one plan with it")
-        if getattr(args, "data", None) and len({p.workload_sha256 or p.workload.name for p in plans}) > 1:
-            raise MismatchError("--data is one workload's dataset; these plans are for different workloads (leave --data "
-                                "out: each gets its own under <runs-root>/data)")
+        if getattr(args, "data", None):
+            from coplan.trainer.data import data_sha256  # (pyarrow, no torch)
+
+            if len({data_sha256(p.workload) for p in plans}) > 1:
+                raise MismatchError("--data is one dataset; these plans' workloads read different inputs (leave --data "
+                                    "out: each gets its own under <runs-root>/data)")
         stems = [Path(p).stem for p in paths]
         if len(set(stems)) != len(stems):
             raise MismatchError(f"plan file names must differ (each run directory is named after its plan): {stems}")

@@ -61,7 +61,8 @@ from coplan.trainer.plans import as_single_process, make_plan  # noqa: E402
 
 TIMEOUT_S = 240
 STEPS = 20
-TABLES = {  # every sharding type the trainer runs on CPU, on pooled and sequence tables
+TABLES = {  # table-wise, row-wise and data-parallel, on pooled and sequence tables (every other layout, and 2-D
+    # sparse parallelism, against the single process: tests/trainer/test_sparse_2d.py)
     "user_id": "table_wise", "ad_id": "row_wise", "interests": "data_parallel", "geo": "table_wise",
     "hist_item": "row_wise", "hist_action": "table_wise",
 }

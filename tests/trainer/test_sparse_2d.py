@@ -205,15 +205,20 @@ def runs(tmp_path_factory) -> dict:
         paths[k] = _coplan_plan(wpath, tpath, root / f"{k}.json", pins)
     paths["reference"] = dump_spec(as_single_process(p["every_1d"]), root / "reference.json")
     paths["split"] = dump_spec(p["interval2"], root / "split.json")
-    common = ["--steps", str(STEPS), "--runs-root", str(root)]
+    # one dataset for every launch (the workloads differ in optimizer only), made before any launch: two
+    # launches generating the same default dataset at once would race
+    from coplan.trainer.data import generate_dataset
+
+    data = generate_dataset(w, root / "data", 512, seed=0)
+    common = ["--steps", str(STEPS), "--runs-root", str(root), "--data", str(data)]
     four = [paths[k] for k in ("every_1d", "every_2d", "adagrad_2d", "adagrad_1d", "interval2", *PLANNED)]
     _wait([_launch(4, four, [*common, "--run-id", "r4", "--trace", "2:4", "--checkpoint-every", "5"]),
            _launch(1, [paths["reference"]], [*common, "--run-id", "ref", "--trace", "none", "--checkpoint-every", "-1"])])
     _wait([_launch(8, [paths["every_2d_8"]], [*common, "--run-id", "r8", "--trace", "none", "--checkpoint-every", "-1"]),
            _launch(4, [paths["split"]], ["--steps", "5", "--runs-root", str(root), "--run-id", "split", "--trace", "none",
-                                         "--checkpoint-every", "5"])])
+                                         "--checkpoint-every", "5", "--data", str(data)])])
     _wait([_launch(4, [paths["split"]], ["--steps", str(STEPS), "--resume", str(root / "split"), "--trace", "none",
-                                         "--checkpoint-every", "5"])])
+                                         "--checkpoint-every", "5", "--data", str(data)])])
     dirs = {k: root / f"r4-{k}" for k in ("every_1d", "every_2d", "adagrad_2d", "adagrad_1d", "interval2", *PLANNED)}
     dirs |= {"reference": root / "ref", "every_2d_8": root / "r8", "split": root / "split"}
     return {"dirs": dirs, "plans": p, "paths": paths}
