@@ -562,7 +562,9 @@ def _report(e: BaseException, rank: int) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with open(path, "w") as f:
-            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": traceback.format_exc(),
+            # a plan's error is a message, not a trainer traceback (torchrun's own report prints this file)
+            stack = "" if coplan_error else traceback.format_exc()
+            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": stack,
                                                                   "timestamp": str(int(time.time()))}}}, f)
     if path and os.environ.get(LAUNCHER_ENV):
         return
