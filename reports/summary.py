@@ -137,7 +137,10 @@ def describe_plan(plan: Plan) -> str:
     parts.append(f"'{plan.balancing.policy}' jagged balancing, {plan.kernels.attention} attention, {plan.kernels.embedding} embeddings")
     s = plan.solver
     if s is not None:
-        solver = f"chosen by {'the heuristic (no solver ran)' if s.status == 'HEURISTIC' else f'CP-SAT ({s.status}, gap {fmt_pct(s.gap, 2)})'}"
+        if s.status == "GIVEN":
+            solver = "every choice given (priced, not searched)"
+        else:
+            solver = f"chosen by {'the heuristic (no solver ran)' if s.status == 'HEURISTIC' else f'CP-SAT ({s.status}, gap {fmt_pct(s.gap, 2)})'}"
         parts.append(solver)
     return "Plan: " + "; ".join(parts) + "."
 

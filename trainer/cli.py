@@ -79,9 +79,9 @@ def check_plan(plan: Plan, *, where: str, nproc: int | None = None) -> None:
         if isinstance(b, MoEBlock) and b.num_experts % ep:
             raise MismatchError(f"{where}: block '{b.name}' has {b.num_experts} experts, which do not split evenly over "
                                 f"expert-parallel degree {ep}; re-plan")
-    from coplan.trainer.plans import layer_names
+    from coplan.costmodel.flops import recomputable_layers
 
-    known = layer_names(plan.workload)  # the layers the trainer can wrap in activation checkpointing
+    known = list(recomputable_layers(plan.workload))  # the layers the trainer wraps in activation checkpointing
     unknown = sorted({lp.name for lp in plan.layers if lp.recompute} - set(known))
     if unknown:
         raise MismatchError(f"{where}: the plan recomputes {unknown[:4]}, which are not layers the trainer can recompute "
@@ -219,7 +219,7 @@ def torchrun_main(argv: list[str]) -> int:
 
 def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("train", help=help_text, description=help_text + ".")
-    p.add_argument("plan", nargs="+", help="plan.json (from coplan plan, or python -m coplan.trainer.plans); several "
+    p.add_argument("plan", nargs="+", help="plan.json (from coplan plan, or python -m coplan.planner.given); several "
                    "plans of one world size run in turn in the same workers, each in <run id>-<plan file stem>")
     p.add_argument("--steps", type=int, default=None, help="total steps (default 20)")
     p.add_argument("--nproc", type=int, default=None, help="processes to launch (must equal the plan's world size)")

@@ -57,7 +57,7 @@ pytest.importorskip("torchrec")
 
 from coplan.spec import dump_spec, load_run_result, load_topology, load_workload  # noqa: E402
 from coplan.trainer.data import generate_dataset  # noqa: E402
-from coplan.trainer.plans import as_single_process, make_plan  # noqa: E402
+from coplan.planner.given import as_single_process, given_plan  # noqa: E402
 
 TIMEOUT_S = 240
 STEPS = 20
@@ -134,7 +134,7 @@ def workspace(tmp_path_factory) -> dict:
 def hsdp_ep(workspace) -> dict:
     w = workspace["tiny"]
     w = w.model_copy(update={"optimizer": w.optimizer.model_copy(update={"dense": "sgd", "sparse": "sgd", "dense_lr": 0.05, "sparse_lr": 0.1})})
-    plan = make_plan(w, workspace["pod"], 4, dense_replicate=2, expert_parallel=2, recompute=["interformer.1"], tables=TABLES)
+    plan = given_plan(w, workspace["pod"], 4, dense_replicate=2, expert_parallel=2, recompute=["interformer.1"], tables=TABLES)
     root = workspace["root"]
     p4, p1 = dump_spec(plan, root / "hsdp_ep.json"), dump_spec(as_single_process(plan), root / "hsdp_ep_ref.json")
     sharded, ref = train_concurrently(
@@ -146,7 +146,7 @@ def hsdp_ep(workspace) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp_ep_stock(workspace) -> dict:
-    plan = make_plan(workspace["tiny"], workspace["pod"], 2, expert_parallel=2, recompute=["moe.0"], tables=TABLES)
+    plan = given_plan(workspace["tiny"], workspace["pod"], 2, expert_parallel=2, recompute=["moe.0"], tables=TABLES)
     root, data = workspace["root"], workspace["data"]
     p2, p1 = dump_spec(plan, root / "stock.json"), dump_spec(as_single_process(plan), root / "stock_ref.json")
     # alongside: the same run stopped after 10 steps, then resumed from its checkpoint
@@ -227,7 +227,7 @@ def _ranges_in_backward(trace: dict, layer: str) -> bool:
 
 
 def test_trainer_refuses_a_launch_that_does_not_match(workspace, tmp_path):
-    plan = make_plan(workspace["tiny"], workspace["pod"], 2, tables=TABLES)
+    plan = given_plan(workspace["tiny"], workspace["pod"], 2, tables=TABLES)
     path = dump_spec(plan, tmp_path / "plan2.json")
     r = torchrun(1, [str(path), "--device", "cpu", "--steps", "2", "--runs-root", str(tmp_path), "--no-progress"], timeout=120)
     assert r.returncode != 0

@@ -12,7 +12,7 @@ pytest.importorskip("torchrec")
 
 from coplan.spec import dump_spec, load_run_result, load_workload  # noqa: E402
 from coplan.spec.topology import Topology  # noqa: E402
-from coplan.trainer.plans import single_process_plan  # noqa: E402
+from coplan.planner.given import single_process_plan  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

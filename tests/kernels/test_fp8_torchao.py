@@ -30,7 +30,7 @@ torchao = pytest.importorskip("torchao.float8", reason="torchao not installed (p
 from coplan.costmodel.flops import layer_names  # noqa: E402
 from coplan.trainer.distributed.fp8 import apply_fp8, layer_linears  # noqa: E402
 from coplan.trainer.model.gem import GEMModel  # noqa: E402
-from coplan.trainer.plans import single_process_plan  # noqa: E402
+from coplan.planner.given import single_process_plan  # noqa: E402
 
 TOPO = load_topology("h200-1gpu")
 

@@ -26,7 +26,7 @@ pytest.importorskip("torchrec")
 
 from coplan.spec import dump_spec, load_topology, load_workload  # noqa: E402
 from coplan.trainer.data import generate_dataset  # noqa: E402
-from coplan.trainer.plans import make_plan  # noqa: E402
+from coplan.planner.given import given_plan  # noqa: E402
 
 TIMEOUT_S = 150
 STEPS = 8
@@ -96,8 +96,8 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("faults")
     tiny, pod = load_workload("gem-tiny"), load_topology("h200-superpod-1k")
     data = generate_dataset(tiny, root / "data", 256, seed=0)
-    p4 = dump_spec(make_plan(tiny, pod, 4, dense_replicate=2, expert_parallel=2, tables=TABLES), root / "p4.json")
-    p2 = dump_spec(make_plan(tiny, pod, 2, expert_parallel=2, tables=TABLES), root / "p2.json")
+    p4 = dump_spec(given_plan(tiny, pod, 4, dense_replicate=2, expert_parallel=2, tables=TABLES), root / "p4.json")
+    p2 = dump_spec(given_plan(tiny, pod, 2, expert_parallel=2, tables=TABLES), root / "p2.json")
     t0 = time.monotonic()
     deadline = t0 + TIMEOUT_S
     procs = {

@@ -22,7 +22,7 @@ from coplan.spec import LayerPlan, dump_spec, load_topology, load_workload
 from coplan.trainer.data import generate_dataset
 from coplan.trainer.distributed.fp8 import apply_fp8, layer_linears
 from coplan.trainer.model.gem import GEMModel
-from coplan.trainer.plans import single_process_plan
+from coplan.planner.given import single_process_plan
 
 TOPO = load_topology("h200-1gpu")
 

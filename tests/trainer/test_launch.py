@@ -8,13 +8,13 @@ import pytest
 from coplan.cli import main
 from coplan.errors import MismatchError
 from coplan.spec import dump_spec, load_topology, load_workload
-from coplan.trainer.plans import make_plan
+from coplan.planner.given import given_plan
 from coplan.trainer.train import check_launch
 
 
 @pytest.fixture(scope="module")
 def plan4():
-    return make_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 4, dense_replicate=2)
+    return given_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 4, dense_replicate=2)
 
 
 def test_world_size_mismatch_is_refused(plan4):
@@ -32,7 +32,7 @@ def test_gpu_model_mismatch_is_refused(plan4):
 
 
 def test_gpus_per_node_mismatch_is_refused():
-    plan = make_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 16)
+    plan = given_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 16)
     with pytest.raises(MismatchError, match="8 ranks on each node but 4"):
         check_launch(plan, world_size=16, local_world_size=4, device_type="cuda", device_name="NVIDIA H200")
 
@@ -44,7 +44,7 @@ def test_cli_refuses_wrong_nproc(plan4, tmp_path, capsys):
 
 
 def test_cli_prints_one_torchrun_line_per_node(tmp_path, capsys):
-    plan = make_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 16, dense_replicate=2)
+    plan = given_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 16, dense_replicate=2)
     path = dump_spec(plan, tmp_path / "plan.json")
     assert main(["train", str(path), "--steps", "5", "--master", "node0:29500"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("torchrun")]
@@ -122,7 +122,7 @@ def test_every_layout_the_planner_emits_passes_the_launch_check(plan4):
 
 def test_sweep_launch_checks(plan4, tmp_path):
     a = dump_spec(plan4, tmp_path / "a.json")
-    b = dump_spec(make_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 2), tmp_path / "b.json")
+    b = dump_spec(given_plan(load_workload("gem-tiny"), load_topology("h200-superpod-1k"), 2), tmp_path / "b.json")
     assert "different world sizes" in _refused_without_torch(["train", str(a), str(b), "--device", "cpu"])
     c = dump_spec(plan4, tmp_path / "c.json")
     assert "--resume continues one run" in _refused_without_torch(["train", str(a), str(c), "--resume", "x", "--device", "cpu"])
@@ -141,10 +141,10 @@ def test_a_worker_failure_is_one_message_not_an_elastic_dump(tmp_path):
     """A failure only the workers can see (here: --resume of a run that trained another plan) prints the
     rank's one-line message, once, and no torchrun ChildFailedError report."""
     w = load_workload("gem-tiny")
-    one = dump_spec(make_plan(w, load_topology("h200-1gpu"), 1, tables="table_wise"), tmp_path / "one.json")
+    one = dump_spec(given_plan(w, load_topology("h200-1gpu"), 1, tables="table_wise"), tmp_path / "one.json")
     other = tmp_path / "runs" / "other"
     other.mkdir(parents=True)
-    dump_spec(make_plan(w, load_topology("h200-1gpu"), 1, tables="data_parallel"), other / "plan.json")
+    dump_spec(given_plan(w, load_topology("h200-1gpu"), 1, tables="data_parallel"), other / "plan.json")
     r = subprocess.run([sys.executable, "-m", "coplan.cli", "train", str(one), "--device", "cpu", "--resume", str(other),
                         "--runs-root", str(tmp_path / "runs"), "--no-progress"], capture_output=True, text=True, timeout=180)
     out = r.stdout + r.stderr

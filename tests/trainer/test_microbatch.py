@@ -29,7 +29,7 @@ import torch
 
 from coplan.spec import Workload, dump_spec, load_topology, load_workload
 from coplan.spec.draw import random_workload
-from coplan.trainer.plans import as_single_process, make_plan
+from coplan.planner.given import as_single_process, given_plan
 
 TIMEOUT_S = 240
 STEPS = 3
@@ -78,9 +78,9 @@ def test_gem_tiny_micro_batches_match_one_pass(tmp_path):
     w1 = Workload.model_validate(d)
     w2 = _with(w1, micro_batches=2)
     topo = load_topology("h200-hgx-2gpu")
-    two = make_plan(w2, topo, 2)  # table-wise, row-wise and data-parallel tables
+    two = given_plan(w2, topo, 2)  # table-wise, row-wise and data-parallel tables
     assert two.micro_batches == 2 and {t.sharding_type for t in two.tables} >= {"table_wise", "row_wise", "data_parallel"}
-    ref = _train(dump_spec(as_single_process(make_plan(w1, topo, 2)), tmp_path / "p1m1.json"), 1, tmp_path, "p1m1", "data")
+    ref = _train(dump_spec(as_single_process(given_plan(w1, topo, 2)), tmp_path / "p1m1.json"), 1, tmp_path, "p1m1", "data")
     one_m2 = _train(dump_spec(as_single_process(two), tmp_path / "p1m2.json"), 1, tmp_path, "p1m2", "data")
     two_m2 = _train(dump_spec(two, tmp_path / "p2m2.json"), 2, tmp_path, "p2m2", "data")
     assert ref[0][-1] != ref[0][0]  # it trains
@@ -91,9 +91,9 @@ def test_gem_tiny_micro_batches_match_one_pass(tmp_path):
 def test_data_parallel_tables_accumulate_once(tmp_path):
     w = random_workload(3, "sparse", world_size=2, optimizer={"dense": "sgd", "sparse": "sgd"})
     topo = load_topology("h200-hgx-2gpu")
-    ref = _train(dump_spec(make_plan(_with(w, micro_batches=1), topo, 1, tables="data_parallel"), tmp_path / "a.json"),
+    ref = _train(dump_spec(given_plan(_with(w, micro_batches=1), topo, 1, tables="data_parallel"), tmp_path / "a.json"),
                  1, tmp_path, "d1m1", "data")
-    m4 = _train(dump_spec(make_plan(_with(w, micro_batches=4), topo, 2, tables="data_parallel"), tmp_path / "b.json"),
+    m4 = _train(dump_spec(given_plan(_with(w, micro_batches=4), topo, 2, tables="data_parallel"), tmp_path / "b.json"),
                 2, tmp_path, "d2m4", "data")
     _compare(ref, m4, prefix="sparse.", atol=2e-7)
     _compare(ref, m4, prefix="dense.", atol=2e-7)

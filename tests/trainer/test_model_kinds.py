@@ -359,7 +359,7 @@ def test_the_launcher_refuses_an_unbuildable_shape_before_torchrun(tmp_path):
     """``coplan train`` runs the model's shape checks torch-free, before launching any worker."""
     from coplan.spec import load_topology
     from coplan.trainer.cli import check_plan
-    from coplan.trainer.plans import single_process_plan
+    from coplan.planner.given import single_process_plan
 
     w = dlrm_mixed()
     bad = w.model_copy(update={"blocks": tuple(b.model_copy(update={"input_dim": 5}) if b.type == "heads" else b

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from coplan.spec import dump_spec, load_topology, load_workload
-from coplan.trainer.plans import single_process_plan
+from coplan.planner.given import single_process_plan
 
 TIMEOUT_S = 300
 

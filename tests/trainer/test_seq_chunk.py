@@ -66,14 +66,14 @@ def _sharded_sparse(w, tables: dict[str, str], world: int):
 
     from coplan.trainer.distributed.embedding import apply_embedding_sharding, init_sharded_tables
     from coplan.trainer.model.sparse import SparseArch
-    from coplan.trainer.plans import make_plan
+    from coplan.planner.given import given_plan
 
     class Holder(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.sparse = SparseArch(feature_layout(w))
 
-    plan = make_plan(w, load_topology("h200-superpod-1k"), world, tables=tables)
+    plan = given_plan(w, load_topology("h200-superpod-1k"), world, tables=tables)
     dmp = apply_embedding_sharding(Holder(), plan, device=torch.device("cpu"), group=dist.group.WORLD, local_size=world)
     init_sharded_tables(dmp, SEED, {t.name: t.dim for t in w.all_tables})
     return dmp
@@ -192,7 +192,7 @@ def test_trainer_losses_do_not_depend_on_the_bags(tmp_path):
     import json
 
     from coplan.spec import dump_spec
-    from coplan.trainer.plans import single_process_plan
+    from coplan.planner.given import single_process_plan
 
     plan = dump_spec(single_process_plan(load_workload("gem-tiny"), load_topology("h200-1gpu"), attention_backend="reference"),
                      tmp_path / "plan.json")

@@ -9,7 +9,7 @@ from coplan.trainer.distributed.embedding import build_sharding_plan, parameter_
 from coplan.trainer.distributed.mesh import ParallelDims
 from coplan.trainer.features import feature_layout
 from coplan.trainer.model.sparse import SparseArch
-from coplan.trainer.plans import make_plan
+from coplan.planner.given import given_plan
 
 
 def _ps(kind, ranks=(), **kw):
@@ -68,7 +68,7 @@ def test_unsupported_layouts_are_refused(kind, ranks, kw, match):
 
 def test_sharding_plan_names_every_collection():
     w = load_workload("gem-tiny")
-    plan = make_plan(w, load_topology("h200-superpod-1k"), 4, dense_replicate=2, expert_parallel=2)
+    plan = given_plan(w, load_topology("h200-superpod-1k"), 4, dense_replicate=2, expert_parallel=2)
     sparse = SparseArch(feature_layout(w))
     sp = build_sharding_plan(plan, sparse, device_type="cpu", local_size=4)
     assert set(sp.plan) == {"sparse.ebc", "sparse.ecs.ec_d16"}

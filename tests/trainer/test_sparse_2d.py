@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from coplan.spec import Plan, Topology, Workload, dump_spec, load_topology, load_workload
-from coplan.trainer.plans import as_single_process, make_plan
+from coplan.planner.given import as_single_process, given_plan
 
 TIMEOUT_S = 420
 STEPS = 10
@@ -52,7 +52,7 @@ def test_sync_schedule_and_learning_rate_scale():
     s = ReplicaSync(torch.nn.Module(), None, replicas=2, interval=3)
     assert [st for st in range(9) if s.due(st)] == [2, 5, 8]
     assert not ReplicaSync(torch.nn.Module(), None, replicas=1).due(0)  # one copy: nothing to sync
-    plan = make_plan(load_workload("gem-tiny"), load_topology("h200-1gpu"), 1)
+    plan = given_plan(load_workload("gem-tiny"), load_topology("h200-1gpu"), 1)
     lr = plan.workload.optimizer.sparse_lr
     assert fused_params(plan)["learning_rate"] == lr and fused_params(plan, lr_scale=4)["learning_rate"] == 4 * lr
 
@@ -128,7 +128,7 @@ def _workload(sparse: str = "sgd", interval: int = 1) -> Workload:
 
 def _plan(w: Workload, world: int, replicas: int, tables: dict[str, tuple[str, tuple[int, ...]]], **kw) -> Plan:
     """A hand-built plan (no planner): ``tables`` is {table: (sharding type, ranks of the sparse group)}."""
-    d = make_plan(w, _topology(), world, tables="data_parallel", **kw).model_dump()
+    d = given_plan(w, _topology(), world, tables="data_parallel", **kw).model_dump()
     d["mesh"].update(sparse_shard=world // replicas, sparse_replicate=replicas)
     d["tables"] = [{"table": n, "sharding_type": k, "ranks": list(r), "compute_kernel": "dense" if k == "data_parallel" else "fused"}
                    for n, (k, r) in tables.items()]

@@ -141,7 +141,7 @@ def build_sharding_plan(plan: Plan, sparse: SparseArch, *, device_type: str, loc
     by_name = {t.table: t for t in plan.tables}
     tables = {t.name: t for t in plan.workload.all_tables}
     if not by_name:
-        raise MismatchError("the plan shards no table ('tables' is empty); re-plan, or build one with coplan.trainer.plans")
+        raise MismatchError("the plan shards no table ('tables' is empty); re-plan with coplan plan")
     group = plan.mesh.sparse_shard
     node = node_group_size(plan)
     out: dict[str, EmbeddingModuleShardingPlan] = {}

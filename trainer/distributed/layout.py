@@ -60,7 +60,7 @@ def table_problems(plan: Plan) -> list[str]:
     """Every table of the plan the trainer cannot run as sharded, one message each."""
     tables = {t.name: t for t in plan.workload.all_tables}
     if not plan.tables and tables:
-        return ["the plan shards no table ('tables' is empty); re-plan, or build one with coplan.trainer.plans"]
+        return ["the plan shards no table ('tables' is empty); re-plan with coplan plan"]
     out = []
     for ts in plan.tables:
         t = tables[ts.table]
