@@ -1,6 +1,9 @@
-"""Small helpers the device benchmarks share; imports nothing but the standard library, so a
-benchmark's workers (and a machine without coplan installed) can use it. A script imports it after
-putting its own folder on ``sys.path`` (tests load the scripts by path, not as a package)."""
+"""Small helpers the device benchmarks share; imports nothing but the standard library at load time,
+so a benchmark's workers (and a machine without coplan installed) can use it. A script imports it
+after putting its own folder on ``sys.path`` (tests load the scripts by path, not as a package).
+
+Every plan a benchmark runs is made the user's way, by the planner (``coplan plan``), with ``--pin``
+and ``--pin-table`` where a case needs a given layout: :func:`planned`."""
 
 from __future__ import annotations
 
@@ -34,3 +37,81 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float, grace_s: float = 15.0) 
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         return "timeout"
+
+
+def table_pins(workload, sharding: str = "table_wise") -> dict[str, str]:
+    """``--pin-table NAME=SHARDING`` for every table of ``workload`` (e.g. each table whole on one GPU)."""
+    return {t.name: sharding for t in workload.all_tables}
+
+
+def plan_command(workload, world: int, pins: dict | None = None, tables: dict | None = None) -> str:
+    """The ``coplan plan`` command line of a plan (a pin every table shares is written once)."""
+    parts = ["coplan plan", f"-w {workload.name}", f"--gpus {world}"] + [f"--pin {k}={v}" for k, v in (pins or {}).items()]
+    tables = tables or {}
+    kinds = set(tables.values())
+    if tables and len(kinds) == 1 and len(tables) == len(workload.all_tables):
+        parts.append(f"--pin-table <each of the {len(tables)} tables>={kinds.pop()}")
+    else:
+        parts += [f"--pin-table {k}={v}" for k, v in tables.items()]
+    return " ".join(parts)
+
+
+def planned(key: str, workload, topology, world: int, *, pins: dict | None = None, tables: dict | None = None,
+            plans_dir: Path | None = None, log=print):
+    """The plan ``coplan plan --gpus WORLD --pin ... --pin-table ...`` makes for ``workload`` on ``topology``
+    (the planner in process: :func:`coplan.planner.search.make_plan`, default search settings).
+
+    With ``plans_dir``, ``plan-<key>.json`` there is used when it was planned for the same workload,
+    topology, world size and pins (the lent GPU machines lack OR-Tools: a benchmark's ``--plan-only
+    --plans DIR`` makes its plans beforehand on any machine), else the plan is made and written there."""
+    from coplan.planner.search import PlannerConfig
+    from coplan.spec import dump_spec, load_plan, spec_sha256
+
+    cfg = PlannerConfig(world_size=world, pins=dict(pins or {}), table_pins=dict(tables or {}))
+    path = Path(plans_dir) / f"plan-{key}.json" if plans_dir is not None else None
+    if path is not None and path.is_file():
+        from coplan.errors import CoplanError
+
+        try:
+            plan = load_plan(path)
+        except CoplanError as e:  # e.g. made before a spec changed: its hashes no longer match
+            plan = None
+            log(f"plan {key}: {path} does not load ({str(e).splitlines()[-1].strip()}); planning again")
+        same = plan is not None and (
+            plan.workload_sha256 == spec_sha256(workload) and plan.topology_sha256 == spec_sha256(topology)
+            and plan.world_size == world and plan.solver is not None and tuple(plan.solver.pins) == cfg.pin_labels)
+        if same:
+            log(f"plan {key}: loaded {path}")
+            return plan
+        if plan is not None:
+            log(f"plan {key}: {path} was planned for other inputs or pins; planning again")
+    try:
+        import ortools  # noqa: F401
+    except ImportError:
+        raise RuntimeError(f"plan {key}: the planner needs OR-Tools, which is not installed here; make the plans on a "
+                           "machine with it (this benchmark's --plan-only --plans DIR) and pass --plans DIR") from None
+    from coplan.planner.search import make_plan
+
+    plan = make_plan(workload, topology, None, cfg)[0]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dump_spec(plan, path)
+        log(f"plan {key}: planned and written to {path}")
+    return plan
+
+
+def plan_facts(plan) -> dict:
+    """What a plan chose, in a few fields (for a benchmark's JSON)."""
+    from collections import Counter
+
+    m = plan.mesh
+    return {
+        "mesh": {"dense_shard": m.dense_shard, "dense_replicate": m.dense_replicate, "expert_parallel": m.expert_parallel,
+                 "sparse_shard": m.sparse_shard, "sparse_replicate": m.sparse_replicate},
+        "tables_by_sharding": dict(Counter(t.sharding_type for t in plan.tables)),
+        "recompute": [lp.name for lp in plan.layers if lp.recompute],
+        "fp8_layers": [lp.name for lp in plan.layers if lp.precision == "fp8"],
+        "micro_batches": plan.micro_batches, "balancing": plan.balancing.policy, "attention": plan.kernels.attention,
+        "solver": plan.solver.status if plan.solver else None,
+        "predicted_step_ms": plan.predicted.step_time_s * 1e3 if plan.predicted else None,
+    }

@@ -9,6 +9,13 @@ batch) and MoE on/off. With two GPUs, two variants run at a time (one per GPU: `
 and distinct master ports); each pair is one calibration variant and one held-out variant, so a run
 cut short by the time budget loses both halves evenly.
 
+Each variant runs the planner's plan of its workload on ``h200-1gpu`` (``coplan plan --gpus 1`` with
+every table pinned table-wise, ``--pin-table NAME=table_wise``: each table whole on the GPU); the
+recompute variants then recompute every InterFormer layer, a layer choice no pin expresses
+(:func:`coplan.planner.given.with_layers`, which re-prices the plan and says so in it). The lent GPU
+machines have no OR-Tools: ``--plan-only --plans DIR`` makes the plans on any machine beforehand, and
+``--plans DIR`` runs them.
+
 The split is fixed (``VARIANTS``, ``split`` field) and covers every factor on both sides:
 
 ====  =========  ==============================================  ==========================
@@ -56,7 +63,8 @@ ran); ``host_speed_index`` is each run's host speed against the fit runs' mean. 
 ``speed_fit`` and ``speed_known`` are the host fit with that speed taken into account (see
 :data:`STEP_KEYS`).
 
-    python benchmarks/calibration_h200.py --budget-s 420                       # on the 2-GPU H200 host
+    python benchmarks/calibration_h200.py --plan-only --plans benchmarks/results/plans   # anywhere, first
+    python benchmarks/calibration_h200.py --budget-s 420 --plans benchmarks/results/plans  # on the 2-GPU H200 host
     python benchmarks/calibration_h200.py --analyze runs/calib                 # re-run the analysis only
     python benchmarks/calibration_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2 \\
         --trace-steps 2 --budget-s 600 --runs-root /tmp/calib-smoke            # CPU smoke test
@@ -77,6 +85,9 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import plan_command, plan_facts, planned, table_pins  # noqa: E402  (the scripts run by path)
 
 T0 = time.monotonic()
 
@@ -356,15 +367,36 @@ def variant_workload(base, v: Variant, *, cpu: bool):
     return parse_spec(Workload, doc, f"variant {v.name}")
 
 
-def variant_plan(w, topo, v: Variant):
+def variant_plan(w, topo, v: Variant, plans_dir: Path | None = None):
+    """The variant's plan: ``coplan plan --gpus 1`` of its workload (attention backend included) with every
+    table pinned table-wise (each whole on the GPU); a recompute variant then recomputes every
+    InterFormer layer, a layer choice no pin expresses (:func:`coplan.planner.given.with_layers`)."""
+    from coplan.planner.given import with_layers
     from coplan.spec.workload import InterFormerBlock
-    from coplan.trainer.plans import single_process_plan
 
-    rc = []
+    plan = planned(f"calib-{w.name}", w, topo, 1, tables=table_pins(w), plans_dir=plans_dir, log=log)
     if v.recompute:
-        n = sum(b.num_layers for b in w.blocks if isinstance(b, InterFormerBlock))
-        rc = [f"interformer.{i}" for i in range(n)]
-    return single_process_plan(w, topo, recompute=rc, attention_backend=v.attention)
+        rc = [f"{b.name}.{i}" for b in w.blocks if isinstance(b, InterFormerBlock) for i in range(b.num_layers)]
+        plan = with_layers(plan, recompute=rc)
+    return plan
+
+
+def plan_only(args) -> int:
+    """``--plan-only``: every selected variant's plan, made (or checked) and described; nothing runs."""
+    from coplan.spec import load_topology, load_workload
+
+    base, topo = load_workload(args.workload), load_topology(args.topology)
+    failed = 0
+    for v in (v for row in selected_rows(args) for v in row):
+        try:
+            w = variant_workload(base, v, cpu=args.device == "cpu")
+            plan = variant_plan(w, topo, v, args.plans)
+            log(f"{v.name}: {plan_command(w, 1, tables=table_pins(w))}"
+                + (" + every InterFormer layer recomputed" if v.recompute else "") + f": {json.dumps(plan_facts(plan))}")
+        except Exception as e:
+            failed += 1
+            log(f"{v.name}: no plan: {type(e).__name__}: {e}")
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,7 +551,7 @@ def run_all(args) -> Path:
         for gi, v in enumerate(pair):
             try:
                 w = variant_workload(base, v, cpu=cpu)
-                plan = variant_plan(w, topo, v)
+                plan = variant_plan(w, topo, v, args.plans)
                 lb = w.batch.local_batch_size or w.batch.global_batch_size
                 key = (data_sha256(w)[:10], int(lb))
                 if key not in datasets:
@@ -1044,8 +1076,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlay", type=Path, action="append", default=[], metavar="DIR",
                    help="with --analyze: runs roots whose finished variants replace (or add to) DIR's of the same name; repeatable")
     p.add_argument("--keep", type=Path, default=None, help="copy the compact run directories here (e.g. $OUT/runs)")
+    p.add_argument("--plans", type=Path, default=None, metavar="DIR",
+                   help="run the plans in DIR made beforehand (plan-calib-<variant workload>.json); a missing one is planned "
+                        "here (OR-Tools) and written there")
+    p.add_argument("--plan-only", action="store_true", help="make (or check) the selected variants' plans, print them, and stop")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration_h200.json"))
     args = p.parse_args(argv)
+    if args.plan_only:
+        return plan_only(args)
 
     if args.analyze is None and args.steps - args.trace_steps <= args.warmup:
         p.error("--steps must leave measured steps between --warmup and the traced window")

@@ -1,14 +1,16 @@
 """FP8 end to end (issue 10): ``gem-h200`` trained in bf16 and with the planner's per-layer fp8 choice,
 side by side on two H200s of one host, from the same seed on the same data.
 
-1. The planner's choice: the workload with ``precision.fp8: auto`` (``--fp8-mode``), the same
-   single-GPU plan as ``benchmarks/train_h200.py`` (every table table-wise, FBGEMM fused TBE, Triton
-   attention), and :func:`coplan.planner.precision.choose_layer_precision` on it: per layer bf16 or
-   fp8, with the cost model's predicted step times (recorded).
+1. The planner's choice: ``coplan plan --gpus 1`` of the workload with ``precision.fp8: auto``
+   (``--fp8-mode``), every table pinned table-wise as in ``benchmarks/train_h200.py`` (each table
+   whole on the GPU, FBGEMM fused TBE; Triton attention): its per-layer bf16 or fp8 choice
+   (:func:`coplan.planner.precision.choose_layer_precision`), with the cost model's predicted step
+   times (recorded). The bf16 arm's plan is the same command with ``precision.fp8: off`` (the JSON
+   says if the two plans differ in anything but precision).
 2. Two real trainer runs (``python -m torch.distributed.run -m coplan.trainer.train``, one process
    each), at once, one per GPU (``CUDA_VISIBLE_DEVICES``): ``bf16`` (every layer bf16) and ``fp8``
-   (the planner's layers in fp8). Same workload file, seed and dataset, so the weights, the batches
-   and their order are identical; only the GEMM precision differs.
+   (the planner's layers in fp8). Same workload (but for ``precision.fp8``), seed and dataset, so the
+   weights, the batches and their order are identical; only the GEMM precision differs.
 3. From each run's ``metrics.jsonl``: step time (mean and p50 over the steps after ``--warmup`` and
    before the profiled ones) and local MFU (model FLOPs over the bf16 dense peak, for both arms, so
    the two are comparable); the loss curve of every step. Final loss: the mean of the last
@@ -21,7 +23,8 @@ compiles); 520 steps at the workload's 64 samples/step take ~2 min of steps, bot
 parallel, so the whole run is ~4 min; ``--timeout`` (default 470 s) bounds it, and a run that
 overruns is killed and reported, never hangs the script.
 
-    python benchmarks/fp8_train_h200.py                                   # on 2 H200s
+    python benchmarks/fp8_train_h200.py --plan-only --plans benchmarks/results/plans   # anywhere, first (no OR-Tools on the device)
+    python benchmarks/fp8_train_h200.py --plans benchmarks/results/plans  # on 2 H200s
     python benchmarks/fp8_train_h200.py --device cpu --workload gem-tiny --fp8-mode force \\
         --steps 12 --warmup 2 --trace-steps 0 --loss-window 4 --data-batches 4 --control-seed 1   # CPU smoke test
 
@@ -46,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit  # noqa: E402  (the scripts run by path)
+from _common import git_commit, plan_command, plan_facts, planned, table_pins  # noqa: E402  (the scripts run by path)
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LOSS_TOLERANCE = 0.005
@@ -108,37 +111,46 @@ def versions() -> dict:
 
 
 def build_plans(args) -> tuple[dict, dict]:
-    """(the two plans by arm, the planner's precision report as data)."""
-    from coplan.costmodel.context import build_context
-    from coplan.costmodel.flops import layer_names
-    from coplan.planner.precision import choose_layer_precision, precision_line
-    from coplan.spec import LayerPlan, load_topology, load_workload
-    from coplan.trainer.plans import single_process_plan
+    """(the two plans by arm, the planner's precision report as data).
+
+    Both arms run ``coplan plan --gpus 1`` of the workload (attention ``--attention``) with every table
+    pinned table-wise: the bf16 arm with ``precision.fp8: off``, the fp8 arm with ``--fp8-mode`` and
+    ``--recipe``, whose plan carries the planner's per-layer choice. ``--fp8-layers`` replaces that
+    choice (:func:`coplan.planner.given.with_layers`; no pin expresses a layer's precision)."""
+    from coplan.planner.given import with_layers
+    from coplan.planner.precision import precision_line
+    from coplan.spec import load_topology, load_workload
 
     w = load_workload(args.workload)
-    w = w.model_copy(update={"precision": w.precision.model_copy(update={"fp8": args.fp8_mode, "fp8_recipe": args.recipe})})
+    w = w.model_copy(update={"kernels": w.kernels.model_copy(update={"attention": args.attention})})
     topo = load_topology(args.topology)
-    base = single_process_plan(w, topo, attention_backend=args.attention)
-    # every cost-model layer named (the hand-built plan lists only the stacked ones), all bf16
-    bf16_layers = tuple(LayerPlan(name=n) for n in layer_names(w))
-    base = base.model_copy(update={"layers": bf16_layers})
-    ctx = build_context(w, topo, base.mesh)
-    layers, report = choose_layer_precision(ctx, bf16_layers, tables=base.tables, balancing=base.balancing, kernels=base.kernels)
+
+    def with_fp8(mode: str):
+        return w.model_copy(update={"precision": w.precision.model_copy(update={"fp8": mode, "fp8_recipe": args.recipe})})
+
+    key = f"fp8train-{w.name}-{args.attention}"
+    base = planned(f"{key}-bf16", with_fp8("off"), topo, 1, tables=table_pins(w), plans_dir=args.plans, log=stamp)
+    fp8 = planned(f"{key}-{args.fp8_mode}-{args.recipe}", with_fp8(args.fp8_mode), topo, 1, tables=table_pins(w),
+                  plans_dir=args.plans, log=stamp)
+    report = fp8.precision_report
     fp8_layers = list(report.fp8_layers) if report else []
     override = [n.strip() for n in (args.fp8_layers or "").split(",") if n.strip()]
     if override:
         # Measure given layers in fp8 whatever the planner predicts (e.g. the first H200 run's
         # interformer.0-3, after a kernel change the cost model's figures do not know of yet); the
         # numerics guard still applies in the trainer.
-        unknown = sorted(set(override) - {lp.name for lp in layers})
-        if unknown:
-            raise ValueError(f"--fp8-layers: no layer named {unknown} in {args.workload}")
-        layers = tuple(lp.model_copy(update={"precision": "fp8" if lp.name in override else "bf16"}) for lp in layers)
+        fp8 = with_layers(fp8, fp8=override).model_copy(update={"precision_report": report})
         fp8_layers = override
-    fp8 = base.model_copy(update={"layers": layers, "precision_report": report})
+    rc = [tuple(lp.name for lp in p.layers if lp.recompute) for p in (base, fp8)]
+    differ = [k for k, x, y in (("mesh", base.mesh, fp8.mesh), ("tables", base.tables, fp8.tables),
+                                ("kernels", base.kernels, fp8.kernels), ("recompute", rc[0], rc[1])) if x != y]
     info = {"line": precision_line(report), **(report.model_dump(mode="json") if report else {}),
             "fp8_layers": fp8_layers, "planner_fp8_layers": list(report.fp8_layers) if report else [],
-            "override": override, "predicted_gain": report.gain if report else 0.0}
+            "override": override, "predicted_gain": report.gain if report else 0.0,
+            "plans": {"bf16": plan_command(w, 1, tables=table_pins(w)) + " (precision.fp8 off)",
+                      "fp8": plan_command(w, 1, tables=table_pins(w)) + f" (precision.fp8 {args.fp8_mode}, {args.recipe})"
+                             + (" + --fp8-layers" if override else ""),
+                      "choices_that_differ_beyond_precision": differ}}
     return {"bf16": base, "fp8": fp8}, info
 
 
@@ -379,8 +391,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-root", type=Path, default=Path("runs/fp8"))
     p.add_argument("--timeout", type=float, default=470.0, help="wall-clock budget of the whole script, seconds")
     p.add_argument("--progress-every", type=float, default=20.0)
+    p.add_argument("--plans", type=Path, default=None, metavar="DIR",
+                   help="run the plans in DIR made beforehand (plan-fp8train-*.json); a missing one is planned here (OR-Tools) "
+                        "and written there")
+    p.add_argument("--plan-only", action="store_true", help="make (or check) both arms' plans, print them, and stop")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/fp8_train_h200.json"))
     args = p.parse_args(argv)
+    if args.plan_only:
+        plans, info = build_plans(args)
+        stamp(info["line"] or "no fp8 report")
+        for arm, plan in plans.items():
+            stamp(f"{arm}: {info['plans'][arm]}: {json.dumps(plan_facts(plan))}")
+        return 1 if info["plans"]["choices_that_differ_beyond_precision"] else 0
     if args.data_batches <= 0:
         args.data_batches = max(1, args.steps)
     t0 = time.monotonic()
@@ -409,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         plans, info = build_plans(args)
         result["planner"] = info
         stamp(info["line"] or "no fp8 report")
+        if info["plans"]["choices_that_differ_beyond_precision"]:
+            errors["plans"] = f"the arms' plans differ in {info['plans']['choices_that_differ_beyond_precision']}, not only in precision"
         if not info["fp8_layers"]:
             errors["planner"] = "the planner put no layer in fp8: the fp8 arm runs the bf16 plan"
         from coplan.spec import dump_spec

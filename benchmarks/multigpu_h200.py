@@ -1,16 +1,22 @@
 """Multi-GPU validation (issue 11): ``gem-h200`` on 1 and N H200s of one host in one invocation, with
 plans made by coplan's planner, run by the real trainer, and compared with the cost model.
 
-Runs (each a ``python -m torch.distributed.run -m coplan.trainer.train`` job, NVLink multicast off):
+Runs (each a ``python -m torch.distributed.run -m coplan.trainer.train`` job, NVLink multicast off),
+every plan made by the planner (``coplan plan``, with ``--pin`` where a run needs a layout):
 
-- ``1gpu``: the trainer benchmark's one-GPU plan (every table table-wise on the GPU, fused TBE;
-  ``benchmarks/train_h200.py``), the baseline of the scaling ratio and what compute is calibrated on.
+- ``1gpu``: the trainer benchmark's plan (``--gpus 1``, every table pinned table-wise: each table whole
+  on the GPU, fused TBE; ``benchmarks/train_h200.py``), the baseline of the scaling ratio and what
+  compute is calibrated on. The planner's own one-GPU plan is recorded beside it.
 - ``Ngpu-planner``: the planner's plan for N GPUs of ``--topology``, weak scaling (the same per-GPU
-  batch as the one-GPU run). The trainer does not run 2-D sparse parallelism (``sparse_replicate >
-  1``), so the planner chooses among the mesh candidates it can run (one copy of the tables over every
-  rank); the JSON records the unrestricted choice beside it.
+  batch as the one-GPU run), pinned to one copy of the tables over every rank (``--pin
+  sparse_replicate=1``) so that the run shards the tables across GPUs; the JSON records the planner's
+  unrestricted choice beside it.
 - ``Ngpu-forced``: only when the planner's plan has no expert parallelism or no table sharded across
-  GPUs: the same workload with EP over N ranks and every table table-wise round-robin over the GPUs.
+  GPUs: ``--pin dp_shard=N --pin ep=N --pin sparse_replicate=1`` (EP over every rank when the experts
+  divide) and every table pinned table-wise, placed by the planner.
+
+The lent GPU machine has no OR-Tools: ``--plan-only --plans DIR`` makes every plan beforehand on any
+machine, and ``--plans DIR`` runs them (a plan made for other inputs or pins is planned again).
 
 Per run: step time p50 (warm-up and profiled steps left out), local MFU, samples/s; per NCCL kind the
 kernel time per step on each rank, from the Kineto traces (``coplan.costmodel.traces`` kernel rules),
@@ -24,7 +30,9 @@ priced under the defaults, compute-calibrated, and fully calibrated, on the run'
 lengths: predicted step time against measured, and predicted time per collective kind against the
 traces.
 
-    python benchmarks/multigpu_h200.py --collectives benchmarks/results/collectives_h200.json   # 2 H200s, ~4 min
+    python benchmarks/multigpu_h200.py --plan-only --plans benchmarks/results/multigpu_plans      # anywhere, first
+    python benchmarks/multigpu_h200.py --plans benchmarks/results/multigpu_plans \
+        --collectives benchmarks/results/collectives_h200.json                                   # 2 H200s, ~4 min
     python benchmarks/multigpu_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2     # gloo smoke test
 """
 
@@ -38,11 +46,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit, wait_or_kill  # noqa: E402  (the scripts run by path)
+from _common import git_commit, plan_command, planned, table_pins, wait_or_kill  # noqa: E402  (the scripts run by path)
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set in every process this script starts: the lent machines promise no NVLink multicast, and the
@@ -86,30 +95,36 @@ def weak_scaled(workload, local_batch: int):
                                                                                    "global_batch_size": None})})
 
 
-def planner_plan(workload, topology, world: int, *, runnable_only: bool):
-    """The planner's plan for ``world`` GPUs; ``runnable_only`` keeps to mesh candidates the trainer runs
-    (``sparse_replicate = 1``). The planner has no option for that, so its candidate enumeration is
-    filtered here, for this call only."""
-    from unittest import mock
+ONE_COPY = {"sparse_replicate": 1}
+"""The pin of the ``Ngpu-planner`` run: one copy of the tables over every rank, so that the run exercises
+the tables sharded across GPUs and their all-to-alls (the planner's unrestricted choice is recorded beside it)."""
 
-    import coplan.planner.search as search_mod
-    from coplan.planner.search import PlannerConfig, make_plan
 
-    cfg = PlannerConfig(world_size=world)
-    if not runnable_only:
-        return make_plan(workload, topology, None, cfg)[0]
-    orig = search_mod.enumerate_candidates
+def plan_cases(w1, wN, topo1, topoN, N: int) -> dict[str, tuple]:
+    """Every plan the benchmark may run or record, as ``coplan plan`` makes it: key -> (workload,
+    topology, world, pins, table pins, what it is)."""
+    from coplan.spec.workload import MoEBlock
 
-    def one_copy_of_tables(topo, wl, n, **kw):
-        return (c for c in orig(topo, wl, n, **kw) if c.sparse_shard == n)
+    moe = [b for b in wN.blocks if isinstance(b, MoEBlock)]
+    ep = N if moe and all(b.num_experts % N == 0 for b in moe) else 1
+    return {
+        "1gpu": (w1, topo1, 1, {}, table_pins(w1), "the trainer benchmark's plan: every table whole on the GPU"),
+        "1gpu-planner-choice": (w1, topo1, 1, {}, {}, "the planner's own one-GPU plan, recorded, not run"),
+        f"{N}gpu-planner-unrestricted": (wN, topoN, N, {}, {}, "the planner's own plan, recorded, not run"),
+        f"{N}gpu-planner": (wN, topoN, N, dict(ONE_COPY), {}, "the planner's plan with one copy of the tables over every rank"),
+        f"{N}gpu-forced": (wN, topoN, N, {"dp_shard": N, "ep": ep, **ONE_COPY}, table_pins(wN),
+                           "EP over every rank (when the experts divide), every table whole on one GPU"),
+    }
 
-    with mock.patch.object(search_mod, "enumerate_candidates", one_copy_of_tables):
-        return make_plan(workload, topology, None, cfg)[0]
+
+def make_case_plan(key: str, cases: dict, plans_dir: Path | None):
+    """The plan of ``cases[key]`` and its JSON facts (the ``coplan plan`` command included)."""
+    w, topo, world, pins, tables, what = cases[key]
+    plan = planned(key, w, topo, world, pins=pins, tables=tables, plans_dir=plans_dir, log=stamp)
+    return plan, {"source": f"{plan_command(w, world, pins, tables)} ({what})", **plan_facts(plan)}
 
 
 def plan_facts(plan) -> dict:
-    from collections import Counter
-
     m = plan.mesh
     spread = sorted({r for t in plan.tables for r in t.ranks})
     return {
@@ -135,30 +150,6 @@ def needs_forced(plan, workload) -> list[str]:
     if workload.all_tables and len(holders) < 2:
         lacks.append("tables sharded across GPUs")
     return lacks
-
-
-def cpu_runnable(plan):
-    """On CPU the trainer refuses data-parallel *sequence* tables (TorchRec's dense sequence kernel is
-    wrong there): a CPU smoke run moves them to table-wise on rank 0. GPU runs keep the plan as made."""
-    from coplan.spec import TableShard
-
-    seq = {t.name for t in plan.workload.all_tables if t.feature_kind == "sequence"}
-    moved = [t.table for t in plan.tables if t.table in seq and t.sharding_type == "data_parallel"]
-    if not moved:
-        return plan, []
-    tables = tuple(TableShard(table=t.table, sharding_type="table_wise", ranks=(0,)) if t.table in moved else t
-                   for t in plan.tables)
-    return plan.model_copy(update={"tables": tables}), moved
-
-
-def forced_plan(workload, topology, world: int):
-    """EP over every rank (when the experts divide) and every table table-wise round-robin over the GPUs."""
-    from coplan.spec.workload import MoEBlock
-    from coplan.trainer.plans import make_plan
-
-    moe = [b for b in workload.blocks if isinstance(b, MoEBlock)]
-    ep = world if moe and all(b.num_experts % world == 0 for b in moe) else 1
-    return make_plan(workload, topology, world, expert_parallel=ep, tables="table_wise")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +422,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from coplan.spec import dump_spec, load_topology, load_workload
     from coplan.trainer.data import data_sha256, generate_dataset
-    from coplan.trainer.plans import single_process_plan
 
     N = args.gpus
     res: dict = {
@@ -461,67 +451,52 @@ def main(argv: list[str] | None = None) -> int:
     res.update({"workload": w0.name, "local_batch": local, "topology_1": topo1.name, "topology_n": topoN.name})
     args.runs_root.mkdir(parents=True, exist_ok=True)
 
-    # plans: the planner needs OR-Tools, which the lent GPU machine may lack; --plans DIR takes the
-    # planner's plans made beforehand (--plan-only on any machine) and falls back to planning here
-    def planned(key: str, make):
-        from coplan.spec import load_plan
-
-        path = args.plans / f"plan-{key}.json" if args.plans else None
-        if path is not None and path.is_file():
-            plan = load_plan(path)
-            if plan.workload.name != w0.name or plan.world_size != (1 if key.startswith("1gpu") else N):
-                raise ValueError(f"{path} is a plan of '{plan.workload.name}' for {plan.world_size} GPU(s), not what this run needs")
-            stamp(f"plan {key}: loaded {path}")
-            return plan
-        plan = make()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            dump_spec(plan, path)
-            stamp(f"plan {key}: made and written to {path}")
-        return plan
-
-    plans: dict[str, tuple[object, int]] = {}
-    plans["1gpu"] = (single_process_plan(w1, topo1), 1)
-    res["plans"]["1gpu"] = {"source": "coplan.trainer.plans.single_process_plan (the trainer benchmark's plan)", **plan_facts(plans["1gpu"][0])}
-    try:
-        p1 = planned("1gpu-planner-choice", lambda: planner_plan(w1, topo1, 1, runnable_only=True))
-        res["plans"]["1gpu"]["planner_choice_not_run"] = plan_facts(p1)
-    except Exception as e:
-        record_error("planner (1 GPU)", e)
+    # plans, every one made by the planner (coplan plan, with pins where a run needs a layout); the
+    # planner needs OR-Tools, which the lent GPU machine lacks: --plans DIR takes the plans made
+    # beforehand (--plan-only on any machine) and plans here only what is missing
+    cases = plan_cases(w1, wN, topo1, topoN, N)
     want = args.variants.split(",") if args.variants != "auto" else ["planner"]
+    plans: dict[str, tuple[object, int]] = {}
     lacks: list[str] = []
     try:
-        free = planned(f"{N}gpu-planner-unrestricted", lambda: planner_plan(wN, topoN, N, runnable_only=False))
-        res["plans"]["planner_unrestricted_not_run"] = plan_facts(free)
+        plan, facts = make_case_plan("1gpu", cases, args.plans)
+        plans["1gpu"] = (plan, 1)
+        res["plans"]["1gpu"] = facts
+    except Exception as e:
+        record_error("plan (1 GPU)", e)
+    try:
+        res["plans"].setdefault("1gpu", {})["planner_choice_not_run"] = make_case_plan("1gpu-planner-choice", cases, args.plans)[1]
+    except Exception as e:
+        record_error("planner (1 GPU)", e)
+    try:
+        res["plans"]["planner_unrestricted_not_run"] = make_case_plan(f"{N}gpu-planner-unrestricted", cases, args.plans)[1]
     except Exception as e:
         record_error("planner (N GPUs, unrestricted)", e)
     try:
-        pl = planned(f"{N}gpu-planner", lambda: planner_plan(wN, topoN, N, runnable_only=True))
+        pl, facts = make_case_plan(f"{N}gpu-planner", cases, args.plans)
         if "planner" in want:
             plans[f"{N}gpu-planner"] = (pl, N)
-            res["plans"][f"{N}gpu-planner"] = {"source": "coplan planner (candidates with sparse_replicate = 1)", **plan_facts(pl)}
+            res["plans"][f"{N}gpu-planner"] = facts
         lacks = needs_forced(pl, wN)
     except Exception as e:
         record_error("planner (N GPUs)", e)
         lacks = ["a planner plan (the planner failed)"]
-    if args.plan_only:
+    forced_name = f"{N}gpu-forced"
+    if args.plan_only:  # the forced plan too: a run may fall back on it
+        try:
+            make_case_plan(forced_name, cases, args.plans)
+        except Exception as e:
+            record_error("forced plan", e)
         save()
         stamp(f"plans written to {args.plans}; --plan-only: stopping")
         return 0 if not res["errors"] else 1
     if "forced" in want or (args.variants == "auto" and lacks):
         try:
-            fp = forced_plan(wN, topoN, N)
-            plans[f"{N}gpu-forced"] = (fp, N)
-            res["plans"][f"{N}gpu-forced"] = {"source": "coplan.trainer.plans.make_plan (EP over every rank, tables table-wise "
-                                                        "round-robin)", "why": lacks or ["asked for"], **plan_facts(fp)}
+            fp, facts = make_case_plan(forced_name, cases, args.plans)
+            plans[forced_name] = (fp, N)
+            res["plans"][forced_name] = {**facts, "why": lacks or ["asked for"]}
         except Exception as e:
             record_error("forced plan", e)
-    if args.device == "cpu":
-        for name, (plan, nproc) in list(plans.items()):
-            plan2, moved = cpu_runnable(plan)
-            if moved:
-                plans[name] = (plan2, nproc)
-                res["plans"][name]["cpu_changes"] = f"data-parallel sequence tables {moved} run table-wise on rank 0 (CPU only)"
     stamp("plans: " + ", ".join(f"{k} {v['mesh']}" for k, v in res["plans"].items() if "mesh" in v))
     save()
 
@@ -558,16 +533,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, (plan, nproc) in list(plans.items()):
         run_one(name, plan, nproc)
-    forced_name = f"{N}gpu-forced"
     if args.variants == "auto" and forced_name not in plans and not res["runs"].get(f"{N}gpu-planner", {}).get("ok"):
         # the planner's plan did not run: the forced variant still gives a multi-GPU measurement
         try:
-            fp = forced_plan(wN, topoN, N)
-            if args.device == "cpu":
-                fp, _ = cpu_runnable(fp)
+            fp, facts = make_case_plan(forced_name, cases, args.plans)
             plans[forced_name] = (fp, N)
-            res["plans"][forced_name] = {"source": "coplan.trainer.plans.make_plan (EP over every rank, tables table-wise "
-                                                   "round-robin)", "why": ["the planner's plan did not run"], **plan_facts(fp)}
+            res["plans"][forced_name] = {**facts, "why": ["the planner's plan did not run"]}
             run_one(forced_name, fp, N)
         except Exception as e:
             record_error("forced plan (fallback)", e)

@@ -1,9 +1,10 @@
 """Trainer benchmark (issue 6): gem-h200 on one H200, once with the Triton attention kernels and once
 with the PyTorch reference attention, in one invocation.
 
-Each backend is a real ``coplan.trainer.train`` run under torchrun (one process): the workload's
-plan on ``h200-1gpu`` (every table table-wise on rank 0, FBGEMM fused TBE, FSDP2 on one rank for
-bf16 mixed precision), step time from CUDA events, model FLOPs from ``coplan.costmodel.flops`` on
+Each backend is a real ``coplan.trainer.train`` run under torchrun (one process) of the planner's plan
+for the case's workload on ``h200-1gpu``, every table pinned table-wise (``coplan plan --gpus 1
+--pin-table NAME=table_wise`` for each table: every table whole on the GPU, FBGEMM fused TBE; FSDP2 on
+one rank for bf16 mixed precision), the attention backend the workload's ``kernels.attention``; step time from CUDA events, model FLOPs from ``coplan.costmodel.flops`` on
 the real history lengths. Statistics leave out the warm-up steps and the last ``--trace-steps``
 steps, which run under the profiler. The reference backend pads every sample to
 the batch's longest history (up to 4,096) and holds fp32 ``[batch, heads, L, L]`` scores: at 64
@@ -50,7 +51,11 @@ the host side of the profiled steps (kernel launches, blocking syncs and the tim
 busy time per thread, GPU idle share; each slow host op with its thread, the ranges around it and its
 CUDA runtime calls), the measured steps' spread, and each case's trace, gzipped beside ``--out``.
 
-    python benchmarks/train_h200.py                          # on the H200
+The lent GPU machine has no OR-Tools: ``--plan-only --plans DIR`` makes every case's plan on any machine
+and stops; ``--plans DIR`` then runs those plans (a plan made for other inputs is planned again).
+
+    python benchmarks/train_h200.py --plan-only --plans benchmarks/results/train_plans   # anywhere, first
+    python benchmarks/train_h200.py --plans benchmarks/results/train_plans               # on the H200
     python benchmarks/train_h200.py --device cpu --workload gem-tiny --steps 6 --warmup 2   # smoke test
 """
 
@@ -70,15 +75,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:
-    from _common import git_commit  # noqa: E402
+    from _common import git_commit, plan_command, plan_facts, planned, table_pins  # noqa: E402
 except ImportError:  # the script copied alone to the device: COPLAN_GIT_COMMIT still names the commit
     def git_commit() -> str:
         return os.environ.get("COPLAN_GIT_COMMIT", "unknown")
 
+    def planned(*a, **k):
+        raise RuntimeError("benchmarks/_common.py is not beside this script: it makes (or loads) the plans")
+
+    plan_command = plan_facts = table_pins = planned
+
 from coplan.spec import dump_spec, load_run_result, load_topology, load_workload
 from coplan.spec.workload import InterFormerBlock, KunlunBlock, MoEBlock
 from coplan.trainer.data import data_sha256, generate_dataset
-from coplan.trainer.plans import single_process_plan
 
 
 def workload_dims(w) -> dict:
@@ -365,6 +374,21 @@ def split_case(case: str) -> tuple[str, int | None]:
     return (m["case"], int(m["batch"])) if m else (case, None)
 
 
+def case_plan(case: str, w, topo, args):
+    """(the case's workload, its samples per step or None, its plan): ``w`` with the case's attention
+    backend and batch, planned by ``coplan plan --gpus 1`` with every table pinned table-wise."""
+    base_case, batch = split_case(case)
+    backend = CASES[base_case][0]
+    if backend == "reference" and batch is None:
+        batch = args.reference_batch
+    wb = w.model_copy(update={"kernels": w.kernels.model_copy(update={"attention": backend})})
+    if batch is not None:
+        wb = wb.model_copy(update={"batch": wb.batch.model_copy(update={"local_batch_size": batch, "global_batch_size": None})})
+    key = f"train-{w.name}-{backend}" + (f"-b{batch}" if batch is not None else "")  # cases that differ only in trainer options share one
+    plan = planned(key, wb, topo, 1, tables=table_pins(wb), plans_dir=args.plans, log=_log)
+    return wb, batch, plan
+
+
 def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str] | None = None, *,
                 warmup: int | None = None, timeout: float | None = None, measured: int = 12, case: str = "run") -> dict:
     warmup = args.warmup if warmup is None else warmup
@@ -507,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-case-timeout", type=int, default=420,
                    help="seconds for the triton-compile case at most (compilation happens in its first steps)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/train_h200.json"))
+    p.add_argument("--plans", type=Path, default=None, metavar="DIR",
+                   help="run the plans in DIR made beforehand (plan-train-<workload>-<backend>[-b<N>].json); a missing one is "
+                        "planned here and written there")
+    p.add_argument("--plan-only", action="store_true", help="make (or check) every case's plan, print what each chose, and stop")
     p.add_argument("--reanalyze", nargs=2, metavar=("BACKEND", "TRACE"), default=None,
                    help="add the per-kernel and host tables of a saved trace (.json or .json.gz) to --out's BACKEND entry, then stop")
     args = p.parse_args(argv)
@@ -522,6 +550,21 @@ def main(argv: list[str] | None = None) -> int:
 
     w = load_workload(args.workload)
     topo = load_topology(args.topology)
+    cases = [c for c in args.cases.split(",") if c]
+    cases = [x for c in cases for x in (AB_CASES if c == "ab" else (c,))]
+    unknown = [c for c in cases if split_case(c)[0] not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; choose from {sorted(CASES)}, each optionally with @b<samples per step>")
+    if args.plan_only:
+        failed = 0
+        for case in cases:
+            try:
+                wb, _, plan = case_plan(case, w, topo, args)
+                _log(f"{case}: {plan_command(wb, 1, tables=table_pins(wb))}: {json.dumps(plan_facts(plan))}")
+            except Exception as e:
+                failed += 1
+                _log(f"{case}: no plan: {type(e).__name__}: {e}")
+        return 1 if failed else 0
     args.runs_root.mkdir(parents=True, exist_ok=True)
     data = args.runs_root / "data" / f"{w.name}-{data_sha256(w)[:8]}"
     t0 = time.monotonic()
@@ -530,11 +573,6 @@ def main(argv: list[str] | None = None) -> int:
         generate_dataset(w, data, gb * args.data_batches, seed=0, rows_per_file=gb * args.data_batches)
     gen_s = time.monotonic() - t0
     _log(f"data ready in {gen_s:.1f} s")
-    cases = [c for c in args.cases.split(",") if c]
-    cases = [x for c in cases for x in (AB_CASES if c == "ab" else (c,))]
-    unknown = [c for c in cases if split_case(c)[0] not in CASES]
-    if unknown:
-        p.error(f"unknown case(s) {unknown}; choose from {sorted(CASES)}, each optionally with @b<samples per step>")
     datasets = {None: data}
     results: dict = {}
     out = {
@@ -547,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_bf16_flops_per_s": topo.gpu.peak_flops_per_s.get("bf16"),
         "steps": args.steps, "warmup_steps": args.warmup, "data_generation_s": gen_s,
         "backends": results,
+        "plan_source": plan_command(w, 1, tables=table_pins(w)) + " (per case: its attention backend and batch)",
+        "plans": {},
     }
     try:
         import torch
@@ -574,17 +614,13 @@ def main(argv: list[str] | None = None) -> int:
         backend, extra, more_warmup, measured = CASES[base_case]
         tag = case.replace("@", "-")  # file names that come back from the device: no '@'
         try:
-            wb = w
-            if backend == "reference" and batch is None:
-                batch = args.reference_batch
-            if batch is not None:
-                wb = w.model_copy(update={"batch": w.batch.model_copy(update={"local_batch_size": batch, "global_batch_size": None})})
+            wb, batch, plan = case_plan(case, w, topo, args)
+            out["plans"][case] = plan_facts(plan)
             if batch is not None and backend != "reference" and batch not in datasets:
                 datasets[batch] = args.runs_root / "data" / f"{w.name}-b{batch}-{data_sha256(wb)[:8]}"
                 if not (datasets[batch] / "dataset.json").is_file():
                     generate_dataset(wb, datasets[batch], batch * args.data_batches, seed=0, rows_per_file=batch * args.data_batches)
             case_data = data if backend == "reference" else datasets[batch]
-            plan = single_process_plan(wb, topo, attention_backend=backend)
             plan_path = dump_spec(plan, args.runs_root / f"plan-{tag}.json")
             cap = args.compile_case_timeout if "--compile" in extra else args.case_timeout
             _log(f"{case}: start ({min(left, cap):.0f} s allowed)")

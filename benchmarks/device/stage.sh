@@ -7,12 +7,19 @@
 #   fp8train  500+ steps bf16 vs fp8 (needs TorchRec); $GPUS picks the GPUs of the two arms (default 0,0)
 #   train     trainer benchmark cases (needs TorchRec)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
+# The trainer benchmarks run plans made by the planner, which needs OR-Tools (not on the device): make
+# them beforehand, in the working tree that travels, with the same arguments and --plan-only, e.g.
+#   python benchmarks/train_h200.py --plan-only --plans benchmarks/results/plans
+#   python benchmarks/calibration_h200.py --plan-only --variant-set all --plans benchmarks/results/plans
+#   python benchmarks/fp8_train_h200.py --plan-only --recipe blockwise --fp8-layers interformer.0,... --plans benchmarks/results/plans
+# ($PLANS names another folder.)
 set -uo pipefail
 stage=$1; commit=${2:-unknown}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 COPLAN_GIT_COMMIT=$commit
 bash benchmarks/device/setup.sh 2>&1 | tail -n 1
 rm -rf /tmp/tests && cp -r tests pyproject.toml /tmp/
 cd /tmp && export PYTHONPATH=/tmp/pkg:/tmp/site
+PLANS=${PLANS:-benchmarks/results/plans}  # under /tmp/benchmarks: setup.sh copies the tree's benchmarks/ there
 t() { echo "[$(date -u +%H:%M:%S)] $*"; }
 case $stage in
 kernels)
@@ -47,14 +54,14 @@ pair)
     export CUDA_VISIBLE_DEVICES=$gpu
     case $spec in
       train) local ta=TRAIN_ARGS$gpu  # TRAIN_ARGS0 / TRAIN_ARGS1 when both GPUs train (else TRAIN_ARGS)
-             timeout 570 python3 benchmarks/train_h200.py --runs-root /tmp/bench$gpu --timeout ${BUDGET:-480} ${!ta:-${TRAIN_ARGS:-}} --out $OUT/train_h200_$tag.json > $OUT/train_$tag.log 2>&1 ;;
-      calib:*) timeout 570 python3 benchmarks/calibration_h200.py --gpus 1 --only ${spec#calib:} --steps ${CALIB_STEPS:-16} --data-batches ${CALIB_DATA_BATCHES:-8} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 --port $(( 29610 + 100 * gpu )) \
+             timeout 570 python3 benchmarks/train_h200.py --plans $PLANS --runs-root /tmp/bench$gpu --timeout ${BUDGET:-480} ${!ta:-${TRAIN_ARGS:-}} --out $OUT/train_h200_$tag.json > $OUT/train_$tag.log 2>&1 ;;
+      calib:*) timeout 570 python3 benchmarks/calibration_h200.py --plans $PLANS --gpus 1 --only ${spec#calib:} --steps ${CALIB_STEPS:-16} --data-batches ${CALIB_DATA_BATCHES:-8} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 --port $(( 29610 + 100 * gpu )) \
                  --runs-root /tmp/calib$gpu --keep $OUT/runs_$tag --out $OUT/calib_$tag.json > $OUT/calib_$tag.log 2>&1
                (cd $OUT && tar czf runs_$tag.tgz runs_$tag && rm -rf runs_$tag) ;;
       kern) timeout 150 python3 benchmarks/attention.py --shapes a,b --quick --precompile 12 --timeout 130 --methods ${METHODS:-triton_gdpa_silu,triton_gdpa_silu_atomic,triton_softmax,triton_softmax_atomic} --out $OUT/attention.json > $OUT/attention.log 2>&1
             timeout 120 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_fp8_block_rules.py tests/kernels/test_fp8_torchao.py tests/kernels/test_atomic_bwd.py > $OUT/pytest_kernels.txt 2>&1
             timeout ${FP8_GEMM_S:-280} python3 benchmarks/fp8_h200.py --commit $commit --recipes ${FP8_RECIPES:-torchao-tensorwise,torchao-rowwise,blockwise} --timeout $(( ${FP8_GEMM_S:-280} - 30 )) --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1 ;;
-      fp8train) timeout 570 python3 benchmarks/fp8_train_h200.py --gpus $gpu,$gpu --recipe ${RECIPE:-rowwise} --steps ${STEPS:-510} ${FP8_ARGS:-} \
+      fp8train) timeout 570 python3 benchmarks/fp8_train_h200.py --plans $PLANS --gpus $gpu,$gpu --recipe ${RECIPE:-rowwise} --steps ${STEPS:-510} ${FP8_ARGS:-} \
                  --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3 --runs-root /tmp/runs/fp8 --timeout 550 --out $OUT/fp8_train_h200.json > $OUT/fp8train.log 2>&1 ;;
     esac
   }
@@ -62,17 +69,17 @@ pair)
   for f in train_g0.log train_g1.log calib_g0.log calib_g1.log attention.log pytest_kernels.txt fp8_h200.log fp8train.log; do [ -f $OUT/$f ] && { echo "== $f"; tail -n 14 $OUT/$f; }; done
   ;;
 calib)
-  t calib; timeout 560 python3 benchmarks/calibration_h200.py --gpus ${NGPU:-1} --only ${ONLY:-ref-b8,ref-b8-h512,ref-b12-h768,b48-h768,d896-L5,rc-L3-b48,nomoe-b48-h1280,h2048-b16} \
+  t calib; timeout 560 python3 benchmarks/calibration_h200.py --plans $PLANS --gpus ${NGPU:-1} --only ${ONLY:-ref-b8,ref-b8-h512,ref-b12-h768,b48-h768,d896-L5,rc-L3-b48,nomoe-b48-h1280,h2048-b16} \
     --budget-s ${BUDGET:-500} --analysis-reserve-s 40 --runs-root /tmp/calib2 --keep $OUT/runs --out $OUT/calibration_h200_remeasure.json > $OUT/calib.log 2>&1
   tail -n 15 $OUT/calib.log; (cd $OUT && tar czf runs.tgz runs && rm -rf runs)
   ;;
 fp8train)
-  t fp8train; timeout 580 python3 benchmarks/fp8_train_h200.py --gpus ${GPUS:-0,0} --recipe ${RECIPE:-blockwise} --steps ${STEPS:-510} \
+  t fp8train; timeout 580 python3 benchmarks/fp8_train_h200.py --plans $PLANS --gpus ${GPUS:-0,0} --recipe ${RECIPE:-blockwise} --steps ${STEPS:-510} \
     --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3 --runs-root /tmp/runs/fp8 --timeout 560 --out $OUT/fp8_train_h200.json > $OUT/fp8train.log 2>&1
   tail -n 15 $OUT/fp8train.log
   ;;
 train)
-  t train; timeout 580 python3 benchmarks/train_h200.py --runs-root /tmp/bench --timeout ${BUDGET:-330} ${TRAIN_ARGS:-} --out $OUT/train_h200.json > $OUT/train.log 2>&1
+  t train; timeout 580 python3 benchmarks/train_h200.py --plans $PLANS --runs-root /tmp/bench --timeout ${BUDGET:-330} ${TRAIN_ARGS:-} --out $OUT/train_h200.json > $OUT/train.log 2>&1
   tail -n 25 $OUT/train.log
   ;;
 esac

@@ -45,25 +45,30 @@ def test_nccl_profile_splits_kinds_and_exposure(bench, tmp_path):
     assert r["compute_busy_ms_per_step"] == pytest.approx(0.11)
 
 
-def test_plans_weak_scaling_and_forced_variant(bench):
+def test_plans_weak_scaling_and_forced_variant(bench, tmp_path):
+    """Every plan comes from the planner, the forced layout from pins; plans made beforehand are reused."""
     from coplan.spec import load_topology, load_workload
 
     w = load_workload("gem-tiny")  # global batch 64: weak scaling turns it into 64 per GPU
     w2 = bench.weak_scaled(w, w.batch.local(1))
     assert w2.batch.global_(2) == 2 * w.batch.local(1) == 128
-    topo = load_topology("h200-hgx-2gpu")
-    fp = bench.forced_plan(w2, topo, 2)
+    cases = bench.plan_cases(w2, w2, load_topology("h200-1gpu"), load_topology("h200-hgx-2gpu"), 2)
+    fp, facts = bench.make_case_plan("2gpu-forced", cases, tmp_path)
     assert fp.mesh.expert_parallel == 2 and fp.mesh.sparse_replicate == 1
+    assert fp.solver.status != "GIVEN" and fp.solver.pins[:3] == ("dp_shard=2", "ep=2", "sparse_replicate=1")
+    assert {t.sharding_type for t in fp.tables} == {"table_wise"}
     assert bench.needs_forced(fp, w2) == []
-    facts = bench.plan_facts(fp)
     assert facts["ranks_holding_table_shards"] == [0, 1]
-    one = bench.forced_plan(w2, load_topology("h200-1gpu"), 1)
+    assert facts["source"].startswith("coplan plan -w gem-tiny --gpus 2 --pin dp_shard=2 --pin ep=2 --pin sparse_replicate=1 "
+                                      "--pin-table <each of the 6 tables>=table_wise")
+    one, _ = bench.make_case_plan("1gpu", cases, tmp_path)
+    assert one.world_size == 1 and {t.sharding_type for t in one.tables} == {"table_wise"}
     assert set(bench.needs_forced(one, w2)) == {"tables sharded across GPUs"}  # EP needs 2 ranks; 1 cannot lack it
-    moved_plan, moved = bench.cpu_runnable(one.model_copy(update={"tables": tuple(
-        t.model_copy(update={"sharding_type": "data_parallel", "ranks": (), "compute_kernel": "dense"}) for t in one.tables)}))
-    seq = {t.name for t in w.all_tables if t.feature_kind == "sequence"}
-    assert set(moved) == seq
-    assert all(t.sharding_type == "table_wise" for t in moved_plan.tables if t.table in seq)
+    # a plan made beforehand (--plan-only --plans DIR) is what runs; one made with other pins is planned again
+    assert bench.make_case_plan("2gpu-forced", cases, tmp_path)[0] == fp
+    other = dict(cases)
+    other["2gpu-forced"] = cases["2gpu-forced"][:3] + ({"dp_shard": 2, "ep": 1, "sparse_replicate": 1},) + cases["2gpu-forced"][4:]
+    assert bench.make_case_plan("2gpu-forced", other, tmp_path)[0].mesh.expert_parallel == 1
 
 
 @pytest.mark.timeout(900)
