@@ -131,7 +131,9 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
                  if inputs.priced is not None and inputs.priced.schedule is not None else (None, "the cost model did not expose its schedule"), log),
         _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost, plan, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
         _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
-        *([_section("alternatives", "Why this plan", lambda: alternatives.alternatives_figure(plan), log)] if plan.alternatives else []),
+        # against the step the report shows (a plan saved without its prediction was re-priced above)
+        *([_section("alternatives", "Why this plan", lambda: alternatives.alternatives_figure(plan.model_copy(update={"predicted": pred})), log)]
+          if plan.alternatives else []),
         _section("sharding", "Embedding sharding map", lambda: sharding.sharding_map(plan) if plan.tables else (None, "the plan shards no embedding tables"), log),
         _section("balance", "Jagged balance", lambda: (balance.jagged_balance(plan, inputs.context)
                  or (None, "the workload has no jagged sequence: every sample costs the same, there is nothing to balance"))
