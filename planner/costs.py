@@ -39,6 +39,11 @@ class DenseInfo:
     memory_parts: dict[str, float]
     sparse_groups_bytes: float
     """NCCL buffers of the sparse groups the base memory was priced with (swapped per candidate)."""
+    makespan_s: float = 0.0
+    """The dense part's step alone, without the SM-contention slowdown: every plan of these dense degrees
+    takes at least this (adding the tables' tasks to the schedule only delays it)."""
+    compute_s: float = 0.0
+    """Work on the compute stream of the dense part alone, without contention (the tables' lookups add to it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +159,8 @@ class Pricer:
         if hit is not None:
             return hit
         ctx = self.context(c)
-        cost = price(ctx, (), (), self.balancing, detail=False, include_embeddings=False) if ctx.tables.num else \
-            price(ctx, None, (), self.balancing, detail=False)
+        cost = price(ctx, (), (), self.balancing, detail=False, include_embeddings=False, contention=False) if ctx.tables.num else \
+            price(ctx, None, (), self.balancing, detail=False, contention=False)
         mem = cost.memory.as_dict()
         for k in ("embeddings", "embedding_optimizer", "embedding_io", "recompute_peak"):
             mem.pop(k, None)
@@ -174,7 +179,7 @@ class Pricer:
             LayerOption(lc.name, lc.recompute_s + ep.get(lc.name, 0.0), max(0.0, lc.activation_bytes - lc.recomputed_activation_bytes), lc.activation_bytes)
             for lc in lcs if lc.name in may
         )
-        info = DenseInfo(base_bytes, layers, mem, self._groups_bytes(c))
+        info = DenseInfo(base_bytes, layers, mem, self._groups_bytes(c), float(cost.step_time_s), float(cost.perf.compute_s))
         self._dense[key] = info
         return info
 
@@ -252,16 +257,30 @@ class Pricer:
 
     # ------------------------------------------------------------------ candidates
     def scale(self, c: MeshCandidate) -> dict[str, float]:
-        """Seconds of one schedule task per raw unit of each aggregate (see CandidatePricing.scale)."""
-        ctx = self.context(c)
+        """Seconds of one schedule task per raw unit of each aggregate (see CandidatePricing.scale); the
+        groups these collectives run on depend only on the shard-group size and the world."""
+        key = ("scale", c.sparse_shard, c.micro_batches)
+        hit = self._sparse.get(key)
+        if hit is not None:
+            return hit
+        ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, c.sparse_shard, c.micro_batches))
         M = ctx.micro_batches
         a2a = ctx.model("sparse_shard", "all_to_all")
         world_ar = ctx.model("world", "all_reduce")
         rep = ctx.model("sparse_replicate", "all_reduce")
         every = self.workload.optimizer.sparse_sync_interval_steps
-        return {"fwd": 1.0 / M, "bwd": 1.0 / M, "a2a": 0.0 if a2a.trivial else a2a.s_per_byte / M,
-                "ids": 0.0 if a2a.trivial else a2a.s_per_byte / M, "dp": 0.0 if world_ar.trivial else world_ar.s_per_byte,
-                "sync": 0.0 if rep.trivial else rep.s_per_byte / every}
+        out = {"fwd": 1.0 / M, "bwd": 1.0 / M, "a2a": 0.0 if a2a.trivial else a2a.s_per_byte / M,
+               "ids": 0.0 if a2a.trivial else a2a.s_per_byte / M, "dp": 0.0 if world_ar.trivial else world_ar.s_per_byte,
+               "sync": 0.0 if rep.trivial else rep.s_per_byte / every}
+        self._sparse[key] = out
+        return out
+
+    def quick_bound(self, p: CandidatePricing) -> float:
+        """A lower bound of the candidate's step without pricing it: the dense part's own step, and the
+        compute stream's dense work plus the least lookups any placement leaves on the slowest rank."""
+        d = self.dense(p.mesh)
+        f = self.floor(p)
+        return max(d.makespan_s, d.compute_s + (f.x["fwd"] + f.x["bwd"] if p.options else 0.0))
 
     def candidate(self, c: MeshCandidate, *, with_cut: bool = True) -> CandidatePricing:
         """The candidate's figures; ``with_cut``: with the cut of its floor point (one pricing)."""

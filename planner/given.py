@@ -14,18 +14,20 @@ What a benchmark runs comes from ``coplan plan`` (with ``--pin`` for a fixed lay
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Literal, Mapping
+from typing import Iterable, Literal, Mapping, Sequence
 
 from coplan.errors import CoplanError, MismatchError
 from coplan.spec import BalancingPlan, Calibration, LayerPlan, MeshPlan, Plan, SolverReport, TableShard, Topology, Workload
 
 TablePolicy = Literal["table_wise", "row_wise", "data_parallel", "mixed"]
+TableChoice = str | tuple[str, Sequence[int]]
+"""A table's sharding type, or (sharding type, ranks of the sparse group holding its shards, in order)."""
 
 GIVEN = SolverReport(status="GIVEN")
 """The solver report of a plan whose choices were given, not searched."""
 
 
-def _table_kinds(workload: Workload, tables: TablePolicy | Mapping[str, str]) -> dict[str, str]:
+def _table_kinds(workload: Workload, tables: TablePolicy | Mapping[str, TableChoice]) -> dict[str, TableChoice]:
     all_tables = workload.all_tables
     if isinstance(tables, str) and tables == "mixed":
         # Pooled tables cycle through the three shardings so a small workload exercises each. Sequence
@@ -74,19 +76,22 @@ def given_plan(
     *,
     dense_replicate: int = 1,
     expert_parallel: int = 1,
-    tables: TablePolicy | Mapping[str, str] = "mixed",
+    sparse_replicate: int = 1,
+    tables: TablePolicy | Mapping[str, TableChoice] = "mixed",
     recompute: Iterable[str] = (),
     balancing: Literal["none", "greedy", "karmarkar_karp"] = "karmarkar_karp",
     attention_backend: Literal["triton", "reference", "flex"] | None = None,
     calibration: Calibration | None = None,
 ) -> Plan:
-    """A plan with the given degrees and table placement, priced; one copy of the tables over every rank.
+    """A plan with the given degrees and table placement, priced.
 
-    ``tables``: one sharding type for every table, ``"mixed"`` (pooled tables cycle table-wise,
-    row-wise and data-parallel, sequence tables row-wise and table-wise; table-wise tables go
-    round-robin over the ranks), or a ``{table: sharding_type}`` mapping. Row- and column-wise tables
-    span the whole sparse group (TorchRec's row-wise sharding puts block ``i`` of the rows on rank
-    ``i``); table-row-wise tables the first node. ``recompute``: layer names (``interformer.1``) whose
+    ``sparse_replicate``: copies of the tables (each over a sparse group of ``world_size /
+    sparse_replicate`` ranks). ``tables``: one sharding type for every table, ``"mixed"`` (pooled
+    tables cycle table-wise, row-wise and data-parallel, sequence tables row-wise and table-wise;
+    table-wise tables go round-robin over the group's ranks), or a ``{table: sharding_type}`` or
+    ``{table: (sharding_type, ranks)}`` mapping. Without ranks, row- and column-wise tables span the
+    whole sparse group (TorchRec's row-wise sharding puts block ``i`` of the rows on rank ``i``),
+    table-row-wise tables the group's first node. ``recompute``: layer names (``interformer.1``) whose
     activations are recomputed, among the layers the trainer can checkpoint.
     """
     if world_size < 1 or world_size % dense_replicate:
@@ -97,26 +102,29 @@ def given_plan(
             f"expert_parallel={expert_parallel} must divide the FSDP shard degree {dense_shard}: "
             "experts are split over an inner group of the dp_shard ranks"
         )
-    sparse_shard = world_size  # one copy of the tables over every rank (sparse_replicate = 1)
+    if sparse_replicate < 1 or world_size % sparse_replicate:
+        raise MismatchError(f"sparse_replicate={sparse_replicate} must divide world_size={world_size}")
+    sparse_shard = world_size // sparse_replicate
     kinds = _table_kinds(workload, tables)
     shards: list[TableShard] = []
     next_rank = 0
     for t in workload.all_tables:
         kind = kinds[t.name]
-        if kind == "table_wise":
-            ranks: tuple[int, ...] = (next_rank % sparse_shard,)
+        ranks: tuple[int, ...] = ()
+        if not isinstance(kind, str):
+            kind, ranks = kind[0], tuple(kind[1])
+        elif kind == "table_wise":
+            ranks = (next_rank % sparse_shard,)
             next_rank += 1
         elif kind in ("row_wise", "column_wise"):
             ranks = tuple(range(sparse_shard))
         elif kind == "table_row_wise":
             ranks = tuple(range(min(topology.gpus_per_node, sparse_shard)))
-        else:
-            ranks = ()
         # replicated tables run TorchRec's dense kernel (FBGEMM's fused one is for sharded tables)
         shards.append(TableShard(table=t.name, sharding_type=kind, ranks=ranks,
                                  compute_kernel="dense" if kind == "data_parallel" else "fused"))
     mesh = MeshPlan(dense_shard=dense_shard, dense_replicate=dense_replicate, expert_parallel=expert_parallel,
-                    sparse_shard=sparse_shard, sparse_replicate=1)
+                    sparse_shard=sparse_shard, sparse_replicate=sparse_replicate)
     kernels = workload.kernels
     if attention_backend is not None:
         kernels = kernels.model_copy(update={"attention": attention_backend})
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--dense-replicate", type=int, default=1)
     p.add_argument("--expert-parallel", type=int, default=1)
+    p.add_argument("--sparse-replicate", type=int, default=1, help="copies of the tables (2-D sparse parallelism)")
     p.add_argument("--tables", default="mixed", choices=["table_wise", "row_wise", "data_parallel", "mixed"])
     p.add_argument("--recompute", nargs="*", default=[], help="layer names, e.g. interformer.1")
     p.add_argument("--balancing", default="karmarkar_karp", choices=["none", "greedy", "karmarkar_karp"])
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = given_plan(
             load_workload(a.workload), load_topology(a.topology), a.world_size,
-            dense_replicate=a.dense_replicate, expert_parallel=a.expert_parallel, tables=a.tables,
+            dense_replicate=a.dense_replicate, expert_parallel=a.expert_parallel, sparse_replicate=a.sparse_replicate, tables=a.tables,
             recompute=a.recompute, balancing=a.balancing, attention_backend=a.attention,
         )
         dump_spec(plan, a.output)

@@ -112,6 +112,10 @@ class PlannerConfig:
     baseline: bool = True
     """Also price the simulate heuristic's plan and return it if it is faster (never beaten by it)."""
 
+    refine_time_s: float = 20.0
+    """After the solves, wall seconds spent pricing the floor points of unsolved candidates whose quick
+    bound is below the plan (each tightens the reported bound); what is left keeps its quick bound."""
+
     pins: dict[str, int] = field(default_factory=dict)
     """Mesh axes (and ``micro_batches``) the user fixed (``--pin AXIS=N``); the rest is planned."""
 
@@ -241,7 +245,7 @@ def candidate_bound(pricer: Pricer, p: CandidatePricing, floor_cost) -> Candidat
     return CandidateBound(max(at_floor, joint_floor(p, need)), mem_floor, float(floor_cost.step_time_s))
 
 
-def joint_floor(p: CandidatePricing, need_bytes: float, iterations: int = 24) -> float:
+def joint_floor(p: CandidatePricing, need_bytes: float, iterations: int = 16) -> float:
     """A lower bound of the candidate's step that keeps every table to one option.
 
     Each aggregate is at least what the average rank carries (per-rank loads: the options' loads times
@@ -271,12 +275,14 @@ def joint_floor(p: CandidatePricing, need_bytes: float, iterations: int = 24) ->
     R = {l.name: np.array([c.rc_s.get(l.name, 0.0) for c in p.cuts]) for l in p.layers}
     starts = arr.off[:-1]
 
+    tid = np.repeat(np.arange(len(starts)), np.diff(arr.off))
+
     def value(lam: np.ndarray) -> tuple[float, np.ndarray]:
         per_opt = A @ (N.T @ lam)
-        mins = np.minimum.reduceat(per_opt, starts)
-        pick = np.array([int(arr.off[t] + np.argmin(per_opt[arr.off[t]:arr.off[t + 1]])) for t in range(len(starts))])
+        order = np.lexsort((per_opt, tid))  # by table, cheapest option first
+        pick = order[arr.off[:-1]]
         grad = C + N @ A[pick].sum(axis=0)
-        return float(lam @ C + mins.sum()), grad
+        return float(lam @ C + per_opt[pick].sum()), grad
 
     K = len(p.cuts)
     best_val, best_lam = -np.inf, np.full(K, 1.0 / K)
@@ -368,12 +374,12 @@ def solve_priced(pricer: Pricer, p: CandidatePricing, settings: SolverSettings, 
 
 
 _STATE: dict = {}
-"""The search's pricer and candidates, set before the worker pool forks (workers inherit them)."""
+"""The search's pricer, set before the worker pool forks (workers inherit it; each job carries its candidate)."""
 
 
 def _solve_job(args) -> PricedSolve:
-    key, settings, cutoff, rounds, tol = args
-    return solve_priced(_STATE["pricer"], _STATE["pricings"][key], settings, cutoff_s=cutoff, rounds=rounds, tol=tol)
+    p, settings, cutoff, rounds, tol = args
+    return solve_priced(_STATE["pricer"], p, settings, cutoff_s=cutoff, rounds=rounds, tol=tol)
 
 
 @dataclass(slots=True)
@@ -411,6 +417,18 @@ class SearchResult:
     """'cpsat' or 'heuristic'."""
 
 
+def _refine(pricer: Pricer, pricings: dict, r: CandidateRecord) -> None:
+    """Price the candidate's floor point: its cuts (kept in its pricing) and its tighter bound."""
+    p = pricings[r.mesh]
+    fc = pricer.floor_cost(p)
+    for cut in fc.cuts:
+        p = p.with_cut(cut)
+    pricings[r.mesh] = p
+    b = candidate_bound(pricer, p, fc)
+    r.lower_bound_s = max(r.lower_bound_s, b.lower_bound_s)
+    r.feasible = r.feasible and math.isfinite(r.lower_bound_s)
+
+
 def _least_bound(records: list[CandidateRecord], best: float) -> float:
     solved = [r.bound_s for r in records if r.feasible and r.status != "PRUNED"]
     pruned = [r.lower_bound_s for r in records if r.feasible and r.status == "PRUNED" and r.lower_bound_s < best]
@@ -446,57 +464,70 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
             for n in empty:
                 unpinnable.setdefault(n, []).append(c.sparse_shard)
             continue
-        fc = pricer.floor_cost(p)
-        for cut in fc.cuts:
-            p = p.with_cut(cut)
-        b = candidate_bound(pricer, p, fc)
-        feasible = b.memory_floor_bytes <= p.capacity_bytes and math.isfinite(b.lower_bound_s)
-        records.append(CandidateRecord(c, b.lower_bound_s, b.memory_floor_bytes, feasible))
+        f = pricer.floor(p)
+        mem_floor = p.base_bytes + f.mem_bytes + p.recv_mem_factor * f.recv_bytes - most_freed(p)
+        feasible = mem_floor <= p.capacity_bytes
+        records.append(CandidateRecord(c, pricer.quick_bound(p), mem_floor, feasible))
         pricings[c] = p
     if not records:
         n, sizes = next(iter(unpinnable.items()))
         raise CoplanError(f"--pin-table {n}={cfg.table_pins[n]}: no mesh candidate can shard '{n}' that way "
                           f"(sparse groups tried: {sorted(set(sizes))[:8]}); pin another sharding or drop the pin")
     if progress:
-        progress(f"priced {len(records)} mesh candidates in {time.perf_counter() - t0:.1f} s")
-    feasible = sorted((r for r in records if r.feasible), key=lambda r: (r.lower_bound_s, r.mesh.key))
-    if not feasible:
+        progress(f"bounded {len(records)} mesh candidates in {time.perf_counter() - t0:.1f} s")
+    if not any(r.feasible for r in records):
+        for r in sorted(records, key=lambda r: (r.memory_floor_bytes, r.mesh.key))[:1]:
+            _refine(pricer, pricings, r)
         raise explain_infeasible(workload, topology, world, pricer, records, pricings, cfg=cfg)
     settings = SolverSettings(time_limit_s=cfg.solve_dtime, num_workers=1, seed=cfg.seed, flat_max_vars=cfg.flat_max_vars,
                               relative_gap=cfg.relative_gap)
     best: tuple[float, CandidateRecord, PricedSolve] | None = None
-    i = 0
     solved = 0
+    import heapq
     import ortools.sat.python.cp_model  # noqa: F401  (imported once, before the workers fork)
 
-    _STATE["pricer"], _STATE["pricings"] = pricer, pricings
+    # Branch and bound over candidates, lazily bounded: every candidate starts with its quick bound;
+    # the one of least bound is priced at its floor point (a tighter bound, and its first cuts) and put
+    # back; once the least-bound candidate is already refined, a batch of such candidates is solved.
+    heap = [(r.lower_bound_s, r.mesh.key, i) for i, r in enumerate(records) if r.feasible]
+    heapq.heapify(heap)
+    refined: set[int] = set()
+    _STATE["pricer"] = pricer
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx) if workers > 1 and ctx is not None else None
     try:
-        while i < len(feasible) and solved < cfg.max_solves:
-            if best is not None and feasible[i].lower_bound_s >= best[0] * (1 - cfg.gap_tolerance):
+        while heap and solved < cfg.max_solves:
+            if best is not None and heap[0][0] >= best[0] * (1 - cfg.gap_tolerance):
                 break
             if best is not None and time.perf_counter() - t0 > cfg.time_limit_s:
                 break
-            batch = []
-            while i < len(feasible) and len(batch) < cfg.batch_size and solved + len(batch) < cfg.max_solves:
-                r = feasible[i]
-                if best is not None and r.lower_bound_s >= best[0] * (1 - cfg.gap_tolerance):
+            batch: list[CandidateRecord] = []
+            while heap and len(batch) < cfg.batch_size and solved + len(batch) < cfg.max_solves:
+                lb, _, i = heap[0]
+                if best is not None and lb >= best[0] * (1 - cfg.gap_tolerance):
                     break
+                heapq.heappop(heap)
+                r = records[i]
+                if i not in refined:
+                    refined.add(i)
+                    _refine(pricer, pricings, r)
+                    if r.feasible:
+                        heapq.heappush(heap, (r.lower_bound_s, r.mesh.key, i))
+                    continue
                 batch.append(r)
-                i += 1
             if not batch:
-                break
+                continue
             # Once a plan is known, a candidate only matters if it can beat it by more than the gap
             # tolerance: the solver is told so (an objective cutoff on its model, which under-estimates
             # the priced step), cheaper to refute than to solve. Fixed before the batch runs: deterministic.
             cutoff = best[0] * (1 - cfg.gap_tolerance) if best is not None and cfg.gap_tolerance > 0 else None
-            jobs = [(r.mesh, settings, cutoff, cfg.cut_rounds, cfg.model_tolerance) for r in batch]
+            jobs = [(pricings[r.mesh], settings, cutoff, cfg.cut_rounds, cfg.model_tolerance) for r in batch]
             results = list(pool.map(_solve_job, jobs)) if pool is not None and len(jobs) > 1 else [_solve_job(j) for j in jobs]
             for r, res in zip(batch, results):
                 solved += 1
+                # both are proven: the solve's bound of its cut model, and the floor bound from before it
                 r.status, r.step_time_s, r.bound_s, r.method, r.peak_bytes, r.solve = (
-                    res.status, res.step_time_s, res.bound_s, res.method, res.peak_bytes, res)
+                    res.status, res.step_time_s, max(res.bound_s, r.lower_bound_s), res.method, res.peak_bytes, res)
                 pricings[r.mesh] = res.pricing
                 if res.assignment is not None and (best is None or res.step_time_s < best[0]):
                     best = (res.step_time_s, r, res)
@@ -508,6 +539,16 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         _STATE.clear()
+    if best is not None:
+        # The budget of solves is spent: price the floor points of the candidates whose quick bound could
+        # still beat the plan (far cheaper than solving them), so that the reported bound is theirs.
+        t_ref = time.perf_counter()
+        while heap and heap[0][0] < best[0] * (1 - cfg.gap_tolerance) and time.perf_counter() - t_ref < cfg.refine_time_s:
+            lb, _, i = heapq.heappop(heap)
+            if i in refined:
+                continue
+            refined.add(i)
+            _refine(pricer, pricings, records[i])
     heur = _baseline(workload, topology, world, calibration, cfg) if cfg.baseline else None
     if best is None and heur is None:
         raise explain_infeasible(workload, topology, world, pricer, records, pricings, solved=True, cfg=cfg)

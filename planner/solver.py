@@ -840,16 +840,16 @@ def _load_units(p: CandidatePricing, ic: _IntCuts, o) -> dict[str, int]:
 
 
 def _horizon(p: CandidatePricing, ic: _IntCuts) -> dict[str, int]:
+    """Upper bounds of the aggregates in solver units: a rank holds at most one shard of a table, so a
+    per-rank load is at most every table's largest shard (kept small: the decomposed model multiplies
+    them by the group size, and CP-SAT refuses a model whose sums could overflow)."""
     H = {}
     for v in ic.used:
         if v == "dp":
             H[v] = sum(max(ic.unit(p, "dp", o.allreduce_bytes) for o in opts) for opts in p.options) + 1
             continue
-        if v in LOADS:
-            j = LOADS.index(v)
-            tot = sum(max(ic.unit(p, v, o.load()[j]) * max(1, copies(o)) for o in opts) for opts in p.options)
-        else:
-            tot = 0
+        j = LOADS.index(v)
+        tot = sum(max(ic.unit(p, v, o.load()[j]) for o in opts) for opts in p.options)
         floor = {"fwd": p.launch_s[0], "bwd": p.launch_s[1]}.get(v, 0.0)
         extra = {"a2a": p.recv_factor * sum(max(o.recv_bytes for o in opts) for opts in p.options),
                  "ids": sum(max(o.ids_send_bytes for o in opts) for opts in p.options)}.get(v, 0.0)
@@ -926,7 +926,8 @@ def solve_flat(p: CandidatePricing, settings: SolverSettings, *, hint: Assignmen
     recv_mem = _lin([(_m_up(p.recv_mem_factor * p.options[t][i].recv_bytes), y[t][i])
                      for t in range(len(p.options)) for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0])
     cap = _m_down(p.capacity_bytes) - _m_up(p.base_bytes)
-    room = m.NewIntVar(-(10**15), 10**15, "room")
+    span = 4 * (abs(cap) + _m_up(p.capacity_bytes) + sum(_m_down(l.saved_bytes) for l in p.layers)) + 1
+    room = m.NewIntVar(-span, span, "room")
     m.Add(room == cap + freed - recv_mem - _any_dp(m, p, y, range(len(p.options))))
     m.Add(room >= 0)  # the dense part alone must fit, with or without tables
     H = _horizon(p, ic)
@@ -1120,7 +1121,8 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     recv_mem = _lin([(_m_up(p.recv_mem_factor * p.options[t][i].recv_bytes), y[t][i])
                      for t in free for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0])
     cap = _m_down(p.capacity_bytes) - _m_up(p.base_bytes) - recv_mem_c
-    room = m.NewIntVar(-(10**15), 10**15, "room")
+    span = 4 * (abs(cap) + _m_up(p.capacity_bytes) + sum(_m_down(l.saved_bytes) for l in p.layers)) + 1
+    room = m.NewIntVar(-span, span, "room")
     forced_dp = any(min(o.allreduce_bytes for o in p.options[t]) > 0 for t in fixed)
     m.Add(room == cap + freed - recv_mem - (_m_up(p.dp_comm_bytes) if forced_dp else _any_dp(m, p, y, free)))
     H = _horizon(p, ic)
