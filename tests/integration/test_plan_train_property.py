@@ -69,17 +69,15 @@ def _plan(workload: Path, world: int, out: Path, *pins: str) -> str | None:
 
 def _recompute_every_layer(path: Path) -> None:
     """The planner recomputes no layer of these small models on an H200; recompute changes no value, so
-    the 2-D plan of each pair recomputes every layer the planner may recompute (edited in) and must still
-    match its 1-D twin."""
-    from coplan.spec import Plan
-
+    the 2-D plan of each pair recomputes every layer the planner may recompute (given on the planner's
+    plan, re-priced: :func:`coplan.planner.given.with_layers`) and must still match its 1-D twin."""
     from coplan.costmodel.flops import recomputable_layers
+    from coplan.planner.given import with_layers
 
     plan = load_plan(path)
-    may = set(recomputable_layers(plan.workload))  # what the planner may recompute (stacked layers)
+    may = recomputable_layers(plan.workload)  # what the planner may recompute (stacked layers)
     if may:
-        layers = tuple(lp.model_copy(update={"recompute": lp.name in may}) for lp in plan.layers)
-        dump_spec(Plan.model_validate(plan.model_copy(update={"layers": layers}).model_dump()), path)
+        dump_spec(with_layers(plan, recompute=may), path)
 
 
 def _plan_seed(seed: int, root: Path) -> dict:

@@ -44,6 +44,19 @@ def test_given_plans_are_priced_by_the_one_assembly(tiny, pod):
     assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s)
 
 
+def test_two_d_sparse_and_explicit_placements(tiny, pod):
+    """Copies of the tables and placements given rank by rank: the mesh axes and the price follow them."""
+    tables = {t.name: ("table_wise", (1,)) for t in tiny.all_tables} | {"user_id": ("column_wise", (0, 1))}
+    plan = given_plan(tiny, pod, 4, sparse_replicate=2, tables=tables)
+    assert (plan.mesh.sparse_shard, plan.mesh.sparse_replicate) == (2, 2)
+    assert {a.name: a.size for a in plan.mesh.axes}["sparse_replicate"] == 2
+    assert {t.table: t.ranks for t in plan.tables}["user_id"] == (0, 1) and {t.table: t.ranks for t in plan.tables}["geo"] == (1,)
+    one_copy = given_plan(tiny, pod, 4, tables={k: (v[0], (0, 1, 2, 3) if v[0] == "column_wise" else v[1]) for k, v in tables.items()})
+    assert plan.predicted.peak_memory_bytes != one_copy.predicted.peak_memory_bytes
+    with pytest.raises(MismatchError, match="sparse_replicate=3 must divide"):
+        given_plan(tiny, pod, 4, sparse_replicate=3)
+
+
 def test_layers_are_the_ones_the_trainer_can_recompute(tiny, pod):
     plan = given_plan(tiny, pod, 2)
     assert [lp.name for lp in plan.layers] == list(recomputable_layers(tiny))

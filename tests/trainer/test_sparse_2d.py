@@ -127,12 +127,8 @@ def _workload(sparse: str = "sgd", interval: int = 1) -> Workload:
 
 
 def _plan(w: Workload, world: int, replicas: int, tables: dict[str, tuple[str, tuple[int, ...]]], **kw) -> Plan:
-    """A hand-built plan (no planner): ``tables`` is {table: (sharding type, ranks of the sparse group)}."""
-    d = given_plan(w, _topology(), world, tables="data_parallel", **kw).model_dump()
-    d["mesh"].update(sparse_shard=world // replicas, sparse_replicate=replicas)
-    d["tables"] = [{"table": n, "sharding_type": k, "ranks": list(r), "compute_kernel": "dense" if k == "data_parallel" else "fused"}
-                   for n, (k, r) in tables.items()]
-    return Plan.model_validate(d)
+    """A given plan (placements ours, not the planner's): ``tables`` is {table: (sharding type, ranks of the sparse group)}."""
+    return given_plan(w, _topology(), world, sparse_replicate=replicas, tables=tables, **kw)
 
 
 EVERY_1D = {"user_id": ("column_wise", (0, 1, 2, 3)), "ad_id": ("table_row_wise", (2, 3)), "interests": ("table_row_wise", (0, 1)),
