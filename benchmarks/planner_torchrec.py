@@ -323,6 +323,7 @@ def main() -> int:
                     help="instead of --workloads: N seeded random table sets (50-1,000 tables, mixed dims and pooling) at random "
                          "worlds of --worlds; the seed is taken at run time (or --seed) and reported")
     ap.add_argument("--seed", type=int, default=None, help="seed of --random (default: taken from the clock at run time)")
+    ap.add_argument("--table-range", default="50,1000", help="tables per random set, min,max (default 50,1000)")
     ap.add_argument("--torchrec-timeout", type=int, default=300, help="TorchRec planner timeout_seconds (its proposal loop)")
     ap.add_argument("--torchrec-wall-limit", type=float, default=1800.0,
                     help="kill TorchRec's planner (enumeration and estimation included) after this many seconds")
@@ -355,8 +356,9 @@ def main() -> int:
         rng = np.random.default_rng(args.seed)
         worlds = [int(x) for x in args.worlds.split(",")]
         points = []
+        lo, hi = (int(x) for x in args.table_range.split(","))
         for i in range(args.random):
-            w = random_tables(int(rng.integers(0, 2**31 - 1)), int(rng.integers(50, 1001)))
+            w = random_tables(int(rng.integers(0, 2**31 - 1)), int(rng.integers(lo, hi + 1)))
             points.append((w, int(rng.choice(worlds))))
     else:
         points = [(load_workload(wname), int(x)) for x in args.worlds.split(",") for wname in args.workloads.split(",")]

@@ -81,7 +81,7 @@ class PlannerConfig:
     """Candidates solved per batch before the best plan is updated; fixed, whatever the number of
     workers, so the candidates solved (and the plan) are the same on any machine."""
 
-    flat_max_vars: int = 6_000
+    flat_max_vars: int = 1_500
     """Placement booleans above which a candidate is solved in the decomposed formulation."""
 
     policy: str | None = None

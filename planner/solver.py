@@ -107,7 +107,7 @@ class SolverSettings:
     seed: int = 0
     """CP-SAT random seed."""
 
-    flat_max_vars: int = 6_000
+    flat_max_vars: int = 1_500
     """Above this many placement booleans the decomposed formulation is used (the flat model's presolve
     alone took a whole 1-second budget at 10,000: 536 tables over 8 ranks)."""
 
