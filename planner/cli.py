@@ -33,6 +33,7 @@ def summary(plan: Plan, result=None) -> dict:
         "mesh": {a.name: {"size": a.size, "tiers": list(a.tiers)} for a in plan.mesh.axes},
         "dense": {"fsdp_shard": plan.mesh.dense_shard, "replicate": plan.mesh.dense_replicate, "expert_parallel": plan.mesh.expert_parallel},
         "sparse": {"shard_group": plan.mesh.sparse_shard, "replicas": plan.mesh.sparse_replicate},
+        "micro_batches": plan.micro_batches,
         "sharding_counts": dict(sorted(counts.items())),
         "recompute_layers": [l.name for l in plan.layers if l.recompute],
         "balancing": plan.balancing.model_dump(),
@@ -63,6 +64,8 @@ def print_summary(plan: Plan, out=None) -> None:
         w(f"  {name:<17} {ax['size']:>6,}  {' > '.join(ax['tiers'])}")
     d = s["dense"]
     w(f"dense: FSDP shard {d['fsdp_shard']:,} x replicate {d['replicate']:,} (HSDP), expert-parallel {d['expert_parallel']}")
+    w(f"batch: {plan.workload.batch.global_(plan.world_size):,} samples per step, {plan.workload.batch.local(plan.world_size):,} per GPU"
+      + (f" in {plan.micro_batches} micro-batches (gradient accumulation)" if plan.micro_batches > 1 else ""))
     sp = s["sparse"]
     w(f"sparse: tables sharded over groups of {sp['shard_group']:,} ranks, {sp['replicas']:,} replicas")
     if s["sharding_counts"]:
@@ -86,6 +89,10 @@ def print_summary(plan: Plan, out=None) -> None:
           f"HBM {human_bytes(p.hbm_capacity_bytes)} less a {human_bytes(p.hbm_reserve_bytes)} reserve)")
     if plan.solver is not None:
         r = plan.solver
+        if r.model_objective_us:
+            w(f"model: CP-SAT's objective {r.model_objective_us / 1e3:,.3f} ms for the priced step's {r.objective_us / 1e3:,.3f} ms "
+              f"({(r.objective_us - r.model_objective_us) / r.objective_us:+.2%}, {r.cut_rounds} re-solve(s) after pricing)"
+              + (f"; pinned: {', '.join(r.pins)}" if r.pins else ""))
         w(f"solver: {r.status}, objective {r.objective_us / 1e3:,.3f} ms, bound {r.best_bound_us / 1e3:,.3f} ms, gap {r.gap:.2%}; "
           f"{r.candidates_solved} of {r.candidates_total:,} mesh candidates solved in {r.wall_s:.1f} s on {r.num_workers} workers (seed {r.seed})")
 
