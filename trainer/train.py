@@ -561,11 +561,16 @@ def _report(e: BaseException, rank: int) -> None:
             "Set COPLAN_DEBUG=1 to see the traceback, and please report it.")
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        with open(path, "w") as f:
-            # a plan's error is a message, not a trainer traceback (torchrun's own report prints this file)
-            stack = "" if coplan_error else traceback.format_exc()
-            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": stack,
-                                                                  "timestamp": str(int(time.time()))}}}, f)
+        # a plan's error is a message, not a trainer traceback (torchrun's own report prints this file).
+        # Written whole, then renamed: the agent reads it as soon as any rank fails, and a file it finds
+        # opened but not yet written crashes the agent (json.JSONDecodeError) instead of restarting.
+        stack = "" if coplan_error else traceback.format_exc()
+        body = json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": stack,
+                                                                      "timestamp": str(int(time.time()))}}})
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(body)
+        os.replace(tmp, path)
     if path and os.environ.get(LAUNCHER_ENV):
         return
     if rank == 0 or not coplan_error:
