@@ -313,6 +313,25 @@ def coplan_plan(workload, topology, world: int, batch: int, dtime: float | None 
     return to_torchrec(plan), time.perf_counter() - t0, plan
 
 
+def coplan_prices(summary: dict, plan) -> dict:
+    """A plan's tables as TorchRec's JSON summary (:func:`plan_summary`), priced by coplan's full pricer
+    on ``plan``'s mesh, batch and dense part: TorchRec's plan judged by coplan's cost model (its step and
+    whether it fits), so each planner is also rated by the other's estimator."""
+    from coplan.costmodel import build_context, price
+    from coplan.spec import TableShard
+
+    group = plan.mesh.sparse_shard
+    shards = []
+    for t in plan.workload.all_tables:
+        kind, ranks, _ = summary[t.name]
+        rr = () if kind == "data_parallel" else tuple(range(group)) if kind == "row_wise" and not ranks else tuple(int(r) for r in ranks)
+        shards.append(TableShard(table=t.name, sharding_type=kind, ranks=rr, compute_kernel="dense" if kind == "data_parallel" else "fused"))
+    ctx = build_context(plan.workload, plan.topology, plan.mesh, plan.calibration, force_calibration=True)
+    c = price(ctx, tuple(shards), plan.layers, plan.balancing, plan.kernels, detail=False)
+    return {"step_ms": c.step_time_s * 1e3, "peak_memory_bytes": c.memory.total,
+            "fits": c.memory.total <= c.hbm_capacity_bytes - c.hbm_reserve_bytes}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="dlrm-856,gem-1t")
@@ -370,6 +389,7 @@ def main() -> int:
             _log(f"{wname} @ {world}: TorchRec planning...")
             cache = Path(args.torchrec_cache)
             cached = (cache / f"{wname}@{world}.json").exists()
+            tr_summary = None
             try:
                 if args.skip_torchrec and not cached:
                     if (wname, world) not in prev:
@@ -383,6 +403,7 @@ def main() -> int:
                         _log(f"{wname} @ {world}: rating TorchRec's plan...")
                         t0 = time.perf_counter()
                         rated = rate_plan(got["plan"], w, topology, world, batch)
+                        tr_summary = got["plan"]
                         row["torchrec"] = {"wall_s": got["wall_s"], "cpu_s": got.get("cpu_s"), **rated, "kinds": _kinds(got["plan"]),
                                            "rating_s": time.perf_counter() - t0, **({"cached": got["cached"]} if "cached" in got else {})}
             except Exception as e:  # TorchRec raises PlannerError when nothing fits
@@ -398,6 +419,8 @@ def main() -> int:
                 row["coplan"] = {"wall_s": cp_s, "cpu_s": cpu, **rated, "kinds": _kinds(cp), "rating_s": time.perf_counter() - t0,
                                  "solver_status": cplan.solver.status, "coplan_gap": cplan.solver.gap,
                                  "coplan_step_ms": cplan.predicted.step_time_s * 1e3}
+                if tr_summary is not None:  # TorchRec's plan judged by coplan's cost model, on coplan's plan's mesh
+                    row["torchrec"]["coplan_model"] = coplan_prices(tr_summary, cplan)
             except Exception as e:
                 row["coplan"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             if "max_rank_shards" in row["coplan"]:
@@ -411,6 +434,8 @@ def main() -> int:
                     row["any_plan_lower_bound"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             if "max_rank_perf_ms" in row["torchrec"] and "max_rank_perf_ms" in row["coplan"]:
                 row["coplan_vs_torchrec"] = row["torchrec"]["max_rank_perf_ms"] / row["coplan"]["max_rank_perf_ms"] - 1.0
+            if "coplan_model" in row["torchrec"] and "coplan_step_ms" in row["coplan"]:
+                row["coplan_vs_torchrec_by_coplan_model"] = row["torchrec"]["coplan_model"]["step_ms"] / row["coplan"]["coplan_step_ms"] - 1.0
             print(json.dumps({k: v for k, v in row.items()}), flush=True)
             rows.append(row)
             _write(args, _merge(old, rows))

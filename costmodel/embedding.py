@@ -17,7 +17,8 @@ data_parallel   B·λ (own)     R           d            none; gradients all-red
 
 Ids are assumed hashed, so a row-wise shard gets ``1/k`` of the lookups whatever the Zipf skew.
 
-Lookup time is bandwidth-bound (the fused TBE kernel): forward reads ``dim·bytes`` per lookup plus
+Lookup time is bandwidth-bound (the fused TBE kernel), slower on shards narrower than a full block
+(:data:`NARROW_ROW_FACTORS`): forward reads ``dim·bytes`` per lookup plus
 the id and writes the output vectors; backward reads the output gradients, sorts the ids, gathers a
 gradient row per lookup and, for every *unique* row touched, reads and writes the weights and the
 optimizer state (fused optimizer). Unique rows of ``n`` Zipf(α) draws over ``R`` rows:
@@ -38,6 +39,24 @@ TW, RW, CW, TWRW, DP = range(5)
 
 GRAD_BYTES = 4
 """Embedding gradients are fp32 inside the TBE backward."""
+
+NARROW_ROW_FACTORS: tuple[tuple[float, float], ...] = ((64.0, 1.75), (128.0, 1.15))
+"""(dim below which, time factor) of a lookup kernel on rows narrower than a full block: FBGEMM's TBE
+gives each bag a warp whose lanes hold ``dim`` elements, so a shard of fewer than 128 columns leaves
+lanes idle and moves its bytes at a lower achieved bandwidth. The factors are TorchRec's planner's
+empirical ones (``HALF_BLOCK_PENALTY`` 1.15 for 64-127 columns, ``QUARTER_BLOCK_PENALTY`` 1.75 below
+64; torchrec/distributed/planner/constants.py); ``coplan calibrate`` fits the bandwidth they scale.
+They apply to every shard at its own width, so splitting a table column-wise pays for its narrower
+shards."""
+
+
+def narrow_row_factor(dim: np.ndarray) -> np.ndarray:
+    """Per-shard time factor of :data:`NARROW_ROW_FACTORS` for shards ``dim`` columns wide."""
+    d = np.asarray(dim, dtype=float)
+    out = np.ones_like(d)
+    for below, f in reversed(NARROW_ROW_FACTORS):
+        out = np.where(d < below, f, out)
+    return out
 
 
 def sparse_state_bytes_per_row(optimizer: str, dim) -> np.ndarray:
@@ -208,8 +227,10 @@ def option_costs(
             send = np.where(ta.is_seq, send, send / k)
         allred = zero
     io = (send + recv + ids_r) / num_micro_batches
+    narrow = narrow_row_factor(dim_s)
+    fwd = fwd_bytes * narrow / bw
     return TableOptionCosts(
-        sharding_type, k, fwd_bytes / bw if fwd_floor_s is None else np.maximum(fwd_bytes / bw, fwd_floor_s), bwd_bytes / bw, weight, opt, send, recv, ids_s, ids_r, intra, allred, io,
+        sharding_type, k, fwd if fwd_floor_s is None else np.maximum(fwd, fwd_floor_s), bwd_bytes * narrow / bw, weight, opt, send, recv, ids_s, ids_r, intra, allred, io,
     )
 
 

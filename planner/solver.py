@@ -544,7 +544,11 @@ def rebalance(p: CandidatePricing, a: Assignment, *, max_steps: int = 200) -> As
         rest = _colmax_without(top, h, d)                # (J, D, 5)
         new = np.maximum(rest, np.maximum(X[it_r[J]][:, None, :] - v, X[D][None, :, :] + v))
         st = model.steps(x_vector(p, new, ld.recv, ld.ids_send, ld.dp), a.recompute)   # (J, D)
-        dsp = (w2 * (2 * v * (X[D][None, :, :] - X[it_r[J]][:, None, :] + v))).sum(axis=-1)
+        # evenness: of each weighted load, and of each rank's weighted total (a rank that is light on
+        # every maximum but heavy in sum is what a per-rank estimator such as TorchRec's charges)
+        u = (v * w).sum(axis=-1)                         # (J, 1)
+        dsp = (w2 * (2 * v * (X[D][None, :, :] - X[it_r[J]][:, None, :] + v))).sum(axis=-1) + \
+            2 * u * (load[D][None, :] - load[it_r[J]][:, None] + u)
         ok = (D[None, :] != it_r[J][:, None]) & ~holds[it_t[J]][:, D] & (M[D][None, :] + mem[J][:, None] <= cap)
         st = np.where(ok, st, np.inf)
         better = st < cur * (1 - 1e-9)
@@ -552,7 +556,7 @@ def rebalance(p: CandidatePricing, a: Assignment, *, max_steps: int = 200) -> As
             k = int(np.argmin(np.where(better, st, np.inf)))
             plateau = 0
         else:
-            same = (st <= cur * (1 + 1e-12)) & (dsp < -1e-9 * max(float((w2 * X**2).sum()), 1e-300))
+            same = (st <= cur * (1 + 1e-12)) & (dsp < -1e-9 * max(float((w2 * X**2).sum() + (load**2).sum()), 1e-300))
             plateau += 1
             if not same.any() or plateau > REBALANCE_PLATEAU:
                 break
@@ -574,15 +578,27 @@ def rebalance(p: CandidatePricing, a: Assignment, *, max_steps: int = 200) -> As
         new_ranks[t].append(r)
     out = Assignment(a.choice, tuple(tuple(sorted(rr)) for rr in new_ranks), a.recompute)
     ev = evaluate(p, out)
-    return out if ev.step_time_s < ev0.step_time_s and ev.peak_bytes <= p.capacity_bytes else a
+    if ev.peak_bytes > p.capacity_bytes or ev.step_time_s > ev0.step_time_s:
+        return a
+    if ev.step_time_s < ev0.step_time_s:
+        return out
+
+    def spread(x: Assignment) -> float:
+        t = loads(p, x)
+        xx = t.per_rank + t.uniform
+        return float((w2 * xx**2).sum() + (((xx * w).sum(axis=1)) ** 2).sum())
+
+    return out if spread(out) < spread(a) else a  # the same step, more even
 
 
-def break_lumps(p: CandidatePricing, a: Assignment, *, rounds: int = 100, per_round: int = 4) -> Assignment:
+def break_lumps(p: CandidatePricing, a: Assignment, *, rounds: int = 100, per_round: int = 4, settle: int = 0) -> Assignment:
     """Local search on the option of the tables whose shards sit on the ranks that set a maximum: try
     every other option of such a table (its shards on the least loaded ranks, or node, with room) and
     keep a change that lowers the model's step. The decomposed model decides only its most
     consequential tables; a large table left whole on one rank can set a maximum that splitting it
-    would remove. Never makes a plan worse."""
+    would remove. ``settle``: a change that does not lower the step at once is rebalanced with up to
+    this many moves and kept if that lowers it (a split lump's shards land on ranks already loaded; the
+    gain shows once the rest moves). Never makes a plan worse."""
     s, g = p.group_size, p.node_size
     if not p.options:
         return a
@@ -620,6 +636,9 @@ def break_lumps(p: CandidatePricing, a: Assignment, *, rounds: int = 100, per_ro
                 choice[t], ranks[t] = i, rr
                 trial = Assignment(tuple(choice), tuple(ranks), best_a.recompute)
                 ev = evaluate(p, trial)
+                if settle and ev.peak_bytes <= p.capacity_bytes and ev.step_time_s >= best.step_time_s * (1 - 1e-9):
+                    trial = rebalance(p, trial, max_steps=settle)
+                    ev = evaluate(p, trial)
                 if ev.peak_bytes <= p.capacity_bytes and ev.step_time_s < best.step_time_s * (1 - 1e-9):
                     best_a, best, improved = trial, ev, True
                     break
@@ -768,16 +787,40 @@ def _least_loaded(heap: list, scalar: np.ndarray, bad: np.ndarray, k: int) -> np
     return np.asarray(got, dtype=np.int64) if len(got) == k else None
 
 
+def least_work(p: CandidatePricing, recompute: tuple[bool, ...]) -> Assignment | None:
+    """Each table's option of least added work on the average rank (what TorchRec's greedy proposer
+    starts from: mostly whole tables), placed largest first, the lumps split, and rebalanced. The projected-step greedy
+    of :func:`heuristic` splits the big tables early to keep the step low while it is still short, and
+    on many small tables over few ranks can end with more total work than whole tables balanced."""
+    w = weights(p)
+    choice = tuple(min(range(len(opts)), key=lambda i: (_avg_cost(p, opts[i], w), copies(opts[i]), i)) for opts in p.options)
+    a = place(p, choice, recompute)
+    if a is None:
+        return None
+    a = trim_recompute(p, a)
+    # then the whole tables that set a maximum split (each split settled by rebalancing where the group is small)
+    small = p.group_size <= 256
+    return rebalance(p, break_lumps(p, a, rounds=100 if small else 20, settle=50 if small else 0))
+
+
+def _better(p: CandidatePricing, a: Assignment | None, b: Assignment | None) -> Assignment | None:
+    """The faster of two plans that fit (either may be None)."""
+    fits = [x for x in (a, b) if x is not None and evaluate(p, x).peak_bytes <= p.capacity_bytes]
+    return min(fits, key=lambda x: evaluate(p, x).step_time_s) if fits else None
+
+
 def heuristic_any(p: CandidatePricing) -> Assignment | None:
-    """:func:`heuristic`, rebalanced; when its shards do not fit, its options placed memory-first with
-    more recompute, and at last every layer recomputed. None when nothing fits."""
+    """The better of :func:`heuristic` (rebalanced) and :func:`least_work`; when neither fits, the
+    greedy's options placed memory-first with more recompute, and at last every layer recomputed.
+    None when nothing fits."""
     a = heuristic(p)
     if a is not None:
         if evaluate(p, a).peak_bytes <= p.capacity_bytes:
-            return rebalance(p, trim_recompute(p, a))
+            a = rebalance(p, trim_recompute(p, a))
+            return _better(p, a, least_work(p, a.recompute))
         fixed = place_with_repair(p, a.choice, a.recompute)
         if fixed is not None:
-            return fixed
+            return _better(p, fixed, least_work(p, fixed.recompute))
     if not p.layers:
         return None
     full = tuple(l.saved_bytes > 0 for l in p.layers)
@@ -973,6 +1016,8 @@ def solve_flat(p: CandidatePricing, settings: SolverSettings, *, hint: Assignmen
             else:
                 ranks.append(())
         a = Assignment(choice, tuple(ranks), tuple(solver.BooleanValue(v) for v in rc))
+        # never worse: lumps split where the solve left them, then a plateau evened out
+        a = rebalance(p, break_lumps(p, a, rounds=20, settle=50), max_steps=settings.rebalance_steps)
         ev = evaluate(p, a)
         bound = _bound_s(solver, ic, p)
         return SolveResult(a, name, ev.step_time_s, ev.peak_bytes, min(bound, ev.step_time_s), wall, "flat")
@@ -1237,7 +1282,7 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
                 if ev.peak_bytes <= p.capacity_bytes and ev.step_time_s < best_t:
                     best, best_t = placed, ev.step_time_s
     if best is not None:
-        best = rebalance(p, break_lumps(p, best), max_steps=settings.rebalance_steps)
+        best = rebalance(p, break_lumps(p, best, settle=50 if p.group_size <= 256 else 0), max_steps=settings.rebalance_steps)
     wall = time.perf_counter() - t0
     if best is None:
         return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, wall, "decomposed")
