@@ -254,15 +254,20 @@ def _embedding_loads(plan: Plan, context):
 
 def all_rank_embedding_s(plan: Plan, cost, context) -> np.ndarray | None:
     """Embedding time per step of every rank of the sparse shard group, or None when it cannot be
-    reproduced. The cost model's per-rank lookup loads (forward + backward) plus one rank-independent
-    term (launches, intra-node reduction) fitted on the sampled ranks; used only if that one term
-    reproduces every sampled rank's busy time to 1e-9 of the step."""
-    loads = _embedding_loads(plan, context)
+    reproduced. The cost model's per-rank lookup times (forward + backward, each rank's kernel launches
+    and table-row-wise NVLink reduction included, as the pricer's aggregates have them) plus one
+    rank-independent term fitted on the sampled ranks; used only if that one term reproduces every
+    sampled rank's busy time to 1e-9 of the step."""
+    from coplan.costmodel.embedding import TableAssignment
+    from coplan.costmodel.pricer import default_assignment, sparse_aggregates
+
     ids = np.asarray(cost.rank_ids, dtype=np.int64)
     times = np.asarray(cost.rank_time_s, dtype=float)
-    if loads is None or ids.size < 2 or times.size != ids.size:
+    if not context.tables.num or ids.size < 2 or times.size != ids.size:
         return None
-    emb = np.asarray(loads["fwd_s"], dtype=float) + np.asarray(loads["bwd_s"], dtype=float)
+    a = TableAssignment.from_shards(context.tables, plan.tables) if plan.tables else default_assignment(context)
+    fwd_r, bwd_r, _ = sparse_aggregates(context, a, 1.0, plan.kernels).ranks
+    emb = np.asarray(fwd_r, dtype=float) + np.asarray(bwd_r, dtype=float)
     emb_crit = sum(o.time_s for o in cost.ops if o.phase in ("fwd", "bwd") and o.name.startswith("sparse."))
     base = cost.perf.total - emb_crit
     offsets = (times - base) - emb[ids]
