@@ -837,14 +837,21 @@ def least_work(p: CandidatePricing, recompute: tuple[bool, ...]) -> Assignment |
         return None
     a = trim_recompute(p, a)
     # then the whole tables that set a maximum split (each split settled by rebalancing where the group is small)
-    small = p.group_size <= 256
-    return rebalance(p, break_lumps(p, a, rounds=100 if small else 20, settle=50 if small else 0))
+    settle = _settle(p)
+    return rebalance(p, break_lumps(p, a, rounds=100 if settle else 20, settle=settle))
 
 
 def _better(p: CandidatePricing, a: Assignment | None, b: Assignment | None) -> Assignment | None:
-    """The faster of two plans that fit (either may be None)."""
-    fits = [x for x in (a, b) if x is not None and evaluate(p, x).peak_bytes <= p.capacity_bytes]
-    return min(fits, key=lambda x: evaluate(p, x).step_time_s) if fits else None
+    """The faster of two plans that fit (either may be None; the first on a tie)."""
+    fits = [(ev.step_time_s, i, x) for i, x in enumerate((a, b)) if x is not None
+            for ev in (evaluate(p, x),) if ev.peak_bytes <= p.capacity_bytes]
+    return min(fits)[2] if fits else None
+
+
+def _settle(p: CandidatePricing) -> int:
+    """Rebalancing moves :func:`break_lumps` may spend settling each split (none on large groups,
+    where a rebalance per trial costs more than the split can gain)."""
+    return 50 if p.group_size <= 256 else 0
 
 
 def heuristic_any(p: CandidatePricing) -> Assignment | None:
@@ -1331,7 +1338,7 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
                 if ev.peak_bytes <= p.capacity_bytes and ev.step_time_s < best_t:
                     best, best_t = placed, ev.step_time_s
     if best is not None:
-        best = rebalance(p, break_lumps(p, best, settle=50 if p.group_size <= 256 else 0), max_steps=settings.rebalance_steps)
+        best = rebalance(p, break_lumps(p, best, settle=_settle(p)), max_steps=settings.rebalance_steps)
     wall = time.perf_counter() - t0
     if best is None:
         return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, wall, "decomposed")

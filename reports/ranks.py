@@ -241,15 +241,21 @@ class RankMemory:
     """True when the per-rank totals reproduce the cost model's sampled ranks."""
 
 
+def _assignment(plan: Plan, context):
+    """The plan's table placement as the cost model prices it (its default placement when the plan lists none)."""
+    from coplan.costmodel.embedding import TableAssignment
+    from coplan.costmodel.pricer import default_assignment
+
+    return TableAssignment.from_shards(context.tables, plan.tables) if plan.tables else default_assignment(context)
+
+
 def _embedding_loads(plan: Plan, context):
     """The cost model's per-rank lookup loads of the plan's table placement (None without tables)."""
-    from coplan.costmodel.embedding import TableAssignment
-    from coplan.costmodel.pricer import default_assignment, embedding_loads
+    from coplan.costmodel.pricer import embedding_loads
 
     if not context.tables.num:
         return None
-    a = TableAssignment.from_shards(context.tables, plan.tables) if plan.tables else default_assignment(context)
-    return embedding_loads(context, a)
+    return embedding_loads(context, _assignment(plan, context))
 
 
 def all_rank_embedding_s(plan: Plan, cost, context) -> np.ndarray | None:
@@ -258,15 +264,13 @@ def all_rank_embedding_s(plan: Plan, cost, context) -> np.ndarray | None:
     and table-row-wise NVLink reduction included, as the pricer's aggregates have them) plus one
     rank-independent term fitted on the sampled ranks; used only if that one term reproduces every
     sampled rank's busy time to 1e-9 of the step."""
-    from coplan.costmodel.embedding import TableAssignment
-    from coplan.costmodel.pricer import default_assignment, sparse_aggregates
+    from coplan.costmodel.pricer import sparse_aggregates
 
     ids = np.asarray(cost.rank_ids, dtype=np.int64)
     times = np.asarray(cost.rank_time_s, dtype=float)
     if not context.tables.num or ids.size < 2 or times.size != ids.size:
         return None
-    a = TableAssignment.from_shards(context.tables, plan.tables) if plan.tables else default_assignment(context)
-    fwd_r, bwd_r, _ = sparse_aggregates(context, a, 1.0, plan.kernels).ranks
+    fwd_r, bwd_r, _ = sparse_aggregates(context, _assignment(plan, context), 1.0, plan.kernels).ranks
     emb = np.asarray(fwd_r, dtype=float) + np.asarray(bwd_r, dtype=float)
     emb_crit = sum(o.time_s for o in cost.ops if o.phase in ("fwd", "bwd") and o.name.startswith("sparse."))
     base = cost.perf.total - emb_crit
