@@ -23,15 +23,13 @@ collective on a placed group; ``model_flops`` is re-exported from :mod:`.flops`.
 """
 
 from coplan.costmodel.comm import CollectiveModel, GroupPlacement, bus_factor, collective_model, collective_time, p2p_time, place_group
-from coplan.costmodel.context import (
-    Context,
+from coplan.costmodel.compute import imbalance
+from coplan.costmodel.context import Context, Options, build_context
+from coplan.costmodel.decomposed import (
     DenseFixedCosts,
     LayerCost,
-    Options,
     TableOptionCost,
-    build_context,
     dense_fixed_costs,
-    imbalance,
     layer_costs,
     table_option_cost,
     table_option_costs,

@@ -33,18 +33,11 @@ from typing import Sequence
 import numpy as np
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.context import (
-    FSDP_COPY_LAUNCHES,
-    OPTIMIZER_LAUNCHES,
-    Context,
-    dense_fixed_costs,
-    fsdp_copy_bytes,
-    host_work_s,
-    imbalance,
-    op_arrays,
-    table_option_costs,
-)
-from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment
+from coplan.costmodel.compute import host_work_s, imbalance, op_arrays
+from coplan.costmodel.context import Context
+from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs, table_option_costs
+from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
+from coplan.costmodel.memory import fsdp_copy_bytes
 from coplan.costmodel.goodput import goodput as goodput_of
 from coplan.costmodel.results import CommCost, Memory, OpCost, Perf, StepCost, StepCut
 from coplan.costmodel.schedule import COMPUTE, Schedule
@@ -82,8 +75,6 @@ def _assignment(ctx: Context, tables) -> TableAssignment:
 def default_assignment(ctx: Context) -> TableAssignment:
     """Every table table-wise, greedily on the least-loaded rank by lookup time (a placeholder
     placement for pricing before the planner runs)."""
-    from coplan.costmodel.embedding import greedy_table_wise
-
     return greedy_table_wise(ctx)
 
 
@@ -211,7 +202,7 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
     """Kernel launches per step that the pricer charges a launch overhead for: every dense op's forward
     and backward launches per micro-batch (forward again for recomputed layers; for an op that ``arr``
     (:func:`op_arrays`) prices in FP8, its quantisation kernels, as
-    :func:`coplan.costmodel.context._price_fp8_quantisation` counts them), the busiest rank's embedding
+    :func:`coplan.costmodel.fp8.price_fp8_quantisation` counts them), the busiest rank's embedding
     kernels (``emb_kernels`` per micro-batch: one forward, two backward), and the dense optimizer's
     launches. The step time is linear in the launch cost with this slope on one GPU (tested); the
     host-bound form prices the host's time per launch on :func:`host_launches`, which is this count
@@ -328,7 +319,7 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
 def host_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0) -> float:
     """Launches per step the host side charges ``host_launch_s`` for: :func:`priced_launches`, except that
     an op whose host issues more kernels than the pricer charges the device for (the padded reference)
-    counts those, in priced units (:data:`coplan.costmodel.context.HOST_KERNELS_PER_PRICED_LAUNCH`).
+    counts those, in priced units (:data:`coplan.costmodel.compute.HOST_KERNELS_PER_PRICED_LAUNCH`).
     Equal to :func:`priced_launches` when no op does (every Triton/flex plan)."""
     return float(sum(host_segments(ctx, arr, recomputed, emb_kernels)[0]))
 

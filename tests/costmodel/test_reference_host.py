@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.context import HOST_KERNELS_PER_PRICED_LAUNCH, build_context, op_arrays
+from coplan.costmodel.compute import HOST_KERNELS_PER_PRICED_LAUNCH, op_arrays
+from coplan.costmodel.context import build_context
 from coplan.costmodel.pricer import _layer_map, host_launches, host_segments, price, priced_launches, synced_step
 from coplan.errors import CoplanError
 from coplan.spec import Calibration, LayerPlan, OpClassCalibration, Plan

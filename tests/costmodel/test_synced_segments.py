@@ -9,7 +9,8 @@ import pytest
 from coplan.costmodel import flops as F
 from coplan.costmodel.calibrate import (CalibrationError, fit_host_terms, fit_step_terms, measured_moments,
                                         predict_median_step, predict_step_time)
-from coplan.costmodel.context import build_context, op_arrays
+from coplan.costmodel.compute import op_arrays
+from coplan.costmodel.context import build_context
 from coplan.costmodel.pricer import _layer_map, host_launches, price, sync_exposed, synced_step
 from coplan.errors import CoplanError
 
