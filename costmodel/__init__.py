@@ -26,7 +26,6 @@ from coplan.costmodel.comm import CollectiveModel, GroupPlacement, bus_factor, c
 from coplan.costmodel.compute import imbalance
 from coplan.costmodel.context import Context, Options, build_context
 from coplan.costmodel.decomposed import (
-    DenseFixedCosts,
     LayerCost,
     TableOptionCost,
     dense_fixed_costs,
@@ -39,11 +38,11 @@ from coplan.costmodel.embedding import TableAssignment, TableOptionCosts
 from coplan.costmodel.flops import FlopCount, Op, attention_flops, model_flops, workload_ops
 from coplan.costmodel.goodput import goodput
 from coplan.costmodel.pricer import price
-from coplan.costmodel.results import CommCost, Goodput, Memory, OpCost, Perf, StepCost
+from coplan.costmodel.results import CommCost, DenseFixedCosts, EmbeddingRanks, Goodput, Memory, OpCost, Perf, SparseAggregates, StepCost, StepCut
 
 __all__ = [
-    "CollectiveModel", "CommCost", "Context", "DenseFixedCosts", "Efficiencies", "FlopCount", "Goodput", "GroupPlacement",
-    "LayerCost", "Memory", "Op", "OpCost", "Options", "Perf", "StepCost", "TableAssignment",
+    "CollectiveModel", "CommCost", "Context", "DenseFixedCosts", "Efficiencies", "EmbeddingRanks", "FlopCount", "Goodput", "GroupPlacement",
+    "LayerCost", "Memory", "Op", "OpCost", "Options", "Perf", "SparseAggregates", "StepCost", "StepCut", "TableAssignment",
     "TableOptionCost", "TableOptionCosts", "attention_flops", "build_context", "bus_factor", "collective_model",
     "collective_time", "dense_fixed_costs", "goodput", "imbalance", "layer_costs",
     "model_flops", "p2p_time", "place_group", "price", "resolve_efficiencies", "table_option_cost", "table_option_costs",

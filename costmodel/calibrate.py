@@ -387,7 +387,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
     Embedding lookups are one sample per phase (``sparse``), priced by the pricer's per-rank lookup
     time at full HBM bandwidth: the trace cannot split one fused TBE kernel among tables.
     """
-    from coplan.costmodel.pricer import _assignment, default_assignment, embedding_loads
+    from coplan.costmodel.pricer import assignment_of, default_assignment, embedding_loads
 
     ctx = build_context(plan.workload, plan.topology, plan.mesh, _unit_calibration(plan.topology.gpu.name),
                         options=_options(seq_chunk), force_calibration=True)
@@ -412,7 +412,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
                             serial_mem_s=float(arr.bwd_serial_s[k]), mem_class=mc, extra_kernels=float(arr.bwd_extra_kernels[k])))
     sparse = tuple(o.name for o in ctx.ops if o.layer == "sparse")
     if ctx.tables.num and sparse:
-        a = _assignment(ctx, plan.tables) if plan.tables else default_assignment(ctx)
+        a = assignment_of(ctx, plan.tables) if plan.tables else default_assignment(ctx)
         loads = embedding_loads(ctx, a)
         r = rank % ctx.mesh.sparse_shard
         groups = _lookup_groups(ctx) if ctx.mesh.sparse_shard == 1 else ()

@@ -254,7 +254,6 @@ def seq_cost(ctx: Context, kernels: Kernels | None = None):
     if hit is not None:
         return hit
     arr = op_arrays(ctx, kernels)
-    gpu = ctx.topology.gpu
     c = l = q = 0.0
     prim = ctx.primary_sequence
     for i, oi in enumerate(ctx.dense_idx):

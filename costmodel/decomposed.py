@@ -17,6 +17,7 @@ from coplan.costmodel.context import Context, shared_cache
 from coplan.costmodel.embedding import SHARDING_CODES, TableOptionCosts, option_costs
 from coplan.costmodel.jagged import length_pmf
 from coplan.costmodel.memory import fsdp_copy_bytes
+from coplan.costmodel.results import DenseFixedCosts
 from coplan.errors import CoplanError
 from coplan.spec.workload import Kernels
 
@@ -120,35 +121,6 @@ def layer_costs(ctx: Context, *, policy: str = "greedy", kernels: Kernels | None
     )
 
 
-@dataclass(frozen=True, slots=True)
-class DenseFixedCosts:
-    """Dense costs that do not depend on tables or recompute: FSDP/HSDP and expert collectives per
-    layer (per step, whole duration, before overlap), and per-rank parameter state."""
-
-    layers: tuple[str, ...]
-    all_gather_fwd_s: np.ndarray
-    all_gather_bwd_s: np.ndarray
-    reduce_scatter_s: np.ndarray
-    replicate_all_reduce_s: np.ndarray
-    ep_all_to_all_s: np.ndarray
-    """Dispatch + combine, forward and backward (per MoE layer; recompute adds its forward pair)."""
-    params_bytes: float
-    grads_bytes: float
-    optimizer_bytes: float
-    fsdp_buffer_bytes: float
-    optimizer_step_s: float
-    fsdp_copy_fwd_s: float = 0.0
-    """FSDP2's copies around its collectives, per micro-batch, forward (:func:`fsdp_copy_bytes`), at the
-    elementwise class's bandwidth, launches included."""
-    fsdp_copy_bwd_s: float = 0.0
-    """The same, backward (gradient copy-in, the one-rank divided copy, the cast to the parameter dtype)."""
-
-    @property
-    def comm_total_s(self) -> float:
-        return float(self.all_gather_fwd_s.sum() + self.all_gather_bwd_s.sum() + self.reduce_scatter_s.sum()
-                     + self.replicate_all_reduce_s.sum() + self.ep_all_to_all_s.sum())
-
-
 def dense_fixed_costs(ctx: Context) -> DenseFixedCosts:
     hit = ctx.cache.get("dense_fixed")
     if hit is not None:
@@ -157,7 +129,7 @@ def dense_fixed_costs(ctx: Context) -> DenseFixedCosts:
     cb = ctx.compute_bytes
     pb = F.DTYPE_BYTES[w.precision.param_dtype]
     rb = F.DTYPE_BYTES[w.precision.reduce_dtype]
-    ds, dr, ep = ctx.mesh.dense_shard, ctx.mesh.dense_replicate, ctx.mesh.expert_parallel
+    ds, ep = ctx.mesh.dense_shard, ctx.mesh.expert_parallel
     es = ctx.expert_shard
     M = ctx.micro_batches
     P = ctx.layer_params

@@ -250,7 +250,7 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
     from coplan.costmodel.calibrate import predict_step_time
     from coplan.costmodel.compute import op_arrays
     from coplan.costmodel.context import build_context
-    from coplan.costmodel.pricer import _layer_map, price, priced_launches
+    from coplan.costmodel.pricer import layer_sets, price, priced_launches
     from coplan.spec import Calibration, LayerPlan, OpClassCalibration
 
     base = _plan(32, 512)
@@ -265,7 +265,7 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
     for p in (base, plan):
         d0, d1 = predict_step_time(p, cal(1e-6)), predict_step_time(p, cal(2e-6))
         ctx = build_context(p.workload, p.topology, p.mesh, cal(1e-6))
-        rec, fp8 = _layer_map(ctx, p.layers)
+        rec, fp8 = layer_sets(ctx, p.layers)
         n = priced_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, 1.0)
         assert (d1 - d0) / 1e-6 == pytest.approx(n, rel=1e-6)
         # host-bound: the step is the host's time and says so; device-bound: the host cost changes nothing
