@@ -37,12 +37,13 @@ from coplan.costmodel.efficiency import Efficiencies, resolve_efficiencies
 from coplan.costmodel.embedding import TableAssignment, TableOptionCosts
 from coplan.costmodel.flops import FlopCount, Op, attention_flops, model_flops, workload_ops
 from coplan.costmodel.goodput import goodput
+from coplan.costmodel.planner_view import COST_MODEL, CostModel, DenseBase, RecomputeOption, ShardOptionCosts
 from coplan.costmodel.pricer import price
 from coplan.costmodel.results import CommCost, DenseFixedCosts, EmbeddingRanks, Goodput, Memory, OpCost, Perf, SparseAggregates, StepCost, StepCut
 
 __all__ = [
-    "CollectiveModel", "CommCost", "Context", "DenseFixedCosts", "Efficiencies", "EmbeddingRanks", "FlopCount", "Goodput", "GroupPlacement",
-    "LayerCost", "Memory", "Op", "OpCost", "Options", "Perf", "SparseAggregates", "StepCost", "StepCut", "TableAssignment",
+    "COST_MODEL", "CollectiveModel", "CommCost", "Context", "CostModel", "DenseBase", "DenseFixedCosts", "Efficiencies", "EmbeddingRanks", "FlopCount", "Goodput", "GroupPlacement",
+    "LayerCost", "Memory", "Op", "OpCost", "Options", "Perf", "RecomputeOption", "ShardOptionCosts", "SparseAggregates", "StepCost", "StepCut", "TableAssignment",
     "TableOptionCost", "TableOptionCosts", "attention_flops", "build_context", "bus_factor", "collective_model",
     "collective_time", "dense_fixed_costs", "goodput", "imbalance", "layer_costs",
     "model_flops", "p2p_time", "place_group", "price", "resolve_efficiencies", "table_option_cost", "table_option_costs",

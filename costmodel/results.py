@@ -236,6 +236,21 @@ class SparseAggregates:
                    sync_bytes=x["sync"], emb_kernels=1.0, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
                    mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=recv_bytes)
 
+    @classmethod
+    def of_ranks(cls, fwd_s: np.ndarray, bwd_s: np.ndarray, loads: np.ndarray, memory_bytes: np.ndarray, *, recv_bytes: float,
+                 recv_factor: float, ids_send_bytes: float, dp_bytes: float, held: bool) -> "SparseAggregates":
+        """The aggregates of a placement given per rank: lookup seconds (launches included), ``loads``
+        (ranks × (forward, backward, bytes sent, id bytes received, sync bytes)) and shard memory (as one
+        figure, in ``mem_weight_bytes``); ``recv_bytes`` every rank receives (times ``recv_factor``, the
+        jagged imbalance), ``ids_send_bytes`` every rank sends; ``held``: some rank holds a shard."""
+        return cls(
+            fwd_max_s=float(fwd_s.max()), bwd_max_s=float(bwd_s.max()), a2a_bytes=max(float(loads[:, 2].max()), recv_factor * recv_bytes),
+            ids_bytes=max(ids_send_bytes, float(loads[:, 3].max())), dp_bytes=dp_bytes, sync_bytes=float(loads[:, 4].max()),
+            emb_kernels=1.0 if held else 0.0, mean_s=float(fwd_s.mean() + bwd_s.mean()),
+            mem_weight_bytes=float(memory_bytes.max()) if memory_bytes.size else 0.0, mem_optimizer_bytes=0.0, mem_io_bytes=0.0,
+            recv_bytes=recv_bytes, ranks=EmbeddingRanks(fwd_s, bwd_s, memory_bytes),
+        )
+
     def time_vars(self) -> dict[str, float]:
         """The values of the cut variables (see :class:`StepCut`)."""
         return {"fwd": self.fwd_max_s, "bwd": self.bwd_max_s, "a2a": self.a2a_bytes, "ids": self.ids_bytes,
