@@ -17,6 +17,12 @@ How the planner uses it (build once per mesh candidate, price many times)::
     cost = price(ctx, tables, layer_plans, balancing, kernels)     # (e) the full pricer -> StepCost
     prediction = cost.to_prediction()                              #     -> coplan.spec.Prediction
 
+The planner reaches these through :class:`CostModel` (``COST_MODEL``, :mod:`.planner_view`), which it
+is handed, and reads only typed values back. The modules, by job: :mod:`.context` (the pricing
+context and its options), :mod:`.compute` (dense ops, padding, jagged imbalance), :mod:`.fp8`,
+:mod:`.memory`, :mod:`.decomposed` (the per-option and per-layer costs), :mod:`.step_schedule` and
+:mod:`.pricer` (the step), :mod:`.results` (the frozen results).
+
 ``tables`` is a sequence of :class:`~coplan.spec.TableShard` or, faster in a search loop, a
 :class:`TableAssignment` of flat arrays. ``collective_time``/``collective_model`` price one
 collective on a placed group; ``model_flops`` is re-exported from :mod:`.flops`.

@@ -39,7 +39,7 @@ from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, 
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
 from coplan.costmodel.goodput import goodput as goodput_of
 from coplan.costmodel.memory import fsdp_copy_bytes, state_bytes, step_memory
-from coplan.costmodel.results import CommCost, EmbeddingRanks, Memory, OpCost, Perf, SparseAggregates, StepCost, StepCut
+from coplan.costmodel.results import CommCost, DenseFixedCosts, EmbeddingRanks, Memory, OpCost, Perf, SparseAggregates, StepCost, StepCut
 from coplan.costmodel.schedule import Schedule
 from coplan.costmodel.step_schedule import DenseWork, SparseWork, build_schedule, dense_collectives, dense_work, moe_part, sparse_work
 from coplan.errors import CoplanError
@@ -496,7 +496,7 @@ def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, 
     return _StepTime(step, device_step, factor, host_s, seg_out)
 
 
-def _op_rows(ctx: Context, d: DenseWork, sp: SparseWork, fixed, recomputed: frozenset[str], br: _Breakdown
+def _op_rows(ctx: Context, d: DenseWork, sp: SparseWork, fixed: DenseFixedCosts, recomputed: frozenset[str], br: _Breakdown
              ) -> tuple[list[OpCost], list[CommCost]]:
     """Per-op rows (each stretched by its layer's SM-contention slowdown) and per-collective rows."""
     M, arr, rho = ctx.micro_batches, d.arr, d.rho
