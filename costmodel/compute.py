@@ -37,7 +37,7 @@ def expected_max_length(dist, n: float) -> float:
 
 HOST_KERNELS_PER_PRICED_LAUNCH = 4.1
 """Kernels the trainer's host really issues per launch the pricer charges (``h``, the calibrated
-``host_launch_s``, is per priced launch): measured on the H200 round-4 traces of the five Triton fit
+``host_launch_s``, is per priced launch): measured on H200 traces of the five Triton fit
 runs (``traces.host_profile``: forward + backward + post launches per profiled step over the pricer's
 priced launches; base 4.20, b32-h512 4.14, d512-L6 4.06, rc-nomoe 3.78, nomoe-b32-L2 4.30; mean 4.10),
 no reference run and no step time used. The host time of these runs grows with their real launches at

@@ -35,7 +35,7 @@ def seq_lookup_floor_s(ctx: "Context", samples_per_micro_batch: float, shards=1.
 
     With whole histories as bags (``seq_chunk = 0``) there are as many bags as samples × tables, far
     fewer than the 8,448 resident warps of an H200, in one wave as long as the batch's longest history
-    (E[max L], the same for every table of a sequence): latency-bound (the round-2 H200 runs: 64-320
+    (E[max L], the same for every table of a sequence): latency-bound (H200 runs with whole histories: 64-320
     warps, ~1.3-3 ms per call). With bags of at most ``c`` ids the longest bag is ``c`` and the waves
     are ``samples × tables × E[ceil(L / c)] / resident warps``: a few waves of ``c`` ids, under the
     bytes' time (bandwidth-bound). The group's floor is split among its tables by their bytes (exact

@@ -209,7 +209,7 @@ def sync_exposed(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), em
     backward one. At a sync the device drains, and in the forward that follows the host issues each op's
     kernels about as the device runs them (the reference's own calls are ~84 host-heavy kernels each), so
     the host's forward after a sync is not hidden under device work; the backward, which never syncs,
-    runs ahead of the device as without syncs. Measured: on the H200 (calibration rounds 8-9, six runs of
+    runs ahead of the device as without syncs. Measured: on the H200 (six runs of
     the padded reference at 12-15 samples, longest lengths 1,000-4,096) each step is linear in
     batch × padded length² with a slope equal to the priced attention's device time (0.86-0.89 ms per
     10^6 across all six runs) and an intercept of 50-71 ms: host and device add up, they do not overlap."""
