@@ -2,7 +2,7 @@
 
 - 4,096 sequences of gem-1t's history length distribution (log-normal, mean 2,048, sigma 1, 16..8,192)
   over 64 ranks, each costing what the cost model says one sequence costs on an H200 (forward and
-  backward of gem-1t's dense layers: ``coplan.costmodel.context.seq_cost``, quadratic attention plus
+  backward of gem-1t's dense layers: ``coplan.costmodel.compute.seq_cost``, quadratic attention plus
   linear terms). Policies: greedy (LPT), Karmarkar-Karp (balanced LDM), the plain contiguous split,
   and uniformly random ranks. Time is the best and the median of repeated runs (same batch).
 - The heuristics' gap to CP-SAT on small batches (40 sequences over 4 ranks, 16 over 4), where CP-SAT
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def gem_seq_cost():
     from coplan.costmodel import build_context
-    from coplan.costmodel.context import seq_cost
+    from coplan.costmodel.compute import seq_cost
     from coplan.spec import MeshPlan, load_topology, load_workload
 
     w = load_workload("gem-1t")

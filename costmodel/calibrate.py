@@ -78,7 +78,7 @@ runs' host speed is recorded (``host_op_median_us``); a plan is priced for a hos
 The sequence lookup. FBGEMM's no-bag forward gives one warp per bag and walks a bag's ids one after
 another, so with whole histories as bags (a few hundred warps) it is latency-bound: each sequence-lookup
 kernel costs max(bytes / (HBM bandwidth · m_embedding), waves × ids in the longest bag × ``t_id``)
-(:func:`coplan.costmodel.context.seq_lookup_floor_s`, the bag layout from the run's ``seq_chunk``:
+(:func:`coplan.costmodel.decomposed.seq_lookup_floor_s`, the bag layout from the run's ``seq_chunk``:
 :func:`run_seq_chunk`). ``t_id`` (``lookup_id_latency_s``) is fitted with the efficiencies on the
 embedding forward samples (:attr:`Sample.lookup_groups`).
 """
@@ -95,7 +95,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from coplan import __version__
-from coplan.costmodel.context import build_context, op_arrays
+from coplan.costmodel.compute import op_arrays
+from coplan.costmodel.context import build_context
 from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
 from coplan.costmodel.traces import (HostProfile, TraceAttribution, TraceError, attribute, host_profile, host_speed_index,
                                      load_trace)
@@ -144,7 +145,7 @@ class Sample:
     """The sequence lookups' kernels within this sample (the embedding forward), one per group of
     tables: (bytes / HBM bandwidth, serial ids: waves × ids in the longest bag × micro-batches). Each
     costs max(bytes time / m_embedding, serial ids × lookup_id_s) and adds to the rest (``mem_s``);
-    see :func:`coplan.costmodel.context.seq_lookup_floor_s`."""
+    see :func:`coplan.costmodel.decomposed.seq_lookup_floor_s`."""
     extra_kernels: float = 0.0
     """Kernels of an unfused op beyond ``launches`` (per micro-batch), each costing the ``unfused`` launch
     overhead (a calibration's ``unfused_kernel_s``)."""
@@ -386,7 +387,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
     Embedding lookups are one sample per phase (``sparse``), priced by the pricer's per-rank lookup
     time at full HBM bandwidth: the trace cannot split one fused TBE kernel among tables.
     """
-    from coplan.costmodel.pricer import _assignment, default_assignment, embedding_loads
+    from coplan.costmodel.pricer import assignment_of, default_assignment, embedding_loads
 
     ctx = build_context(plan.workload, plan.topology, plan.mesh, _unit_calibration(plan.topology.gpu.name),
                         options=_options(seq_chunk), force_calibration=True)
@@ -411,7 +412,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
                             serial_mem_s=float(arr.bwd_serial_s[k]), mem_class=mc, extra_kernels=float(arr.bwd_extra_kernels[k])))
     sparse = tuple(o.name for o in ctx.ops if o.layer == "sparse")
     if ctx.tables.num and sparse:
-        a = _assignment(ctx, plan.tables) if plan.tables else default_assignment(ctx)
+        a = assignment_of(ctx, plan.tables) if plan.tables else default_assignment(ctx)
         loads = embedding_loads(ctx, a)
         r = rank % ctx.mesh.sparse_shard
         groups = _lookup_groups(ctx) if ctx.mesh.sparse_shard == 1 else ()
@@ -421,7 +422,8 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
             out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, rest, float(len(sparse)), 1, sparse, lookup_groups=g))
     # the dense optimizer, once per step, as the pricer prices it (memory-bound elementwise, with the
     # trainer's gradient norm), and FSDP2's copies per micro-batch (the trace's "fsdp.hooks")
-    from coplan.costmodel.context import FSDP_COPY_LAUNCHES, dense_fixed_costs, fsdp_copy_bytes
+    from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, dense_fixed_costs
+    from coplan.costmodel.memory import fsdp_copy_bytes
 
     opt = dense_fixed_costs(ctx).optimizer_step_s  # unit efficiencies: bytes / HBM bandwidth exactly
     if opt > 0:
@@ -441,7 +443,7 @@ from coplan.costmodel.flops import REFERENCE_MATMUL_DTYPE as REFERENCE_ATTENTION
 apart from the fused kernels' (one class, two very different implementations), and the pricer reads it
 under the same key."""
 
-from coplan.costmodel.context import OPTIMIZER_LAUNCHES  # noqa: E402  (the pricer's launches of the optimizer step)
+from coplan.costmodel.decomposed import OPTIMIZER_LAUNCHES  # noqa: E402  (the pricer's launches of the optimizer step)
 
 
 def _lookup_groups(ctx) -> tuple[tuple[float, float], ...]:
@@ -450,7 +452,7 @@ def _lookup_groups(ctx) -> tuple[tuple[float, float], ...]:
     lookups priced at their bytes alone); the floor at one second per id gives the serial ids."""
     from dataclasses import replace
 
-    from coplan.costmodel.context import seq_lookup_floor_s, table_option_costs
+    from coplan.costmodel.decomposed import seq_lookup_floor_s, table_option_costs
 
     ta = ctx.tables
     if not ta.num or not ta.is_seq.any():
@@ -718,7 +720,7 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
     With a per-sample host cost (``host_sample_s``) the step is max(device step, priced launches ×
     ``host_launch_s`` + local samples × ``host_sample_s``): read off the pricer's device step and its
     launch slope here, so the figure holds whether or not the pricer adds the per-sample term itself
-    (:func:`coplan.costmodel.context.host_work_s`)."""
+    (:func:`coplan.costmodel.compute.host_work_s`)."""
     step = _price_step(plan, calibration, moments, seq_chunk)
     if calibration is None or not calibration.host_sample_s:
         return step

@@ -39,7 +39,7 @@ backward lower; jagged variable-length kernels (GDPA, HSTU-style Triton) lose mo
 UNFUSED_CLASS = "unfused"
 """The key, in ``Efficiencies.memory`` and ``Efficiencies.launch_s``, of an unfused op's kernels (a
 calibration's ``unfused_memory_efficiency`` and ``unfused_kernel_s``; an extra kernel's device floor is in
-``coplan.costmodel.context.op_arrays``). Its memory efficiency prices every byte an unfused op moves: the
+``coplan.costmodel.compute.op_arrays``). Its memory efficiency prices every byte an unfused op moves: the
 padded reference's batched fp32 matmuls write and read whole [H, P, P] score blocks and its separate kernels pass over them, streams of GBs that no other class's
 kernels are like, so they get an efficiency of their own, fitted on the reference's samples. Tied to
 another class, the reference was mispriced by that class's kernels: at the GEMM class's (0.22 on the
@@ -77,7 +77,7 @@ DEFAULT_LOOKUP_ID_LATENCY_S = 0.45e-6
 six round-2 fit runs of ``benchmarks/calibration_h200.py`` (NVIDIA H200, FBGEMM 1.6.0, whole-history
 bags of ~1,000-4,096 ids in 64-320 warps; CPU re-analysis 2026-11-29); a calibration's
 ``lookup_id_latency_s`` replaces it. Sets the latency-bound floor of the sequence lookup
-(:func:`coplan.costmodel.context.seq_lookup_floor_s`)."""
+(:func:`coplan.costmodel.decomposed.seq_lookup_floor_s`)."""
 
 DEFAULT_COLLECTIVE_EFFICIENCY = 1.0
 """Topology tiers carry their own per-collective efficiency; a missing entry means 1.0 × this."""

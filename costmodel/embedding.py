@@ -27,11 +27,14 @@ optimizer state (fused optimizer). Unique rows of ``n`` Zipf(α) draws over ``R`
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
 
 from coplan.costmodel.flops import DTYPE_BYTES, INDEX_BYTES
+from coplan.costmodel.jagged import length_moments
+from coplan.errors import CoplanError
 from coplan.spec.workload import EmbeddingTable, Workload
 
 SHARDING_CODES: dict[str, int] = {"table_wise": 0, "row_wise": 1, "column_wise": 2, "table_row_wise": 3, "data_parallel": 4}
@@ -118,8 +121,6 @@ class TableArrays:
 
 
 def table_arrays(workload: Workload) -> TableArrays:
-    from coplan.costmodel.jagged import length_moments
-
     tabs: tuple[EmbeddingTable, ...] = workload.all_tables
     means = {s.name: length_moments(s.length).mean for s in workload.sequences}
     n = len(tabs)
@@ -183,7 +184,7 @@ def option_costs(
     ``kernel='dense'`` (one module per table) halves it, a stated guess for unfused lookups.
     ``fwd_floor_s``: per table, a latency-bound floor of the forward lookup (seconds per step): the
     forward costs max(bytes / bandwidth, floor) (the sequence lookups' serial bag walk:
-    :func:`coplan.costmodel.context.seq_lookup_floor_s`)."""
+    :func:`coplan.costmodel.decomposed.seq_lookup_floor_s`)."""
     code = SHARDING_CODES[sharding_type]
     k = np.broadcast_to(np.asarray(num_shards, dtype=float), ta.rows.shape).copy()
     if code in (TW, DP):
@@ -254,8 +255,6 @@ class TableAssignment:
     @classmethod
     def from_shards(cls, ta: TableArrays, shards) -> "TableAssignment":
         """From a sequence of :class:`~coplan.spec.TableShard` (every table must appear once)."""
-        from coplan.errors import CoplanError
-
         n = ta.num
         code = np.full(n, -1, dtype=np.int64)
         ks = np.ones(n, dtype=np.int64)
@@ -281,8 +280,6 @@ def greedy_table_wise(ctx, *, memory_share: float = 0.4) -> TableAssignment:
     """The pricer's default placement, for pricing before (or without) a plan: every table table-wise
     (row-wise for tables too big for a quarter of a rank's share), placed by longest processing time
     first on ``max(share of lookup time, share of memory)``."""
-    import heapq
-
     ta = ctx.tables
     G = ctx.mesh.sparse_shard
     hbm = ctx.topology.gpu.hbm_bytes

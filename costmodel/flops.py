@@ -74,6 +74,7 @@ from typing import Literal, Mapping
 
 import numpy as np
 
+from coplan.costmodel.jagged import length_moments
 from coplan.spec.workload import (
     DenseMLPBlock,
     DotInteractionBlock,
@@ -674,8 +675,6 @@ def attention_flops(q_lengths, k_lengths=None, num_heads: int = 1, head_dim: int
 
 
 def _stats_for(workload: Workload, lengths: Mapping[str, np.ndarray] | None, batch_size: float | None) -> tuple[dict[str | None, LengthStats], float]:
-    from coplan.costmodel.jagged import length_moments
-
     stats: dict[str | None, LengthStats] = {}
     if lengths is not None:
         n = None
@@ -789,7 +788,7 @@ _REF_GEMM_IO_BYTES = 4.0
 # Launches: the device keeps the fused op's (1 forward, 2 backward) in its roofline terms, so the
 # device fit is unchanged; the host's count is the kernels the reference really issues
 # (:func:`reference_kernels`), priced by the host side in units of its per-launch cost
-# (:data:`coplan.costmodel.context.HOST_KERNELS_PER_PRICED_LAUNCH`). Each call also syncs the host
+# (:data:`coplan.costmodel.compute.HOST_KERNELS_PER_PRICED_LAUNCH`). Each call also syncs the host
 # with the device once (``.tolist()`` of the longest lengths, :attr:`Op.host_sync`).
 
 _REF_KERNELS_FWD = 84

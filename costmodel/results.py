@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Mapping
 
+import numpy as np
+
+from coplan.costmodel.schedule import Schedule
 from coplan.spec.plan import CommPrediction, OpPrediction, Prediction
 
 
@@ -74,7 +77,7 @@ class Perf:
 
 @dataclass(frozen=True, slots=True)
 class Memory:
-    """Bytes on one rank by kind. ``total`` is the predicted peak; see memory.py for each term."""
+    """Bytes on one rank by kind. ``total`` is the predicted peak (:func:`coplan.costmodel.memory.step_memory`)."""
 
     parameters: float = 0.0
     """Sharded dense parameters (master dtype)."""
@@ -130,7 +133,7 @@ class StepCut:
     """The step along one path of the pricer's schedule, as a linear function of what the planner
     decides: ``const_s + Σ coef[v] · x[v] + Σ_{recomputed layers l} rc_s[l]``.
 
-    ``x`` are the :class:`~coplan.costmodel.pricer.SparseAggregates` variables ('fwd', 'bwd': slowest
+    ``x`` are the :class:`SparseAggregates` variables ('fwd', 'bwd': slowest
     rank's lookup seconds; 'a2a', 'ids', 'dp', 'sync': bytes). A path's length never exceeds the
     schedule's makespan, and every task duration on it is affine in these variables, so any one cut is
     a lower bound of the device step wherever the other tasks keep their durations; the pricer's
@@ -156,6 +159,131 @@ class StepCut:
         return float(self.const_s + sum(c * x.get(k, 0.0) for k, c in self.coef.items())
                      + sum(c for k, c in self.on_s.items() if x.get(k, 0.0) > 0)
                      + sum(self.rc_s.get(n, 0.0) for n in recomputed))
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRanks:
+    """Per rank of the sparse shard group, what its embedding shards cost per step."""
+
+    fwd_s: np.ndarray
+    """Forward lookups (the rank's kernel launches and table-row-wise NVLink reduction included)."""
+    bwd_s: np.ndarray
+    """Backward lookups and fused optimizer (likewise)."""
+    memory_bytes: np.ndarray
+    """Shard weights, their optimizer state and lookup buffers."""
+    weight_bytes: np.ndarray | None = None
+    """``memory_bytes`` split by kind (None where only the total is known: the planner's aggregates)."""
+    optimizer_bytes: np.ndarray | None = None
+    io_bytes: np.ndarray | None = None
+
+    @property
+    def time_s(self) -> np.ndarray:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True, slots=True)
+class SparseAggregates:
+    """What a table placement adds to the step, as the schedule sees it: per step, on the ranks that
+    set each all-to-all's pace. :func:`sparse_aggregates` computes it from a placement; the planner
+    computes the same figures from its solution's per-shard options and prices them without building
+    shards (equal up to float rounding: tested)."""
+
+    fwd_max_s: float
+    """Slowest rank's forward lookups (its table-row-wise NVLink reduction and kernel launches included)."""
+
+    bwd_max_s: float
+    """Slowest rank's backward lookups and fused optimizer (likewise)."""
+
+    a2a_bytes: float
+    """Output all-to-all volume: the busiest sender's bytes, or ρ × the bytes every rank receives."""
+
+    ids_bytes: float
+    """Input (ids) all-to-all volume: the bytes every rank sends, or the busiest receiver's."""
+
+    dp_bytes: float
+    """Data-parallel tables' gradient all-reduce bytes."""
+
+    sync_bytes: float
+    """Fullest rank's shard weights and optimizer state (what a replica sync all-reduces)."""
+
+    emb_kernels: float
+    """Embedding kernels per micro-batch forward on the busiest rank (1 with the fused TBE)."""
+
+    mean_s: float
+    """Mean rank's forward + backward lookups."""
+
+    mem_weight_bytes: float
+    """Shard weights on the rank whose embeddings take the most memory."""
+
+    mem_optimizer_bytes: float
+    """Their optimizer state."""
+
+    mem_io_bytes: float
+    """Its lookup buffers (outputs, gradients, ids) of one micro-batch, receive buffers excluded."""
+
+    recv_bytes: float
+    """Output bytes every rank receives per step (sharded tables; sizes the receive buffers)."""
+
+    ranks: EmbeddingRanks | None = field(default=None, compare=False)
+    """Every rank's lookups and shard memory, when known (they become :attr:`StepCost.embedding`)."""
+
+    @classmethod
+    def at(cls, x: Mapping[str, float], *, mem_bytes: float = 0.0, recv_bytes: float = 0.0) -> "SparseAggregates":
+        """The aggregates of a point ``x`` of the cut variables (:meth:`time_vars`' keys), one kernel per
+        lookup phase, ``mem_bytes`` of shard memory on the fullest rank: a placement the planner
+        prices without building one (its floor and probe points)."""
+        return cls(fwd_max_s=x["fwd"], bwd_max_s=x["bwd"], a2a_bytes=x["a2a"], ids_bytes=x["ids"], dp_bytes=x["dp"],
+                   sync_bytes=x["sync"], emb_kernels=1.0, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
+                   mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=recv_bytes)
+
+    @classmethod
+    def of_ranks(cls, fwd_s: np.ndarray, bwd_s: np.ndarray, loads: np.ndarray, memory_bytes: np.ndarray, *, recv_bytes: float,
+                 recv_factor: float, ids_send_bytes: float, dp_bytes: float, held: bool) -> "SparseAggregates":
+        """The aggregates of a placement given per rank: lookup seconds (launches included), ``loads``
+        (ranks × (forward, backward, bytes sent, id bytes received, sync bytes)) and shard memory (as one
+        figure, in ``mem_weight_bytes``); ``recv_bytes`` every rank receives (times ``recv_factor``, the
+        jagged imbalance), ``ids_send_bytes`` every rank sends; ``held``: some rank holds a shard."""
+        return cls(
+            fwd_max_s=float(fwd_s.max()), bwd_max_s=float(bwd_s.max()), a2a_bytes=max(float(loads[:, 2].max()), recv_factor * recv_bytes),
+            ids_bytes=max(ids_send_bytes, float(loads[:, 3].max())), dp_bytes=dp_bytes, sync_bytes=float(loads[:, 4].max()),
+            emb_kernels=1.0 if held else 0.0, mean_s=float(fwd_s.mean() + bwd_s.mean()),
+            mem_weight_bytes=float(memory_bytes.max()) if memory_bytes.size else 0.0, mem_optimizer_bytes=0.0, mem_io_bytes=0.0,
+            recv_bytes=recv_bytes, ranks=EmbeddingRanks(fwd_s, bwd_s, memory_bytes),
+        )
+
+    def time_vars(self) -> dict[str, float]:
+        """The values of the cut variables (see :class:`StepCut`)."""
+        return {"fwd": self.fwd_max_s, "bwd": self.bwd_max_s, "a2a": self.a2a_bytes, "ids": self.ids_bytes,
+                "dp": self.dp_bytes, "sync": self.sync_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class DenseFixedCosts:
+    """Dense costs that do not depend on tables or recompute: FSDP/HSDP and expert collectives per
+    layer (per step, whole duration, before overlap), and per-rank parameter state."""
+
+    layers: tuple[str, ...]
+    all_gather_fwd_s: np.ndarray
+    all_gather_bwd_s: np.ndarray
+    reduce_scatter_s: np.ndarray
+    replicate_all_reduce_s: np.ndarray
+    ep_all_to_all_s: np.ndarray
+    """Dispatch + combine, forward and backward (per MoE layer; recompute adds its forward pair)."""
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    fsdp_buffer_bytes: float
+    optimizer_step_s: float
+    fsdp_copy_fwd_s: float = 0.0
+    """FSDP2's copies around its collectives, per micro-batch, forward (:func:`coplan.costmodel.memory.fsdp_copy_bytes`), at the
+    elementwise class's bandwidth, launches included."""
+    fsdp_copy_bwd_s: float = 0.0
+    """The same, backward (gradient copy-in, the one-rank divided copy, the cast to the parameter dtype)."""
+
+    @property
+    def comm_total_s(self) -> float:
+        return float(self.all_gather_fwd_s.sum() + self.all_gather_bwd_s.sum() + self.reduce_scatter_s.sum()
+                     + self.replicate_all_reduce_s.sum() + self.ep_all_to_all_s.sum())
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +409,20 @@ class StepCost:
     ``host_launch_s`` × launches plus the segment's share of the per-sample host work
     (:func:`~coplan.costmodel.pricer.synced_step`)."""
 
+    schedule: Schedule | None = field(default=None, compare=False, repr=False)
+    """The critical rank's two-stream schedule the step was read from (with ``detail``)."""
+
+    embedding: EmbeddingRanks | None = field(default=None, compare=False, repr=False)
+    """Every rank's embedding lookups and shard memory (None without tables, or when a placement was
+    priced by its aggregates alone)."""
+
+    launches: Mapping[str, float] = field(default_factory=dict)
+    """Per op class, the kernel launches the dense ops' forward and backward charge per step (recompute
+    excluded; with ``detail``)."""
+
+    launch_s: Mapping[str, float] = field(default_factory=dict)
+    """Per op class, their launch overhead in seconds per step (part of the ops' times; with ``detail``)."""
+
     @property
     def compute_s(self) -> float:
         return self.perf.compute_s
@@ -364,4 +506,4 @@ class StepCost:
         )
 
 
-__all__ = ["CommCost", "Goodput", "Memory", "OpCost", "Perf", "StepCost", "StepCut"]
+__all__ = ["CommCost", "DenseFixedCosts", "EmbeddingRanks", "Goodput", "Memory", "OpCost", "Perf", "SparseAggregates", "StepCost", "StepCut"]

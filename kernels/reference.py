@@ -98,7 +98,7 @@ have 16-byte-aligned rows, which cuBLAS's TF32 tensor-core kernels need. On the 
 unaligned longest length (2 x odd, or odd) cost ~30% more per padded score element than aligned
 ones: 1.1-1.2 against 0.86-0.87 ms per 10^6 (batch x longest^2) elements above the step's fixed part
 (calibration rounds 6-7, ``ref-*`` runs, per-step times against per-step longest lengths). The cost
-model prices the rounding (``coplan.costmodel.context.padded_length_moments``). On a CPU the pad is the longest
+model prices the rounding (``coplan.costmodel.compute.padded_length_moments``). On a CPU the pad is the longest
 length itself (:func:`_pad_multiple`): alignment buys nothing there, and the padded fp32 sums, equal in value, are not
 bit-identical, which moves CPU runs that amplify last bits (fp8 loss curves: ``tests/trainer/test_fp8.py``)."""
 

@@ -12,7 +12,8 @@ per mesh candidate, built from ``coplan.costmodel`` (the planner never prices an
   its floor point (every aggregate at the least any solution can give it), which also bounds it from
   below; the search adds the cut of each solution it prices.
 
-Dominated options (no better in any figure, no fewer shards) are dropped before solving.
+Dominated options (no better in any figure, no fewer shards) are dropped before solving. Every figure
+comes from the :class:`~coplan.costmodel.CostModel` the :class:`Pricer` is given (the installed one by default).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coplan.planner.mesh import MeshCandidate
+from coplan.costmodel import COST_MODEL, CostModel, SparseAggregates, StepCost
+from coplan.costmodel.context import Context
+from coplan.planner.mesh import MeshCandidate, mesh_axes, micro_batch_counts
 from coplan.planner.pricing import LOADS, Assignment, CandidatePricing, LayerOption, ShardOption, copies, loads
 from coplan.spec import BalancingPlan, Calibration, LayerPlan, MeshPlan, Topology, Workload
 from coplan.spec.workload import FixedLength
@@ -89,14 +92,14 @@ class Pricer:
     """Table name -> the sharding it must take (``--pin-table``): a sharding type, or
     ``column_wise/N`` for N column shards."""
     rho: float = 1.0
+    model: CostModel = field(default=COST_MODEL, repr=False)
+    """The cost model every figure comes from."""
     _dense: dict = field(default_factory=dict)
     _sparse: dict = field(default_factory=dict)
     _ctx: dict = field(default_factory=dict)
     _mb0: int = 1
 
     def __post_init__(self) -> None:
-        from coplan.planner.mesh import micro_batch_counts
-
         self._mb0 = micro_batch_counts(self.workload, self.world_size)[0]
         if self.policy is None:
             self.policy, self.rho = self._choose_policy()
@@ -105,28 +108,22 @@ class Pricer:
 
     # ------------------------------------------------------------------ contexts
     def mesh_plan(self, c: MeshCandidate) -> MeshPlan:
-        from coplan.planner.mesh import mesh_axes
-
         m = MeshPlan(dense_shard=c.dense_shard, dense_replicate=c.dense_replicate, expert_parallel=c.expert_parallel,
                      sparse_shard=c.sparse_shard, sparse_replicate=c.sparse_replicate, micro_batches=c.micro_batches)
         return m.model_copy(update={"axes": mesh_axes(self.topology, m)})
 
-    def context(self, c: MeshCandidate):
-        from coplan.costmodel import build_context
-
+    def context(self, c: MeshCandidate) -> Context:
         ctx = self._ctx.get(c)
         if ctx is None:
-            ctx = build_context(self.workload, self.topology, self.mesh_plan(c), self.calibration)
+            ctx = self.model.build_context(self.workload, self.topology, self.mesh_plan(c), self.calibration)
             if len(self._ctx) > 256:
                 self._ctx.clear()
             self._ctx[c] = ctx
         return ctx
 
     def _rho(self, policy: str) -> float:
-        from coplan.costmodel import imbalance
-
         ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, self.world_size, self._mb0))
-        return float(imbalance(ctx, policy))
+        return self.model.imbalance(ctx, policy)
 
     def _choose_policy(self) -> tuple[str, float]:
         varies = any(not isinstance(s.length, FixedLength) for s in self.workload.sequences)
@@ -144,50 +141,22 @@ class Pricer:
         return BalancingPlan(policy=self.policy, expected_imbalance=max(1.0, self.rho))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ dense
-    def _groups_bytes(self, c: MeshCandidate) -> float:
-        from coplan.costmodel import Options
-
-        per = Options().nccl_bytes_per_communicator
-        return per * ((c.sparse_shard > 1) + (c.sparse_replicate > 1))
-
     def dense(self, c: MeshCandidate) -> DenseInfo:
         """Dense figures of the candidate's (dense shard, expert-parallel, micro-batches) (cached)."""
-        from coplan.costmodel import layer_costs, price
-
         key = (c.dense_shard, c.expert_parallel, c.micro_batches)
         hit = self._dense.get(key)
         if hit is not None:
             return hit
         ctx = self.context(c)
-        cost = price(ctx, (), (), self.balancing, detail=False, include_embeddings=False, contention=False) if ctx.tables.num else \
-            price(ctx, None, (), self.balancing, detail=False, contention=False)
-        mem = cost.memory.as_dict()
-        for k in ("embeddings", "embedding_optimizer", "embedding_io", "recompute_peak"):
-            mem.pop(k, None)
-        base_bytes = float(sum(mem.values()))
-        lcs = layer_costs(ctx, policy=self.policy)
-        ep = {}
-        if c.expert_parallel > 1:
-            from coplan.costmodel import dense_fixed_costs
-
-            fixed = dense_fixed_costs(ctx)
-            ep = {n: float(x) / 2 for n, x in zip(fixed.layers, fixed.ep_all_to_all_s)}  # a forward pair of the four
-        from coplan.costmodel.flops import recomputable_layers
-
-        may = set(recomputable_layers(self.workload))
-        layers = tuple(
-            LayerOption(lc.name, lc.recompute_s + ep.get(lc.name, 0.0), max(0.0, lc.activation_bytes - lc.recomputed_activation_bytes), lc.activation_bytes)
-            for lc in lcs if lc.name in may
-        )
-        info = DenseInfo(base_bytes, layers, mem, self._groups_bytes(c), float(cost.step_time_s), float(cost.perf.compute_s))
+        base = self.model.dense_base(ctx, self.balancing)
+        layers = tuple(LayerOption(o.name, o.recompute_s, o.saved_bytes, o.peak_bytes) for o in self.model.recompute_options(ctx, self.policy))
+        info = DenseInfo(base.base_bytes, layers, base.memory_parts, base.groups_bytes, base.makespan_s, base.compute_s)
         self._dense[key] = info
         return info
 
     # ------------------------------------------------------------------ sparse
     def sparse(self, c: MeshCandidate) -> SparseInfo:
         """Every table's options for the candidate's shard group size and micro-batches (cached)."""
-        from coplan.costmodel import table_option_costs
-
         S = c.sparse_shard
         hit = self._sparse.get((S, c.micro_batches))
         if hit is not None:
@@ -195,29 +164,20 @@ class Pricer:
         ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, S, c.micro_batches))
         ta = ctx.tables
         n = ta.num
-        M = ctx.micro_batches
         hbm = self.topology.gpu.hbm_bytes
-        gpn = self.topology.gpus_per_node
-        g = min(gpn, S)
-        t0 = self.topology.tiers[0]
-        t0cap = t0.bw_bytes_per_s * ctx.eff.collective.get((t0.name, "all_to_all"), 1.0)
-        launch = ctx.eff.launch_s.get("embedding", 5e-6)
-        fused = self.workload.kernels.embedding == "fused"
-        per_shard = 0.0 if fused else launch * M  # per-table kernels: each shard launches its own
+        g = min(self.topology.gpus_per_node, S)
         opts: list[list[ShardOption]] = [[] for _ in range(n)]
 
         def add(kind: str, k: int, mask: np.ndarray) -> None:
-            cc = table_option_costs(ctx, kind, k)
-            intra = cc.intra_node_bytes / t0cap
-            mem = cc.weight_bytes + cc.optimizer_bytes + cc.io_bytes
+            cc = self.model.shard_options(ctx, kind, k)
             dp = kind == "data_parallel"
             for i in np.flatnonzero(mask):
                 opts[i].append(ShardOption(
                     kind, int(k if kind not in ("row_wise", "data_parallel") else S),
-                    float(cc.fwd_s[i] + intra[i] + per_shard), float(cc.bwd_s[i] + intra[i] + 2 * per_shard),
-                    float(cc.send_bytes[i]), float(mem[i]), 0.0 if dp else float(cc.recv_bytes[i]), float(cc.allreduce_bytes[i]),
+                    float(cc.fwd_s[i]), float(cc.bwd_s[i]), float(cc.send_bytes[i]), float(cc.mem_bytes[i]),
+                    0.0 if dp else float(cc.recv_bytes[i]), float(cc.allreduce_bytes[i]),
                     0.0 if dp else float(cc.ids_recv_bytes[i]), 0.0 if dp else float(cc.ids_send_bytes[i]),
-                    0.0 if dp else float(cc.weight_bytes[i] + cc.optimizer_bytes[i]),
+                    0.0 if dp else float(cc.state_bytes[i]),
                 ))
 
         everything = np.ones(n, dtype=bool)
@@ -233,13 +193,13 @@ class Pricer:
             add("row_wise", S, everything)
         if S > g > 1 and S % g == 0:
             add("table_row_wise", g, ~ta.is_seq)  # TorchRec's EmbeddingCollection has no table-row-wise
-        dp_mem = (ta.rows * ta.dim * ta.wbytes + ta.rows * (ta.state_row_fixed + ta.state_per_elem * ta.dim))
-        add("data_parallel", 1, dp_mem <= self.max_dp_fraction * hbm)
+        add("data_parallel", 1, self.model.table_state_bytes(ctx) <= self.max_dp_fraction * hbm)
         if self.table_pins:
             opts = self._apply_pins(opts, S)
         options = tuple(tuple(_prune(o)) for o in opts)
-        info = SparseInfo(options=options, node_size=g if S % g == 0 else 0, recv_factor=self.rho, recv_mem_factor=2.0 * self.rho / M,
-                          launch_s=(launch * M, 2 * launch * M) if fused and n else (0.0, 0.0), groups_bytes=self._groups_bytes(c))
+        info = SparseInfo(options=options, node_size=g if S % g == 0 else 0, recv_factor=self.rho,
+                          recv_mem_factor=2.0 * self.rho / ctx.micro_batches, launch_s=self.model.lookup_launch_s(ctx),
+                          groups_bytes=self.model.sparse_groups_bytes(ctx))
         self._sparse[(S, c.micro_batches)] = info
         return info
 
@@ -263,15 +223,7 @@ class Pricer:
         hit = self._sparse.get(key)
         if hit is not None:
             return hit
-        ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, c.sparse_shard, c.micro_batches))
-        M = ctx.micro_batches
-        a2a = ctx.model("sparse_shard", "all_to_all")
-        world_ar = ctx.model("world", "all_reduce")
-        rep = ctx.model("sparse_replicate", "all_reduce")
-        every = self.workload.optimizer.sparse_sync_interval_steps
-        out = {"fwd": 1.0 / M, "bwd": 1.0 / M, "a2a": 0.0 if a2a.trivial else a2a.s_per_byte / M,
-               "ids": 0.0 if a2a.trivial else a2a.s_per_byte / M, "dp": 0.0 if world_ar.trivial else world_ar.s_per_byte,
-               "sync": 0.0 if rep.trivial else rep.s_per_byte / every}
+        out = self.model.aggregate_scale(self.context(MeshCandidate(self.world_size, self.world_size, 1, c.sparse_shard, c.micro_batches)))
         self._sparse[key] = out
         return out
 
@@ -284,12 +236,10 @@ class Pricer:
 
     def candidate(self, c: MeshCandidate, *, with_cut: bool = True) -> CandidatePricing:
         """The candidate's figures; ``with_cut``: with the cut of its floor point (one pricing)."""
-        from coplan.costmodel import Options
-
         d = self.dense(c)
         s = self.sparse(c)
         # a data-parallel table adds the world all-reduce's communicator; reserve it whenever one may be chosen
-        dp_comm = Options().nccl_bytes_per_communicator if any(o.sharding_type == "data_parallel" for opts in s.options for o in opts) else 0.0
+        dp_comm = self.model.communicator_bytes() if any(o.sharding_type == "data_parallel" for opts in s.options for o in opts) else 0.0
         p = CandidatePricing(
             mesh=c, node_size=s.node_size,
             base_bytes=d.base_bytes - d.sparse_groups_bytes + s.groups_bytes, dp_comm_bytes=dp_comm,
@@ -381,54 +331,37 @@ class Pricer:
         return self._price_x(p, f.x, (False,) * len(p.layers), mem_bytes=f.mem_bytes, recv_bytes=f.recv_bytes)
 
     # ------------------------------------------------------------------ pricing solutions
-    def aggregates(self, p: CandidatePricing, a: Assignment):
-        """The :class:`~coplan.costmodel.pricer.SparseAggregates` of a solution, as the pricer computes
-        them from the same placement written as shards."""
-        from coplan.costmodel.pricer import SparseAggregates
-
+    def aggregates(self, p: CandidatePricing, a: Assignment) -> SparseAggregates:
+        """The :class:`~coplan.costmodel.SparseAggregates` of a solution, as the pricer computes them from
+        the same placement written as shards (the fullest rank's shard memory as one figure: the pricer of
+        the final plan splits it by kind)."""
         ld = loads(p, a)
         tot = ld.per_rank + ld.uniform
         lf, lb = p.launch_s
-        f = tot[:, 0] + lf * ld.holds
-        b = tot[:, 1] + lb * ld.holds
         uni_state = sum(p.options[t][oi].mem_bytes for t, oi in enumerate(a.choice) if p.options[t][oi].placement == "all")
-        mem_r = ld.mem + uni_state
-        # the fullest rank's shard memory, as one figure (the pricer of the final plan splits it by kind)
-        state = float(mem_r.max()) if mem_r.size else 0.0
-        return SparseAggregates(
-            fwd_max_s=float(f.max()), bwd_max_s=float(b.max()), a2a_bytes=max(float(tot[:, 2].max()), p.recv_factor * ld.recv),
-            ids_bytes=max(ld.ids_send, float(tot[:, 3].max())), dp_bytes=ld.dp, sync_bytes=float(tot[:, 4].max()),
-            emb_kernels=1.0 if ld.holds.any() else 0.0, mean_s=float(f.mean() + b.mean()),
-            mem_weight_bytes=state, mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=ld.recv,
-            ranks=(f, b, mem_r),
-        )
+        return self.model.aggregates_of_ranks(tot[:, 0] + lf * ld.holds, tot[:, 1] + lb * ld.holds, tot, ld.mem + uni_state,
+                                              recv_bytes=ld.recv, recv_factor=p.recv_factor, ids_send_bytes=ld.ids_send,
+                                              dp_bytes=ld.dp, held=bool(ld.holds.any()))
 
     def layer_plans(self, p: CandidatePricing, recompute) -> tuple[LayerPlan, ...]:
         return tuple(LayerPlan(name=l.name, recompute=bool(on)) for l, on in zip(p.layers, recompute))
 
-    def price(self, p: CandidatePricing, a: Assignment, *, detail: bool = False):
+    def price(self, p: CandidatePricing, a: Assignment, *, detail: bool = False) -> StepCost:
         """The cost model's full pricing of a solution (its cuts included)."""
-        from coplan.costmodel import price
-
         agg = self.aggregates(p, a) if p.options else None
-        return price(self.context(p.mesh), None, self.layer_plans(p, a.recompute), self.balancing, self.workload.kernels,
+        return self.model.price(self.context(p.mesh), None, self.layer_plans(p, a.recompute), self.balancing, self.workload.kernels,
                      detail=detail, aggregates=agg, cuts=True, include_embeddings=bool(p.options))
 
     def _price_x(self, p: CandidatePricing, x: dict[str, float], recompute, *, mem_bytes: float = 0.0, recv_bytes: float = 0.0,
-                 contention: bool = False):
+                 contention: bool = False) -> StepCost:
         """The pricer's step at aggregates ``x`` (without the SM-contention slowdown by default: the floor
         and probe points give cuts that are lower bounds everywhere, not just where they were priced)."""
-        from coplan.costmodel import price
-        from coplan.costmodel.pricer import SparseAggregates
-
         ctx = self.context(p.mesh)
         layers = self.layer_plans(p, recompute)
         if not ctx.tables.num:
-            return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, cuts=True, contention=contention)
-        agg = SparseAggregates(fwd_max_s=x["fwd"], bwd_max_s=x["bwd"], a2a_bytes=x["a2a"], ids_bytes=x["ids"], dp_bytes=x["dp"],
-                               sync_bytes=x["sync"], emb_kernels=1.0, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
-                               mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=recv_bytes)
-        return price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, aggregates=agg, cuts=True,
+            return self.model.price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, cuts=True, contention=contention)
+        agg = self.model.aggregates_at(x, mem_bytes=mem_bytes, recv_bytes=recv_bytes)
+        return self.model.price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, aggregates=agg, cuts=True,
                      contention=contention)
 
 

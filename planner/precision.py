@@ -21,7 +21,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from coplan.costmodel import price
-from coplan.costmodel.context import Context, fp8_allowed, fp8_capable, fp8_guard, layer_costs
+from coplan.costmodel.context import Context
+from coplan.costmodel.decomposed import layer_costs
+from coplan.costmodel.fp8 import fp8_allowed, fp8_capable, fp8_guard
 from coplan.spec.plan import BalancingPlan, LayerPlan, LayerPrecisionChoice, PrecisionReport, TableShard
 from coplan.spec.workload import Kernels
 

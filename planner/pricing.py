@@ -31,7 +31,7 @@ group (row-wise; data-parallel holds a full copy on every rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -185,8 +185,6 @@ class CandidatePricing:
         for c in self.cuts:
             if _same_cut(c, cut):
                 return self
-        from dataclasses import replace
-
         return replace(self, cuts=self.cuts + (cut,), cache=self.cache)
 
 

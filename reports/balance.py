@@ -2,7 +2,7 @@
 and by the plan's balancing policy.
 
 The lengths are drawn from the workload's length distribution (seeded), each sample is priced with
-the cost model's per-sample cost (:func:`coplan.costmodel.context.seq_cost`: forward + backward
+the cost model's per-sample cost (:func:`coplan.costmodel.compute.seq_cost`: forward + backward
 seconds as a polynomial in the primary sequence's length), and the batch is split with the very
 balancer the trainer runs (:func:`coplan.costmodel.jagged.balance`). The step waits for the slowest
 rank, so the gap between the top of the bars (or curve) and the mean is time every other rank idles.
@@ -58,7 +58,7 @@ class BalanceSample:
 
 def sample_balance(plan: Plan, context, *, seed: int = 0) -> BalanceSample | None:
     """Draw one global batch and split it both ways; None when the workload has no jagged sequence."""
-    from coplan.costmodel.context import seq_cost
+    from coplan.costmodel.compute import seq_cost
 
     seq = context.primary_sequence
     if seq is None:

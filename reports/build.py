@@ -129,8 +129,8 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
         _section("waterfall", "MFU waterfall", lambda: waterfall.mfu_waterfall(led), log),
         _section("timeline", "Predicted step timeline", lambda: timeline.step_timeline(inputs.priced.schedule, cost, tiers=tuple(t.name for t in plan.topology.tiers))
                  if inputs.priced is not None and inputs.priced.schedule is not None else (None, "the cost model did not expose its schedule"), log),
-        _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost, plan, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
-        _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost, inputs.context) if cost is not None else (None, "needs the cost model's breakdown"), log),
+        _section("ranks", "Per-rank time", lambda: ranks.rank_time_breakdown(cost, every_rank=True) if cost is not None else (None, "needs the cost model's breakdown"), log),
+        _section("memory", "Memory per rank", lambda: ranks.memory_per_rank(plan, cost) if cost is not None else (None, "needs the cost model's breakdown"), log),
         # against the step the report shows (a plan saved without its prediction was re-priced above)
         *([_section("alternatives", "Why this plan", lambda: alternatives.alternatives_figure(plan.model_copy(update={"predicted": pred})), log)]
           if plan.alternatives else []),

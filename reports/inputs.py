@@ -5,7 +5,9 @@ directory and a calibration. Every file goes through the spec loaders, so a bad 
 The plan's own :class:`~coplan.spec.Prediction` is the source of truth for the headline numbers.
 Where a figure needs more detail than the Prediction keeps (per-rank parts, the two-stream
 schedule, memory kinds per rank), the plan is re-priced with :func:`coplan.costmodel.price`, which
-is deterministic: the report says so when the re-priced step time differs from the stored one.
+is deterministic: the report says so when the re-priced step time differs from the stored one. The
+figures read the re-priced :class:`~coplan.costmodel.StepCost` (its schedule, per-rank embedding
+loads and launches per op class), never the pricer's internals.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from coplan.costmodel import Context, StepCost, build_context, price
+from coplan.costmodel.schedule import Schedule
 from coplan.errors import CoplanError
 from coplan.spec import Calibration, Plan, Prediction, RunResult, load_calibration, load_plan, load_run_result, spec_sha256
 
@@ -135,7 +139,7 @@ class ReportInputs:
         return priced
 
     @property
-    def cost(self):
+    def cost(self) -> StepCost | None:
         """The re-priced :class:`~coplan.costmodel.results.StepCost` (None when re-pricing failed)."""
         return self.priced.cost if self.priced is not None else None
 
@@ -148,55 +152,32 @@ class ReportInputs:
         return c.to_prediction() if c is not None else None
 
     @cached_property
-    def context(self):
+    def context(self) -> Context:
         """The cost model's pricing context for the plan's mesh (jagged cost per sample, tables)."""
         if self.priced is not None:
             return self.priced.context
-        from coplan.costmodel import build_context
-
         return build_context(self.plan.workload, self.plan.topology, self.plan.mesh, self.plan.calibration, force_calibration=True)
 
 
 @dataclass(frozen=True, slots=True)
 class PricedPlan:
-    """A plan priced by the cost model: its StepCost, the pricing context and the schedule it ran."""
+    """A plan priced by the cost model: its StepCost and the pricing context."""
 
-    cost: Any
-    """:class:`coplan.costmodel.results.StepCost`."""
-    context: Any
-    """:class:`coplan.costmodel.context.Context`."""
-    schedule: Any | None
-    """:class:`coplan.costmodel.schedule.Schedule` of the critical rank's step (None if unavailable)."""
+    cost: StepCost
+    context: Context
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The critical rank's two-stream schedule the step was read from."""
+        return self.cost.schedule
 
 
 def price_plan(plan: Plan) -> PricedPlan:
-    """Price ``plan`` with the installed cost model and keep the two-stream schedule it built.
-
-    The StepCost does not carry the schedule, so the pricer's ``Schedule`` class is swapped for a
-    subclass that records the instance it ran, for the duration of this one call. Nothing is
-    recomputed here: the timeline draws exactly the tasks, starts and ends the pricer used.
-    """
-    from coplan.costmodel import build_context
-    from coplan.costmodel import pricer
-
+    """Price ``plan`` with the installed cost model, in full detail (the StepCost carries the schedule the
+    timeline draws: exactly the tasks, starts and ends the pricer used)."""
     ctx = build_context(plan.workload, plan.topology, plan.mesh, plan.calibration, force_calibration=True)
-    schedule = getattr(pricer, "Schedule", None)
-    captured: list[Any] = []
-    if schedule is not None:
-        class _Recorded(schedule):  # type: ignore[misc, valid-type]
-            def run(self, *a, **k):
-                out = super().run(*a, **k)
-                captured.append(self)
-                return out
-
-        pricer.Schedule = _Recorded
-    try:
-        cost = pricer.price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=True)
-    finally:
-        if schedule is not None:
-            pricer.Schedule = schedule
-    sched = getattr(cost, "schedule", None) or (captured[-1] if captured else None)
-    return PricedPlan(cost=cost, context=ctx, schedule=sched)
+    cost = price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=True)
+    return PricedPlan(cost=cost, context=ctx)
 
 
 def load_inputs(plan_path: str | Path, run_dir: str | Path | None = None, calibration_path: str | Path | None = None) -> ReportInputs:

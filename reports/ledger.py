@@ -151,11 +151,11 @@ def checkpoint_fraction(pred: Prediction) -> float:
 
 def launch_by_class(plan: Plan, context) -> dict[str, float]:
     """Seconds per step of kernel-launch overhead in the critical rank's dense forward and backward ops,
-    per op class: the cost model's own launch term (:class:`~coplan.costmodel.context.OpArrays`
+    per op class: the cost model's own launch term (:class:`~coplan.costmodel.compute.OpArrays`
     ``fwd_launch_s``/``bwd_launch_s``, one micro-batch) times the micro-batches. Recompute launches stay
     in the recompute bar; the lookups' launches stay in the embedding bar (the pricer folds them into the
     slowest shard's time)."""
-    from coplan.costmodel.context import op_arrays
+    from coplan.costmodel.compute import op_arrays
 
     fp8 = frozenset(lp.name for lp in plan.layers if lp.precision == "fp8")
     arr = op_arrays(context, plan.kernels, fp8)

@@ -9,8 +9,8 @@ dense work between ranks is in the jagged-balance figure.
 
 Memory. Everything but the embedding shards is the same on every rank (dense state is sharded
 evenly); the embedding weights, their optimizer state and lookup buffers per rank of the sparse
-shard group come from the cost model's :func:`~coplan.costmodel.pricer.embedding_loads` for the
-plan's placement. The result is checked against the cost model's own per-rank totals for the
+shard group are the cost model's (:attr:`StepCost.embedding <coplan.costmodel.StepCost.embedding>`)
+for the plan's placement. The result is checked against the cost model's own per-rank totals for the
 sampled ranks; a mismatch drops back to those ranks alone and says so.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
+from coplan.costmodel import StepCost
 from coplan.reports.layout import base_layout, best_time_unit, fmt_bytes, fmt_s
 from coplan.reports.palette import loss_colour, memory_colour, op_class_colour
 from coplan.spec import Plan
@@ -70,7 +71,7 @@ class RankTime:
     step_s: float
 
 
-def rank_times(cost, emb_all: np.ndarray | None = None) -> tuple[list[RankTime], list[str]]:
+def rank_times(cost: StepCost, emb_all: np.ndarray | None = None) -> tuple[list[RankTime], list[str]]:
     """The critical rank, then each sampled rank (or, with ``emb_all`` from :func:`all_rank_embedding_s`,
     every rank of the sparse shard group, extremes sampled beyond ``MAX_TIME_RANKS``), split by op
     class / exposed comm / idle, slowest first."""
@@ -156,11 +157,12 @@ def _part_colour(key: str) -> str:
     return "#999999"
 
 
-def rank_time_breakdown(cost, plan: Plan | None = None, context=None, *, title: str = "Per-rank step time") -> go.Figure:
-    """Each rank's step split into compute per op class, exposed communication and idle time: every rank
-    of the sparse shard group when the cost model's per-rank loads reproduce its sampled ranks (stacked
-    bars for a few ranks, a stacked step area, slowest first, for many), else the sampled ranks."""
-    emb_all = all_rank_embedding_s(plan, cost, context) if plan is not None and context is not None else None
+def rank_time_breakdown(cost: StepCost, *, every_rank: bool = False, title: str = "Per-rank step time") -> go.Figure:
+    """Each rank's step split into compute per op class, exposed communication and idle time: with
+    ``every_rank``, every rank of the sparse shard group when the cost model's per-rank loads reproduce
+    its sampled ranks (stacked bars for a few ranks, a stacked step area, slowest first, for many), else
+    the sampled ranks."""
+    emb_all = all_rank_embedding_s(cost) if every_rank else None
     rows, notes = rank_times(cost, emb_all)
     step = rows[0].step_s
     unit, scale = best_time_unit(step)
@@ -241,37 +243,17 @@ class RankMemory:
     """True when the per-rank totals reproduce the cost model's sampled ranks."""
 
 
-def _assignment(plan: Plan, context):
-    """The plan's table placement as the cost model prices it (its default placement when the plan lists none)."""
-    from coplan.costmodel.embedding import TableAssignment
-    from coplan.costmodel.pricer import default_assignment
-
-    return TableAssignment.from_shards(context.tables, plan.tables) if plan.tables else default_assignment(context)
-
-
-def _embedding_loads(plan: Plan, context):
-    """The cost model's per-rank lookup loads of the plan's table placement (None without tables)."""
-    from coplan.costmodel.pricer import embedding_loads
-
-    if not context.tables.num:
-        return None
-    return embedding_loads(context, _assignment(plan, context))
-
-
-def all_rank_embedding_s(plan: Plan, cost, context) -> np.ndarray | None:
+def all_rank_embedding_s(cost: StepCost) -> np.ndarray | None:
     """Embedding time per step of every rank of the sparse shard group, or None when it cannot be
     reproduced. The cost model's per-rank lookup times (forward + backward, each rank's kernel launches
     and table-row-wise NVLink reduction included, as the pricer's aggregates have them) plus one
     rank-independent term fitted on the sampled ranks; used only if that one term reproduces every
     sampled rank's busy time to 1e-9 of the step."""
-    from coplan.costmodel.pricer import sparse_aggregates
-
     ids = np.asarray(cost.rank_ids, dtype=np.int64)
     times = np.asarray(cost.rank_time_s, dtype=float)
-    if not context.tables.num or ids.size < 2 or times.size != ids.size:
+    if cost.embedding is None or ids.size < 2 or times.size != ids.size:
         return None
-    fwd_r, bwd_r, _ = sparse_aggregates(context, _assignment(plan, context), 1.0, plan.kernels).ranks
-    emb = np.asarray(fwd_r, dtype=float) + np.asarray(bwd_r, dtype=float)
+    emb = np.asarray(cost.embedding.fwd_s, dtype=float) + np.asarray(cost.embedding.bwd_s, dtype=float)
     emb_crit = sum(o.time_s for o in cost.ops if o.phase in ("fwd", "bwd") and o.name.startswith("sparse."))
     base = cost.perf.total - emb_crit
     offsets = (times - base) - emb[ids]
@@ -280,7 +262,7 @@ def all_rank_embedding_s(plan: Plan, cost, context) -> np.ndarray | None:
     return emb + float(offsets.mean())
 
 
-def rank_memory(plan: Plan, cost, context) -> RankMemory:
+def rank_memory(plan: Plan, cost: StepCost) -> RankMemory:
     """Memory by kind per rank of the sparse shard group (see the module docstring)."""
     mem = cost.memory.as_dict()
     cap = float(cost.usable_hbm_bytes)
@@ -288,11 +270,11 @@ def rank_memory(plan: Plan, cost, context) -> RankMemory:
     ids = np.asarray(cost.rank_ids, dtype=np.int64)
     totals = np.asarray(cost.rank_memory_bytes, dtype=float)
     common = {k: v for k, v in mem.items() if k not in EMBEDDING_KINDS}
-    loads = _embedding_loads(plan, context)
-    if loads is not None:
-        w = np.asarray(loads["weight_bytes"], dtype=float)
-        o = np.asarray(loads["optimizer_bytes"], dtype=float)
-        io = np.asarray(loads["io_bytes"], dtype=float)
+    er = cost.embedding
+    if er is not None and er.weight_bytes is not None:
+        w = np.asarray(er.weight_bytes, dtype=float)
+        o = np.asarray(er.optimizer_bytes, dtype=float)
+        io = np.asarray(er.io_bytes, dtype=float)
         full = int(np.argmax(w + o + io))
         kinds_all = {k: np.full(G, v) for k, v in common.items()}
         kinds_all["embeddings"] = w
@@ -319,10 +301,10 @@ def rank_memory(plan: Plan, cost, context) -> RankMemory:
     return RankMemory(ranks, kinds, cap, how, False)
 
 
-def memory_per_rank(plan: Plan, cost, context, *, title: str = "Memory per rank against HBM") -> go.Figure:
+def memory_per_rank(plan: Plan, cost: StepCost, *, title: str = "Memory per rank against HBM") -> go.Figure:
     """Bytes per kind for each rank, stacked, with the HBM capacity as a line: bars for a few ranks, a
     stacked step area (one flat step per rank, far cheaper for a browser to draw) for many."""
-    rm = rank_memory(plan, cost, context)
+    rm = rank_memory(plan, cost)
     n = int(rm.ranks.size)
     fig = go.Figure()
     GiB = 1024.0**3

@@ -93,7 +93,7 @@ class Calibration(Spec):
 
     lookup_id_latency_s: Annotated[float, Field(ge=0, le=1)] | None = None
     """Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup
-    forward, the latency-bound floor of that kernel (``coplan.costmodel.context.seq_lookup_floor_s``).
+    forward, the latency-bound floor of that kernel (``coplan.costmodel.decomposed.seq_lookup_floor_s``).
     None: the default (``coplan.costmodel.efficiency.DEFAULT_LOOKUP_ID_LATENCY_S``); 0: no floor."""
 
     unfused_memory_efficiency: Fraction | None = None

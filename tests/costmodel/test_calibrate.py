@@ -248,8 +248,9 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
     """The host-bound form prices the host at priced_launches x h: that count must be exactly what the
     pricer charges a launch overhead for (recompute and FP8 layers included)."""
     from coplan.costmodel.calibrate import predict_step_time
-    from coplan.costmodel.context import build_context, op_arrays
-    from coplan.costmodel.pricer import _layer_map, price, priced_launches
+    from coplan.costmodel.compute import op_arrays
+    from coplan.costmodel.context import build_context
+    from coplan.costmodel.pricer import layer_sets, price, priced_launches
     from coplan.spec import Calibration, LayerPlan, OpClassCalibration
 
     base = _plan(32, 512)
@@ -264,7 +265,7 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
     for p in (base, plan):
         d0, d1 = predict_step_time(p, cal(1e-6)), predict_step_time(p, cal(2e-6))
         ctx = build_context(p.workload, p.topology, p.mesh, cal(1e-6))
-        rec, fp8 = _layer_map(ctx, p.layers)
+        rec, fp8 = layer_sets(ctx, p.layers)
         n = priced_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, 1.0)
         assert (d1 - d0) / 1e-6 == pytest.approx(n, rel=1e-6)
         # host-bound: the step is the host's time and says so; device-bound: the host cost changes nothing
@@ -278,11 +279,11 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
 def test_padded_reference_prices_the_expected_max_and_its_square():
     """The padded reference kernels cost E[max L] and E[(max L)²] of the micro-batch's lengths: exact
     from the pmf, against a Monte Carlo estimate; the square exceeds E[max]² for a heavy tail."""
-    from coplan.costmodel.context import _expected_max_moments
+    from coplan.costmodel.compute import expected_max_moments
     from coplan.spec.workload import LognormalLength
 
     d = LognormalLength(kind="lognormal", mean=512.0, sigma=0.8, min_len=16, max_len=4096)
-    m1, m2 = _expected_max_moments(d, 8)
+    m1, m2 = expected_max_moments(d, 8)
     rng = np.random.default_rng(0)
     mu = np.log(512.0) - 0.8**2 / 2
     x = np.clip(np.rint(np.exp(mu + 0.8 * rng.standard_normal((200_000, 8)))), 16, 4096).max(axis=1)
@@ -296,7 +297,8 @@ def test_padded_reference_is_priced_as_it_runs():
     (no causal halving, no flash recompute) with its fp32 score passes and pad copies; model FLOPs
     stay those of the real lengths (never the padding)."""
     from coplan.costmodel import flops as F
-    from coplan.costmodel.context import REFERENCE_PAD_MULTIPLE, _expected_max_moments, build_context, op_arrays
+    from coplan.costmodel.compute import REFERENCE_PAD_MULTIPLE, expected_max_moments, op_arrays
+    from coplan.costmodel.context import build_context
 
     plan = _plan(8, 512)
     w = plan.workload
@@ -307,7 +309,7 @@ def test_padded_reference_is_priced_as_it_runs():
     tri, pad = op_arrays(ctx, w.kernels), op_arrays(ctx, ref.kernels)
     names = [ctx.ops[i].name for i in ctx.dense_idx]
     g, s = names.index("interformer.0.gdpa"), names.index("interformer.0.summary_attn")
-    p1, p2 = _expected_max_moments(ref.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
+    p1, p2 = expected_max_moments(ref.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
     n = ctx.mb_batch
     assert pad.fwd_flops[g] == pytest.approx(n * 4 * H * dh * p2)  # full P² pairs, 4·H·dₕ each
     assert pad.bwd_flops[g] == pytest.approx(n * 8 * H * dh * p2)  # no recomputed QKᵀ
@@ -333,7 +335,8 @@ def test_padded_reference_priced_at_the_batches_longest_lengths_when_known():
     length pmf's E[max L], E[max L²] for the padded reference: its GDPA FLOPs scale with the measured
     E[M²] exactly, and the Triton backend ignores them."""
     from coplan.costmodel.calibrate import PADDED_SUFFIX, apply_moments, measured_moments
-    from coplan.costmodel.context import build_context, op_arrays, padded_length_moments
+    from coplan.costmodel.compute import op_arrays, padded_length_moments
+    from coplan.costmodel.context import build_context
 
     plan = _plan(8, 512)
     w = plan.workload

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 from coplan.costmodel import price
-from coplan.costmodel.context import build_context, fp8_allowed, fp8_capable, layer_costs, op_arrays
+from coplan.costmodel.compute import op_arrays
+from coplan.costmodel.context import build_context
+from coplan.costmodel.decomposed import layer_costs
+from coplan.costmodel.fp8 import fp8_allowed, fp8_capable
 from coplan.spec import LayerPlan, MeshPlan, Workload, load_topology, load_workload
 
 H200 = load_topology("h200-1gpu")

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from coplan.costmodel.calibrate import calibrate, fit_host_launch_cost, predict_step_time, run_seq_chunk
-from coplan.costmodel.context import Options, build_context, seq_lookup_floor_s, table_option_costs
+from coplan.costmodel.context import Options, build_context
+from coplan.costmodel.decomposed import seq_lookup_floor_s, table_option_costs
 from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S, resolve_efficiencies
 from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, Workload, load_calibration
 from coplan.spec import load_topology, load_workload, parse_spec, spec_sha256

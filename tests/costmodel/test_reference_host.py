@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.context import HOST_KERNELS_PER_PRICED_LAUNCH, build_context, op_arrays
-from coplan.costmodel.pricer import _layer_map, host_launches, host_segments, price, priced_launches, synced_step
+from coplan.costmodel.compute import HOST_KERNELS_PER_PRICED_LAUNCH, op_arrays
+from coplan.costmodel.context import build_context
+from coplan.costmodel.pricer import layer_sets, host_launches, host_segments, price, priced_launches, synced_step
 from coplan.errors import CoplanError
 from coplan.spec import Calibration, LayerPlan, OpClassCalibration, Plan
 
@@ -108,7 +109,7 @@ def test_host_launches_count_the_reference_kernels_in_priced_units(recompute):
     tri, ref = _plan("triton"), _plan("reference")
     ctx = build_context(ref.workload, ref.topology, ref.mesh)
     layers = (LayerPlan(name="interformer.1", recompute=True),) if recompute else ()
-    rec, fp8 = _layer_map(ctx, layers)
+    rec, fp8 = layer_sets(ctx, layers)
     arr_t, arr_r = op_arrays(ctx, tri.kernels, fp8), op_arrays(ctx, ref.kernels, fp8)
     assert host_launches(ctx, arr_t, rec, 1.0) == pytest.approx(priced_launches(ctx, arr_t, rec, 1.0))
     assert priced_launches(ctx, arr_r, rec, 1.0) == pytest.approx(priced_launches(ctx, arr_t, rec, 1.0))
@@ -146,7 +147,7 @@ def test_pricer_sums_segments_for_a_syncing_backend_and_keeps_the_max_form_other
         p = _plan(name, batch=16, mean_len=1024)
         dev = price(build_context(p.workload, p.topology, p.mesh, _cal()), None, p.layers, p.balancing, p.kernels).step_time_s
         ctx = build_context(p.workload, p.topology, p.mesh, _cal(1.0))
-        rec, fp8 = _layer_map(ctx, p.layers)
+        rec, fp8 = layer_sets(ctx, p.layers)
         n = host_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, 1.0)
         h = dev / n  # host time = device time: the max form would overlap them completely
         sc = price(build_context(p.workload, p.topology, p.mesh, _cal(h)), None, p.layers, p.balancing, p.kernels)
@@ -169,7 +170,7 @@ def test_host_segments_without_syncs_match_the_walk_with_recompute_and_fp8():
     p = _plan("triton")
     ctx = build_context(p.workload, p.topology, p.mesh)
     layers = (LayerPlan(name="interformer.1", recompute=True), LayerPlan(name="interformer.2", precision="fp8"))
-    rec, fp8 = _layer_map(ctx, layers)
+    rec, fp8 = layer_sets(ctx, layers)
     arr = op_arrays(ctx, p.kernels, fp8)
     assert np.any(arr.fp8)
     fast = host_segments(ctx, arr, rec, 2.0)

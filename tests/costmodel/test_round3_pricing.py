@@ -9,17 +9,10 @@ import pytest
 
 from coplan.costmodel import flops as F
 from coplan.costmodel.calibrate import Sample, predict, unit_terms
-from coplan.costmodel.context import (
-    EMBEDDING_OUTPUT_BYTES,
-    FSDP_COPY_LAUNCHES,
-    OPTIMIZER_LAUNCHES,
-    REFERENCE_PAD_MULTIPLE,
-    _expected_max_moments,
-    build_context,
-    dense_fixed_costs,
-    fsdp_copy_bytes,
-    op_arrays,
-)
+from coplan.costmodel.compute import REFERENCE_PAD_MULTIPLE, expected_max_moments, op_arrays
+from coplan.costmodel.context import build_context
+from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs
+from coplan.costmodel.memory import EMBEDDING_OUTPUT_BYTES, fsdp_copy_bytes
 from coplan.costmodel.efficiency import UNFUSED_CLASS
 from coplan.costmodel.pricer import price, priced_launches
 from coplan.costmodel.traces import attribute
@@ -77,7 +70,7 @@ def test_padded_reference_is_its_matmuls_plus_its_elementwise_passes():
     matmuls = max(arr.fwd_flop_s[g], arr.fwd_mem_s[g] + arr.fwd_fixed_mem_s[g])
     assert arr.fwd_serial_s[g] > 0
     assert f[g] == pytest.approx(matmuls + arr.fwd_serial_s[g] + arr.fwd_launch_s[g])
-    m1, m2 = _expected_max_moments(w.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
+    m1, m2 = expected_max_moments(w.sequence("history").length, ctx.mb_batch, REFERENCE_PAD_MULTIPLE)
     serial_bytes = ctx.mb_batch * F.padded_reference_attention(op, w, min(1.0, ctx.moments["history"][0] / m1)).fwd_serial_bytes.expect(m1, m2)
     assert arr.fwd_serial_s[g] == pytest.approx(serial_bytes / (gpu.hbm_bw_bytes_per_s * ctx.eff.memory[UNFUSED_CLASS]))
     # the Triton backend is one fused kernel: nothing separate

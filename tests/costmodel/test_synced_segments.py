@@ -9,8 +9,9 @@ import pytest
 from coplan.costmodel import flops as F
 from coplan.costmodel.calibrate import (CalibrationError, fit_host_terms, fit_step_terms, measured_moments,
                                         predict_median_step, predict_step_time)
-from coplan.costmodel.context import build_context, op_arrays
-from coplan.costmodel.pricer import _layer_map, host_launches, price, sync_exposed, synced_step
+from coplan.costmodel.compute import op_arrays
+from coplan.costmodel.context import build_context
+from coplan.costmodel.pricer import layer_sets, host_launches, price, sync_exposed, synced_step
 from coplan.errors import CoplanError
 
 from .test_reference_host import _cal, _plan
@@ -35,7 +36,7 @@ def test_segments_add_up_to_the_launches_and_the_device_step(attention):
     ctx = build_context(p.workload, p.topology, p.mesh, _cal())
     sc = price(ctx, None, p.layers, p.balancing, p.kernels, segments=True)
     segs = np.array(sc.segments)
-    rec, fp8 = _layer_map(ctx, p.layers)
+    rec, fp8 = layer_sets(ctx, p.layers)
     arr = op_arrays(ctx, p.kernels, fp8)
     # the launches are the host's: a dominant host cost prices the step at their sum (plus, where a segment
     # is all exposed host, its device time, which then does not overlap)

@@ -46,7 +46,7 @@ def test_reference_matches_a_loop(causal, q_lens, k_lens):
 def test_padded_length_rounds_up_to_the_multiple_the_cost_model_prices():
     """The reference pads to a multiple of 16 (aligned fp32 rows for the TF32 matmuls); the cost model
     prices the same rounding."""
-    from coplan.costmodel.context import REFERENCE_PAD_MULTIPLE, padded_length_moments
+    from coplan.costmodel.compute import REFERENCE_PAD_MULTIPLE, padded_length_moments
     from coplan.kernels.reference import PAD_MULTIPLE, padded_length
 
     assert PAD_MULTIPLE == REFERENCE_PAD_MULTIPLE == 16

@@ -145,7 +145,7 @@ def test_rank_time_every_rank_of_the_sparse_group():
     G = plan.mesh.sparse_shard
     if G < 2:
         pytest.skip(f"the planner chose a sparse shard group of {G} rank(s) for this case")
-    emb = ranks.all_rank_embedding_s(plan, pp.cost, pp.context)
+    emb = ranks.all_rank_embedding_s(pp.cost)
     assert emb is not None and emb.size == G
     rows, notes = ranks.rank_times(pp.cost, emb)
     assert len(rows) == 1 + min(G, ranks.MAX_TIME_RANKS)
@@ -154,18 +154,18 @@ def test_rank_time_every_rank_of_the_sparse_group():
         assert busy[f"rank {rid}"] == pytest.approx(t, rel=1e-9)
     for r in rows[1:]:
         assert sum(r.parts.values()) == pytest.approx(pp.cost.step_time_s, rel=1e-9)
-    _check_common(ranks.rank_time_breakdown(pp.cost, plan, pp.context))
+    _check_common(ranks.rank_time_breakdown(pp.cost, every_rank=True))
 
 
 def test_memory_per_rank_reproduces_the_cost_model(plan_case):
     _, plan = plan_case
     pp = price_plan(plan)
-    rm = ranks.rank_memory(plan, pp.cost, pp.context)
+    rm = ranks.rank_memory(plan, pp.cost)
     assert rm.exact, "per-rank memory must reproduce the cost model's sampled ranks"
     tot = sum(rm.kinds.values())
     assert float(tot.max()) == pytest.approx(pp.cost.memory.total, rel=1e-9)
     assert rm.capacity_bytes == plan.topology.gpu.usable_hbm_bytes
-    fig = ranks.memory_per_rank(plan, pp.cost, pp.context)
+    fig = ranks.memory_per_rank(plan, pp.cost)
     _check_common(fig, min_traces=3)
     assert any(sh.type == "line" for sh in fig.layout.shapes), "the HBM capacity line is drawn"
 

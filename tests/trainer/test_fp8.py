@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from torch import nn
 
-from coplan.costmodel.context import build_context, fp8_allowed
+from coplan.costmodel.context import build_context
+
+from coplan.costmodel.fp8 import fp8_allowed
 from coplan.costmodel.flops import layer_names
 from coplan.errors import MismatchError
 from coplan.kernels.fp8 import Float8Linear

@@ -2,7 +2,7 @@
 
 The plan names layers as the cost model does (``interformer.3``, ``heads.1``); within a named
 layer, every linear layer the cost model priced as an fp8-capable GEMM is swapped, under the same
-numerics guard (:func:`coplan.costmodel.context.fp8_allowed`): a linear layer with a dimension under
+numerics guard (:func:`coplan.costmodel.fp8.fp8_allowed`): a linear layer with a dimension under
 ``fp8_min_dim``, or in the task heads, stays in the compute dtype unless ``precision.fp8`` is
 ``force``. ``Float8Linear`` keeps ``nn.Linear``'s parameters and state dict, so FSDP2, activation
 checkpointing and checkpoints see the same model; only the GEMMs change.
