@@ -132,7 +132,8 @@ def _coplan_better(workload: str, world: int) -> Callable[[dict], float | None]:
 def _torchrec_carried_over(workload: str, world: int) -> Callable[[dict], str | None]:
     def reason(d: dict) -> str | None:
         for r in d["rows"]:
-            if r["workload"] == workload and r["world_size"] == world and (r.get("torchrec") or {}).get("from_previous_run"):
+            carried = (r.get("torchrec") or {}).get("from_previous_run")
+            if r["workload"] == workload and r["world_size"] == world and carried:
                 return "TorchRec's side carried over from an earlier result, its commit not recorded"
         return None
     return reason
@@ -162,7 +163,8 @@ def _fp8_best_recipe(d: dict) -> float:
 COSTMODEL_SPEED = Result("costmodel_speed.json", "python benchmarks/costmodel_speed.py",
                          SPEC + COSTMODEL + PLANNER, script="costmodel_speed.py")
 SIMULATE = Result("costmodel_simulate_gem-1t.json",
-                  "coplan simulate -w gem-1t -t h200-superpod --json > benchmarks/results/costmodel_simulate_gem-1t.json",
+                  "coplan simulate -w gem-1t -t h200-superpod --json "
+                  "> benchmarks/results/costmodel_simulate_gem-1t.json",
                   SPEC + COSTMODEL + PLANNER + CLI, device="prediction (CPU)")
 PRESETS = Result("planner_presets.json", "python benchmarks/planner_presets.py --random 50",
                  SPEC + COSTMODEL + PLANNER, script="planner_presets.py")
@@ -227,8 +229,8 @@ def _attention_figures() -> list[Figure]:
                           Goal(">=", fwd)))
         out.append(Figure(KERN, f"{label}, forward + backward", ATTENTION, at(base + "forward_backward_tflops"),
                           "TFLOP/s", Goal(">=", fwd_bwd),
-                          note=("host-bound on shape (b): it moves with the host's speed between leases; the CUDA-graph "
-                                "replay of the same kernels is in the JSON (`graph_forward_backward_tflops`)")
+                          note=("host-bound on shape (b): it moves with the host's speed between leases; the "
+                                "CUDA-graph replay of the same kernels is in the JSON (`graph_forward_backward_tflops`)")
                           if shape == "b" else ""))
     return out
 

@@ -79,7 +79,8 @@ def changed_dependencies(root: Path, commit: str, depends: tuple[str, ...]) -> d
 # --- reading a result's metadata --------------------------------------------------------------------
 
 def recorded_commit(d: dict) -> str | None:
-    for c in (d.get("git_commit"), (d.get("host") or {}).get("git_commit") if isinstance(d.get("host"), dict) else None):
+    host = d.get("host") if isinstance(d.get("host"), dict) else {}
+    for c in (d.get("git_commit"), host.get("git_commit")):
         if isinstance(c, str) and c.strip().split(" ")[0].lower() not in _UNKNOWN_COMMITS:
             return c.strip()
     return None
@@ -236,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     page = render()
     if args.check:
         if not args.out.is_file() or args.out.read_text() != page:
-            print(f"{args.out} is out of date with benchmarks/results/ and the code: run python benchmarks/make_page.py",
-                  file=sys.stderr)
+            print(f"{args.out} is out of date with benchmarks/results/ and the code: "
+                  "run python benchmarks/make_page.py", file=sys.stderr)
             return 1
         print(f"{args.out} is current")
         return 0

@@ -48,9 +48,10 @@ def test_results_hold_one_current_file_per_benchmark():
     known = {r.file for r in figures.RESULTS} | {a for r in figures.RESULTS for a in r.attachments}
     known |= set(figures.INPUTS)
     extra = sorted(p.name for p in RESULTS.iterdir() if p.name not in known)
-    assert not extra, f"not on the page (register them in benchmarks/figures.py, or move them to docs/benchmarks-log/results/): {extra}"
+    assert not extra, ("not on the page (register them in benchmarks/figures.py, or move them to "
+                       f"docs/benchmarks-log/results/): {extra}")
     for pending in figures.PENDING:
-        assert not (RESULTS / pending.file).exists(), f"{pending.file} exists now: give it figures in benchmarks/figures.py"
+        assert not (RESULTS / pending.file).exists(), f"{pending.file} exists: give it figures in benchmarks/figures.py"
 
 
 def test_every_figure_reads_a_value():
@@ -81,8 +82,10 @@ def test_every_row_says_where_when_and_which_commit():
 
 
 def test_a_result_without_a_commit_is_stale():
-    row = make_page.rows(ROOT, RESULTS)
-    no_commit = [r for r in row if make_page.recorded_commit(json.loads((RESULTS / r["figure"].result.file).read_text())) is None]
+    def commit(r: dict) -> str | None:
+        return make_page.recorded_commit(json.loads((RESULTS / r["figure"].result.file).read_text()))
+
+    no_commit = [r for r in make_page.rows(ROOT, RESULTS) if commit(r) is None]
     assert no_commit and all(r["stale"] and r["cells"][5].startswith("commit unknown — **stale**") for r in no_commit)
 
 
