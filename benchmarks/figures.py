@@ -203,7 +203,8 @@ LOAD_MEMORY = Result("load_memory.json", "python benchmarks/load_memory.py",
 FP8_GEMM = Result("fp8_h200.json",
                   "python benchmarks/fp8_h200.py --recipes torchao-tensorwise,torchao-rowwise,blockwise",
                   FP8_KERNELS, script="fp8_h200.py")
-FP8_BOUND = Result("fp8_bound.json", "python benchmarks/fp8_bound.py", FP8_KERNELS, script="fp8_bound.py")
+FP8_BOUND = Result("fp8_bound.json", "python benchmarks/fp8_bound.py", FP8_KERNELS, script="fp8_bound.py",
+                   device="CPU, from an NVIDIA H200 measurement (its `source`)")
 FP8_TRAIN = Result("fp8_train_h200.json",
                    "python benchmarks/fp8_train_h200.py --gpus 0,1 --recipe torchao-rowwise --compile layers "
                    "--steps 510 --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3",
@@ -220,6 +221,10 @@ _ATTN_GOALS = {("a", "triton_softmax"): (300, 220), ("a", "triton_gdpa_silu"): (
                ("b", "triton_softmax"): (165, 90), ("b", "triton_gdpa_silu"): (165, 90)}
 
 
+_HOST_BOUND = ("host-bound on shape (b): it moves with the host's speed between leases; the CUDA-graph replay of "
+               "the same kernels is in the JSON (`graph_forward_backward_tflops`)")
+
+
 def _attention_figures() -> list[Figure]:
     out = []
     for (shape, method), (fwd, fwd_bwd) in _ATTN_GOALS.items():
@@ -229,9 +234,7 @@ def _attention_figures() -> list[Figure]:
                           Goal(">=", fwd)))
         out.append(Figure(KERN, f"{label}, forward + backward", ATTENTION, at(base + "forward_backward_tflops"),
                           "TFLOP/s", Goal(">=", fwd_bwd),
-                          note=("host-bound on shape (b): it moves with the host's speed between leases; the "
-                                "CUDA-graph replay of the same kernels is in the JSON (`graph_forward_backward_tflops`)")
-                          if shape == "b" else ""))
+                          note=_HOST_BOUND if shape == "b" else ""))
     return out
 
 

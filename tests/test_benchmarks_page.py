@@ -55,12 +55,10 @@ def test_results_hold_one_current_file_per_benchmark():
 
 
 def test_every_figure_reads_a_value():
+    """Only a figure that says why it may be absent (e.g. "no TorchRec plan") may read nothing."""
     for f in figures.FIGURES:
         value = f.read(json.loads((RESULTS / f.result.file).read_text()))
-        assert value is None or isinstance(value, float), f.name
-    # the ones a missing figure would hide
-    assert all(f.read(json.loads((RESULTS / f.result.file).read_text())) is not None
-               for f in figures.FIGURES if f.goal is not None and f.missing == "not in the result")
+        assert isinstance(value, float) or (value is None and f.missing != "not in the result"), f.name
 
 
 @pytest.mark.skipif(not HAS_HISTORY, reason="needs the repository's git history")
