@@ -45,6 +45,8 @@ class Result:
     """Where it ran, when the file does not say it (or says it ambiguously)."""
     attachments: tuple[str, ...] = ()
     """Further files under ``benchmarks/results/`` that belong to this result (traces)."""
+    commit_key: str = "git_commit"
+    """The key of the commit the figures stand for (a result derived from another measurement names that one's)."""
 
     @property
     def all_depends(self) -> tuple[str, ...]:
@@ -204,7 +206,7 @@ FP8_GEMM = Result("fp8_h200.json",
                   "python benchmarks/fp8_h200.py --recipes torchao-tensorwise,torchao-rowwise,blockwise",
                   FP8_KERNELS, script="fp8_h200.py")
 FP8_BOUND = Result("fp8_bound.json", "python benchmarks/fp8_bound.py", FP8_KERNELS, script="fp8_bound.py",
-                   device="CPU, from an NVIDIA H200 measurement (its `source`)")
+                   device="CPU, from an NVIDIA H200 measurement (its `source`)", commit_key="source_git_commit")
 FP8_TRAIN = Result("fp8_train_h200.json",
                    "python benchmarks/fp8_train_h200.py --gpus 0,1 --recipe torchao-rowwise --compile layers "
                    "--steps 510 --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3",

@@ -78,9 +78,9 @@ def changed_dependencies(root: Path, commit: str, depends: tuple[str, ...]) -> d
 
 # --- reading a result's metadata --------------------------------------------------------------------
 
-def recorded_commit(d: dict) -> str | None:
+def recorded_commit(d: dict, key: str = "git_commit") -> str | None:
     host = d.get("host") if isinstance(d.get("host"), dict) else {}
-    for c in (d.get("git_commit"), host.get("git_commit")):
+    for c in (d.get(key), host.get(key)):
         if isinstance(c, str) and c.strip().split(" ")[0].lower() not in _UNKNOWN_COMMITS:
             return c.strip()
     return None
@@ -144,7 +144,7 @@ def _cell(text: str) -> str:
 
 def staleness(root: Path, d: dict, result: Result) -> tuple[str | None, list[str]]:
     """The short commit a result records (None if none) and why its figures are stale (empty if current)."""
-    commit = recorded_commit(d)
+    commit = recorded_commit(d, result.commit_key)
     if commit is None:
         return None, []
     sha = resolve_commit(root, commit)

@@ -81,7 +81,8 @@ def test_every_row_says_where_when_and_which_commit():
 
 def test_a_result_without_a_commit_is_stale():
     def commit(r: dict) -> str | None:
-        return make_page.recorded_commit(json.loads((RESULTS / r["figure"].result.file).read_text()))
+        result = r["figure"].result
+        return make_page.recorded_commit(json.loads((RESULTS / result.file).read_text()), result.commit_key)
 
     no_commit = [r for r in make_page.rows(ROOT, RESULTS) if commit(r) is None]
     assert no_commit and all(r["stale"] and r["cells"][5].startswith("commit unknown — **stale**") for r in no_commit)
