@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402  (the scripts run by path)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -96,6 +99,7 @@ def main() -> int:
     }
     out = {
         "benchmark": "balance_jagged", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "load_average": os.getloadavg()},
         "setup": {"sequences": n, "ranks": k, "length": dist.model_dump(), "seq_cost": {"const_s": sc.const_s, "lin_s": sc.lin_s, "quad_s": sc.quad_s}},

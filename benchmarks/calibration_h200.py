@@ -655,7 +655,8 @@ def merged_manifest(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) ->
 FRESH_SPLITS = ("fresh", "fresh2", "fresh3", "fresh4", "fresh5", "fresh6", "fresh7", "fresh8", "fresh9")
 SPLITS = ("fit", "heldout", "fit_db", *FRESH_SPLITS)
 """``fit``: calibrated on; ``heldout``: the first held-out set (seen when the model was changed:
-BENCHMARKS); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen since; ``fresh2``: the
+docs/benchmarks-log/calibration.md); ``fresh``: the second, defined afterwards (:data:`FRESH`), also seen
+since; ``fresh2``: the
 third (:data:`FRESH2`), defined before any of its runs existed; ``fresh3``: the fourth (:data:`FRESH3`),
 likewise; ``fit_db`` / ``fresh4``: the device-bound round's fit and held-out sets (:data:`DB_FIT`,
 :data:`FRESH4`), defined before any of their runs."""

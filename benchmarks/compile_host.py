@@ -17,7 +17,7 @@ each) and prints, per case and per profiled step:
   Triton launcher ranges Inductor records per kernel (``triton_*``), the attention custom ops
   (``coplan::*``) against the eager ``autograd.Function`` path, FSDP2's hooks, TorchRec's ranges.
 
-    python benchmarks/compile_host.py                  # the v5 traces -> benchmarks/results/compile_host_v5.json
+    python benchmarks/compile_host.py                  # the v5 traces -> benchmarks/results/compile_host.json
     python benchmarks/compile_host.py --cases triton,triton-compile --tag v5 --out /tmp/h.json
 
 No torch import: it reads JSON only.
@@ -31,9 +31,16 @@ import gzip
 import json
 import re
 import statistics
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402  (the scripts run by path)
+
 RESULTS = Path(__file__).resolve().parent / "results"
+# the v5 traces it was written for are kept with the benchmarks' history
+TRACES = Path(__file__).resolve().parents[1] / "docs" / "benchmarks-log" / "results"
 HOST_CATS = ("cpu_op", "user_annotation")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -351,12 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="triton,triton-compile,triton-seq-whole")
     p.add_argument("--tag", default="v5", help="trace suffix: train_h200_trace_<case>_<tag>.json.gz")
-    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--results", type=Path, default=TRACES, help="folder of the traces")
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--out", type=Path, default=None, help="default: <results>/compile_host_<tag>.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "compile_host.json")
     p.add_argument("--dispatch", action="store_true", help="also time the custom op's host path here (imports torch)")
     args = p.parse_args(argv)
-    out = {"benchmark": "compile_host", "tag": args.tag, "cases": {}, "host_speed_median_us": {}}
+    out = {"benchmark": "compile_host", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "git_commit": git_commit(), "tag": args.tag, "cases": {}, "host_speed_median_us": {}}
     for case in args.cases.split(","):
         path = args.results / f"train_h200_trace_{case}_{args.tag}.json.gz"
         if not path.exists():
@@ -369,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dispatch:
         out["dispatch_micro_bench"] = dispatch_bench()
         print("custom op host path (us/call, launches stubbed): " + json.dumps(out["dispatch_micro_bench"]))
-    dest = args.out or args.results / f"compile_host_{args.tag}.json"
+    dest = args.out
     dest.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {dest}")
     return 0

@@ -37,6 +37,9 @@ from coplan.planner.simulate import topology_for
 from coplan.costmodel.embedding import TableAssignment
 from coplan.spec import load_workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402  (the scripts run by path)
+
 BUDGET_S = 0.050
 
 
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": sys.version.split()[0], "numpy": np.__version__},
-        "coplan_version": __version__,
+        "git_commit": git_commit(), "coplan_version": __version__,
         "workload": w.name, "topology": topo.name, "topology_extended": extended, "gpus": args.gpus,
         "tables": len(w.all_tables), "layers": len(ctx.layer_names), "repeats": args.repeats,
         "mesh": hp.mesh.model_dump(exclude={"axes"}),

@@ -20,7 +20,7 @@ the FP8 forward GEMM alone on operands already quantised) and bounds the forward
 Totals weight each shape by its number of layers. A recipe helps a layer only where its bound is under bf16: the
 "best per layer" total takes the lesser of the two per shape, as the planner would.
 
-    python benchmarks/fp8_bound.py                                   # from benchmarks/results/fp8_h200_s4.json
+    python benchmarks/fp8_bound.py      # from docs/benchmarks-log/results/fp8_h200_s4.json (row-wise and block-wise both ran)
     python benchmarks/fp8_bound.py --result <fp8_h200.json> --out <json>
 """
 
@@ -29,8 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402  (the scripts run by path)
 
 ROOT = Path(__file__).resolve().parent
 BYTES_PER_ELEMENT = {"blockwise": 4.0, "rowwise": 8.0, "fused": 0.0}
@@ -77,7 +81,7 @@ def bound(result: dict, bandwidth: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--result", type=Path, default=ROOT / "results" / "fp8_h200_s4.json")
+    p.add_argument("--result", type=Path, default=ROOT.parent / "docs" / "benchmarks-log" / "results" / "fp8_h200_s4.json")
     p.add_argument("--topology", default="h200-1gpu", help="preset whose measured copy bandwidth prices the passes")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "fp8_bound.json")
     args = p.parse_args(argv)
@@ -85,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(args.topology)
     out = {"benchmark": "fp8 forward+backward bound per gem-h200 linear layer (issue 10)",
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+           "git_commit": git_commit(),
            "source": str(args.result.relative_to(ROOT.parent) if args.result.is_relative_to(ROOT.parent) else args.result),
            "source_device": result.get("device"), "source_date": result.get("date"), "source_torch": result.get("torch"),
+           "source_git_commit": result.get("git_commit"),
            "copy_bandwidth_bytes_per_s": bw, "bytes_per_element": BYTES_PER_ELEMENT, **bound(result, bw)}
     args.out.write_text(json.dumps(out, indent=1))
     print(f"{'M x K x N':<20}{'layers':>7}{'bf16 ms':>9}   " + "   ".join(f"{r:>22}" for r in BYTES_PER_ELEMENT))

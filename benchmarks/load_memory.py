@@ -17,6 +17,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402  (the scripts run by path)
+
 GOAL_BYTES = 4 * 1024**3
 RESULTS = Path(__file__).resolve().parent / "results" / "load_memory.json"
 
@@ -60,7 +63,7 @@ def main() -> None:
         "benchmark": "load: peak memory of plan and report (issue 9)",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
-        "coplan": coplan.__version__,
+        "git_commit": git_commit(), "coplan": coplan.__version__,
         "goal_bytes": GOAL_BYTES,
         "rows": rows,
     }

@@ -351,8 +351,11 @@ def main() -> int:
     ap.add_argument("--skip-torchrec", action="store_true", help="coplan's side only (TorchRec's from the cache or --previous)")
     ap.add_argument("--previous", default=None,
                     help="a previous result JSON: TorchRec figures for points with no cached plan are taken from it (and marked so)")
-    ap.add_argument("-o", "--output", default=str(RESULTS / "planner_torchrec.json"))
+    ap.add_argument("-o", "--output", default=None,
+                    help="default: benchmarks/results/planner_torchrec.json, or planner_torchrec_random.json with --random")
     args = ap.parse_args()
+    if args.output is None:
+        args.output = str(RESULTS / ("planner_torchrec_random.json" if args.random else "planner_torchrec.json"))
     from coplan.spec import load_topology, load_workload
 
     topology = load_topology(args.topology)

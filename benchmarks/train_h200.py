@@ -338,7 +338,7 @@ CASES = {
 # ``<case>@b<N>`` runs a case at N samples per step instead of the workload's local batch (its own data)
 _AT_BATCH = re.compile(r"^(?P<case>[a-z0-9-]+)@b(?P<batch>[1-9][0-9]*)$")
 # The headline run: the compiled layers and eager, both at 256 samples per step (at the workload's 64
-# the step is host-bound: BENCHMARKS.md, v6), then the reference attention at --reference-batch.
+# the step is host-bound: docs/benchmarks-log/trainer.md, v6), then the reference attention at --reference-batch.
 DEFAULT_CASES = ("triton-compile@b256", "triton@b256", "reference")
 # the host-overhead A/B set of v3-v5 (--cases ab)
 AB_CASES = ("triton", "triton-v3", "triton-dtensor-optim", "triton-no-pipeline", "triton-segment-reduce",

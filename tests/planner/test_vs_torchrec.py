@@ -11,7 +11,7 @@ all-to-alls as a schedule), so each planner can win on its own estimator; what i
 - by coplan's cost model, coplan's plan is never slower than TorchRec's (TorchRec is a baseline it must
   not lose to, as the simulate heuristic is);
 - by TorchRec's estimator, coplan's plan is within ``TORCHREC_TOLERANCE`` of TorchRec's (measured and
-  reported in BENCHMARKS.md; not "never worse": see the note there);
+  reported in BENCHMARKS.md; not "never worse": see docs/benchmarks-log/planner.md);
 - both fit, and coplan's CP-SAT gap is within ``GAP_LIMIT``.
 """
 

@@ -67,7 +67,7 @@ def test_bus_bandwidth_matches_published(case, make, kind, ranks, stride, nbytes
     assert abs(err) <= TOL, f"{case}: predicted {predicted:.1f} GB/s vs published {published:.1f} GB/s ({err:+.1%}); source: {source}"
 
 
-if __name__ == "__main__":  # print the table summarised in BENCHMARKS.md
+if __name__ == "__main__":  # print the table summarised in docs/benchmarks-log/cost-model.md
     print(f"| case | collective | ranks | predicted GB/s | published GB/s | error |")
     print("|---|---|---:|---:|---:|---:|")
     for case, make, kind, ranks, stride, nbytes, published, source in CASES:

@@ -1,0 +1,352 @@
+"""The figures of ``BENCHMARKS.md``: for each, the result file it is read from, how, its goal, and the
+source paths whose code it measures (:mod:`make_page` marks it stale when they change after the
+measurement).
+
+Dependency paths are repository paths at the current tree, files or folders (a trailing ``/``). When a
+part moves, update the groups below (and the ``depends`` of a result that names a single file): every path
+must exist, which ``tests/test_benchmarks_page.py`` checks. A file moved unchanged does not make a figure
+stale; a changed one does, wherever it now lives.
+
+To add a benchmark: a :class:`Result` (its canonical file under ``benchmarks/results/``, the command that
+writes it, what it depends on), then its :class:`Figure` rows; then ``python benchmarks/make_page.py``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+# Source groups. Update here when a part moves.
+SPEC = ("coplan/spec/", "topologies/", "workloads/")
+COSTMODEL = ("costmodel/",)
+CALIBRATION = ("costmodel/calibrate.py", "costmodel/calibrate_cli.py", "costmodel/traces.py")
+PLANNER = ("planner/",)
+ATTENTION_KERNELS = ("kernels/triton_attention.py", "kernels/api.py", "kernels/ops.py", "kernels/common.py",
+                     "kernels/reference.py")
+FP8_KERNELS = ("kernels/fp8.py", "kernels/fp8_triton.py", "kernels/fp8_reference.py", "kernels/fp8_rules.py")
+TRAINER = ("trainer/", "kernels/")
+REPORTS = ("reports/",)
+CLI = ("coplan/cli.py",)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One benchmark's current result: ``benchmarks/results/<file>``, the newest measurement."""
+
+    file: str
+    command: str
+    """What writes the file, run from the repository root (on the device named in the row, for GPU figures)."""
+    depends: tuple[str, ...]
+    """Repository paths (files, or folders ending in ``/``) whose code the figures measure; the script is added."""
+    script: str | None = None
+    """The benchmark script under ``benchmarks/`` (a dependency too); None for a CLI verb."""
+    device: str | None = None
+    """Where it ran, when the file does not say it (or says it ambiguously)."""
+    attachments: tuple[str, ...] = ()
+    """Further files under ``benchmarks/results/`` that belong to this result (traces)."""
+    commit_key: str = "git_commit"
+    """The key of the commit the figures stand for (a result derived from another measurement names that one's)."""
+
+    @property
+    def all_depends(self) -> tuple[str, ...]:
+        return self.depends + ((f"benchmarks/{self.script}",) if self.script else ())
+
+
+@dataclass(frozen=True)
+class Goal:
+    op: str  # "<=" or ">="
+    value: float
+
+    def met(self, x: float) -> bool:
+        return x <= self.value if self.op == "<=" else x >= self.value
+
+
+@dataclass(frozen=True)
+class Figure:
+    section: str
+    name: str
+    result: Result
+    read: Callable[[dict], float | None]
+    """The value from the result's JSON; None when the result holds no such figure."""
+    unit: str
+    """How the value prints: ``ms``, ``s``, ``GiB``, ``%`` (a fraction), ``x`` (a ratio), ``TFLOP/s``, ``ratio``."""
+    goal: Goal | None = None
+    note: str = ""
+    stale_if: Callable[[dict], str | None] | None = None
+    """A reason the figure is stale that git cannot see (e.g. part of it carried over from an older file)."""
+    missing: str = "not in the result"
+    """What the value cell says when :attr:`read` gives None."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A benchmark with a script and no result yet: listed so that the page says so."""
+
+    section: str
+    name: str
+    file: str
+    command: str
+    goal: str = ""
+
+
+def at(path: str, scale: float = 1.0) -> Callable[[dict], float | None]:
+    """A reader of the value at a dotted key path (keys hold no dots; a number indexes a list), times ``scale``."""
+
+    def read(d: dict) -> float | None:
+        for key in path.split("."):
+            if isinstance(d, list) and key.isdigit() and int(key) < len(d):
+                d = d[int(key)]
+            elif isinstance(d, dict) and key in d:
+                d = d[key]
+            else:
+                return None
+        return None if d is None else float(d) * scale
+
+    return read
+
+
+# --- readers that need more than a path ---------------------------------------------------------
+
+def _random_planned(d: dict) -> list[dict]:
+    return [r for r in d["rows"] if r["workload"].startswith("random-") and r["status"] in ("OPTIMAL", "FEASIBLE")]
+
+
+def _preset(workload: str, topology: str, key: str) -> Callable[[dict], float | None]:
+    def read(d: dict) -> float | None:
+        rows = [r for r in d["rows"] if r["workload"] == workload and r["topology"] == topology]
+        return rows[0].get(key) if rows else None
+    return read
+
+
+def _coplan_better(workload: str, world: int) -> Callable[[dict], float | None]:
+    """How much lower coplan's max-rank perf is than TorchRec's plan's, by TorchRec's estimator."""
+    def read(d: dict) -> float | None:
+        for r in d["rows"]:
+            if r["workload"] == workload and r["world_size"] == world:
+                t, c = r.get("torchrec") or {}, r.get("coplan") or {}
+                if "max_rank_perf_ms" in t and "max_rank_perf_ms" in c:
+                    return t["max_rank_perf_ms"] / c["max_rank_perf_ms"] - 1
+        return None
+    return read
+
+
+def _torchrec_carried_over(workload: str, world: int) -> Callable[[dict], str | None]:
+    def reason(d: dict) -> str | None:
+        for r in d["rows"]:
+            carried = (r.get("torchrec") or {}).get("from_previous_run")
+            if r["workload"] == workload and r["world_size"] == world and carried:
+                return "TorchRec's side carried over from an earlier result, its commit not recorded"
+        return None
+    return reason
+
+
+def _held_out(d: dict) -> dict:
+    """The calibration's newest held-out set: the last non-empty ``fresh<N>`` (else ``heldout``)."""
+    sets = sorted((k for k in d if k.startswith("fresh") and k[5:].isdigit() and d[k]), key=lambda k: int(k[5:]))
+    return d[sets[-1]] if sets else d["heldout"]
+
+
+def _held_out_step(kind: str, stat: str) -> Callable[[dict], float | None]:
+    return lambda d: _held_out(d)[kind][stat]
+
+
+def _held_out_worst_class(d: dict) -> float:
+    return max(abs(c["error"]) for c in _held_out(d)["op_class_calibrated"].values())
+
+
+def _fp8_best_recipe(d: dict) -> float:
+    goal = d["dense_gemm_goal"]
+    return max(v["speedup"] for v in goal.values() if isinstance(v, dict) and "speedup" in v)
+
+
+# --- the results ----------------------------------------------------------------------------------
+
+COSTMODEL_SPEED = Result("costmodel_speed.json", "python benchmarks/costmodel_speed.py",
+                         SPEC + COSTMODEL + PLANNER, script="costmodel_speed.py")
+SIMULATE = Result("costmodel_simulate_gem-1t.json",
+                  "coplan simulate -w gem-1t -t h200-superpod --json "
+                  "> benchmarks/results/costmodel_simulate_gem-1t.json",
+                  SPEC + COSTMODEL + PLANNER + CLI, device="prediction (CPU)")
+PRESETS = Result("planner_presets.json", "python benchmarks/planner_presets.py --random 50",
+                 SPEC + COSTMODEL + PLANNER, script="planner_presets.py")
+SCALE = Result("planner_scale.json", "python benchmarks/planner_scale.py --time-limit 3000",
+               SPEC + COSTMODEL + PLANNER, script="planner_scale.py")
+BALANCE = Result("balance_jagged.json", "python benchmarks/balance_jagged.py",
+                 ("costmodel/jagged.py", "costmodel/context.py"), script="balance_jagged.py")
+TORCHREC = Result("planner_torchrec.json", "python benchmarks/planner_torchrec.py",
+                  SPEC + COSTMODEL + PLANNER, script="planner_torchrec.py")
+TORCHREC_RANDOM = Result("planner_torchrec_random.json",
+                         "python benchmarks/planner_torchrec.py --random 6 --seed 1796380994 --worlds 8,16,64,512 "
+                         "--table-range 50,1000 --torchrec-wall-limit 240",
+                         SPEC + COSTMODEL + PLANNER, script="planner_torchrec.py")
+TORCHREC_512 = Result("planner_torchrec_random512.json",
+                      "python benchmarks/planner_torchrec.py --random 2 --worlds 512 --torchrec-wall-limit 300 "
+                      "-o benchmarks/results/planner_torchrec_random512.json",
+                      SPEC + COSTMODEL + PLANNER, script="planner_torchrec.py")
+CALIBRATION_RESULT = Result(
+    "calibration_h200.json",
+    "python benchmarks/calibration_h200.py (runs on a 2-GPU H200 host), then --analyze <runs> --out "
+    "benchmarks/results/calibration_h200.json",
+    SPEC + COSTMODEL + CALIBRATION + TRAINER, script="calibration_h200.py",
+    device="NVIDIA H200 (runs; fit and analysis on CPU)")
+ATTENTION = Result("attention_h200.json",
+                   "python benchmarks/attention.py --shapes a,b --quick --precompile 12 "
+                   "--methods triton_softmax,triton_gdpa_silu",
+                   ATTENTION_KERNELS + ("costmodel/flops.py",), script="attention.py")
+TRAIN = Result("train_h200.json",
+               "python benchmarks/train_h200.py --cases triton-compile@b256,triton@b256,reference",
+               SPEC + TRAINER + PLANNER + ("costmodel/flops.py", "costmodel/jagged.py"), script="train_h200.py",
+               attachments=("train_h200_trace_triton-compile-b256.json.gz", "train_h200_trace_triton-b256.json.gz"))
+REPORT_LOAD = Result("report_load.json", "python benchmarks/report_load.py --repeats 5 --trace 3",
+                     REPORTS + COSTMODEL + PLANNER, script="report_load.py")
+LOAD_MEMORY = Result("load_memory.json", "python benchmarks/load_memory.py",
+                     SPEC + COSTMODEL + PLANNER + REPORTS + CLI, script="load_memory.py")
+FP8_GEMM = Result("fp8_h200.json",
+                  "python benchmarks/fp8_h200.py --recipes torchao-tensorwise,torchao-rowwise,blockwise",
+                  FP8_KERNELS, script="fp8_h200.py")
+FP8_BOUND = Result("fp8_bound.json", "python benchmarks/fp8_bound.py", FP8_KERNELS, script="fp8_bound.py",
+                   device="CPU, from an NVIDIA H200 measurement (its `source`)", commit_key="source_git_commit")
+FP8_TRAIN = Result("fp8_train_h200.json",
+                   "python benchmarks/fp8_train_h200.py --gpus 0,1 --recipe torchao-rowwise --compile layers "
+                   "--steps 510 --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3",
+                   SPEC + TRAINER + PLANNER + FP8_KERNELS + ("costmodel/flops.py",), script="fp8_train_h200.py")
+
+COST, PLAN, KERN, TRAINING, CAL, FP8, REP, MULTI = (
+    "Cost model", "Planner", "Kernels: jagged attention", "Trainer", "Calibration", "FP8", "Reports and load",
+    "Multi-GPU and collectives")
+SECTIONS = (COST, PLAN, KERN, TRAINING, CAL, FP8, REP, MULTI)
+
+_ATTN_SHAPES = {"a": "(a) 32 user histories, mean 1,024", "b": "(b) 256 short sequences, mean 256"}
+_ATTN_METHODS = {"triton_softmax": "softmax", "triton_gdpa_silu": "GDPA-SiLU"}
+_ATTN_GOALS = {("a", "triton_softmax"): (300, 220), ("a", "triton_gdpa_silu"): (350, 250),
+               ("b", "triton_softmax"): (165, 90), ("b", "triton_gdpa_silu"): (165, 90)}
+
+
+_HOST_BOUND = ("host-bound on shape (b): it moves with the host's speed between leases; the CUDA-graph replay of "
+               "the same kernels is in the JSON (`graph_forward_backward_tflops`)")
+
+
+def _attention_figures() -> list[Figure]:
+    out = []
+    for (shape, method), (fwd, fwd_bwd) in _ATTN_GOALS.items():
+        base = f"shapes.{shape}.methods.{method}."
+        label = f"{_ATTN_METHODS[method]}, shape {_ATTN_SHAPES[shape]}, eager"
+        out.append(Figure(KERN, f"{label}, forward", ATTENTION, at(base + "forward_tflops"), "TFLOP/s",
+                          Goal(">=", fwd)))
+        out.append(Figure(KERN, f"{label}, forward + backward", ATTENTION, at(base + "forward_backward_tflops"),
+                          "TFLOP/s", Goal(">=", fwd_bwd),
+                          note=_HOST_BOUND if shape == "b" else ""))
+    return out
+
+
+FIGURES: tuple[Figure, ...] = (
+    # cost model
+    Figure(COST, "Pricing: first plan of a process (gem-1t, 16,384 GPUs, 1,200 tables)", COSTMODEL_SPEED,
+           at("first_plan_s", 1e3), "ms", Goal("<=", 50),
+           note="issue #22: re-runs at a later commit were 8-25% slower; re-measure"),
+    Figure(COST, "Pricing: a new mesh candidate (fresh context + one plan)", COSTMODEL_SPEED,
+           at("fresh_context_plan_s", 1e3), "ms", Goal("<=", 50)),
+    Figure(COST, "Pricing: a new table placement in an existing context", COSTMODEL_SPEED,
+           at("new_placement_s", 1e3), "ms"),
+    Figure(COST, "Predicted E2E MFU, gem-1t on 16,384 H200s (simulate heuristic's plan)", SIMULATE,
+           lambda d: d["points"][-1]["e2e_mfu"], "%"),
+    Figure(COST, "Predicted step, gem-1t on 16,384 H200s (simulate heuristic's plan)", SIMULATE,
+           lambda d: d["points"][-1]["step_time_s"], "s"),
+    # planner
+    Figure(PLAN, "One cost: worst |priced step − CP-SAT objective| over the random pairs", PRESETS,
+           lambda d: max(abs(r["model_error"]) for r in _random_planned(d)), "%", Goal("<=", 0.02)),
+    Figure(PLAN, "Returned plan against the simulate heuristic's, worst over the random pairs", PRESETS,
+           lambda d: max(r["returned_vs_heuristic"] for r in _random_planned(d)), "%", Goal("<=", 0.0),
+           note="positive = slower than the heuristic's plan"),
+    Figure(PLAN, "CP-SAT gap, median over the random pairs", PRESETS,
+           lambda d: statistics.median(r["gap"] for r in _random_planned(d)), "%"),
+    Figure(PLAN, "Gap of the default `coplan plan` (gem-1t on h200-superpod-4k)", PRESETS,
+           _preset("gem-1t", "h200-superpod-4k", "gap"), "%", Goal("<=", 0.02)),
+    Figure(PLAN, "Wall time of the default `coplan plan` (gem-1t on h200-superpod-4k)", PRESETS,
+           _preset("gem-1t", "h200-superpod-4k", "wall_s"), "s", Goal("<=", 60),
+           note="measured with the CI suite running beside it (load 3-5 on 2 cores)"),
+    Figure(PLAN, "Gap, gem-1t on the whole meta-roce-24k (24,576 GPUs)", PRESETS,
+           _preset("gem-1t", "meta-roce-24k", "gap"), "%", Goal("<=", 0.02)),
+    Figure(PLAN, "Gap, gem-1t on 16,384 GPUs of meta-roce-24k", SCALE, at("rows.0.gap"), "%", Goal("<=", 0.02),
+           note="a CLI run on 2026-12-04 at `1f2c3c1` gave 3.65% (no result file kept)"),
+    Figure(PLAN, "CPU time, gem-1t on 16,384 GPUs of meta-roce-24k (parent + solve workers)", SCALE,
+           at("rows.0.cpu_s"), "s", Goal("<=", 60)),
+    Figure(PLAN, "Jagged balancing, greedy: worst max/mean rank cost (4,096 sequences over 64 ranks)", BALANCE,
+           at("summary.greedy.max_over_mean_worst"), "ratio"),
+    Figure(PLAN, "Jagged balancing, Karmarkar-Karp: worst max/mean rank cost", BALANCE,
+           at("summary.karmarkar_karp.max_over_mean_worst"), "ratio"),
+    Figure(PLAN, "Jagged balancing, greedy: median time, worst batch", BALANCE,
+           at("summary.greedy.median_ms_worst"), "ms"),
+    *(Figure(PLAN, f"Against TorchRec's planner, {w} on {n} ranks: coplan's max-rank perf lower by "
+                   "(TorchRec's estimator)", TORCHREC, _coplan_better(w, n), "%", Goal(">=", 0.10),
+             stale_if=_torchrec_carried_over(w, n), missing="no TorchRec plan")
+      for w, n in (("dlrm-856", 64), ("gem-1t", 64), ("dlrm-856", 512), ("gem-1t", 512), ("gem-1t", 4096))),
+    Figure(PLAN, "Random table sets (8-64 ranks): worst coplan / TorchRec max-rank perf, TorchRec's estimator",
+           TORCHREC_RANDOM, lambda d: max(1 / (1 + r["coplan_vs_torchrec"]) for r in d["rows"]), "x", Goal("<=", 1.0),
+           note="the two cost models disagree on data-parallel tables' all-reduce; see the planner log"),
+    Figure(PLAN, "Random table sets (8-64 ranks): worst coplan / TorchRec step, coplan's model", TORCHREC_RANDOM,
+           lambda d: max(1 / (1 + r["coplan_vs_torchrec_by_coplan_model"]) for r in d["rows"]), "x", Goal("<=", 1.0)),
+    Figure(PLAN, "Random table sets (8-64 ranks): worst CP-SAT gap", TORCHREC_RANDOM,
+           lambda d: max(r["coplan"]["coplan_gap"] for r in d["rows"]), "%", Goal("<=", 0.05)),
+    Figure(PLAN, "Random table sets at 512 ranks: worst CP-SAT gap", TORCHREC_512,
+           lambda d: max(r["coplan"]["coplan_gap"] for r in d["rows"]), "%", Goal("<=", 0.05),
+           note="TorchRec's planner did not finish either set in 300 s"),
+    # kernels
+    *_attention_figures(),
+    # trainer
+    Figure(TRAINING, "Local MFU, gem-h200 on one H200, `--compile layers`, 256 samples a step", TRAIN,
+           at("backends.triton-compile@b256.measured_local_mfu"), "%", Goal(">=", 0.45)),
+    Figure(TRAINING, "Local MFU, gem-h200 on one H200, eager, 256 samples a step", TRAIN,
+           at("backends.triton@b256.measured_local_mfu"), "%"),
+    Figure(TRAINING, "Step time p50, `--compile layers`, 256 samples a step", TRAIN,
+           at("backends.triton-compile@b256.step_time_ms.p50"), "ms"),
+    Figure(TRAINING, "Local MFU, padded reference attention (fp32), 8 samples a step", TRAIN,
+           at("backends.reference.measured_local_mfu"), "%"),
+    # calibration
+    Figure(CAL, "Held-out runs, calibrated step error: median", CALIBRATION_RESULT,
+           _held_out_step("step_calibrated", "median_abs"), "%", Goal("<=", 0.05)),
+    Figure(CAL, "Held-out runs, calibrated step error: max", CALIBRATION_RESULT,
+           _held_out_step("step_calibrated", "max_abs"), "%", Goal("<=", 0.12)),
+    Figure(CAL, "Held-out runs, calibrated device time per op class: worst |error|", CALIBRATION_RESULT,
+           _held_out_worst_class, "%", Goal("<=", 0.10)),
+    Figure(CAL, "Held-out runs, uncalibrated (topology defaults) step error: median", CALIBRATION_RESULT,
+           _held_out_step("step_default", "median_abs"), "%"),
+    # fp8
+    Figure(FP8, "Dense GEMM time of gem-h200's InterFormer modules, FP8 over bf16, best recipe", FP8_GEMM,
+           _fp8_best_recipe, "x", Goal(">=", 1.25)),
+    Figure(FP8, "All 18 linear shapes, forward + backward, best choice per layer over bf16", FP8_GEMM,
+           at("totals.fwd_bwd.best_per_layer_speedup"), "x"),
+    Figure(FP8, "Bound, block-wise quantisation in kernels of its own, best per layer", FP8_BOUND,
+           at("totals.blockwise_best_per_layer_speedup"), "x", Goal(">=", 1.25),
+           note="an upper bound from the measured GEMMs and copy rate: below the goal means out of reach"),
+    Figure(FP8, "Bound, quantisation fused into the producing kernels, best per layer", FP8_BOUND,
+           at("totals.fused_best_per_layer_speedup"), "x", Goal(">=", 1.25)),
+    Figure(FP8, "End to end, gem-h200 step: FP8 over bf16 speed-up (torchao row-wise, compiled)", FP8_TRAIN,
+           at("comparison.speedup_mean"), "x"),
+    # reports and load
+    Figure(REP, "`coplan report`, gem-1t on 16,384 GPUs: first screen drawn, desktop (median of 5)", REPORT_LOAD,
+           at("summary.report@1280px.first_screen_ms.median", 1e-3), "s", Goal("<=", 2.0)),
+    Figure(REP, "`coplan report`: every figure drawn, desktop (median of 5)", REPORT_LOAD,
+           at("summary.report@1280px.figures_done_ms.median", 1e-3), "s", Goal("<=", 2.0)),
+    Figure(REP, "`coplan report`: every figure drawn, phone width (median of 5)", REPORT_LOAD,
+           at("summary.report@390px.figures_done_ms.median", 1e-3), "s", Goal("<=", 2.0)),
+    Figure(REP, "Peak memory, `coplan plan` gem-1t at 16,384 GPUs (process + workers)", LOAD_MEMORY,
+           at("rows.0.peak_bound_gib"), "GiB", Goal("<=", 4.0)),
+    Figure(REP, "Peak memory, `coplan report` of that plan", LOAD_MEMORY, at("rows.1.peak_bound_gib"), "GiB",
+           Goal("<=", 4.0)),
+)
+
+PENDING: tuple[Pending, ...] = (
+    Pending(MULTI, "Collective sweep on 2 H200s and the NVLink tier's fit", "collectives_h200.json",
+            "python benchmarks/collectives_h200.py"),
+    Pending(MULTI, "gem-h200 on 1 and 2 GPUs: scaling ratio, step time against the cost model", "multigpu_h200.json",
+            "python benchmarks/multigpu_h200.py --plans benchmarks/results/multigpu_plans "
+            "--collectives benchmarks/results/collectives_h200.json",
+            goal="scaling ratio ≥ 0.9; predicted step within 10%"),
+)
+
+INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans")
+"""Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
+
+RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
