@@ -30,14 +30,14 @@ parallel processes. A kernel that fails to compile, or that needs more shared me
 sm_90 block may have (227 KiB: the launch would raise OutOfResources), fails the test with the
 kernel, its constexprs and options, the call that launched it and the compiler's message.
 
-What is compiled, chosen to stay fast (2 CPU cores, Triton 3.7.1: 108 recorded launches, 134
-distinct compiles of the 14 kernels, ~75 s with an empty Triton cache, ~15 s with a warm one):
+What is compiled, chosen to stay fast (2 CPU cores, Triton 3.7.1: 124 distinct compiles of the 11
+kernels, ~15 s with a warm Triton cache, a few minutes with an empty one):
 the interpreter pass at the CPU tests' sizes (fp32, d = 16); the GPU
 pass in bf16 at d = 64 for every activation (softmax and SiLU causal and not, the others one
 each), every autotune candidate for causal softmax at d = 64 and for the fp8 GEMM (bf16 out, no
 bias); d = 128 and 256, fp32 (at d = 16) and fp16 (a padded d = 96) at their first config; the
 block-count kernel sorted at 16 and 1,024 samples and unsorted past 1,024; every fp8 quantisation path. COPLAN_SM90_ALL_CONFIGS=1
-compiles every candidate of every autotuned launch instead (377 compiles, ~5.5 min). Left out for
+compiles every candidate of every autotuned launch instead (a few hundred compiles, minutes). Left out for
 time: fp32 attention at d = 64 with the GPU tiles (20-36 s per kernel). Triton's on-disk cache
 applies (a kernel whose source and options are unchanged loads instead of recompiling: the same
 answer); TRITON_CACHE_DIR chooses where it is.
