@@ -31,16 +31,16 @@ sm_90 block may have (227 KiB: the launch would raise OutOfResources), fails the
 kernel, its constexprs and options, the call that launched it and the compiler's message.
 
 What is compiled, chosen to stay fast (2 CPU cores, Triton 3.7.1: 124 distinct compiles of the 11
-kernels, ~15 s with a warm Triton cache, a few minutes with an empty one):
-the interpreter pass at the CPU tests' sizes (fp32, d = 16); the GPU
-pass in bf16 at d = 64 for every activation (softmax and SiLU causal and not, the others one
-each), every autotune candidate for causal softmax at d = 64 and for the fp8 GEMM (bf16 out, no
-bias); d = 128 and 256, fp32 (at d = 16) and fp16 (a padded d = 96) at their first config; the
-block-count kernel sorted at 16 and 1,024 samples and unsorted past 1,024; every fp8 quantisation path. COPLAN_SM90_ALL_CONFIGS=1
-compiles every candidate of every autotuned launch instead (a few hundred compiles, minutes). Left out for
-time: fp32 attention at d = 64 with the GPU tiles (20-36 s per kernel). Triton's on-disk cache
-applies (a kernel whose source and options are unchanged loads instead of recompiling: the same
-answer); TRITON_CACHE_DIR chooses where it is.
+kernels, ~15 s with a warm Triton cache, a few minutes with an empty one): the interpreter pass at
+the CPU tests' sizes (fp32, d = 16); the GPU pass in bf16 at d = 64 for every activation (softmax
+and SiLU causal and not, the others one each), every autotune candidate for causal softmax at d = 64
+and for the fp8 GEMM (bf16 out, no bias); d = 128 and 256, fp32 (at d = 16) and fp16 (a padded d =
+96) at their first config; the block-count kernel sorted at 16 and 1,024 samples and unsorted past
+1,024; every fp8 quantisation path. COPLAN_SM90_ALL_CONFIGS=1 compiles every candidate of every
+autotuned launch instead (a few hundred compiles, minutes). Left out for time: fp32 attention at d =
+64 with the GPU tiles (20-36 s per kernel). Triton's on-disk cache applies (a kernel whose source
+and options are unchanged loads instead of recompiling: the same answer); TRITON_CACHE_DIR chooses
+where it is.
 
 `test_every_kernel_is_launched` keeps the call list from going stale: every ``*_kernel`` JIT
 function in coplan.kernels must be launched by some call here.
