@@ -63,21 +63,6 @@ SMOKE_SHAPES = {
 DEFAULT_METHODS = "triton_softmax,triton_gdpa_silu,sdpa_padded,flex_document_mask,silu_padded_eager,silu_padded_compile"
 # --quick: the baselines the goals are judged against, without the slow padded SiLU ones.
 QUICK_METHODS = "triton_softmax,triton_gdpa_silu,sdpa_padded,flex_document_mask"
-# On request only (--methods): triton_softmax with the forward's switches in triton_attention set
-# otherwise (module attribute -> value while the call launches), to A/B the defaults in one process.
-# LAZY_RESCALE: rescale acc only when a running max grows by > 2^8 (else on every key tile);
-# ONE_LOOP: unmasked and diagonal key tiles in one loop (else two). Both off by default.
-SOFTMAX_VARIANTS = {
-    "triton_softmax_lazy": dict(LAZY_RESCALE=True, ONE_LOOP=False),
-    "triton_softmax_one_loop": dict(LAZY_RESCALE=False, ONE_LOOP=True),
-    "triton_softmax_one_loop_lazy": dict(LAZY_RESCALE=True, ONE_LOOP=True),
-}
-# On request only: a Triton method with the one-kernel backward (dK, dV and fp32-atomic dQ per key
-# block: triton_attention.ATTN_BWD = "atomic" while its backward launches; else the default, split
-# into dQ and dK/dV kernels, or what COPLAN_ATTN_BWD says). Not bitwise repeatable: see
-# repeat_bitwise_equal.
-BWD_VARIANTS = {"triton_softmax_atomic": "triton_softmax", "triton_gdpa_silu_atomic": "triton_gdpa_silu"}
-EXTRA_METHODS = ",".join([*SOFTMAX_VARIANTS, *BWD_VARIANTS])
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 T0 = time.perf_counter()
@@ -179,56 +164,9 @@ def method_fns(shape, lengths, offsets):
     # As the trainer calls them: max_len given and offsets trusted, so no call reads the device.
     fns["triton_softmax"] = ("jagged", lambda q, k, v: jagged_attention(
         q, k, v, offsets, causal=True, max_len=cap, validate=False, backend="triton"))
-
-    def variant(switches):
-        def call(q, k, v):
-            from coplan.kernels import triton_attention as ta
-
-            # The switches are read when the forward launches (the backward does not depend on them).
-            before = {name: getattr(ta, name) for name in switches}
-            for name, value in switches.items():
-                setattr(ta, name, value)
-            try:
-                return fns["triton_softmax"][1](q, k, v)
-            finally:
-                for name, value in before.items():
-                    setattr(ta, name, value)
-        return call
-
-    for name, switches in SOFTMAX_VARIANTS.items():
-        fns[name] = ("jagged", variant(switches))
     fns["triton_gdpa_silu"] = ("jagged", lambda q, k, v: gdpa(
         q, k, v, offsets, activation="silu", causal=True, max_len=cap, out_scale=1.0 / cap, validate=False, backend="triton"))
     fns["sdpa_padded"] = ("padded", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
-
-    class SetBackward(torch.autograd.Function):
-        """Identity (views, no kernels) whose backward sets triton_attention.ATTN_BWD: on a method's
-        output it runs before the attention's backward, on its inputs after it. The backward is
-        launched by autograd, after the method's call returned, so a switch set around the call
-        (as for SOFTMAX_VARIANTS) would not reach it. Costs two autograd nodes of host time."""
-
-        @staticmethod
-        def forward(ctx, mode, *xs):
-            ctx.mode = mode
-            return tuple(x.view_as(x) for x in xs)
-
-        @staticmethod
-        def backward(ctx, *grads):
-            from coplan.kernels import triton_attention as ta
-
-            ta.ATTN_BWD = ctx.mode
-            return (None, *grads)
-
-    def bwd_variant(base, mode):
-        def call(q, k, v):
-            from coplan.kernels import triton_attention as ta
-
-            q, k, v = SetBackward.apply(ta.ATTN_BWD, q, k, v)  # the mode to put back, once the gradients are in
-            return SetBackward.apply(mode, fns[base][1](q, k, v))[0]
-        return call
-
-    for name, base in BWD_VARIANTS.items():
-        fns[name] = ("jagged", bwd_variant(base, "atomic"))
 
     def flex_setup():
         if DEVICE != "cuda":
@@ -468,7 +406,7 @@ def _precompile_worker(task):
 
     shape = SHAPES[shape_key]
     d = shape["head_dim"]
-    for kind in ("fwd", "dq", "dkdv", "atomic"):
+    for kind in ("fwd", "dq", "dkdv"):
         configs = ta.configs_for(kind, d)
         c = configs[min(index, len(configs) - 1)]
         ta.UNTUNED_CONFIGS[kind] = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
@@ -486,7 +424,7 @@ def precompile(shape_keys, ops, processes):
 
     tasks = []
     for s in shape_keys:
-        n = max(len(ta.configs_for(kind, SHAPES[s]["head_dim"])) for kind in ("fwd", "dq", "dkdv", "atomic"))
+        n = max(len(ta.configs_for(kind, SHAPES[s]["head_dim"])) for kind in ("fwd", "dq", "dkdv"))
         tasks += [(s, op, i) for op in ops for i in range(n)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(min(processes, len(tasks))) as pool:
@@ -498,14 +436,6 @@ def precompile(shape_keys, ops, processes):
 # ---- one shape ---------------------------------------------------------------------------------
 
 
-def _softmax_switches(name: str = "triton_softmax") -> dict[str, bool]:
-    """The forward's switches a softmax method runs with (the defaults, or its variant's)."""
-    from coplan.kernels import triton_attention as ta
-
-    return {k: bool(v) for k, v in dict(dict(LAZY_RESCALE=ta.LAZY_RESCALE, ONE_LOOP=ta.ONE_LOOP),
-                                        **SOFTMAX_VARIANTS.get(name, {})).items()}
-
-
 def autotune_record(name: str) -> dict:
     """Per kernel of this method: the config its calls now run (the autotuner's choice, or the fixed
     one without autotuning) and the last tuning's median ms per candidate config."""
@@ -513,17 +443,10 @@ def autotune_record(name: str) -> dict:
 
     softmax = name.startswith("triton_softmax")
     mode = ta.SOFTMAX if softmax else ta.ACTIVATION
-    # The forward's key also holds LAZY and ONE_LOOP (after the 6 shared constants): the softmax
-    # variants are tuned apart and recorded apart.
-    switches = _softmax_switches(name)
-    flags = (softmax and switches["LAZY_RESCALE"], softmax and switches["ONE_LOOP"])
     out = {}
-    backward = ((("atomic", ta._atomic_tuned),) if name in BWD_VARIANTS
-                else (("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned)))
-    for kind, tuned in (("fwd", ta._fwd_tuned), *backward):
+    for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned)):
         chosen = {str(key[1:4]): dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
-                  for key, cfg in ta._CHOSEN.items()
-                  if key[0] == kind and key[4] == mode and (kind != "fwd" or key[10:12] == flags)}
+                  for key, cfg in ta._CHOSEN.items() if key[0] == kind and key[4] == mode}
         rec = dict(chosen_per_bucket=chosen)
         if not chosen:
             rec["fixed"] = ta._fixed_config(kind, SHAPE_HEAD_DIM[0]) if SHAPE_HEAD_DIM else None
@@ -729,7 +652,7 @@ def main(argv=None):
 
     shapes = args.shapes.split(",")
     methods = (args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS)).split(",")
-    unknown = ([m for m in methods if m not in f"{DEFAULT_METHODS},{EXTRA_METHODS}".split(",")]
+    unknown = ([m for m in methods if m not in DEFAULT_METHODS.split(",")]
                + [s for s in shapes if s not in SHAPES])
     if unknown:
         log(f"unknown shapes or methods: {unknown}")
@@ -747,10 +670,6 @@ def main(argv=None):
         dtype=str(DTYPE).replace("torch.", ""), causal=True, backward_over_forward=BWD_OVER_FWD,
         goals={f"{s}/{m}": g for (s, m), g in GOALS.items()},
         earlier={f"{s}/{m}": g for (s, m), g in EARLIER.items()},
-        # triton_softmax's forward switches (COPLAN_SOFTMAX_LAZY_RESCALE, COPLAN_SOFTMAX_ONE_LOOP);
-        # the triton_softmax_* variants set them otherwise (SOFTMAX_VARIANTS).
-        softmax_switches=_softmax_switches(),
-        softmax_variants=SOFTMAX_VARIANTS,
         shapes={},
     )
 
@@ -782,8 +701,7 @@ def main(argv=None):
         result["shapes"][s] = run_shape(s, methods, deadline, args.quick)
         result["shapes"][s]["autotuned"] = {
             kind: {str(k): str(v) for k, v in tuned.cache.items()}
-            for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned),
-                                ("atomic", ta._atomic_tuned))
+            for kind, tuned in (("fwd", ta._fwd_tuned), ("dq", ta._dq_tuned), ("dkdv", ta._dkdv_tuned))
         } if not ta.INTERPRETED else "interpreter: fixed configs"
         save()
     result["wall_s"] = time.perf_counter() - T0

@@ -85,7 +85,7 @@ def _child(args) -> dict:
     from coplan.trainer.distributed.compile import compile_layer
     from coplan.trainer.features import feature_layout
     from coplan.trainer.model.gem import DenseArch, token_layout
-    from coplan.trainer.model.layers import InterFormerLayer, KunlunLayer
+    from coplan.trainer.model.layers import InterFormerLayer, KunlunLayer, segment_sum_gemm_enabled
 
     # graph breaks and recompiles as Dynamo reports them, collected from its loggers
     records: list[str] = []
@@ -201,7 +201,7 @@ def _child(args) -> dict:
         last = (xs, outs, grads)
     out: dict = {"case": args.case, "layers": len(layers), "compile": "dynamic=True" if args.dynamic_all else "compile_layer", "attention_backend": backend, "dtype": str(dtype),
                  "batch": batch, "steps": steps,
-                 "segment_sum_gemm": bool(__import__("coplan.trainer.model.layers", fromlist=["_"])._segment_sum_gemm)}
+                 "segment_sum_gemm": segment_sum_gemm_enabled()}
     if steps:
         rest_f = sorted(s["fwd_s"] for s in steps[1:]) or [0.0]
         rest_b = sorted(s["bwd_s"] for s in steps[1:]) or [0.0]

@@ -21,15 +21,15 @@ run, ``triton-compile@b256,triton@b256,reference``: the trainer with ``--compile
   no host sync; fused AdamW stepped on FSDP2's local shards; host batches pinned on the data thread and
   the next batch's copies and TorchRec input dist one step ahead on a side stream; the FiLM backward's
   per-sample sums as one-hot GEMMs; one FSDP2 unit on the one rank), 100 measured steps;
-- ``triton-v3``: ``triton`` with ``--local-optimizer off --sparse-pipeline off --segment-sum reduce
-  --fsdp-units layers`` (the trainer as v3 measured it): the A/B of this round's changes together;
-- ``triton-dtensor-optim``: only ``--local-optimizer off`` (AdamW, its guard norm through DTensor);
-- ``triton-no-pipeline``: only ``--sparse-pipeline off`` (pinning, copies, input dist at the step's start);
+- ``triton-v3``: ``triton`` with ``local-optimizer``, ``sparse-pipeline``, ``segment-sum`` and ``fsdp-units``
+  off (the trainer as v3 measured it; the A/B cases turn choices off through ``trainer_variants.py``);
+- ``triton-dtensor-optim``: only ``local-optimizer`` off (AdamW, its guard norm through DTensor);
+- ``triton-no-pipeline``: only ``sparse-pipeline`` off (pinning, copies, input dist at the step's start);
 - ``triton-seq-whole`` (not in ``ab``): only ``--seq-chunk 0`` (each sample's history one bag of the
   sequence lookup, as before chunked bags; the default is bags of at most 32 ids);
-- ``triton-segment-reduce``: only ``--segment-sum reduce`` (fp32 segment reduction over a cast copy);
-- ``triton-fsdp-layers``: only ``--fsdp-units layers`` (one FSDP2 unit per layer, as on many ranks);
-- ``triton-baseline``: all of the above off, and ``--moe-grouped off --fused-optimizer off`` (v2's loop);
+- ``triton-segment-reduce``: only ``segment-sum`` off (fp32 segment reduction over a cast copy);
+- ``triton-fsdp-layers``: only ``fsdp-units`` off (one FSDP2 unit per layer, as on many ranks);
+- ``triton-baseline``: all of the above off, and ``moe-grouped`` and ``fused-optimizer`` (v2's loop);
 - ``reference``: the PyTorch reference attention (at ``--reference-batch`` samples);
 - ``triton-compile-cpp``: the same with ``--compile layers-cpp`` (Inductor's C++ wrapper; on the H200 with
   torch 2.11 Inductor fails compiling the backward graph: ``CudaKernelParamCache not populated``);
@@ -322,15 +322,14 @@ def _by_block(ops, steps: int) -> dict:
 # in the same invocation (compare within a run: runs on different leases differ by as much).
 CASES = {
     "triton": ("triton", [], 0, 100),
-    "triton-v3": ("triton", ["--local-optimizer", "off", "--sparse-pipeline", "off", "--segment-sum", "reduce",
-                             "--fsdp-units", "layers"], 0, 30),
-    "triton-dtensor-optim": ("triton", ["--local-optimizer", "off"], 0, 30),
-    "triton-no-pipeline": ("triton", ["--sparse-pipeline", "off"], 0, 30),
+    "triton-v3": ("triton", ["--off", "local-optimizer,sparse-pipeline,segment-sum,fsdp-units"], 0, 30),
+    "triton-dtensor-optim": ("triton", ["--off", "local-optimizer"], 0, 30),
+    "triton-no-pipeline": ("triton", ["--off", "sparse-pipeline"], 0, 30),
     "triton-seq-whole": ("triton", ["--seq-chunk", "0"], 0, 30),
-    "triton-segment-reduce": ("triton", ["--segment-sum", "reduce"], 0, 30),
-    "triton-fsdp-layers": ("triton", ["--fsdp-units", "layers"], 0, 30),
-    "triton-baseline": ("triton", ["--moe-grouped", "off", "--fused-optimizer", "off", "--local-optimizer", "off",
-                                   "--sparse-pipeline", "off", "--segment-sum", "reduce", "--fsdp-units", "layers"], 0, 30),
+    "triton-segment-reduce": ("triton", ["--off", "segment-sum"], 0, 30),
+    "triton-fsdp-layers": ("triton", ["--off", "fsdp-units"], 0, 30),
+    "triton-baseline": ("triton", ["--off", "moe-grouped,fused-optimizer,local-optimizer,sparse-pipeline,segment-sum,"
+                                   "fsdp-units"], 0, 30),
     "reference": ("reference", [], 0, 12),
     "triton-compile": ("triton", ["--compile", "layers"], 2, 30),
     "triton-compile-cpp": ("triton", ["--compile", "layers-cpp"], 2, 30),
@@ -394,11 +393,16 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
     warmup = args.warmup if warmup is None else warmup
     # --steps (total, all cases) overrides the case's own measured count (the CPU smoke test uses it)
     steps = args.steps + (warmup - args.warmup) if args.steps else warmup + measured + args.trace_steps
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
+    extra = list(extra or [])
+    # an A/B case turns trainer choices off through trainer_variants.py (the trainer itself has no switch)
+    entry = ["-m", "coplan.trainer.train"]
+    if extra[:1] == ["--off"]:
+        entry, extra = [str(Path(__file__).resolve().parent / "trainer_variants.py"), *extra[:2]], extra[2:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *entry,
            str(plan_path), "--device", args.device, "--steps", str(steps), "--warmup", str(warmup),
            "--runs-root", str(args.runs_root), "--run-id", run_id, "--data", str(data), "--no-progress",
            "--trace", f"{steps - args.trace_steps}:{steps}", "--checkpoint-every", "-1",
-           "--log-every", str(steps), *(extra or [])]
+           "--log-every", str(steps), *extra]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     compiling = "--compile" in (extra or [])
     if compiling:

@@ -1,10 +1,12 @@
 """The ``coplan`` command: one verb per move of the loop, each implemented in its part.
 
 Verbs: plan, report, train, calibrate, diff, simulate, validate, schema. Each part registers its own verb
-through ``register(subparsers)`` in its ``cli`` module, imported lazily so that ``coplan --help``
-needs no torch. A verb whose part is not built yet says so and exits non-zero.
+through ``register_<verb>(subparsers, help)`` in its ``cli`` module; those modules import no torch, so
+that ``coplan --help`` runs on the light install.
 
-Bad input raises :class:`~coplan.errors.CoplanError`, printed as one message without a traceback.
+Bad input raises :class:`~coplan.errors.CoplanError`, printed as one message without a traceback. A
+missing optional dependency (torch for ``coplan train``) names the extra to install; any other
+failure, an import error included, is reported as the internal error it is.
 """
 
 from __future__ import annotations
@@ -14,31 +16,35 @@ import importlib
 import json
 import os
 import sys
-from typing import Callable
 
 from coplan import __version__
-from coplan.errors import CoplanError, NotLandedError
+from coplan.errors import CoplanError
 
-# verb -> (module holding ``register_<verb>``, one-line help, issue that builds it)
-VERBS: dict[str, tuple[str, str, str]] = {
-    "plan": ("coplan.planner.cli", "choose the parallel plan of a workload on a topology (CP-SAT) -> plan.json", "#4 planner"),
-    "report": ("coplan.reports.cli", "write a self-contained Plotly HTML report of a plan (and runs, calibrations)", "#7 reports"),
-    "train": ("coplan.trainer.cli", "run a plan on GPUs (or CPU/gloo) with torchrun; metrics, MFU, traces, checkpoints", "#6 trainer"),
-    "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json", "#8 calibration"),
-    "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)", "#20 planner"),
-    "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory", "#3 cost model"),
-    "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)", "#2 foundation"),
-    "schema": ("coplan.spec_cli", "print the JSON Schema of a spec", "#2 foundation"),
+# verb -> (module holding ``register_<verb>``, one-line help)
+VERBS: dict[str, tuple[str, str]] = {
+    "plan": ("coplan.planner.cli", "choose the parallel plan of a workload on a topology (CP-SAT) -> plan.json"),
+    "report": ("coplan.reports.cli", "write a self-contained Plotly HTML report of a plan (and runs, calibrations)"),
+    "train": ("coplan.trainer.cli", "run a plan on GPUs (or CPU/gloo) with torchrun; metrics, MFU, traces, checkpoints"),
+    "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json"),
+    "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)"),
+    "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory"),
+    "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)"),
+    "schema": ("coplan.spec_cli", "print the JSON Schema of a spec"),
 }
 
+EXTRAS: dict[str, str] = {"torch": "train", "torchrec": "train", "fbgemm_gpu": "train", "triton": "train", "pyarrow": "train"}
+"""Optional dependencies (top-level module -> the extra that installs it)."""
 
-def _not_landed(verb: str, issue: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        raise NotLandedError(
-            f"coplan {verb}: this part of coplan is not built yet (issue {issue}); nothing was done."
-        )
 
-    return run
+def missing_extra(e: BaseException) -> str | None:
+    """The message for a missing optional dependency, or None when ``e`` is not one."""
+    if not isinstance(e, ModuleNotFoundError):
+        return None
+    module = (e.name or "").split(".")[0]
+    extra = EXTRAS.get(module)
+    if extra is None:
+        return None
+    return f"this needs the '{extra}' extra, which is not installed (no module '{module}'): pip install 'coplan[{extra}]'"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,23 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"coplan {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
-    for verb, (module, help_text, issue) in VERBS.items():
-        try:
-            mod = importlib.import_module(module)
-            register = getattr(mod, f"register_{verb}")
-        except (ImportError, AttributeError):
-            p = sub.add_parser(verb, help=f"{help_text} [not built yet: issue {issue}]", description=help_text)
-            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-            p.set_defaults(func=_not_landed(verb, issue))
-            continue
+    for verb, (module, help_text) in VERBS.items():
+        register = getattr(importlib.import_module(module), f"register_{verb}")
         register(sub, help_text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    verb = "coplan"
     try:
+        args = build_parser().parse_args(argv)
+        verb = f"coplan {args.verb}"
         return int(args.func(args) or 0)
     except CoplanError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug in coplan, not in the input: say so plainly
         if os.environ.get("COPLAN_DEBUG"):
             raise
+        hint = missing_extra(e)
+        if hint:
+            print(f"error: {verb}: {hint}", file=sys.stderr)
+            return 2
         print(
             f"internal error (a bug in coplan, not in your input): {type(e).__name__}: {e}\n"
             "Set COPLAN_DEBUG=1 to see the traceback, and please report it.",

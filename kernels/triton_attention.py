@@ -5,11 +5,10 @@ other side's blocks of that sample through on-chip tiles, so nothing of size Lq 
 memory. Softmax keeps an online max and sum and saves a base-2 log-sum-exp per row; GDPA needs no
 normalisation. The backward is deterministic, without atomics: one kernel computes dQ (and the
 softmax row term delta = rowsum(dO * O)), a second computes dK and dV per key block; both recompute
-the scores, which costs two extra matrix products over a single fused kernel with atomic dQ.
-That fused kernel is here too, behind COPLAN_ATTN_BWD=atomic (see ATTN_BWD); not deterministic.
-On an H200 (2026-11-29, benchmarks/attention.py --quick, bf16, causal) it was slower than the
-split pair: its one kernel took 972 us against 527 + 375 us on shape (a) GDPA-SiLU, 225 against
-223 us on (b), plus 40-110 us of dQ zeroing/delta and cast; so the default stays split.
+the scores, two matrix products more than one fused kernel adding dQ with atomics. That fused
+kernel is not deterministic and was no faster on an H200 (GDPA-SiLU: 972 us against 527 + 375 us
+for the pair on shape (a), 225 against 223 us on (b), before its dQ zeroing and cast;
+benchmarks/results/attention_h200_atomic.json).
 
 The grid holds one program per real block and head, found from cumulative block counts (no
 programs for padding up to max_len). Samples are launched longest first (by q_len x k_len, for
@@ -253,12 +252,11 @@ def _key_range(m0, q_len, k_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale, mask_from,
+    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Key tiles [lo, hi). MASKED: False, every tile unmasked; True, every tile masked; 2 (softmax
-    only), one loop over all tiles with loads masked and scores masked from ``mask_from`` on."""
+    """Key tiles [lo, hi), every one masked (MASKED) or none."""
     arange_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
@@ -281,47 +279,22 @@ def _fwd_tiles(
             v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MODE == 0:
-            if MASKED == 2:
-                if start >= mask_from:
-                    s = tl.where(mask, s, float("-inf"))
-            elif MASKED:
+            if MASKED:
                 s = tl.where(mask, s, float("-inf"))
             # The running max is kept in scaled base-2 units; the scale (> 0) then folds into the
             # exponent's fused multiply-add below instead of a separate multiply per score.
             m_tile = tl.max(s, 1) * qk_scale
-            if LAZY:
-                # Conditional rescaling (as in FlashAttention-4): the reference max m_i stays stale
-                # until some row's tile max exceeds it by more than 8 (base 2), so most tiles skip
-                # the multiply of acc. The probabilities are then at most 2^8, far inside fp32 (l)
-                # and bf16/fp16 (p fed to tl.dot); the result is exact because the epilogue
-                # divides by l and the lse adds m_i, both on the same stale reference. One
-                # block-wide test (Triton has no per-row branch), and only the multiply of acc
-                # under it: the per-row values are a select, and less is live across the branch.
-                grow = tl.max((m_tile > m_i + 8.0).to(tl.int32), 0) > 0
-                m_new = tl.where(grow, tl.maximum(m_i, m_tile), m_i)
-                if MASKED:
-                    # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                else:
-                    m_ref = m_new
-                p = tl.math.exp2(s * qk_scale - m_ref[:, None])
-                alpha = tl.math.exp2(m_i - m_ref)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if grow:
-                    acc = acc * alpha[:, None]
-                m_i = m_new
+            m_new = tl.maximum(m_i, m_tile)
+            if MASKED:
+                # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
-                m_new = tl.maximum(m_i, m_tile)
-                if MASKED:
-                    # A row with no key seen yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0.
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                else:
-                    m_ref = m_new
-                p = tl.math.exp2(s * qk_scale - m_ref[:, None])
-                alpha = tl.math.exp2(m_i - m_ref)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                m_i = m_new
+                m_ref = m_new
+            p = tl.math.exp2(s * qk_scale - m_ref[:, None])
+            alpha = tl.math.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         else:
             p = _activation(s, qk_scale, ACT, FAST)
             if MASKED:
@@ -340,7 +313,6 @@ def _fwd_kernel(
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
     FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LAZY: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     rank, h, q_start, q_len, k_start, k_len = _locate(CUM_Q, batch, num_heads, q_offsets, k_offsets, BLOCK_M)
     if rank < 0:
@@ -358,19 +330,12 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     diag = k_len - q_len
     full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
-    if ONE_LOOP and MODE == 0:
-        # One pipelined loop: on short samples a program has one or two tiles, and two loops
-        # would each wait for their first K/V tile (the diagonal tile's loads could not start
-        # during the unmasked ones). Costs a mask test per tile and masked loads throughout.
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, hi,
-                                   k_len, diag, qk_scale, full_end, MODE, ACT, CAUSAL, 2, FAST, PRECISION, BLOCK_N, LAZY)
-    else:
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
-                                   k_len, diag, qk_scale, full_end, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N,
-                                   LAZY)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
-                                   k_len, diag, qk_scale, full_end, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N,
-                                   LAZY)
+    # Two loops, so that the tiles every row sees in full skip the masks; the second masks the
+    # causal diagonal and the sample's end.
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N)
     if MODE == 0:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -482,10 +447,8 @@ def _dkdv_tiles(
     t_lo, t_hi, q_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
     FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    dq_base, stride_dqt, dq_scale, ATOMIC_DQ: tl.constexpr,
 ):
-    """Query blocks [t_lo, t_hi) against this program's key block. ATOMIC_DQ: also add this key
-    block's share of dQ, dq_scale * dS @ K, into the fp32 rows at ``dq_base`` (the one-kernel backward)."""
+    """Query blocks [t_lo, t_hi) against this program's key block."""
     arange_m = tl.arange(0, BLOCK_M)
     for t in range(t_lo, t_hi):
         # Query blocks are numbered from the end of the sample: block t holds rows
@@ -524,16 +487,7 @@ def _dkdv_tiles(
                 daT = tl.where(maskT, daT, 0.0)
             dsT = dpT * daT
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        ds_lp = dsT.to(q.dtype)
-        dk = tl.dot(ds_lp, q, dk, input_precision=PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_lp), k, input_precision=PRECISION) * dq_scale
-            dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
-            # Relaxed: the adds only need to be atomic, not ordered; nothing reads dQ before the kernel ends.
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -578,111 +532,13 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_M,
-                         q_base, 0, 1.0, False)
+                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_M)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_M,
-                         q_base, 0, 1.0, False)
+                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_M)
     dk = dk * dk_scale
     dv = dv * dv_scale
     tl.store(DK + rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
-
-
-# --------------------------------------------------------------------------------------------
-# Backward in one kernel (COPLAN_ATTN_BWD=atomic): dK, dV and atomic dQ per key block
-# --------------------------------------------------------------------------------------------
-
-
-# Ints that change with every batch are not specialised on (see _fwd_kernel).
-@triton.jit(do_not_specialize=["stride_lse_h", "total_q"])
-def _attn_bwd_prep_kernel(
-    O, DO, DQ, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, stride_gt, stride_gh, stride_lse_h,
-    total_q, num_heads,
-    MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Zero BLOCK_M rows of one head of the fp32 dQ accumulator and, for softmax, store their
-    delta = rowsum(dO * O). Rows of the flat [T, H, D] layout, no samples needed. BLOCK_N: unused
-    (the shared launcher passes both block sizes)."""
-    pid = tl.program_id(0)
-    h = pid % num_heads
-    rows = (pid // num_heads).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = rows < total_q
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(DQ + rows[:, None] * stride_gt + h * stride_gh + offs_d[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), mask=ok[:, None])
-    if MODE == 0:
-        o = tl.load(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=ok[:, None], other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=ok[:, None], other=0.0)
-        tl.store(DELTA + h * stride_lse_h + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
-
-
-@triton.jit(do_not_specialize=["stride_lse_h", "batch", "BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET"])
-def _attn_bwd_atomic_kernel(
-    Q, K, V, DO, DK, DV, DQ, LSE, DELTA, q_offsets, k_offsets, CUM_K,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_dot, stride_doh, stride_gt, stride_gh, stride_lse_h,
-    batch, num_heads, qk_scale, dk_scale, dv_scale,
-    BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
-    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The dK/dV kernel's work (same blocks, same order, same query-block ranges) plus dS @ K of
-    every tile added into the fp32 accumulator DQ: 5 matrix products per tile pair instead of the
-    split backward's 7. DK, DV and DQ share one pair of strides (all contiguous [rows, H, HEAD_DIM])."""
-    rank, h, q_start, q_len, k_start, k_len = _locate(CUM_K, batch, num_heads, q_offsets, k_offsets, BLOCK_N)
-    if rank < 0:
-        return
-    n_end = k_len - rank * BLOCK_N
-    offs_n = n_end - BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n >= 0
-    rows = k_start + offs_n
-    k = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    # The query-block ranges of _bwd_dkdv_kernel (positions counted from the sample's end).
-    n_q_blocks = tl.cdiv(q_len, BLOCK_M)
-    if CAUSAL:
-        t_hi = tl.minimum(n_q_blocks, ((rank + 1) * BLOCK_N - 1) // BLOCK_M + 1)
-        t_full = tl.minimum((rank * BLOCK_N + 1) // BLOCK_M, q_len // BLOCK_M)
-    else:
-        t_hi = n_q_blocks
-        t_full = q_len // BLOCK_M
-    t_full = tl.minimum(t_full, t_hi)
-    diag = k_len - q_len
-    q_base = Q + q_start * stride_qt + h * stride_qh
-    do_base = DO + q_start * stride_dot + h * stride_doh
-    lse_base = LSE + h * stride_lse_h + q_start
-    delta_base = DELTA + h * stride_lse_h + q_start
-    dq_base = DQ + q_start * stride_gt + h * stride_gh
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    # Keys past the sample's start (key_ok false) load as zeros: their dS columns add nothing to dQ.
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_M,
-                         dq_base, stride_gt, dk_scale, True)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_M,
-                         dq_base, stride_gt, dk_scale, True)
-    dk = dk * dk_scale
-    dv = dv * dv_scale
-    tl.store(DK + rows[:, None] * stride_gt + h * stride_gh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + rows[:, None] * stride_gt + h * stride_gh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
-
-
-@triton.jit(do_not_specialize=["total_q"])
-def _attn_bwd_dq_cast_kernel(
-    ACC, DQ, stride_at, stride_ah, stride_qt, stride_qh, total_q, num_heads, head_dim,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """dQ in the inputs' dtype and head dim from the fp32 accumulator [T, H, HEAD_DIM] (BLOCK_N: unused)."""
-    pid = tl.program_id(0)
-    h = pid % num_heads
-    rows = (pid // num_heads).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = (rows < total_q)[:, None] & (offs_d < head_dim)[None, :]
-    acc = tl.load(ACC + rows[:, None] * stride_at + h * stride_ah + offs_d[None, :], mask=ok, other=0.0)
-    tl.store(DQ + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], acc.to(DQ.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -700,9 +556,9 @@ _CONFIG_TABLE = {
         # 64-row query blocks suit batches of short samples (a sample's last block is mostly
         # padding at 128 rows); fewer stages leave shared memory for two programs per SM.
         # (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3): deeper pipelines for softmax at d = 64 on
-        # shape (b), which is short of its goal by ~4% with (64, 64, 4, 3); the autotuner decides.
-        # 32-row query blocks (32x64 at 2 and 4 warps, 32x32 at 2) were timed on shape (b) on the H200
-        # (2026-11-29 22:35 UTC): 0.166-0.184 ms against 0.090 for 64x64, so they are not candidates.
+        # shape (b) of benchmarks/attention.py; the autotuner decides.
+        # 32-row query blocks (32x64 at 2 and 4 warps, 32x32 at 2) took 0.166-0.184 ms against 0.090
+        # for 64x64 on shape (b) on an H200, so they are not candidates.
         64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3),
              (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)],
         128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
@@ -716,14 +572,6 @@ _CONFIG_TABLE = {
     },
     "dkdv": {
         64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2), (16, 64, 4, 3)],
-        128: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
-        256: [(32, 64, 8, 2), (16, 64, 4, 2)],
-    },
-    # The one-kernel backward: the dK/dV candidates (its tiles are theirs plus one product and the
-    # dQ tile's atomic adds, BLOCK_M x d fp32 live only between the product and the adds), unmeasured
-    # on an H200 so far; wider query blocks amortise the atomics' latency over more keys.
-    "atomic": {
-        64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2)],
         128: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
         256: [(32, 64, 8, 2), (16, 64, 4, 2)],
     },
@@ -744,21 +592,18 @@ def configs_for(kind: str, head_dim: int) -> list[triton.Config]:
     return _CONFIGS[kind][_dim_bucket(head_dim)]
 
 
-def _tuned(kind: str, kernel, reset_to_zero: list[str] | None = None):
+def _tuned(kind: str, kernel):
     def prune(configs, named_args, **kwargs):
         d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
         return configs_for(kind, d)
 
     everything = [c for rows in _CONFIGS[kind].values() for c in rows]
-    return triton.autotune(everything, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune},
-                           reset_to_zero=reset_to_zero)(kernel)
+    return triton.autotune(everything, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})(kernel)
 
 
 _fwd_tuned = _tuned("fwd", _fwd_kernel)
 _dq_tuned = _tuned("dq", _bwd_dq_kernel)
 _dkdv_tuned = _tuned("dkdv", _bwd_dkdv_kernel)
-# Every timed candidate adds into dQ: the autotuner zeroes it before each and after the last.
-_atomic_tuned = _tuned("atomic", _attn_bwd_atomic_kernel, reset_to_zero=["DQ"])
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so whether these kernels are
 # interpreted is fixed at import: read it once here, not on every call.
@@ -769,7 +614,7 @@ INTERPRETED = type(_fwd_kernel).__name__ == "InterpretedFunction"
 # orders), or when COPLAN_KERNELS_AUTOTUNE=0 (GPU tests, which would otherwise tune every
 # specialisation they touch: there the first candidate, unless UNTUNED_CONFIGS names one).
 # Tests may swap these. (BLOCK_M, BLOCK_N, warps, stages).
-INTERPRETER_CONFIGS = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 32, 4, 1), "atomic": (16, 32, 4, 1)}
+INTERPRETER_CONFIGS = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 32, 4, 1)}
 UNTUNED_CONFIGS: dict[str, tuple[int, int, int, int]] = {}
 
 
@@ -896,9 +741,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_KEY_BLOCK_KINDS = frozenset(("dkdv", "atomic"))  # kernels with one program per key block (the rest: per query block)
-
-
 def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: list, consts: dict, dtypes: tuple,
             aligned: bool = False) -> None:
     """Launch one kernel over every block of ``rows`` jagged rows: at most cdiv(rows, block) + batch
@@ -907,7 +749,7 @@ def _launch(kind: str, tuned, plain, rows: int, batch: int, heads: int, args: li
     ``aligned``: every tensor in ``args`` starts on a 16-byte boundary (the condition for a direct launch).
     """
     cfg = _fixed_config(kind, consts["HEAD_DIM"])
-    per_key = kind in _KEY_BLOCK_KINDS
+    per_key = kind == "dkdv"  # one program per key block; the others, per query block
     if cfg is None:
         key = (kind, *args[-3:], *consts.values(), *dtypes)
         cfg = _CHOSEN.get(key)
@@ -958,9 +800,9 @@ def _prepare(x: torch.Tensor, d_pad: int) -> torch.Tensor:
     return x
 
 
+# Samples launched longest first (see _block_counts_kernel) when one sort of this many holds the
+# batch; larger batches keep the batch order.
 _COUNT_CHUNK = 1024
-# Samples launched longest first (see _block_counts_kernel); COPLAN_ATTN_ORDER=batch keeps the batch order.
-_LONGEST_FIRST = os.environ.get("COPLAN_ATTN_ORDER", "longest") != "batch"
 
 
 def block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -984,7 +826,7 @@ def block_counts(q_offsets: torch.Tensor, k_offsets: torch.Tensor) -> tuple[torc
     stride = (n + 3) // 4 * 4
     buf = torch.empty(2 * stride, dtype=torch.int32, device=q_offsets.device)
     cum = (buf[:n].view(5, batch + 1), buf[stride:stride + n].view(5, batch + 1))
-    sort = _LONGEST_FIRST and batch <= _COUNT_CHUNK
+    sort = batch <= _COUNT_CHUNK
     # sorting: one block of the next power of two (a few specialisations; a 1,024-wide sort for every
     # batch would cost the small ones, and seconds per call under the interpreter)
     chunk = max(16, 1 << max(0, batch - 1).bit_length()) if sort else _COUNT_CHUNK
@@ -1022,42 +864,6 @@ def _consts(activation: Activation | None, causal: bool, d_pad: int, dtype: torc
         hit = _CONSTS[key] = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code,
                                   CAUSAL=bool(causal), HEAD_DIM=d_pad, FAST=not INTERPRETED,
                                   PRECISION=_dot_precision(dtype))
-    return hit
-
-
-# Two switches of the softmax forward, read per call through _fwd_consts (so a benchmark can
-# compare them in one process: benchmarks/attention.py --methods triton_softmax_*). Both off by
-# default until an H200 run says otherwise; what the sm_90 compiler (Triton 3.7's ptxas) reports
-# for d = 64, 64x64 tiles, 4 warps:
-# - LAZY_RESCALE, conditional rescaling (_fwd_tiles): 139 registers instead of 127, so 3 programs
-#   per SM instead of 4, and the block-wide test (a cross-warp reduction, two more barriers) adds
-#   ~27 instructions per tile to the ~300 of a tile, about the 32 multiplies a skipped rescale saves.
-# - ONE_LOOP (_fwd_kernel): 132 registers, ~400 instructions per tile instead of ~300 unmasked and
-#   ~400 diagonal, one pipeline fill per program instead of two.
-LAZY_RESCALE = os.environ.get("COPLAN_SOFTMAX_LAZY_RESCALE", "0") != "0"
-ONE_LOOP = os.environ.get("COPLAN_SOFTMAX_ONE_LOOP", "0") != "0"
-_FWD_CONSTS: dict[tuple, dict] = {}
-
-# Which backward runs, read per call by attention_backward (a benchmark can compare both in one
-# process: benchmarks/attention.py --methods triton_*_atomic). "split" (default): two kernels, dQ
-# then dK/dV, each recomputing the scores (7 matrix products per tile pair), deterministic.
-# "atomic": a small kernel zeroes an fp32 dQ accumulator (and computes softmax's delta), one kernel
-# per key block computes dK, dV and adds its share of dQ with fp32 atomics (5 products), and for
-# bf16/fp16 (or a padded head dim) a third casts dQ. Atomics add in no fixed order, so dQ is not
-# bitwise reproducible from run to run on a GPU; dK and dV still are.
-BWD_MODES = ("split", "atomic")
-ATTN_BWD = os.environ.get("COPLAN_ATTN_BWD", "split")
-
-
-def _fwd_consts(activation: Activation | None, causal: bool, d_pad: int, dtype: torch.dtype) -> dict:
-    """The forward kernel's constants: the shared ones (same order, so keys built from them line
-    up with the backward's) plus LAZY and ONE_LOOP, which only softmax reads."""
-    lazy = activation is None and LAZY_RESCALE
-    one_loop = activation is None and ONE_LOOP
-    key = (activation, causal, d_pad, dtype, lazy, one_loop)
-    hit = _FWD_CONSTS.get(key)
-    if hit is None:
-        hit = _FWD_CONSTS[key] = dict(_consts(activation, causal, d_pad, dtype), LAZY=lazy, ONE_LOOP=one_loop)
     return hit
 
 
@@ -1106,7 +912,7 @@ def attention_forward(
         total_q, batch, heads, float(scale * LOG2E if softmax else scale), float(out_scale),
         *_keys(batch, max_q_len, max_k_len),
     ]
-    consts = _fwd_consts(activation, causal, d_pad, q.dtype)
+    consts = _consts(activation, causal, d_pad, q.dtype)
     dtypes = (q.dtype, q_offsets.dtype, k_offsets.dtype)
     aligned = DIRECT_LAUNCH and total_q <= _I32_MAX and _aligned(*tensors)
     _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts, dtypes, aligned)
@@ -1129,19 +935,10 @@ def attention_backward(
     an ``autograd.Function``'s backward: a custom op's outputs may not (``torch.library`` refuses
     them), so the default keeps them apart.
 
-    With ``ATTN_BWD == "split"`` (the default; env ``COPLAN_ATTN_BWD``), two launches: dQ (which for
-    softmax also computes delta = rowsum(dO * O) from the tiles of dO and O it loads anyway, and
-    stores it for the next kernel), then dK/dV, which reads delta. Deterministic.
-
-    With ``"atomic"``: a preprocess kernel zeroes an fp32 dQ buffer [total_q, H, D] (and stores
-    softmax's delta), one kernel per key block computes dK and dV and adds dS @ K into that buffer
-    with fp32 atomics, and dQ is cast to the inputs' dtype at the end. Fewer matrix products, but
-    NOT deterministic: the order of the atomic adds varies between runs on a GPU, so dQ may differ
-    in its last bits from one run to the next (dK and dV do not).
+    Two launches: dQ (which for softmax also computes delta = rowsum(dO * O) from the tiles of dO
+    and O it loads anyway, and stores it for the next kernel), then dK/dV, which reads delta.
+    Deterministic.
     """
-    mode = ATTN_BWD
-    if mode not in BWD_MODES:
-        raise ValueError(f"COPLAN_ATTN_BWD (triton_attention.ATTN_BWD) is {mode!r}; expected one of {BWD_MODES}")
     total_q, heads, d = q.shape
     total_k = k.shape[0]
     batch = q_offsets.numel() - 1
@@ -1160,9 +957,7 @@ def attention_backward(
         qp, kp, vp, dop = (_prepare(x, d_pad) for x in (q, k, v, do))
         (sqt, sqh, _), (skt, skh, _), (svt, svh, _), (sdot, sdoh, _) = qp.stride(), kp.stride(), vp.stride(), dop.stride()
     padded = d_pad != d
-    atomic = mode == "atomic"
-    # atomic: the fp32 accumulator, zeroed by the preprocess kernel.
-    dq = torch.empty(total_q, heads, d_pad, dtype=torch.float32 if atomic else q.dtype, device=device)
+    dq = torch.empty(total_q, heads, d_pad, dtype=q.dtype, device=device)
     if dkdv_one_buffer:
         # Two contiguous halves of one allocation (k and v have one dtype and shape), each laid out
         # as a fresh [total_k, H, d_pad] tensor: autograd's gradient accumulation still takes them as
@@ -1189,9 +984,6 @@ def attention_backward(
     dtypes = (q.dtype, do.dtype, q_offsets.dtype, k_offsets.dtype)
     aligned = (DIRECT_LAUNCH and max(total_q, total_k) <= _I32_MAX
                and _aligned(qp, kp, vp, op, dop, lse_t, q_offsets, k_offsets, cum_q, cum_k))
-    if atomic:
-        return _backward_atomic(qp, kp, vp, op, dop, dq, dk, dv, lse_t, delta, q_offsets, k_offsets, cum_k, keys, consts,
-                                qk_scale, ds_scale, float(1.0 if softmax else out_scale), dtypes, aligned, q.dtype, d)
     dq_args = [
         qp, kp, vp, op, dop, dq, lse_t, delta, q_offsets, k_offsets, cum_q,
         sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, sgt, sgh, total_q,
@@ -1208,51 +1000,3 @@ def attention_backward(
         dq, dk, dv = dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :d].contiguous()
     return dq, dk, dv
 
-
-_ROW_CONSTS: dict[tuple, dict] = {}
-
-
-def _row_kernel_config(d_pad: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N (unused), warps, stages) of the row-wise prep and cast kernels: tiles of
-    about 8K elements, enough loads in flight per program for a bandwidth-bound pass."""
-    return min(128, max(16, 8192 // d_pad)), 16, 4, 1
-
-
-def _backward_atomic(qp, kp, vp, op, dop, dq_acc, dk, dv, lse_t, delta, q_offsets, k_offsets, cum_k, keys, consts,
-                     qk_scale, ds_scale, dv_scale, dtypes, aligned, dtype, d):
-    """The one-kernel backward (ATTN_BWD == "atomic") on the prepared tensors of attention_backward."""
-    total_q, heads, d_pad = dq_acc.shape
-    total_k = kp.shape[0]
-    batch = q_offsets.numel() - 1
-    # dq_acc, dk and dv are fresh contiguous [rows, H, d_pad] tensors: one pair of strides serves all three.
-    sgt, sgh, _ = dq_acc.stride()
-    (sqt, sqh, _), (skt, skh, _), (svt, svh, _) = qp.stride(), kp.stride(), vp.stride()
-    (sot, soh, _), (sdot, sdoh, _) = op.stride(), dop.stride()
-    row_cfg = _row_kernel_config(d_pad)
-    row_blocks = _cdiv(total_q, row_cfg[0]) * heads
-    prep_consts = _ROW_CONSTS.get(("prep", consts["MODE"], d_pad))
-    if prep_consts is None:
-        prep_consts = _ROW_CONSTS[("prep", consts["MODE"], d_pad)] = dict(MODE=consts["MODE"], HEAD_DIM=d_pad)
-    prep_args = [op, dop, dq_acc, delta, sot, soh, sdot, sdoh, sgt, sgh, total_q, total_q, heads]
-    _run("prep", _attn_bwd_prep_kernel, row_blocks, prep_args, prep_consts, row_cfg, dtypes[:2],
-         aligned and _aligned(dq_acc, delta))
-    args = [
-        qp, kp, vp, dop, dk, dv, dq_acc, lse_t, delta, q_offsets, k_offsets, cum_k,
-        sqt, sqh, skt, skh, svt, svh, sdot, sdoh, sgt, sgh, total_q,
-        batch, heads, qk_scale, ds_scale, dv_scale, *keys,
-    ]
-    _launch("atomic", _atomic_tuned, _attn_bwd_atomic_kernel, total_k, batch, heads, args, consts, dtypes,
-            aligned and _aligned(dk, dv, dq_acc, delta))
-    if dtype == torch.float32 and d_pad == d:
-        dq = dq_acc
-    else:
-        dq = torch.empty((total_q, heads, d), dtype=dtype, device=dq_acc.device)
-        cast_consts = _ROW_CONSTS.get(("cast", d_pad))
-        if cast_consts is None:
-            cast_consts = _ROW_CONSTS[("cast", d_pad)] = dict(HEAD_DIM=d_pad)
-        cast_args = [dq_acc, dq, sgt, sgh, dq.stride(0), dq.stride(1), total_q, heads, d]
-        _run("cast", _attn_bwd_dq_cast_kernel, row_blocks, cast_args, cast_consts, row_cfg, (dtype,),
-             aligned and _aligned(dq_acc, dq))
-    if d_pad != d:
-        dk, dv = dk[..., :d].contiguous(), dv[..., :d].contiguous()
-    return dq, dk, dv

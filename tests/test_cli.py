@@ -68,3 +68,27 @@ def test_unknown_verb_is_a_usage_error():
     out = _run("frobnicate")
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
+
+
+def test_a_broken_verb_is_an_internal_error_not_a_missing_part(monkeypatch, capsys):
+    """An import error inside a verb's module is a bug, reported as one (not as a part not built yet)."""
+    monkeypatch.setitem(VERBS, "plan", ("coplan.no_such_module_for_the_test", "broken"))
+    assert main(["validate", "--help"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error" in err and "no_such_module_for_the_test" in err
+
+
+def test_train_without_the_training_extra_names_it(monkeypatch, tmp_path, capsys):
+    """`coplan train` on the light install: one message naming the extra, before torchrun starts."""
+    import importlib.util
+
+    from coplan.spec import dump_spec, load_topology, load_workload
+    from coplan.planner.given import single_process_plan
+
+    plan = dump_spec(single_process_plan(load_workload("gem-tiny"), load_topology("h200-1gpu"), attention_backend="reference"),
+                     tmp_path / "plan.json")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    assert main(["train", str(plan), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'coplan[train]'" in err and "coplan train" in err and "torch" in err

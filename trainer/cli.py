@@ -15,6 +15,7 @@ with a run directory of its own, ``<run id>-<plan file stem>``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -151,6 +152,14 @@ def check_plans(args: argparse.Namespace) -> list[Plan]:
     return plans
 
 
+def check_installed() -> None:
+    """The training extra, checked before torchrun starts (each worker would fail on its import); the
+    ``coplan`` command names the extra to install."""
+    for module in ("torch", "torchrec"):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named '{module}'", name=module)
+
+
 def run_train(args: argparse.Namespace) -> int:
     plans = check_plans(args)
     plan = plans[0]
@@ -164,6 +173,7 @@ def run_train(args: argparse.Namespace) -> int:
         for c in cmds:
             print(shlex.join(c))
         return 0
+    check_installed()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1" if args.device == "cpu" else env.get("OMP_NUM_THREADS", "8"))
     env["COPLAN_LAUNCHER"] = "1"  # the workers leave their error messages to torchrun_main (trainer.train.LAUNCHER_ENV)
@@ -249,7 +259,7 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.set_defaults(func=run_train)
 
 
-__all__ = ["check_device", "check_options", "check_plan", "check_plans", "register_train", "run_train", "torchrun_commands", "torchrun_main"]
+__all__ = ["check_device", "check_installed", "check_options", "check_plan", "check_plans", "register_train", "run_train", "torchrun_commands", "torchrun_main"]
 
 
 if __name__ == "__main__":  # the launcher's torchrun (see torchrun_main)

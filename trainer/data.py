@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from rich.console import Console
+from rich.progress import track
 
 from coplan.costmodel.jagged import balance
 from coplan.errors import CoplanError, MismatchError
@@ -214,11 +216,7 @@ def generate_dataset(
         row_group_size = max(1, min(gb, rows_per_file))
     files = []
     chunks = range(math.ceil(num_samples / rows_per_file))
-    it = chunks
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(chunks, desc="generate data", unit="file")
+    it = track(chunks, description="generate data", console=Console(stderr=True)) if progress else chunks
     for c in it:
         n = min(rows_per_file, num_samples - c * rows_per_file)
         table = _generate_chunk(workload, layout, n, seed, c)

@@ -31,9 +31,9 @@ kernels)
   t fp8; timeout 190 python3 benchmarks/fp8_h200.py --commit $commit --timeout 150 --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1; tail -n 8 $OUT/fp8_h200.log
   ;;
 probe)
-  # Two GPUs at once: attention variants (a, b) then the kernel GPU tests on GPU 0; the compile probe then the fp8 GEMMs on GPU 1.
+  # Two GPUs at once: attention (a, b) then the kernel GPU tests on GPU 0; the compile probe then the fp8 GEMMs on GPU 1.
   ( export CUDA_VISIBLE_DEVICES=0
-    timeout 240 python3 benchmarks/attention.py --shapes ${SHAPES:-a,b} --quick --precompile 12 --timeout 220 --methods ${METHODS:-triton_softmax,triton_softmax_lazy,triton_softmax_one_loop,triton_softmax_one_loop_lazy,triton_gdpa_silu} --out $OUT/attention.json > $OUT/attention.log 2>&1
+    timeout 240 python3 benchmarks/attention.py --shapes ${SHAPES:-a,b} --quick --precompile 12 --timeout 220 --methods ${METHODS:-triton_softmax,triton_gdpa_silu} --out $OUT/attention.json > $OUT/attention.log 2>&1
     timeout 170 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_cuda_graph.py tests/kernels/test_fp8.py tests/kernels/test_launch.py > $OUT/pytest_kernels.txt 2>&1 ) &
   ( export CUDA_VISIBLE_DEVICES=1
     timeout 300 python3 benchmarks/compile_probe.py --device cuda --workload gem-h200 --timeout 280 --case-timeout 200 --out $OUT/compile_probe_cuda.json > $OUT/compile_probe.log 2>&1
@@ -58,8 +58,8 @@ pair)
       calib:*) timeout 570 python3 benchmarks/calibration_h200.py --plans $PLANS --gpus 1 --only ${spec#calib:} --steps ${CALIB_STEPS:-16} --data-batches ${CALIB_DATA_BATCHES:-8} --budget-s ${CALIB_BUDGET:-520} --analysis-reserve-s 20 --port $(( 29610 + 100 * gpu )) \
                  --runs-root /tmp/calib$gpu --keep $OUT/runs_$tag --out $OUT/calib_$tag.json > $OUT/calib_$tag.log 2>&1
                (cd $OUT && tar czf runs_$tag.tgz runs_$tag && rm -rf runs_$tag) ;;
-      kern) timeout 150 python3 benchmarks/attention.py --shapes a,b --quick --precompile 12 --timeout 130 --methods ${METHODS:-triton_gdpa_silu,triton_gdpa_silu_atomic,triton_softmax,triton_softmax_atomic} --out $OUT/attention.json > $OUT/attention.log 2>&1
-            timeout 120 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_fp8_block_rules.py tests/kernels/test_fp8_torchao.py tests/kernels/test_atomic_bwd.py > $OUT/pytest_kernels.txt 2>&1
+      kern) timeout 150 python3 benchmarks/attention.py --shapes a,b --quick --precompile 12 --timeout 130 --methods ${METHODS:-triton_gdpa_silu,triton_softmax} --out $OUT/attention.json > $OUT/attention.log 2>&1
+            timeout 120 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_fp8_block_rules.py tests/kernels/test_fp8_torchao.py > $OUT/pytest_kernels.txt 2>&1
             timeout ${FP8_GEMM_S:-280} python3 benchmarks/fp8_h200.py --commit $commit --recipes ${FP8_RECIPES:-torchao-tensorwise,torchao-rowwise,blockwise} --timeout $(( ${FP8_GEMM_S:-280} - 30 )) --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1 ;;
       fp8train) timeout 570 python3 benchmarks/fp8_train_h200.py --plans $PLANS --gpus $gpu,$gpu --recipe ${RECIPE:-rowwise} --steps ${STEPS:-510} ${FP8_ARGS:-} \
                  --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3 --runs-root /tmp/runs/fp8 --timeout 550 --out $OUT/fp8_train_h200.json > $OUT/fp8train.log 2>&1 ;;

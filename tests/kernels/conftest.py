@@ -6,7 +6,7 @@ package's test modules import `coplan.kernels`.
 On a GPU the tests run the kernels compiled, without autotuning (COPLAN_KERNELS_AUTOTUNE=0: each
 kernel runs its first candidate config; the autotuning test turns it back on), and before the
 first test the specialisations they use are compiled in parallel processes
-(`coplan.kernels.precompile`), which fills Triton's on-disk cache: a hundred compiles one after
+(`tests/kernels/precompile.py`), which fills Triton's on-disk cache: a hundred compiles one after
 another would take minutes. COPLAN_KERNEL_TESTS_PRECOMPILE=0 skips that step.
 """
 
@@ -40,7 +40,7 @@ _OPS = ("softmax", "silu", "gelu_tanh", "relu", "relu_squared", "identity")
 
 def _gpu_cases():
     """The specialisations the kernel tests meet on a GPU (what a miss costs: one compile in the test)."""
-    from coplan.kernels.precompile import Case
+    from .precompile import Case
 
     cases = [Case(op, causal, heads, 16) for op in _OPS for causal in (True, False) for heads in (1, 2)]
     cases += [Case(op, causal, 2, 16, "bfloat16") for op in _OPS for causal in (True, False)]
@@ -57,7 +57,7 @@ def _gpu_cases():
 @pytest.fixture(scope="session", autouse=True)
 def _kernels_compiled_ahead():
     if HAS_CUDA and os.environ.get("COPLAN_KERNEL_TESTS_PRECOMPILE", "1") != "0":
-        from coplan.kernels.precompile import compile_in_parallel
+        from .precompile import compile_in_parallel
 
         cases = _gpu_cases()
         report = compile_in_parallel(cases, processes=min(16, os.cpu_count() or 1), timeout_s=150)

@@ -30,18 +30,17 @@ parallel processes. A kernel that fails to compile, or that needs more shared me
 sm_90 block may have (227 KiB: the launch would raise OutOfResources), fails the test with the
 kernel, its constexprs and options, the call that launched it and the compiler's message.
 
-What is compiled, chosen to stay fast (2 CPU cores, Triton 3.7.1: 108 recorded launches, 134
-distinct compiles of the 14 kernels, ~75 s with an empty Triton cache, ~15 s with a warm one):
-the interpreter pass at the CPU tests' sizes (fp32, d = 16; the atomic backward in fp16); the GPU
-pass in bf16 at d = 64 for every activation (softmax and SiLU causal and not, the others one
-each), every autotune candidate for causal softmax at d = 64 and for the fp8 GEMM (bf16 out, no
-bias); d = 128 and 256, fp32 (at d = 16) and fp16 (a padded d = 96), the softmax LAZY/ONE_LOOP
-switches and the atomic backward at their first config; the block-count kernel sorted at 16 and
-1,024 samples and unsorted past 1,024; every fp8 quantisation path. COPLAN_SM90_ALL_CONFIGS=1
-compiles every candidate of every autotuned launch instead (377 compiles, ~5.5 min). Left out for
-time: fp32 attention at d = 64 with the GPU tiles (20-36 s per kernel). Triton's on-disk cache
-applies (a kernel whose source and options are unchanged loads instead of recompiling: the same
-answer); TRITON_CACHE_DIR chooses where it is.
+What is compiled, chosen to stay fast (2 CPU cores, Triton 3.7.1: 124 distinct compiles of the 11
+kernels, ~15 s with a warm Triton cache, a few minutes with an empty one): the interpreter pass at
+the CPU tests' sizes (fp32, d = 16); the GPU pass in bf16 at d = 64 for every activation (softmax
+and SiLU causal and not, the others one each), every autotune candidate for causal softmax at d = 64
+and for the fp8 GEMM (bf16 out, no bias); d = 128 and 256, fp32 (at d = 16) and fp16 (a padded d =
+96) at their first config; the block-count kernel sorted at 16 and 1,024 samples and unsorted past
+1,024; every fp8 quantisation path. COPLAN_SM90_ALL_CONFIGS=1 compiles every candidate of every
+autotuned launch instead (a few hundred compiles, minutes). Left out for time: fp32 attention at d =
+64 with the GPU tiles (20-36 s per kernel). Triton's on-disk cache applies (a kernel whose source
+and options are unchanged loads instead of recompiling: the same answer); TRITON_CACHE_DIR chooses
+where it is.
 
 `test_every_kernel_is_launched` keeps the call list from going stale: every ``*_kernel`` JIT
 function in coplan.kernels must be launched by some call here.
@@ -230,13 +229,8 @@ def _interpreter_calls(rec):
     """Executed by the interpreter: small, as the CPU kernel tests run them (FAST=False, 16-row blocks)."""
     import torch
 
-    from coplan.kernels import triton_attention as ta
-
     for op, causal in (("softmax", True), ("softmax", False), ("silu", True), ("gelu_tanh", False)):
         _attention(rec, op, causal, torch.float32, 16)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ta, "ATTN_BWD", "atomic")
-        _attention(rec, "silu", True, torch.float16, 32)  # fp16: dQ goes through the cast kernel
     _block_counts(rec, 1025)  # unsorted (over the 1,024 samples one sort handles)
     _fp8(rec, gpu=False)
 
@@ -244,11 +238,9 @@ def _interpreter_calls(rec):
 def _gpu_calls(rec):
     """Recorded with the GPU's constants, not executed: the specialisations an H200 run compiles.
     Every activation at d = 64 (softmax and SiLU causal and not), every autotune candidate for causal
-    softmax at d = 64 (and, in _fp8, for the GEMM); the other head-dim buckets, dtypes and switches
-    at their first config."""
+    softmax at d = 64 (and, in _fp8, for the GEMM); the other head-dim buckets and dtypes at their
+    first config."""
     import torch
-
-    from coplan.kernels import triton_attention as ta
 
     bf16 = torch.bfloat16
     for op, causal in (("softmax", True), ("softmax", False), ("silu", True), ("silu", False), ("gelu_tanh", True),
@@ -258,15 +250,6 @@ def _gpu_calls(rec):
     _attention(rec, "softmax", True, bf16, 256)
     _attention(rec, "softmax", True, torch.float32, 16, heads=1)  # fp32 (ieee dots) at the GPU tests' d; heads == 1
     _attention(rec, "silu", False, torch.float16, 96)  # a padded head dim
-    for lazy, one_loop in ((True, False), (False, True), (True, True)):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ta, "LAZY_RESCALE", lazy)
-            mp.setattr(ta, "ONE_LOOP", one_loop)
-            mp.setattr(ta, "_FWD_CONSTS", {})
-            _attention(rec, "softmax", True, bf16, 64, grad=False)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ta, "ATTN_BWD", "atomic")
-        _attention(rec, "softmax", True, bf16, 64)
     for batch in (3, 1024, 1025):  # sorted (one CHUNK of the next power of two), sorted at 1,024, unsorted
         _block_counts(rec, batch)
     _fp8(rec, gpu=True)
@@ -300,7 +283,6 @@ def record_launches() -> list[dict]:
         mp.setattr(ta, "INTERPRETED", False)
         mp.setattr(ta, "UNTUNED_CONFIGS", {})
         mp.setattr(ta, "_CONSTS", {})
-        mp.setattr(ta, "_FWD_CONSTS", {})
         mp.setattr(ft, "_INTERPRETING", False)
         _gpu_calls(rec)
     return list(rec.launches.values())

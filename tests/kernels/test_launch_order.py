@@ -50,10 +50,21 @@ def test_the_key_table_starts_on_a_16_byte_boundary():
         assert cum_q.data_ptr() % 16 == 0 and cum_k.data_ptr() % 16 == 0
 
 
+@pytest.mark.timeout(120)
+def test_a_batch_larger_than_one_sort_keeps_the_batch_order(monkeypatch):
+    monkeypatch.setattr(ta, "_COUNT_CHUNK", 4)  # the counting loop then runs over two chunks
+    q_lengths = [3, 0, 40, 7, 40, 1]
+    cum_q, cum_k = _tables(q_lengths, q_lengths)
+    assert cum_q[4, :6].tolist() == cum_k[4, :6].tolist() == list(range(6))
+    for j, size in enumerate((16, 32, 64, 128)):
+        assert cum_q[j].tolist() == [0] + torch.tensor([-(-n // size) for n in q_lengths]).cumsum(0).tolist()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("order", ["longest", "batch"])
 def test_both_orders_give_the_reference(order, monkeypatch):
-    monkeypatch.setattr(ta, "_LONGEST_FIRST", order == "longest")
+    if order == "batch":  # the order of batches larger than one sort holds
+        monkeypatch.setattr(ta, "_COUNT_CHUNK", 4)
     q, q_offsets = jagged([5, 33, 0, 17, 33], 2, 16)
     k, k_offsets = jagged([9, 2, 4, 30, 1], 2, 16)
     v = torch.randn_like(k)

@@ -119,37 +119,13 @@ def test_scales_are_applied_where_documented():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("one_loop", [False, True])
-@pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("scale", [0.3, 6.0])
-def test_softmax_forward_switches(monkeypatch, lazy, one_loop, scale):
-    """Conditional rescaling keeps a stale running max until a tile's max passes it by 2^8; with
-    scale 6 the scores span hundreds of base-2 units, so tiles both skip and take the rescale. The
-    gradients check the saved lse (the backward's probabilities are exp2(s - lse)). One loop masks
-    only the tiles from the diagonal (causal) or the sample's end (full) on."""
-    monkeypatch.setattr(ta, "LAZY_RESCALE", lazy)
-    monkeypatch.setattr(ta, "ONE_LOOP", one_loop)
+def test_softmax_with_small_and_large_scales(scale):
+    """With scale 6 the scores span hundreds of base-2 units, so the running max moves by large
+    steps between tiles and most probabilities underflow; the gradients check the saved lse (the
+    backward's probabilities are exp2(s - lse))."""
     check_against_reference("softmax", [40, 17, 1, 33], None, True, scale=scale, seed=11)
     check_against_reference("softmax", [5, 0, 29], [38, 3, 40], False, scale=scale, seed=12)
-
-
-@pytest.mark.timeout(120)
-def test_conditional_rescaling_is_what_the_forward_runs(monkeypatch):
-    """The flag reaches the kernel: with a peaked softmax the two ways round differently. Only where
-    a sample spans several key tiles: the interpreter's are 16 keys, a GPU's are the autotuner's
-    (up to 128), hence longer samples there (at 40 keys one GPU tile held them all and both ways
-    gave the same bits: the H200 run of 2026-11-30)."""
-    lengths = [40, 23] if DEVICE == "cpu" else [400, 230]
-    gen = torch.Generator().manual_seed(13)
-    q, offsets = jagged(lengths, 1, 16, torch.float32, generator=gen)
-    k, _ = jagged(lengths, 1, 16, torch.float32, generator=gen)
-    outs = []
-    for lazy in (True, False):
-        monkeypatch.setattr(ta, "LAZY_RESCALE", lazy)
-        with torch.no_grad():
-            outs.append(jagged_attention(q, k, k, offsets, causal=True, max_len=max(lengths), scale=6.0, backend="triton"))
-    assert not torch.equal(outs[0], outs[1])
-    assert_close("lazy vs always", outs[0], outs[1], TOLERANCE[(DEVICE, torch.float32)])
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="block shapes are chosen by the autotuner on a GPU")

@@ -29,16 +29,20 @@ from coplan.trainer.data import generate_dataset  # noqa: E402
 from coplan.planner.given import given_plan  # noqa: E402
 
 TIMEOUT_S = 150
+POISONED = Path(__file__).with_name("poisoned_trainer.py")
 STEPS = 8
 EVERY = 2  # checkpoints after steps 1, 3, 5 and 7 (the end)
 TABLES = {"user_id": "table_wise", "ad_id": "row_wise", "interests": "data_parallel", "geo": "table_wise",
           "hist_item": "row_wise", "hist_action": "table_wise"}
 
 
-def _launch(nproc: int, args: list[str], *, restarts: int = 0, env: dict | None = None) -> subprocess.Popen:
+def _launch(nproc: int, args: list[str], *, restarts: int = 0, poison: str | None = None) -> subprocess.Popen:
+    """torchrun of the trainer; ``poison`` ('loss@K' or 'grad@K'): of the trainer with that fault injected
+    (poisoned_trainer.py)."""
+    entry = [str(POISONED), poison] if poison else ["-m", "coplan.trainer.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={restarts}", "-m", "coplan.trainer.train", *args]
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+           f"--max-restarts={restarts}", *entry, *args]
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, start_new_session=True)
 
 
@@ -103,8 +107,8 @@ def runs(tmp_path_factory) -> dict:
     procs = {
         "ref": _launch(4, _args(p4, root, data, "ref")),
         "killed": _launch(4, _args(p4, root, data, "killed", "--resume", "auto"), restarts=1),
-        "nan_loss": _launch(2, _args(p2, root, data, "nan_loss"), env={"COPLAN_TEST_POISON": "loss@2"}),
-        "nan_grad": _launch(2, _args(p2, root, data, "nan_grad"), env={"COPLAN_TEST_POISON": "grad@2"}),
+        "nan_loss": _launch(2, _args(p2, root, data, "nan_loss"), poison="loss@2"),
+        "nan_grad": _launch(2, _args(p2, root, data, "nan_grad"), poison="grad@2"),
     }
     out: dict = {"root": root, "data": data, "p4": p4}
     try:

@@ -77,6 +77,14 @@ def test_every_launcher_option_reaches_the_trainer(plan4, tmp_path):
         assert getattr(parsed, k) is True, k
 
 
+
+def test_the_trainer_takes_only_what_the_launcher_passes():
+    """No trainer option that `coplan train` cannot give (experiments patch the trainer in benchmarks/)."""
+    from coplan.trainer.cli import _FLAGS, _PASS
+    from coplan.trainer.train import _parse
+
+    assert set(vars(_parse(["plan.json"]))) - {"plan"} == set(_PASS) | set(_FLAGS)
+
 # ---- refused before torchrun starts (issue 21): coplan.trainer.cli.check_plans, torch-free ----------------------
 
 

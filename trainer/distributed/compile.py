@@ -17,7 +17,7 @@ wrapper's ``math.isfinite(scale)`` on a symbolic float then broke each InterForm
 graphs (Dynamo's restarts for symbolic floats on top), so the region was neither one graph nor fused
 across the attention (``benchmarks/compile_probe.py``, CPU, 2026-11-29). So the regions compile with
 static shapes by default and the token dimension is marked dynamic before each call: one compilation
-per layer kind (the op ranges read no layer name when compiling, see ``layers._op_range``), not one
+per layer kind (the op ranges read no layer name when compiling, see ``layers.op_range``), not one
 per batch or per layer; a batch size that does change (a reference run's smaller batch) recompiles
 once, after which Dynamo's automatic dynamic shapes keep it symbolic.
 

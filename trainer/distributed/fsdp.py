@@ -16,16 +16,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from coplan.spec.workload import Precision
 from coplan.trainer.model.moe import MoELayer
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
     """Parameters are gathered in the compute dtype; gradients reduced in ``reduce_dtype``; master
     weights stay in ``param_dtype`` (the shards the optimizer updates)."""
-    compute = _DTYPES[precision.compute_dtype]
+    compute = DTYPES[precision.compute_dtype]
     return MixedPrecisionPolicy(
         param_dtype=None if compute == torch.float32 else compute,
-        reduce_dtype=_DTYPES[precision.reduce_dtype],
+        reduce_dtype=DTYPES[precision.reduce_dtype],
     )
 
 
@@ -73,4 +73,4 @@ def apply_fsdp(dense: nn.Module, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh
     return per_layer
 
 
-__all__ = ["apply_fsdp", "mixed_precision", "one_unit"]
+__all__ = ["DTYPES", "apply_fsdp", "mixed_precision", "one_unit"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coplan.spec.workload import TransformerBlock
-from coplan.trainer.model.layers import _op_range, attention_scales, jagged_attention, segment_ids
+from coplan.trainer.model.layers import op_range, attention_scales, jagged_attention, segment_ids
 
 ROPE_BASE = 10_000.0
 """Rotary embedding base (Su et al. 2021; Llama's)."""
@@ -87,50 +87,50 @@ class DecoderLayer(nn.Module):
         """``h [T, d]`` (None: the embedding of ``tokens`` alone) → ``h``; the last layer of a block with a
         vocabulary returns ``(h, sum of the next-token cross-entropy)`` when ``targets`` are given."""
         if self.embed is not None:
-            with _op_range(self, "embed"):
+            with op_range(self, "embed"):
                 e = self.embed(tokens)
                 h = e if h is None else h + e
         assert h is not None
         total = h.shape[0]
         H, kvh, dh = self.heads, self.kv_heads, self.head_dim
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             x = self.norm1(h)
-        with _op_range(self, "qkv"):
+        with op_range(self, "qkv"):
             q, k, v = self.qkv(x).split([H * dh, kvh * dh, kvh * dh], dim=-1)
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             q = apply_rope(q.reshape(total, H, dh), cos, sin)
             k = apply_rope(k.reshape(total, kvh, dh), cos, sin)
             v = v.reshape(total, kvh, dh)
-        with _op_range(self, "attn"):
+        with op_range(self, "attn"):
             if kvh != H:  # grouped-query attention: each key/value head serves H / kvh query heads
                 k, v = k.repeat_interleave(H // kvh, dim=1), v.repeat_interleave(H // kvh, dim=1)
             a = jagged_attention(q.contiguous(), k.contiguous(), v.contiguous(), offsets, None, attn=self.attn,
                                  causal=self.attn.causal, max_len=self.max_len, scale=self.scale,
                                  out_scale=self.out_scale, backend=self.backend)
-        with _op_range(self, "attn_out"):
+        with op_range(self, "attn_out"):
             h = h + self.out(a.reshape(total, H * dh))
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             x = self.norm2(h)
-        with _op_range(self, "ffn_up"):
+        with op_range(self, "ffn_up"):
             x = self.up(x)
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             if self.gated:
                 gate, up = x.chunk(2, dim=-1)
                 x = F.silu(gate) * up
             else:
                 x = F.gelu(x, approximate="tanh")
-        with _op_range(self, "ffn_down"):
+        with op_range(self, "ffn_down"):
             x = self.down(x)
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             h = h + x
         if self.lm_head is None or targets is None:
             return h
         assert self.final_norm is not None
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             x = self.final_norm(h)
-        with _op_range(self, "lm_head"):
+        with op_range(self, "lm_head"):
             logits = self.lm_head(x)
-        with _op_range(self, "loss"):
+        with op_range(self, "loss"):
             loss = F.cross_entropy(logits.float(), targets, reduction="sum")
         return h, loss
 
@@ -152,7 +152,7 @@ class DecoderStack(nn.Module):
     def forward(self, h: torch.Tensor | None, seq: dict[str, torch.Tensor], offsets: torch.Tensor,
                 tokens: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(h [T, d], sum of the next-token loss or None)``."""
-        with _op_range(self.layers[0], "norm_act"):
+        with op_range(self.layers[0], "norm_act"):
             if self.features:
                 x = torch.cat([seq[f] for f in self.features], dim=-1) if len(self.features) > 1 else seq[self.features[0]]
                 h = x if h is None else h + x

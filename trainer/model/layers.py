@@ -106,6 +106,11 @@ def enable_segment_sum_gemm(on: bool) -> None:
     _segment_sum_gemm = on
 
 
+def segment_sum_gemm_enabled() -> bool:
+    """Whether :func:`enable_segment_sum_gemm` turned the GEMM form on."""
+    return _segment_sum_gemm
+
+
 def segment_sum_grad(grad: torch.Tensor, seg: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, *,
                      gemm: bool | None = None) -> torch.Tensor:
     """Each sample's sum of ``grad`` rows, ``[T, D] -> [B, D]``, accumulated in fp32, returned in ``dtype``.
@@ -178,7 +183,7 @@ def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
 
 
-def _op_range(module: nn.Module, op: str):
+def op_range(module: nn.Module, op: str):
     """The op range ``<module.name>.<op>`` in eager mode. Inside a compiled region the profiler ranges
     are dropped anyway, and reading the layer's name there would make every layer its own compiled
     variant (the name is a guarded constant): one compilation then serves all layers of a kind."""
@@ -199,13 +204,13 @@ class FFN(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with _op_range(self, "ffn_up"):
+        with op_range(self, "ffn_up"):
             x = self.up(x)
         # the activation is elementwise work of the layer's norm_act op (until round 8 it ran inside ffn_up's
         # range: the trace charged its kernels to the GEMM, which the calibration then read as a slow GEMM)
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             x = F.silu(x)
-        with _op_range(self, "ffn_down"):
+        with op_range(self, "ffn_down"):
             return self.down(x)
 
 
@@ -267,29 +272,29 @@ class InterFormerLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         total, batch = h.shape[0], offsets.numel() - 1
         seg = segment_ids(offsets, total)
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             gamma, beta = self.film(ctx).chunk(2, dim=-1)
             x = torch.addcmul(expand_segments(beta, seg, offsets), self.norm1(h), expand_segments(1.0 + gamma, seg, offsets))
-        with _op_range(self, "qkv"):
+        with op_range(self, "qkv"):
             q, k, v = self.qkv(x).view(total, 3, self.heads, self.head_dim).unbind(1)
-        with _op_range(self, "gdpa"):
+        with op_range(self, "gdpa"):
             a = jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal, max_len=self.max_len,
                                  scale=self.scale, out_scale=self.out_scale, backend=self.backend)
-        with _op_range(self, "attn_out"):
+        with op_range(self, "attn_out"):
             h = h + self.out(a.reshape(total, self.inner))
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             x = self.norm2(h)
         h = h + self.ffn(x)
         if self.num_summary:
             s = self.num_summary
-            with _op_range(self, "summary_q"):
+            with op_range(self, "summary_q"):
                 qs = self.summary_q(self.summary_norm(summary)).reshape(batch * s, self.heads, self.head_dim)
-            with _op_range(self, "summary_attn"):
+            with op_range(self, "summary_attn"):
                 q_off = torch.arange(batch + 1, device=offsets.device, dtype=offsets.dtype) * s
                 a_s = jagged_attention(qs, k, v, q_off, offsets, attn=self.attn, causal=False,
                                        max_len=max(self.max_len, s), scale=self.scale, out_scale=self.out_scale,
                                        backend=self.backend)
-            with _op_range(self, "summary_out"):
+            with op_range(self, "summary_out"):
                 summary = summary + self.summary_out(a_s.reshape(batch, s, self.inner))
         return h, summary
 
@@ -312,21 +317,21 @@ class KunlunLayer(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         b, t, _ = z.shape
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             x = self.norm1(z)
-        with _op_range(self, "qkv"):
+        with op_range(self, "qkv"):
             q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        with _op_range(self, "attn"):
+        with op_range(self, "attn"):
             a = dense_attention(q, k, v, attn=self.attn, scale=self.scale, out_scale=self.out_scale)
-        with _op_range(self, "attn_out"):
+        with op_range(self, "attn_out"):
             z = z + self.out(a.transpose(1, 2).reshape(b, t, self.inner))
-        with _op_range(self, "norm_act"):
+        with op_range(self, "norm_act"):
             x = self.norm2(z)
         return z + self.ffn(x)
 
 
 __all__ = [
     "FFN", "InterFormerLayer", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "expand_segments",
-    "jagged_attention", "resolve_backend", "enable_segment_sum_gemm", "segment_ids", "segment_sum", "segment_sum_gemm_works",
-    "segment_sum_grad",
+    "jagged_attention", "op_range", "resolve_backend", "enable_segment_sum_gemm", "segment_ids", "segment_sum",
+    "segment_sum_gemm_enabled", "segment_sum_gemm_works", "segment_sum_grad",
 ]

@@ -40,8 +40,8 @@ def run_case(case: Case) -> Case:
     os.environ["COPLAN_KERNELS_AUTOTUNE"] = "0"
     import torch
 
-    from . import gdpa, jagged_attention
-    from . import triton_attention as ta
+    from coplan.kernels import gdpa, jagged_attention
+    from coplan.kernels import triton_attention as ta
 
     if case.fwd_config is not None:
         c = ta.configs_for("fwd", case.head_dim)[case.fwd_config]
