@@ -27,6 +27,7 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json", "#8 calibration"),
     "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)", "#20 planner"),
     "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory", "#3 cost model"),
+    "sample-workload": ("coplan.sample_cli", "draw a GEM-shaped workload of a family (one H200, a node, a cluster) from a seed", "#23 cost model"),
     "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)", "#2 foundation"),
     "schema": ("coplan.spec_cli", "print the JSON Schema of a spec", "#2 foundation"),
 }
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, (module, help_text, issue) in VERBS.items():
         try:
             mod = importlib.import_module(module)
-            register = getattr(mod, f"register_{verb}")
+            register = getattr(mod, f"register_{verb.replace('-', '_')}")
         except (ImportError, AttributeError):
             p = sub.add_parser(verb, help=f"{help_text} [not built yet: issue {issue}]", description=help_text)
             p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
