@@ -28,6 +28,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json"),
     "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)"),
     "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory"),
+    "sample-workload": ("coplan.sample_cli", "draw a GEM-shaped workload of a family (one H200, a node, a cluster) from a seed"),
     "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)"),
     "schema": ("coplan.spec_cli", "print the JSON Schema of a spec"),
 }
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module, help_text) in VERBS.items():
-        register = getattr(importlib.import_module(module), f"register_{verb}")
+        register = getattr(importlib.import_module(module), f"register_{verb.replace('-', '_')}")
         register(sub, help_text)
     return parser
 
