@@ -24,7 +24,7 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "plan": ("coplan.planner.cli", "choose the parallel plan of a workload on a topology (CP-SAT) -> plan.json", "#4 planner"),
     "report": ("coplan.reports.cli", "write a self-contained Plotly HTML report of a plan (and runs, calibrations)", "#7 reports"),
     "train": ("coplan.trainer.cli", "run a plan on GPUs (or CPU/gloo) with torchrun; metrics, MFU, traces, checkpoints", "#6 trainer"),
-    "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json", "#8 calibration"),
+    "calibrate": ("coplan.calibration.cli", "fit the cost model to the traces of runs -> calibration.json", "#8 calibration"),
     "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)", "#20 planner"),
     "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory", "#3 cost model"),
     "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)", "#2 foundation"),

@@ -55,7 +55,8 @@ from coplan.spec.workload import Kernels
 _CODE_NAMES = {v: k for k, v in SHARDING_CODES.items()}
 
 
-def _assignment(ctx: Context, tables) -> TableAssignment:
+def table_assignment(ctx: Context, tables) -> TableAssignment:
+    """``tables`` (TableShards or an assignment) as a TableAssignment, checked against the sparse group; cached per list."""
     if isinstance(tables, TableAssignment):
         return tables
     key = ("assign", id(tables))
@@ -414,7 +415,7 @@ def price(
     if not include_embeddings or not ctx.tables.num or aggregates is not None:
         a = None
     else:
-        a = _assignment(ctx, tables) if tables is not None else default_assignment(ctx)
+        a = table_assignment(ctx, tables) if tables is not None else default_assignment(ctx)
     sparse_model = ctx.model("sparse_shard", "all_to_all")
     if aggregates is not None and include_embeddings and ctx.tables.num:
         a = None
