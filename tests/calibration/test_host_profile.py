@@ -2,7 +2,8 @@
 
 import pytest
 
-from coplan.costmodel.traces import TraceError, host_profile, host_speed_index
+from coplan.calibration.kineto import TraceError
+from coplan.calibration.host_profile import host_profile, host_speed_index
 
 from ._trace import _ev
 
