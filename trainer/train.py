@@ -32,7 +32,7 @@ import numpy as np
 
 from coplan import __version__
 from coplan.errors import CoplanError, MismatchError
-from coplan.spec import Plan, RunResult, dump_spec, load_plan, spec_sha256
+from coplan.spec import Plan, RunDir, RunOptions, RunResult, dump_spec, load_plan, spec_sha256
 
 
 def _non_negative(v: str) -> int:
@@ -412,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
     prefetch = Prefetcher(reader, start, steps, prepare=pipe.host, setup=pipe.thread_setup)
     ahead = None  # (host batch, its prepared Batch) of the next step
     try:
-        with TraceWindow(run_dir / "traces", rank, trace_first, trace_count, start, device) as tw:
+        with TraceWindow(RunDir(run_dir), rank, trace_first, trace_count, start, device) as tw:
             for step in range(start, steps):
                 timer.mark(step)  # a step runs from its start to the next step's start: data stalls count
                 if step > start and step % log_every == 0:
@@ -529,6 +529,7 @@ def run(args: argparse.Namespace) -> int:
             samples_per_s=sum(r.samples for r in measured) / total_t if total_t else 0.0,
             peak_memory_bytes=tuple(float(m) for m in mems), first_loss=records[0].loss if records else None,
             final_loss=records[-1].loss if records else None, attention_backend=backend, notes="; ".join(notes),
+            options=RunOptions(seq_chunk=int(layout.seq_chunk or 0), compile=args.compile, attention_backend=backend),
         )
         dump_spec(result, run_dir / "summary.json")
         st = result.step_time

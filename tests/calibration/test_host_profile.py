@@ -1,4 +1,4 @@
-"""The host side of profiled steps (``coplan.costmodel.traces.host_profile``) on synthetic traces."""
+"""The host side of profiled steps (``coplan.calibration.host_profile.host_profile``) on synthetic traces."""
 
 import pytest
 
