@@ -717,7 +717,6 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     from coplan.calibration.step_price import predict_median_step, predict_step_time, step_launches
     from coplan.calibration.runs import run_samples, run_step_moments
     from coplan.costmodel.efficiency import resolve_efficiencies
-    from coplan.spec import load_run_result
 
     rows: dict[str, dict] = {}
     runs = {}

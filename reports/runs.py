@@ -10,7 +10,6 @@ device than the plan's topology (a CPU functional run on gloo) is compared as it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -243,6 +243,8 @@ def test_calibrate_from_trainer_traces(fsdp_ep_stock):
     cal, res, runs = calibrate([fsdp_ep_stock["sharded"]])
     run = runs[0]
     assert cal.device == "cpu"
+    # the trainer records its launch switches, typed, and calibration prices the lookups' bags by them
+    assert run.result.options is not None and run.seq_chunk == run.result.options.seq_chunk
     # The profiled steps' own lengths, from metrics.jsonl: E[L], E[L^2] per sequence feature, and the
     # longest length per micro-batch (`seq_max`) as "<feature>@max" moments for padded backends.
     assert set(run.moments) == {"history", "history@max"}
