@@ -25,7 +25,6 @@ class CalibrationError(CoplanError):
     """A run directory cannot be calibrated from (missing files, no attributable ops)."""
 
 
-
 @dataclass(frozen=True, slots=True)
 class Sample:
     """One measured (op, phase) of one run, per micro-batch, with its unit-efficiency roofline terms."""
@@ -123,7 +122,6 @@ def measured_moments(metrics: Sequence[dict], steps: Iterable[int] | None = None
             x = np.asarray(xs)
             out[seq + PADDED_SUFFIX] = (float(x.mean()), float((x * x).mean()))
     return out
-
 
 
 def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,

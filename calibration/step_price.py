@@ -65,7 +65,6 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
     return max((calibration.device_step_factor or 1.0) * p0, host, step)
 
 
-
 def device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0) -> Calibration:
     """The device fit alone (no host cost) as a Calibration, every class's launch cost raised by ``extra_launch_s``."""
     cls: dict[ComputeOpClass, OpClassCalibration] = {}
