@@ -31,13 +31,13 @@ pair  fit (T)    held out (H)                                    factors varied 
 
 What is compared. *Measured step*: the run's p50 step time from CUDA events over the steps between
 warm-up and the profiled window (``summary.json``). *Predicted step*: the pricer's step time for the
-variant's plan (``coplan.costmodel.calibrate.predict_step_time``: what ``coplan plan`` would say), on
+variant's plan (``coplan.calibration.step_price.predict_step_time``: what ``coplan plan`` would say), on
 the measured length moments of those steps, (i) ``default``: the topology's default efficiencies;
 (ii) ``calibrated``: the calibration fitted on the T half with ``host=True``: efficiencies fitted to
 device time, and a host cost h per priced launch and a device-step factor f (device work no priced op
 accounts for; since round 7) fitted to the T half's measured steps; the pricer prices the step at
 max(f × device step, priced launches × h), host and device running concurrently (see
-``coplan.costmodel.calibrate``). Three readings outside the cost model, for context: ``device_only``
+``coplan.calibration``). Three readings outside the cost model, for context: ``device_only``
 (the device fit without the host cost), ``additive`` (device step + priced launches × h_add, h_add
 fitted on the T half: the form used before the max form), ``device_factor`` (the device step times the T half's median
 measured/device ratio) and ``phases`` (the sum over forward, backward and optimizer of max(device_p,
@@ -50,13 +50,13 @@ ran (``known_longest``: the data set regenerated here, deterministic, and used o
 ``step_error_calibrated_vs_mean`` is a reading against the mean step (the pricer prices an expected
 step; the reference's step swings with its batch's longest length, so its mean is far above its p50).
 
-Sequence lookups are priced at the bag layout each run used (``seq_chunk`` from its ``config.json``;
+Sequence lookups are priced at the bag layout each run used (``seq_chunk`` from its summary's options;
 absent: 0, whole histories, all runs before the trainer's switch), and the calibrated step adds the
-fitted per-sample host cost to the launches' host time (``coplan.costmodel.calibrate``). ``FRESH2`` is
+fitted per-sample host cost to the launches' host time (``coplan.calibration``). ``FRESH2`` is
 a third held-out set, defined before any of its runs existed (``--variant-set fresh2``), reported as
 its own split; ``FRESH3`` (``--variant-set fresh3``), a fourth, likewise.
 
-The host side. Each run's profiled steps are also read on the host (``coplan.costmodel.traces.host_profile``:
+The host side. Each run's profiled steps are also read on the host (``coplan.calibration.host_profile.host_profile``:
 forward, backward and after-backward host time, launches issued in each, FSDP2's hooks, the optimizer,
 TorchRec's ranges, and the median host duration of common ATen and launch calls, i.e. how fast that host
 ran); ``host_speed_index`` is each run's host speed against the fit runs' mean. The readings
@@ -88,6 +88,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import plan_command, plan_facts, planned, table_pins  # noqa: E402  (the scripts run by path)
+
+from coplan.spec import RunDir  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -468,7 +470,7 @@ def wait_pair(jobs: list[Job], deadline: float) -> None:
         if j.log_file is not None:
             j.log_file.close()
         rc = j.proc.returncode if j.proc else None
-        j.result.update(returncode=rc, wall_s=time.monotonic() - j.started, ok=(rc == 0 and (j.run_dir / "summary.json").is_file()))
+        j.result.update(returncode=rc, wall_s=time.monotonic() - j.started, ok=(rc == 0 and RunDir(j.run_dir).summary_path.is_file()))
         if not j.result["ok"]:
             tail = j.log_path.read_text()[-4000:] if j.log_path and j.log_path.is_file() else ""
             j.result["log_tail"] = tail
@@ -477,14 +479,15 @@ def wait_pair(jobs: list[Job], deadline: float) -> None:
 
 def shrink_run(run_dir: Path) -> None:
     """Keep what the analysis reads (plan, metrics, summary, rank-0 trace gzipped); drop checkpoints."""
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    tr = run_dir / "traces"
-    if tr.is_dir():
-        for p in tr.glob("rank*.json"):
-            if p.name.startswith("rank0"):
-                with open(p, "rb") as f, gzip.open(str(p) + ".gz", "wb", compresslevel=6) as g:
-                    shutil.copyfileobj(f, g)
-            p.unlink()
+    rd = RunDir(run_dir)
+    shutil.rmtree(rd.checkpoints_dir, ignore_errors=True)
+    for p in rd.trace_paths():
+        if p.suffix != ".json":
+            continue
+        if p == rd.trace_path(0):
+            with open(p, "rb") as f, gzip.open(str(p) + ".gz", "wb", compresslevel=6) as g:
+                shutil.copyfileobj(f, g)
+        p.unlink()
 
 
 def selected_rows(args) -> list[tuple[Variant, ...]]:
@@ -619,7 +622,7 @@ STEP_KEYS = ("default", "calibrated", "calibrated_pooled", "device_only", "addit
 """Step-time predictions compared: the cost model with default efficiencies; with the calibration
 (device fit, and the step priced at max(device step, priced launches x host cost h), what ``coplan plan
 --calibration`` prices). Since round 8 these two are the median over the run's measured steps of the step
-priced at each one's lengths (:func:`coplan.costmodel.calibrate.predict_median_step`), the p50's counterpart;
+priced at each one's lengths (:func:`coplan.calibration.step_price.predict_median_step`), the p50's counterpart;
 ``calibrated_pooled`` is the calibrated price of the steps' pooled moments (rounds 1-7's reading: the mean
 step's counterpart). Then readings outside the cost model, for context: the device fit alone,
 device + launches x h_add (the additive form, h_add fitted on the fit half), and the device fit times a
@@ -664,7 +667,7 @@ likewise; ``fit_db`` / ``fresh4``: the device-bound round's fit and held-out set
 
 def _plan_attention(run_dir: Path) -> str | None:
     try:
-        return json.loads((run_dir / "plan.json").read_text())["kernels"]["attention"]
+        return json.loads(RunDir(run_dir).plan_path.read_text())["kernels"]["attention"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -686,7 +689,7 @@ def known_longest(run_dir: Path, plan, data_batches: int = 8) -> tuple[dict | No
         return None, "more than one rank: the balancer's split would be needed"
     if (w.batch.micro_batches or 1) != 1:
         return None, "more than one micro-batch: the trainer's micro-batch split would be needed"
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics = RunDir(run_dir).metrics()
     with tempfile.TemporaryDirectory() as tmp:
         n = int(lb) * data_batches
         generate_dataset(w, Path(tmp), n, seed=0, rows_per_file=n, progress=False)
@@ -709,10 +712,12 @@ def known_longest(run_dir: Path, plan, data_batches: int = 8) -> tuple[dict | No
 def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     import numpy as np
 
-    from coplan.costmodel.calibrate import (calibrate, fit_host_launch_cost, predict, predict_median_step, predict_step_time,
-                                            run_samples, run_step_moments, step_launches)
+    from coplan.calibration.assemble import calibrate
+    from coplan.calibration.host_fit import fit_host_launch_cost
+    from coplan.calibration.device_fit import predict
+    from coplan.calibration.step_price import predict_median_step, predict_step_time, step_launches
+    from coplan.calibration.runs import run_samples, run_step_moments
     from coplan.costmodel.efficiency import resolve_efficiencies
-    from coplan.spec import load_run_result
 
     rows: dict[str, dict] = {}
     runs = {}
@@ -726,20 +731,19 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         row["runs_root"] = str(vroot)
         rows[name] = row
         d = vroot / v.get("run_dir", name)
-        if not v.get("ok") or not (d / "summary.json").is_file():
+        rd = RunDir(d)
+        if not v.get("ok") or not rd.summary_path.is_file():
             continue
         try:
             longest = None
-            if _plan_attention(d) == "reference" and '"seq_max"' not in (d / "metrics.jsonl").read_text():
+            if _plan_attention(d) == "reference" and '"seq_max"' not in rd.metrics_path.read_text():
                 # the padded reference pads each micro-batch to its longest: price it at the batches that ran
-                from coplan.spec import load_plan
-
                 try:
-                    longest, row["padded_lengths"] = known_longest(d, load_plan(d / "plan.json"))
+                    longest, row["padded_lengths"] = known_longest(d, rd.plan())
                 except Exception as e:  # without them the run is priced at the length pmf's E[max]
                     row["padded_lengths"] = f"not known ({type(e).__name__}: {e})"
             rs = run_samples(d, longest=longest)
-            s = load_run_result(d / "summary.json")
+            s = rd.result()
             mom = rs.step_moments or rs.moments
             runs[name] = (d, rs)
             row.update(
@@ -832,7 +836,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
     # per-phase reading (not in the cost model): step = sum over forward, backward, optimizer of
     # max(device_p, launches_p x h_ph), h_ph fitted on the fit half like h; it would hold if the host could
     # not run ahead across a phase boundary (see the module docstring: the traces say it does)
-    from coplan.costmodel.calibrate import fit_host_phase_form, step_phases
+    from _calibration_extras import fit_host_phase_form, step_phases
 
     h_ph, _ = fit_host_phase_form(fit_rs, res)
     out["host_phase_form"] = {"host_s_per_launch": h_ph, "meaning": "step = sum over phases (fwd, bwd, optimizer) of "
@@ -845,12 +849,12 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
             r["predicted_step_phases_s"] = float(np.maximum(D, h_ph * N).sum())
         except Exception as e:
             r["phase_reading_error"] = f"{type(e).__name__}: {e}"
-    # the host side of the profiled steps (coplan.costmodel.traces.host_profile), and the host fit with each
+    # the host side of the profiled steps (coplan.calibration.host_profile.host_profile), and the host fit with each
     # fit run's host time scaled by its host's speed (fit_host_launch_cost(host_speed=True)): 'speed_fit'
     # prices every run at the fit runs' mean host speed (what `coplan calibrate --host-speed` writes);
     # 'speed_known' scales the host terms by the run's own host speed, read from its own trace: a diagnostic
     # of whether the host's speed is what the model misses, not a prediction
-    from coplan.costmodel.traces import host_speed_index
+    from coplan.calibration.host_profile import host_speed_index
 
     hsp = fit_host_launch_cost(fit_rs, res, per_sample=True, host_speed=True, fit_device_factor=True)
     ref_us = hsp.host_reference_us if hsp else {}

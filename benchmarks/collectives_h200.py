@@ -18,7 +18,7 @@ run cut by ``--timeout`` still leaves what it measured.
     python benchmarks/collectives_h200.py --device cpu --nproc 2 --max-bytes 1MiB   # gloo smoke test
 
 Output: ``benchmarks/results/collectives_h200.json`` (or ``--out``), which
-``coplan calibrate --collectives`` fits (``coplan.costmodel.collective_fit``).
+``coplan calibrate --collectives`` fits (``coplan.calibration.collective_fit``).
 """
 
 from __future__ import annotations

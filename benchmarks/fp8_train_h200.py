@@ -51,6 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_commit, plan_command, plan_facts, planned, table_pins  # noqa: E402  (the scripts run by path)
 
+from coplan.spec import RunDir  # noqa: E402
+
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LOSS_TOLERANCE = 0.005
 """Issue 10's bound: final loss within 0.5% (relative) of bf16."""
@@ -198,7 +200,7 @@ def wait_all(procs: dict[str, subprocess.Popen], deadline: float, args) -> dict[
             break
         if now - last > args.progress_every:
             last = now
-            done = {a: _lines(args.runs_root / a / "metrics.jsonl") for a in procs}
+            done = {a: _lines(RunDir(args.runs_root / a).metrics_path) for a in procs}
             stamp("steps logged: " + ", ".join(f"{a} {n}" for a, n in done.items()) + f"; {deadline - now:.0f} s of budget left")
         time.sleep(1.0)
     for a, p in procs.items():
@@ -241,12 +243,10 @@ def kernel_families(trace: Path) -> dict:
 
 
 def analyse(arm: str, args, st: dict) -> dict:
-    run_dir = args.runs_root / arm
+    rd = RunDir(args.runs_root / arm)
+    run_dir = rd.path
     out: dict = {"ok": st["returncode"] == 0 and not st["timed_out"], **st, "run_dir": str(run_dir)}
-    lines = []
-    mp = run_dir / "metrics.jsonl"
-    if mp.is_file():
-        lines = [json.loads(x) for x in mp.read_text().splitlines() if x.strip()]
+    lines = rd.metrics()
     if not out["ok"]:
         log = args.runs_root / f"{arm}.log"
         out["log_tail"] = log.read_text()[-5000:] if log.is_file() else ""
@@ -264,18 +264,16 @@ def analyse(arm: str, args, st: dict) -> dict:
         out["local_mfu_mean"] = sum(mfu) / len(mfu) if mfu else None
         out["samples_per_step"] = sum(x.get("samples", 0) for x in meas) / len(meas)
         out["tokens_per_step"] = sum(x.get("tokens", 0) for x in meas) / len(meas)
-    sp = run_dir / "summary.json"
+    sp = rd.summary_path
     if sp.is_file():
         s = json.loads(sp.read_text())
         out["summary"] = {k: s.get(k) for k in ("measured_mfu", "peak_memory_bytes", "device", "versions", "notes", "step_time")}
-    trace = run_dir / "traces" / "rank0.json"
-    for cand in (trace, trace.with_suffix(".json.gz")):
-        if cand.is_file():
-            try:
-                out["kernels"] = kernel_families(cand)
-            except Exception as e:  # the figures stand without the breakdown
-                out["kernels"] = {"error": f"{type(e).__name__}: {e}"}
-            break
+    trace = rd.rank_trace(0)
+    if trace is not None:
+        try:
+            out["kernels"] = kernel_families(trace)
+        except Exception as e:  # the figures stand without the breakdown
+            out["kernels"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 

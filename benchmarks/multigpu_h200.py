@@ -19,13 +19,13 @@ The lent GPU machine has no OR-Tools: ``--plan-only --plans DIR`` makes every pl
 machine, and ``--plans DIR`` runs them (a plan made for other inputs or pins is planned again).
 
 Per run: step time p50 (warm-up and profiled steps left out), local MFU, samples/s; per NCCL kind the
-kernel time per step on each rank, from the Kineto traces (``coplan.costmodel.traces`` kernel rules),
+kernel time per step on each rank, from the Kineto traces (``coplan.calibration.attribution`` kernel rules),
 and how much of it no compute kernel overlapped (exposed). The scaling ratio is throughput per GPU at
 N over that at 1 (samples/s and model FLOP/s both given).
 
-Cost model: compute is calibrated on the one-GPU run (``coplan.costmodel.calibrate.calibrate``); with
+Cost model: compute is calibrated on the one-GPU run (``coplan.calibration.calibrate``); with
 ``--collectives SWEEP.json`` the NVLink tier's latency and per-collective efficiencies are fitted to a
-``benchmarks/collectives_h200.py`` sweep (``coplan.costmodel.collective_fit``). Each N-GPU run is then
+``benchmarks/collectives_h200.py`` sweep (``coplan.calibration.collective_fit``). Each N-GPU run is then
 priced under the defaults, compute-calibrated, and fully calibrated, on the run's own measured history
 lengths: predicted step time against measured, and predicted time per collective kind against the
 traces.
@@ -157,11 +157,12 @@ def needs_forced(plan, workload) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 def launch(plan_path: Path, nproc: int, args, run_id: str, data: Path, timeout: float) -> dict:
-    from coplan.spec import load_plan
+    from coplan.spec import RunDir, load_plan
 
     run_dir = args.runs_root / run_id
-    if args.reuse and (run_dir / "summary.json").is_file():
-        same = [load_plan(x).model_dump(mode="json", exclude={"created_utc"}) for x in (run_dir / "plan.json", plan_path)]
+    rd = RunDir(run_dir)
+    if args.reuse and rd.summary_path.is_file():
+        same = [load_plan(x).model_dump(mode="json", exclude={"created_utc"}) for x in (rd.plan_path, plan_path)]
         if same[0] == same[1]:
             stamp(f"{run_id}: reusing {run_dir}")
             return {"ok": True, "reused": True, "wall_s": 0.0, "run_dir": str(run_dir)}
@@ -230,7 +231,8 @@ def _intersection(x, y) -> float:
 def nccl_profile(trace_path: Path) -> dict:
     """Per profiled step of one rank: NCCL kernel time and calls per collective kind, how much of the
     NCCL time no compute kernel overlapped, and the device-side step length."""
-    from coplan.costmodel.traces import classify_kernel, load_trace
+    from coplan.calibration.attribution import classify_kernel
+    from coplan.calibration.kineto import load_trace
 
     events = [e for e in load_trace(trace_path).get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -270,11 +272,12 @@ def nccl_profile(trace_path: Path) -> dict:
 
 
 def measure(run: dict, args, nproc: int) -> dict:
-    from coplan.spec import load_run_result
+    from coplan.spec import RunDir
 
-    run_dir = Path(run["run_dir"])
-    s = load_run_result(run_dir / "summary.json")
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rd = RunDir(run["run_dir"])
+    run_dir = rd.path
+    s = rd.result()
+    lines = rd.metrics()
     measured = [x for x in lines if args.warmup <= x["step"] < args.steps - args.trace_steps]
     p50 = s.step_time.p50_s if s.step_time else None
     samples = sum(x["samples"] for x in measured) / max(1, len(measured))
@@ -294,7 +297,7 @@ def measure(run: dict, args, nproc: int) -> dict:
     }
     ranks = {}
     for k in range(nproc):
-        tp = run_dir / "traces" / f"rank{k}.json"
+        tp = rd.trace_path(k)
         if not tp.is_file():
             continue
         try:
@@ -311,12 +314,12 @@ def measure(run: dict, args, nproc: int) -> dict:
                                    "calls": ok[0]["calls_per_step"].get(k, 0.0)} for k in kinds}
     if ok:
         out["nccl_exposed_ms_per_step_max_rank"] = max(r["nccl_exposed_ms_per_step"] for r in ok)
-    if args.save_traces and (run_dir / "traces" / "rank0.json").is_file():
+    if args.save_traces and rd.trace_path(0).is_file():
         import gzip
 
         args.save_traces.mkdir(parents=True, exist_ok=True)
         dst = args.save_traces / f"multigpu_{run_dir.name}_rank0.json.gz"
-        with (run_dir / "traces" / "rank0.json").open("rb") as f, gzip.open(dst, "wb") as g:
+        with rd.trace_path(0).open("rb") as f, gzip.open(dst, "wb") as g:
             shutil.copyfileobj(f, g)
         out["trace_saved"] = str(dst)
     return out
@@ -327,10 +330,10 @@ def measure(run: dict, args, nproc: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def _profiled_or_measured_moments(run_dir: Path, steps: list[int]) -> dict:
-    from coplan.costmodel.calibrate import measured_moments
+    from coplan.calibration.runs import measured_moments
+    from coplan.spec import RunDir
 
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return measured_moments(lines, steps)
+    return measured_moments(RunDir(run_dir).metrics(), steps)
 
 
 def price_plan(plan, calibration, moments: dict, topology=None) -> dict:
@@ -339,12 +342,6 @@ def price_plan(plan, calibration, moments: dict, topology=None) -> dict:
     from coplan.costmodel.context import build_context
     from coplan.costmodel.pricer import price
 
-    try:  # a reference-attention plan takes the efficiency fitted to reference runs, as predict_step_time does
-        from coplan.costmodel.calibrate import _for_backend
-
-        calibration = _for_backend(plan, calibration)
-    except ImportError:
-        pass
     ctx = build_context(plan.workload, topology or plan.topology, plan.mesh, calibration, force_calibration=True)
     for seq, m in moments.items():
         if seq in ctx.moments:
@@ -563,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     cal_compute = cal_full = fit = None
     if base.get("ok"):
         try:
-            from coplan.costmodel.calibrate import calibrate
+            from coplan.calibration.assemble import calibrate
 
             # host=True: the one-GPU step is host-bound (issue 6), so the per-launch host cost is fitted
             # to its measured step times too, as benchmarks/calibration_h200.py does
@@ -578,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             record_error("calibrate (1 GPU)", e)
     if args.collectives:
         try:
-            from coplan.costmodel.collective_fit import fit_sweep, load_sweep, merge_into_calibration
+            from coplan.calibration.collective_fit import fit_sweep, load_sweep, merge_into_calibration
 
             fit = fit_sweep(load_sweep(args.collectives), topoN)
             res["collective_fit"] = fit.to_dict()
@@ -596,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             out["moments"] = moments
             cases = [("default", None, None), ("compute_calibrated", cal_compute, None)]
             if fit is not None:
-                from coplan.costmodel.collective_fit import apply_to_topology
+                from coplan.calibration.collective_fit import apply_to_topology
 
                 cases.append(("calibrated", cal_full, apply_to_topology(plan.topology, fit) if nproc > 1 else None))
             for label, cal, topo in cases:

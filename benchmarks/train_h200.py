@@ -46,7 +46,7 @@ The A/B cases measure 30 steps each (the `ab` set takes ~4 min on the H200, the 
 
 Writes ``benchmarks/results/train_h200.json`` (or ``--out``): per case the measured local MFU,
 tokens/s, step-time p50/p90, peak memory, where the time went in the profiled steps (the Kineto
-trace attributed to the cost model's ops by ``coplan.costmodel.traces``), the per-kernel table and
+trace attributed to the cost model's ops by ``coplan.calibration.attribution``), the per-kernel table and
 the host side of the profiled steps (kernel launches, blocking syncs and the time they waited, host
 busy time per thread, GPU idle share; each slow host op with its thread, the ranges around it and its
 CUDA runtime calls), the measured steps' spread, and each case's trace, gzipped beside ``--out``.
@@ -85,7 +85,7 @@ except ImportError:  # the script copied alone to the device: COPLAN_GIT_COMMIT 
 
     plan_command = plan_facts = table_pins = planned
 
-from coplan.spec import dump_spec, load_run_result, load_topology, load_workload
+from coplan.spec import RunDir, dump_spec, load_topology, load_workload
 from coplan.spec.workload import InterFormerBlock, KunlunBlock, MoEBlock
 from coplan.trainer.data import data_sha256, generate_dataset
 
@@ -115,7 +115,7 @@ def workload_dims(w) -> dict:
 
 def trace_breakdown(path: Path, top: int = 20) -> dict:
     """Where the profiled steps' time went, per op class and per op (cost-model names)."""
-    from coplan.costmodel.traces import attribute_file
+    from coplan.calibration.attribution import attribute_file
 
     a = attribute_file(path)
     steps = max(1, a.steps)
@@ -434,8 +434,9 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
     if proc.returncode != 0:
         return {"ok": False, "returncode": proc.returncode, "wall_s": wall, "command": cmd,
                 "log_tail": log[-5000:], **extra_out}
-    s = load_run_result(run_dir / "summary.json")
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rd = RunDir(run_dir)
+    s = rd.result()
+    lines = rd.metrics()
     measured = [x for x in lines if warmup <= x["step"] < steps - args.trace_steps]
     out = {
         "ok": True, "wall_s": wall, "run_dir": str(run_dir), "attention_backend": s.attention_backend,
@@ -456,7 +457,7 @@ def run_backend(plan_path: Path, args, run_id: str, data: Path, extra: list[str]
     }
     if compiling:  # compile time shows in the warm-up steps' times
         out["warmup_step_time_ms"] = [x["step_time_s"] * 1e3 for x in lines if x["step"] < warmup]
-    trace = run_dir / "traces" / "rank0.json"
+    trace = rd.trace_path(0)
     if trace.is_file() and args.keep_traces:
         # the evidence stays with the figures (v3's trace was lost with the device): gzipped beside --out
         import gzip

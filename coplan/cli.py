@@ -25,7 +25,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("coplan.planner.cli", "choose the parallel plan of a workload on a topology (CP-SAT) -> plan.json"),
     "report": ("coplan.reports.cli", "write a self-contained Plotly HTML report of a plan (and runs, calibrations)"),
     "train": ("coplan.trainer.cli", "run a plan on GPUs (or CPU/gloo) with torchrun; metrics, MFU, traces, checkpoints"),
-    "calibrate": ("coplan.costmodel.calibrate_cli", "fit the cost model to the traces of runs -> calibration.json"),
+    "calibrate": ("coplan.calibration.cli", "fit the cost model to the traces of runs -> calibration.json"),
     "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)"),
     "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory"),
     "sample-workload": ("coplan.sample_cli", "draw a GEM-shaped workload of a family (one H200, a node, a cluster) from a seed"),

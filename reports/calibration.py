@@ -2,9 +2,9 @@
 (op, phase) sample of the runs the calibration was fitted on, before (the cost model's defaults) and
 after (the calibration), with the error per op class.
 
-Samples, measured times and predictions all come from :mod:`coplan.costmodel.calibrate`: each run's
-traces are attributed (:func:`~coplan.costmodel.calibrate.run_samples`) and each sample is priced by
-the same roofline the fit used (:func:`~coplan.costmodel.calibrate.predict`) under the efficiencies
+Samples, measured times and predictions all come from :mod:`coplan.calibration`: each run's
+traces are attributed (:func:`~coplan.calibration.runs.run_samples`) and each sample is priced by
+the same roofline the fit used (:func:`~coplan.calibration.device_fit.predict`) under the efficiencies
 resolved with and without the calibration. When none of the source runs can be read, the figure falls
 back to the per-class errors the calibration file itself reports.
 """
@@ -70,7 +70,8 @@ def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, 
     """Read the calibration's source runs and price every sample both ways. ``extra_runs`` (the report's
     ``--run``) stand in, flagged as held out, only when none of the source runs can be read: mixing
     fitted and unseen samples in one error figure would blur both."""
-    from coplan.costmodel.calibrate import predict, run_samples
+    from coplan.calibration.device_fit import predict
+    from coplan.calibration.runs import run_samples
     from coplan.costmodel.efficiency import resolve_efficiencies
 
     base = Path(cal_path).resolve().parent if cal_path else None

@@ -22,7 +22,7 @@ from typing import Any
 from coplan.costmodel import Context, StepCost, build_context, price
 from coplan.costmodel.schedule import Schedule
 from coplan.errors import CoplanError
-from coplan.spec import Calibration, Plan, Prediction, RunResult, load_calibration, load_plan, load_run_result, spec_sha256
+from coplan.spec import Calibration, Plan, Prediction, RunDir, RunResult, load_calibration, load_plan, load_run_result, spec_sha256
 
 
 class ReportInputError(CoplanError):
@@ -85,23 +85,16 @@ def load_metrics(path: Path) -> tuple[dict[str, Any], ...]:
 
 def load_run(path: str | Path) -> RunData:
     """Load a run directory written by ``coplan train``."""
-    p = Path(path)
+    rd = RunDir(path)
+    p = rd.path
     if not p.is_dir():
         raise ReportInputError(f"{p}: not a run directory (expected runs/<id>/ with summary.json and metrics.jsonl)")
-    summary = p / "summary.json"
-    if not summary.exists():
+    if not rd.summary_path.exists():
         raise ReportInputError(f"{p}: no summary.json; is the run finished? (coplan train writes it at the end)")
-    result = load_run_result(summary)
-    metrics = load_metrics(p / "metrics.jsonl")
-    plan = load_plan(p / "plan.json") if (p / "plan.json").exists() else None
-    tdir = p / "traces"
-
-    def rank_of(f: Path) -> int:
-        digits = "".join(ch for ch in f.name.split(".")[0] if ch.isdigit())
-        return int(digits) if digits else 0
-
-    traces = tuple(sorted((f for f in tdir.glob("rank*.json*")), key=rank_of)) if tdir.is_dir() else ()
-    return RunData(path=p, result=result, metrics=metrics, plan=plan, trace_paths=traces)
+    result = load_run_result(rd.summary_path)
+    metrics = load_metrics(rd.metrics_path)
+    plan = rd.plan() if rd.plan_path.exists() else None
+    return RunData(path=p, result=result, metrics=metrics, plan=plan, trace_paths=rd.trace_paths())
 
 
 @dataclass

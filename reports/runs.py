@@ -1,6 +1,6 @@
 """Run figures (``coplan report --run runs/<id>``): what a training run measured next to what the plan
 predicted. Per step: step time, MFU and the jagged imbalance from ``metrics.jsonl``; per op class:
-device time attributed from the Kineto traces (:mod:`coplan.costmodel.traces`) against the cost
+device time attributed from the Kineto traces (:mod:`coplan.calibration.attribution`) against the cost
 model's per-op and per-collective times.
 
 Both sides are per optimizer step. The measured side of the op-class figure is the mean over the
@@ -10,7 +10,6 @@ device than the plan's topology (a CPU functional run on gloo) is compared as it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +97,7 @@ def _trace_sample(paths: tuple[Path, ...]) -> list[tuple[int, Path]]:
 
 def class_times(run: RunData, pred: Prediction | None) -> ClassTimes | None:
     """Predicted vs measured seconds per step by op class and collective kind (None without traces)."""
-    from coplan.costmodel.traces import attribute_file
+    from coplan.calibration.attribution import attribute_file
 
     if not run.trace_paths:
         return None

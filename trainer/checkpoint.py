@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.tensor import DTensor, Shard
 
 from coplan.errors import CoplanError
+from coplan.spec import RunDir
 from coplan.trainer.distributed.embedding import local_shards
 from coplan.trainer.optim import Optimizers
 from coplan.trainer.parallelize import ParallelModel
@@ -159,7 +160,7 @@ class Scan:
 
 def scan(run_dir: Path) -> Scan:
     complete, incomplete = [], []
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints_dir
     found = [p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p) is not None] if root.is_dir() else []
     for p in sorted(found, key=lambda q: (_step_of(q), q.name)):
         ok = not p.name.endswith(TMP_SUFFIX) and (p / MARKER).is_file() and (p / ".metadata").is_file()
@@ -170,7 +171,7 @@ def scan(run_dir: Path) -> Scan:
 def save(run_dir: Path, pm: ParallelModel, optims: Optimizers, step: int, keep: int = 2) -> Path:
     """Write ``checkpoints/step_<step>`` (after ``step`` has run), atomically; keeps the ``keep``
     newest complete ones (0: all). Every rank calls it."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints_dir
     path = root / f"{STEP_PREFIX}{step:08d}"
     tmp = path.with_name(path.name + TMP_SUFFIX)
     rank = dist.get_rank()

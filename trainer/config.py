@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from coplan.errors import CoplanError, MismatchError
-from coplan.spec import Plan
+from coplan.spec import Plan, RunDir
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,7 +121,7 @@ def resolve_resume(resume: str | None, runs_root: Path, run_id: str | None) -> P
     if not run_id:
         raise CoplanError("--resume auto needs --run-id: a restarted job must find the same run directory")
     found = runs_root / run_id
-    return found if (found / "plan.json").is_file() else None
+    return found if RunDir(found).plan_path.is_file() else None
 
 
 def configs(args: argparse.Namespace) -> list[TrainConfig]:

@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from coplan import __version__
 from coplan.errors import CoplanError, MismatchError
-from coplan.spec import Plan, RunResult, dump_spec, load_plan, spec_sha256
+from coplan.spec import Plan, RunDir, RunOptions, RunResult, dump_spec, load_plan, spec_sha256
 from coplan.trainer import checkpoint as ckpt
 from coplan.trainer.config import Ranks, TrainConfig, check_launch
 from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, generate_dataset
@@ -113,9 +113,9 @@ def open_run_dir(cfg: TrainConfig, plan: Plan, ranks: Ranks) -> Path:
     """The run directory: the one resumed, or a new one that rank 0 names and every rank agrees on."""
     if cfg.resume:
         run_dir = cfg.resume
-        if not (run_dir / "plan.json").is_file():
+        if not (RunDir(run_dir).plan_path).is_file():
             raise CoplanError(f"--resume {run_dir}: not a run directory (no plan.json)")
-        if spec_sha256(load_plan(run_dir / "plan.json")) != spec_sha256(plan):
+        if spec_sha256(load_plan(RunDir(run_dir).plan_path)) != spec_sha256(plan):
             raise MismatchError(f"--resume {run_dir}: that run trained a different plan than {cfg.plan}")
     else:
         rid = [cfg.run_id or f"{plan.workload.name}-{ranks.world}r-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"]
@@ -123,8 +123,8 @@ def open_run_dir(cfg: TrainConfig, plan: Plan, ranks: Ranks) -> Path:
         run_dir = cfg.runs_root / rid[0]
     if ranks.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not (run_dir / "plan.json").exists():
-            dump_spec(plan, run_dir / "plan.json")
+        if not (RunDir(run_dir).plan_path).exists():
+            dump_spec(plan, RunDir(run_dir).plan_path)
     return run_dir
 
 
@@ -213,7 +213,7 @@ def resume(run_dir: Path, built: Built, rank: int) -> int:
     if rank == 0:
         print(f"resumed from {last} at step {start}" if last else f"resuming {run_dir}: no complete checkpoint, "
               "starting from step 0", file=sys.stderr, flush=True)
-        mp = run_dir / "metrics.jsonl"
+        mp = RunDir(run_dir).metrics_path
         if mp.is_file():
             kept = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start]
             tmp = mp.with_suffix(".jsonl.tmp")
@@ -224,7 +224,7 @@ def resume(run_dir: Path, built: Built, rank: int) -> int:
 
 
 def seq_chunk_note(layout: FeatureLayout) -> str:
-    """The summary's record of the sequence lookups' bags (``seq_chunk=N``: what calibration parses)."""
+    """The summary note on the sequence lookups' bags (the typed value is ``RunOptions.seq_chunk``)."""
     if not layout.seq_chunk:
         return "sequence lookup bags: seq_chunk=0 (one bag per sample)"
     per = ", ".join(f"{g} {layout.chunks_per_sample(g)}" for g in layout.sequence_groups)
@@ -291,7 +291,7 @@ class Loop:
             self.bar.start()
         self.prefetch = Prefetcher(self.reader, self.start, self.steps, prepare=self.pipe.host, setup=self.pipe.thread_setup)
         try:
-            with TraceWindow(self.run_dir / "traces", self.ranks.rank, trace_first, trace_count, self.start,
+            with TraceWindow(RunDir(self.run_dir), self.ranks.rank, trace_first, trace_count, self.start,
                              self.device) as tw:
                 for step in range(self.start, self.steps):
                     self.timer.mark(step)  # a step runs from its start to the next step's start: data stalls count
@@ -411,7 +411,7 @@ class Loop:
                              seq_max=p.seq_max)
             self.records.append(rec)
             if self.ranks.rank == 0:
-                with (self.run_dir / "metrics.jsonl").open("a") as f:
+                with RunDir(self.run_dir).metrics_path.open("a") as f:
                     f.write(json.dumps(rec.as_json()) + "\n")
                 if self.bar is not None:
                     self.bar.update(self.bar.task_ids[0], status=f"loss={loss:.4f} step_s={dt:.3g} mfu={rec.mfu:.1%}")
@@ -458,8 +458,9 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
         samples_per_s=sum(r.samples for r in measured) / total_t if total_t else 0.0,
         peak_memory_bytes=tuple(float(m) for m in mems), first_loss=records[0].loss if records else None,
         final_loss=records[-1].loss if records else None, attention_backend=built.backend, notes="; ".join(notes),
+        options=RunOptions(seq_chunk=int(loop.layout.seq_chunk or 0), compile=loop.cfg.compile, attention_backend=built.backend),
     )
-    dump_spec(result, loop.run_dir / "summary.json")
+    dump_spec(result, RunDir(loop.run_dir).summary_path)
     st = result.step_time
     print(
         f"run {loop.run_dir}: {steps - start} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}"
@@ -485,7 +486,7 @@ def train(cfg: TrainConfig, plan: Plan, ranks: Ranks) -> int:
     if ranks.rank == 0:  # this launch's switches, machine-readable (calibration reads seq_chunk from here)
         config = cfg.as_json()
         config["seq_chunks_per_sample"] = {g: loop.layout.chunks_per_sample(g) for g in loop.layout.sequence_groups}
-        (run_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+        RunDir(run_dir).config_path.write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     warmup = cfg.warmup_steps()
     trace_first, trace_count = trace_window(cfg.trace, warmup, cfg.steps)

@@ -30,14 +30,15 @@ from coplan.spec.plan import (
     SolverReport,
     TableShard,
 )
-from coplan.spec.run import RunResult, StepTimeStats
+from coplan.spec.run import RunOptions, RunResult, StepTimeStats
+from coplan.spec.run_dir import RunDir, RunDirError
 from coplan.spec.topology import GpuSpec, Reliability, Tier, Topology
 from coplan.spec.workload import Workload
 
 __all__ = [
     "COLLECTIVES", "OP_CLASSES", "SCHEMA_VERSION", "SPEC_KINDS", "Alternative", "BalancingPlan", "Calibration", "CommPrediction",
     "FitError", "GpuSpec", "LayerPlan", "MeshAxis", "MeshPlan", "OpClassCalibration", "OpPrediction", "Plan",
-    "Prediction", "Reliability", "RunResult", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
+    "Prediction", "Reliability", "RunDir", "RunDirError", "RunOptions", "RunResult", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
     "Topology", "Workload", "dump_spec", "list_presets", "load_any", "load_calibration", "load_plan",
     "load_run_result", "load_spec", "load_topology", "load_workload", "parse_spec", "spec_sha256",
 ]

@@ -74,7 +74,7 @@ class Calibration(Spec):
     """Host time per sample of the rank's local batch per step, in seconds, added to the host's time
     (priced launches × ``host_launch_s``) before the step takes the longer of host and device: the
     trainer's per-sample host work (the data thread's batch read, balancing, KJT building and pinning,
-    competing with the launching threads for the GIL; see ``coplan.costmodel.calibrate``). None: none
+    competing with the launching threads for the GIL; see ``coplan.calibration``). None: none
     (calibrations written before it existed load unchanged)."""
 
     device_step_factor: Annotated[float, Field(ge=0.5, le=3)] | None = None
@@ -86,9 +86,9 @@ class Calibration(Spec):
 
     host_op_median_us: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     """The host speed the host costs were fitted at: per host call that every fitted run made many times
-    (``coplan.costmodel.traces.HOST_SPEED_OPS``), the geometric mean over the fitted runs of its median
+    (``coplan.calibration.host_profile.HOST_SPEED_OPS``), the geometric mean over the fitted runs of its median
     host duration in their profiled steps, in µs. A later run's trace read against it says how much
-    slower or faster its host ran (``coplan.costmodel.traces.host_speed_index``); the host costs hold for
+    slower or faster its host ran (``coplan.calibration.host_profile.host_speed_index``); the host costs hold for
     a host this fast. Empty: not recorded (calibrations written before it existed load unchanged)."""
 
     lookup_id_latency_s: Annotated[float, Field(ge=0, le=1)] | None = None

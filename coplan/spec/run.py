@@ -33,6 +33,19 @@ class StepTimeStats(Spec):
     """Slowest step."""
 
 
+class RunOptions(Spec):
+    """The trainer's launch switches that change what a run measured, for whoever prices its steps again."""
+
+    seq_chunk: int = Field(default=0, ge=0)
+    """Ids per bag of the sequence lookups (0: one bag per sample's whole history)."""
+
+    compile: str = "off"
+    """``torch.compile`` mode of the dense layers (``off``, ``layers``, ``layers-cpp``)."""
+
+    attention_backend: str = ""
+    """Attention kernel backend that ran (the plan's, or the launch's override)."""
+
+
 class RunResult(Spec):
     """Summary of one training run."""
 
@@ -95,6 +108,9 @@ class RunResult(Spec):
 
     attention_backend: str = ""
     """Attention kernel backend used."""
+
+    options: RunOptions | None = None
+    """The launch switches the run ran with (None: a summary written before they were recorded)."""
 
     notes: str = ""
     """Anything a reader of the figures should know."""

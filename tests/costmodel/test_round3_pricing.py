@@ -8,17 +8,19 @@ import numpy as np
 import pytest
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.calibrate import Sample, predict, unit_terms
+from coplan.calibration.device_fit import predict
+from coplan.calibration.runs import Sample
+from coplan.calibration.terms import unit_terms
 from coplan.costmodel.compute import REFERENCE_PAD_MULTIPLE, expected_max_moments, op_arrays
 from coplan.costmodel.context import build_context
 from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs
 from coplan.costmodel.memory import EMBEDDING_OUTPUT_BYTES, fsdp_copy_bytes
 from coplan.costmodel.efficiency import UNFUSED_CLASS
 from coplan.costmodel.pricer import price, priced_launches
-from coplan.costmodel.traces import attribute
+from coplan.calibration.attribution import attribute
 from coplan.spec import MeshPlan
 
-from ._trace import _ev
+from tests.calibration._trace import _ev
 from .helpers import gem_h200_plan
 
 
@@ -192,7 +194,9 @@ def test_step_phases_add_up_to_the_step_and_its_priced_launches():
     """The per-phase reading's parts are the pricer's own: device time per phase sums to the step under
     the device fit, launches per phase to the step's launch slope; and with every phase host-bound or
     every phase device-bound the per-phase form equals the max form."""
-    from coplan.costmodel.calibrate import FitResult, step_launches, step_phases
+    from coplan.calibration.device_fit import FitResult
+    from coplan.calibration.step_price import step_launches
+    from benchmarks._calibration_extras import step_phases
 
     plan = _plan(8, 512)
     res = FitResult({("gemm", "bf16"): 0.6, ("attention", "bf16"): 0.4}, {"gemm": 0.8, "attention": 0.7, "elementwise": 0.7,

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.calibrate import (CalibrationError, fit_host_terms, fit_step_terms, measured_moments,
-                                        predict_median_step, predict_step_time)
+from coplan.calibration.host_fit import fit_host_terms, fit_step_terms
+from coplan.calibration.runs import CalibrationError, measured_moments
+from coplan.calibration.step_price import predict_median_step, predict_step_time
 from coplan.costmodel.compute import op_arrays
 from coplan.costmodel.context import build_context
 from coplan.costmodel.pricer import layer_sets, host_launches, price, sync_exposed, synced_step
@@ -151,7 +152,7 @@ def test_unfused_ops_pay_a_device_floor_per_extra_kernel():
     """The padded reference runs its call's ATen kernels on the device (84 forward, 28 backward, non-causal
     GDPA): each beyond the priced launch costs ``unfused_kernel_s``; the calibration's sample carries the
     count; the fused backend has none."""
-    from coplan.costmodel.calibrate import unit_terms
+    from coplan.calibration.terms import unit_terms
     from coplan.spec import Calibration
 
     out = {}

@@ -190,7 +190,7 @@ def test_resume_continues_exactly(fsdp_ep_stock):
 
 @pytest.mark.parametrize("case, ranks", [("hsdp_ep", 4), ("fsdp_ep_stock", 2)])
 def test_run_directory_is_complete(case, ranks, request):
-    from coplan.costmodel.traces import attribute_file
+    from coplan.calibration.attribution import attribute_file
 
     run = request.getfixturevalue(case)
     d = run["sharded"]
@@ -236,13 +236,15 @@ def test_trainer_refuses_a_launch_that_does_not_match(workspace, tmp_path):
 
 def test_calibrate_from_trainer_traces(fsdp_ep_stock):
     """Issue 8: the trainer's own CPU traces parse, attribute to the cost model's ops and fit."""
-    from coplan.costmodel.calibrate import calibrate
+    from coplan.calibration.assemble import calibrate
     from coplan.costmodel.efficiency import resolve_efficiencies
     from coplan.errors import MismatchError
 
     cal, res, runs = calibrate([fsdp_ep_stock["sharded"]])
     run = runs[0]
     assert cal.device == "cpu"
+    # the trainer records its launch switches, typed, and calibration prices the lookups' bags by them
+    assert run.result.options is not None and run.seq_chunk == run.result.options.seq_chunk
     # The profiled steps' own lengths, from metrics.jsonl: E[L], E[L^2] per sequence feature, and the
     # longest length per micro-batch (`seq_max`) as "<feature>@max" moments for padded backends.
     assert set(run.moments) == {"history", "history@max"}

@@ -35,7 +35,7 @@ def test_gem_tiny_trains_on_one_gpu(tmp_path):
     assert s.attention_backend == "triton" and s.measured_mfu > 0 and s.peak_memory_bytes[0] > 0
     losses = [json.loads(x)["loss"] for x in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 12
-    from coplan.costmodel.traces import attribute_file
+    from coplan.calibration.attribution import attribute_file
 
     att = attribute_file(tmp_path / "gpu" / "traces" / "rank0.json")
     assert att.on_device and any(o.name == "interformer.0.gdpa" for o in att.ops)

@@ -87,7 +87,7 @@ def tiny_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_calibration(tiny_run):
     """The calibration coplan's own calibrate code fits to the tiny run: (path, Calibration)."""
-    from coplan.costmodel.calibrate import calibrate
+    from coplan.calibration.assemble import calibrate
 
     plan_path, run_dir = tiny_run
     cal, _, _ = calibrate([run_dir])

@@ -201,7 +201,7 @@ def test_ffn_activation_runs_in_the_norm_act_range(tmp_path):
 
     from torch.profiler import ProfilerActivity, profile
 
-    from coplan.costmodel.traces import attribute
+    from coplan.calibration.attribution import attribute
 
     ffn = layers_mod.FFN(16, 64, "interformer.0")
     x = torch.randn(8, 16, requires_grad=True)

@@ -49,7 +49,8 @@ def test_host_overhead_switches_keep_the_losses(tmp_path):
 
     # seq_max (what calibration reads for the padded reference) is each step's longest history, and
     # agrees with the same line's seq_stats: regenerate the batches on the host and compare
-    from coplan.costmodel.calibrate import PADDED_SUFFIX, measured_moments
+    from coplan.calibration.terms import PADDED_SUFFIX
+    from coplan.calibration.runs import measured_moments
     from coplan.trainer.data import BatchReader
 
     w = load_workload("gem-tiny")

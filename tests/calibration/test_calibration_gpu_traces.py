@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coplan.costmodel.traces import attribute, classify_kernel, named_range
+from coplan.calibration.attribution import attribute, classify_kernel, named_range
 
 from ._trace import _ev
 

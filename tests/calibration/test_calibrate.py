@@ -9,9 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coplan.costmodel.calibrate import CalibrationError, calibrate, predict, unit_terms
+from coplan.calibration.runs import CalibrationError
+from coplan.calibration.assemble import calibrate
+from coplan.calibration.device_fit import predict
+from coplan.calibration.terms import unit_terms
 from coplan.costmodel.efficiency import resolve_efficiencies
-from coplan.costmodel.traces import attribute, classify_kernel
+from coplan.calibration.attribution import attribute, classify_kernel
 from coplan.errors import MismatchError
 from coplan.spec import MeshPlan, Plan, dump_spec, load_topology, load_workload, spec_sha256
 
@@ -183,7 +186,8 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     """Runs whose measured step is max(device, launches x h) (host and device concurrent): the fit finds
     h from the host-bound runs, writes it as the calibration's host_launch_s (launch overheads stay the
     device fit's), and the calibrated pricer reproduces every step, device-bound ones included."""
-    from coplan.costmodel.calibrate import fit_host_launch_cost, predict_step_time, step_launches
+    from coplan.calibration.host_fit import fit_host_launch_cost
+    from coplan.calibration.step_price import predict_step_time, step_launches
     from coplan.spec import Calibration, OpClassCalibration
 
     rng = np.random.default_rng(3)
@@ -247,7 +251,7 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
 def test_priced_launches_is_the_step_slope_in_the_launch_cost():
     """The host-bound form prices the host at priced_launches x h: that count must be exactly what the
     pricer charges a launch overhead for (recompute and FP8 layers included)."""
-    from coplan.costmodel.calibrate import predict_step_time
+    from coplan.calibration.step_price import predict_step_time
     from coplan.costmodel.compute import op_arrays
     from coplan.costmodel.context import build_context
     from coplan.costmodel.pricer import layer_sets, price, priced_launches
@@ -334,7 +338,8 @@ def test_padded_reference_priced_at_the_batches_longest_lengths_when_known():
     """A run's known longest lengths per micro-batch (``seq_max``, or given to run_samples) replace the
     length pmf's E[max L], E[max L²] for the padded reference: its GDPA FLOPs scale with the measured
     E[M²] exactly, and the Triton backend ignores them."""
-    from coplan.costmodel.calibrate import PADDED_SUFFIX, apply_moments, measured_moments
+    from coplan.calibration.runs import measured_moments
+    from coplan.calibration.terms import PADDED_SUFFIX, apply_moments
     from coplan.costmodel.compute import op_arrays, padded_length_moments
     from coplan.costmodel.context import build_context
 

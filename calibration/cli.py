@@ -7,8 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
+from coplan.calibration.assemble import calibrate
+from coplan.calibration.collective_fit import apply_to_topology, fit_sweep, load_sweep, merge_into_calibration
 from coplan.errors import CoplanError
-from coplan.spec import dump_spec
+from coplan.spec import dump_spec, load_calibration, load_topology
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -17,8 +19,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     cal = None
     report: dict = {"output": args.output}
     if args.runs:
-        from coplan.costmodel.calibrate import calibrate
-
         cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force, host=args.host_cost or args.host_speed,
                                     host_speed=args.host_speed)
         report["runs"] = [{"run": r.run, "attributed_share": r.attributed_share, "unattributed_s": r.unattributed_s,
@@ -26,13 +26,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if not args.json:
             _print_runs(cal, runs)
     elif args.base:
-        from coplan.spec import load_calibration
-
         cal = load_calibration(args.base)
     if args.collectives:
-        from coplan.costmodel.collective_fit import apply_to_topology, fit_sweep, load_sweep, merge_into_calibration
-        from coplan.spec import load_topology
-
         sweep = load_sweep(args.collectives)
         topo = load_topology(args.topology)
         dtypes = args.dtypes.split(",") if args.dtypes else None
@@ -114,7 +109,7 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="also fit a host cost per priced kernel launch and one per local sample, and a device-step factor "
                         "(device work the ops do not price), to the runs' measured step times (host_launch_s, host_sample_s, "
                         "device_step_factor); a step is then priced at max(factor x device time, launches x host cost "
-                        "+ samples x per-sample cost) (see coplan.costmodel.calibrate)")
+                        "+ samples x per-sample cost) (see coplan.calibration.host_fit)")
     p.add_argument("--host-speed", action="store_true",
                    help="with the host cost (implies --host-cost): scale each run's host time by how fast its host ran the "
                         "same calls in its profiled steps, so that runs measured on a slowed (shared) host do not bend the "

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coplan.calibration.collective_fit import (FIT_KINDS, CollectiveFitError, apply_to_topology, fit_sweep, load_sweep,
+                                               merge_into_calibration, predict_time, sweep_from_dict)
 from coplan.cli import main
-from coplan.costmodel.collective_fit import (
-    FIT_KINDS, CollectiveFitError, apply_to_topology, fit_sweep, load_sweep, merge_into_calibration, predict_time,
-    sweep_from_dict, synthesize_sweep,
-)
 from coplan.spec import Calibration, OpClassCalibration, dump_spec, load_calibration, load_topology
+
+from ._sweep import synthesize_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [8192 * 2**i for i in range(18)]  # 8 KiB .. 1 GiB, as the benchmark sweeps

@@ -9,12 +9,16 @@ import json
 import numpy as np
 import pytest
 
-from coplan.costmodel.calibrate import calibrate, fit_host_launch_cost, predict_step_time, run_seq_chunk
+from coplan.calibration.assemble import calibrate
+from coplan.calibration.host_fit import fit_host_launch_cost
+from coplan.calibration.runs import run_seq_chunk
+from coplan.calibration.step_price import predict_step_time
 from coplan.costmodel.context import Options, build_context
 from coplan.costmodel.decomposed import seq_lookup_floor_s, table_option_costs
 from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S, resolve_efficiencies
+from coplan.errors import CoplanError
 from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, Workload, load_calibration
-from coplan.spec import load_topology, load_workload, parse_spec, spec_sha256
+from coplan.spec import dump_spec, load_topology, load_workload, parse_spec, spec_sha256
 
 from .test_calibrate import TRUE_COMPUTE, TRUE_LAUNCH, TRUE_LOOKUP_ID_S, TRUE_MEMORY, _synth_run, _write_step
 
@@ -179,22 +183,23 @@ def test_chunked_bags_price_below_whole_histories_in_the_step():
     assert s0 - s32 == pytest.approx(whole.sum() - chunked.sum(), rel=0.05)
 
 
-def test_run_seq_chunk_reads_config_then_notes_else_zero(tmp_path):
-    a = tmp_path / "a"
-    a.mkdir()
-    (a / "config.json").write_text(json.dumps({"seq_chunk": 32, "steps": 16}))
-    assert run_seq_chunk(a) == 32
-    b = tmp_path / "b"
-    b.mkdir()
-    (b / "summary.json").write_text(json.dumps({"notes": "x; sequence lookup bags: seq_chunk=16 (bags of at most 16 ids)"}))
-    assert run_seq_chunk(b) == 16
+def test_run_seq_chunk_reads_the_recorded_options_else_zero(tmp_path):
+    from coplan.spec import RunOptions, RunResult
+
+    def summary(d, **kw):
+        d.mkdir()
+        dump_spec(RunResult(run_id=d.name, world_size=1, steps=4, warmup_steps=1, **kw), d / "summary.json")
+        return d
+
+    assert run_seq_chunk(summary(tmp_path / "a", options=RunOptions(seq_chunk=32, compile="layers"))) == 32
+    # a summary from before the options were recorded: the cost model's reading, whole histories
+    b = summary(tmp_path / "b", notes="x; sequence lookup bags: seq_chunk=16 (bags of at most 16 ids)")
+    assert run_seq_chunk(b) == 0
     c = tmp_path / "c"
     c.mkdir()
-    assert run_seq_chunk(c) == 0  # runs from before the switch: whole histories
-    (c / "config.json").write_text("{not json")
-    from coplan.costmodel.calibrate import CalibrationError
-
-    with pytest.raises(CalibrationError, match="config.json"):
+    assert run_seq_chunk(c) == 0  # no summary at all
+    (c / "summary.json").write_text("{not json")
+    with pytest.raises(CoplanError, match="summary.json"):
         run_seq_chunk(c)
 
 

@@ -1,8 +1,9 @@
-"""The host side of profiled steps (``coplan.costmodel.traces.host_profile``) on synthetic traces."""
+"""The host side of profiled steps (``coplan.calibration.host_profile.host_profile``) on synthetic traces."""
 
 import pytest
 
-from coplan.costmodel.traces import TraceError, host_profile, host_speed_index
+from coplan.calibration.kineto import TraceError
+from coplan.calibration.host_profile import host_profile, host_speed_index
 
 from ._trace import _ev
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coplan.costmodel.calibrate import (DEVICE_FACTOR_RANGE, calibrate, fit_host_terms, fit_step_terms,
-                                        predict_step_time)
+from coplan.calibration.host_fit import DEVICE_FACTOR_RANGE, fit_host_terms, fit_step_terms
+from coplan.calibration.assemble import calibrate
+from coplan.calibration.step_price import predict_step_time
 from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.errors import SpecError
 from coplan.spec import Calibration, dump_spec, load_calibration, parse_spec

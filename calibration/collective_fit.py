@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from scipy.optimize import least_squares
 
 from coplan.costmodel.comm import bus_factor, collective_model, place_group
 from coplan.costmodel.efficiency import resolve_efficiencies
@@ -246,7 +247,6 @@ def fit_sweep(sweep: Sweep, topology: Topology, tier: str | None = None, *, dtyp
     ``dtypes`` restricts the points used (default: all; bandwidth is counted in bytes, so dtypes pool);
     ``min_bytes`` drops sizes below it (e.g. to fit the bandwidth end only).
     """
-    from scipy.optimize import least_squares
 
     j = tier_index(topology, tier, sweep.world_size)
     tname = topology.tiers[j].name
@@ -378,24 +378,8 @@ def merge_into_calibration(fit: CollectiveFit, base: Calibration | None = None, 
     })
 
 
-# ---------------------------------------------------------------------------------------------
-# Synthetic sweeps (tests, and a check that the fit recovers what it should)
-# ---------------------------------------------------------------------------------------------
-
-def synthesize_sweep(topology: Topology, world_size: int, sizes: Sequence[float], *, noise: float = 0.0, seed: int = 0,
-                     kinds: Sequence[str] = FIT_KINDS, dtype: str = "bf16") -> Sweep:
-    """A sweep whose times are the cost model's on ``topology``, times log-normal noise of ``noise``."""
-    rng = np.random.default_rng(seed)
-    pts = []
-    for k in kinds:
-        t = predict_time(topology, k, np.asarray(sizes, dtype=float), world_size)
-        t = t * np.exp(rng.normal(0.0, noise, size=len(sizes))) if noise else t
-        pts += [SweepPoint(k, dtype, float(s), float(x)) for s, x in zip(sizes, t)]
-    return Sweep(world_size, tuple(pts), topology.gpu.name, f"synthetic:{topology.name}")
-
-
 __all__ = [
     "CollectiveFit", "CollectiveFitError", "FIT_KINDS", "KindFit", "Sweep", "SweepPoint", "apply_to_topology",
     "fit_sweep", "load_sweep", "merge_into_calibration", "model_terms", "predict_time", "sweep_from_dict",
-    "synthesize_sweep", "tier_index",
+    "tier_index",
 ]

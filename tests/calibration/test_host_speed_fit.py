@@ -4,8 +4,10 @@ synthetic measured steps with noise, and shows why the speed matters when it goe
 import numpy as np
 import pytest
 
-from coplan.costmodel.calibrate import CalibrationError, fit_host_terms, host_reference_us
-from coplan.costmodel.traces import HostProfile
+from coplan.calibration.runs import CalibrationError
+from coplan.calibration.host_fit import fit_host_terms
+from coplan.calibration.host_profile import host_reference_us
+from coplan.calibration.host_profile import HostProfile
 
 
 def _runs(seed: int, h: float, s: float, *, speed_with_batch: bool, noise: float = 0.02):

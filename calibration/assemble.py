@@ -1,0 +1,105 @@
+"""Calibrate: read runs, fit the device and (optionally) the host, and write one Calibration with its
+fit error. The entry point of ``coplan calibrate RUN...``."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from coplan import __version__
+from coplan.calibration.device_fit import FitResult, fit
+from coplan.calibration.host_fit import fit_host_launch_cost
+from coplan.calibration.host_profile import host_reference_us
+from coplan.calibration.runs import CalibrationError, RunSamples, run_samples
+from coplan.calibration.step_price import unfused_memory
+from coplan.calibration.terms import CLASSES
+from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
+from coplan.spec import Calibration, FitError, OpClassCalibration
+from coplan.spec.calibration import ComputeOpClass
+
+
+def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host: bool = False, prepared: Sequence[RunSamples] | None = None,
+              host_speed: bool = False) -> tuple[Calibration, FitResult, list[RunSamples]]:
+    """Fit a Calibration to the runs; all must come from one device unless ``force``.
+
+    ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times
+    (:mod:`coplan.calibration.host_fit`, max form) when their summaries have them, written as ``host_launch_s``; the
+    ``fit_error`` stays that of the device-time fit (per op, without ``h``). ``prepared``: the runs' :func:`run_samples`, already
+    read (same order as ``run_dirs``), to save parsing their traces again. ``host_speed`` (with ``host``):
+    fit the host costs to the runs' steps each scaled by its host's speed (``fit_host_launch_cost``);
+    either way the fitted runs' host speed is recorded (``host_op_median_us``) when their traces have it.
+    """
+    if not run_dirs:
+        raise CalibrationError("give at least one run directory")
+    runs = list(prepared) if prepared is not None else [run_samples(d, rank=rank, force=force) for d in run_dirs]
+    devices = sorted({r.device for r in runs})
+    if len(devices) > 1 and not force:
+        raise CalibrationError(f"the runs come from different devices {devices}; calibrate each device separately (or --force)")
+    topo = runs[0].plan.topology
+    eff = resolve_efficiencies(topo)
+    samples = [s for r in runs for s in r.samples]
+    res = fit(samples, eff.compute, eff.memory, eff.launch_s)
+    rel = res.rel_errors()
+    host_fit = fit_host_launch_cost(runs, res, per_sample=True, host_speed=host_speed, fit_device_factor=True) if host else None
+    profiles = [r.host for r in runs if r.host is not None and r.host.op_median_us]
+    if host_fit and host_fit.host_reference_us:
+        host_ref = host_fit.host_reference_us
+    else:
+        host_ref = host_reference_us(profiles) if host and profiles else {}
+    h = host_fit.h_s if host_fit else 0.0
+    hs = host_fit.sample_s if host_fit else 0.0
+    f = host_fit.device_factor if host_fit else 1.0
+    op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
+    for c in CLASSES:
+        ce = {dt: min(1.0, v) for (cc, dt), v in res.compute.items() if cc == c}
+        me = res.memory.get(c)
+        la = res.launch_s.get(c)
+        if ce or me is not None or la is not None:
+            op_classes[c] = OpClassCalibration(
+                compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me), launch_overhead_s=la
+            )
+    versions = dict(runs[0].result.versions) if runs[0].result else {}
+    versions.setdefault("coplan", __version__)
+    cal = Calibration(
+        device=devices[0],
+        created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        versions=versions,
+        source_runs=tuple(str(d) for d in run_dirs),
+        op_classes=op_classes,
+        host_launch_s=min(1.0, h) if h > 0 else None,
+        host_sample_s=min(1.0, hs) if hs > 0 else None,
+        device_step_factor=f if host_fit else None,
+        host_op_median_us=host_ref,
+        lookup_id_latency_s=res.lookup_id_s,
+        unfused_memory_efficiency=unfused_memory(res),
+        unfused_kernel_s=res.launch_s.get(UNFUSED_CLASS),
+        fit_error=FitError(
+            median_abs_rel_error=float(np.median(rel)),
+            max_abs_rel_error=float(np.max(rel)),
+            per_op_class=res.per_class_error(),
+            num_samples=len(samples),
+        ),
+        notes=(
+            f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; "
+            f"trace time attributed: {min(r.attributed_share for r in runs):.1%} (worst run); "
+            + (f"host cost {h * 1e6:.2f} us per priced launch (host_launch_s) and {hs * 1e6:.1f} us per local sample "
+               f"(host_sample_s), and device step factor {f:.3f} (device_step_factor: device work the ops do not price), "
+               f"fitted to {len(host_fit.runs)} measured step time(s) (step = max(factor x device step, launches x "
+               f"host cost + samples x per-sample host cost): host and device run concurrently; "
+               + ("no fitted run is host-bound under the fit, so the host costs are not identified by these runs (the "
+                  "smallest that fits is kept); " if not host_fit.host_bound().any() else "")
+               + f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
+               f"fit_error is of device time, without it); "
+               + (f"each run's host time scaled by its host's speed (index {min(host_fit.speed):.2f}-{max(host_fit.speed):.2f} "
+                  "against the runs' mean, host_op_median_us); " if host_fit.speed else "")
+               if host_fit else ("no host cost fitted (no measured step times); " if host else ""))
+            + "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
+        ),
+    )
+    return cal, res, runs
+
+
+__all__ = ["calibrate"]

@@ -1,0 +1,200 @@
+"""Reading runs: one run directory (``runs/<id>/``, :class:`coplan.spec.RunDir`) becomes the samples a
+fit reads. Its rank's trace is attributed to the cost model's ops (:mod:`coplan.calibration.attribution`),
+each measured (op, phase) is paired with its unit-efficiency roofline terms
+(:mod:`coplan.calibration.terms`) at the length moments of the profiled steps, and the host side of the
+profiled steps is read (:mod:`coplan.calibration.host_profile`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from coplan.calibration.attribution import TraceAttribution, attribute
+from coplan.calibration.host_profile import HostProfile, host_profile
+from coplan.calibration.kineto import TraceError, load_trace
+from coplan.calibration.terms import PADDED_SUFFIX, unit_terms
+from coplan.errors import CoplanError
+from coplan.spec import Plan, RunDir, RunResult
+
+
+class CalibrationError(CoplanError):
+    """A run directory cannot be calibrated from (missing files, no attributable ops)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One measured (op, phase) of one run, per micro-batch, with its unit-efficiency roofline terms."""
+
+    run: str
+    name: str
+    phase: str
+    op_class: str
+    dtype: str
+    measured_s: float
+    flop_s: float
+    """F / peak: seconds at compute efficiency 1."""
+    mem_s: float
+    """(B + B_fixed) / datasheet HBM bandwidth: seconds at memory efficiency 1."""
+    launches: float
+    serial_mem_s: float = 0.0
+    """Bytes of the op's separate elementwise kernels / HBM bandwidth (an unfused op: the padded
+    reference), priced at :data:`coplan.costmodel.efficiency.UNFUSED_CLASS`'s memory efficiency and
+    added to the roofline."""
+    mem_class: str = ""
+    """Class whose memory efficiency prices ``mem_s`` ("": the op's own; an unfused op's matmuls:
+    :data:`coplan.costmodel.efficiency.UNFUSED_CLASS`)."""
+    lookup_groups: tuple[tuple[float, float], ...] = ()
+    """The sequence lookups' kernels within this sample (the embedding forward), one per group of
+    tables: (bytes / HBM bandwidth, serial ids: waves × ids in the longest bag × micro-batches). Each
+    costs max(bytes time / m_embedding, serial ids × lookup_id_s) and adds to the rest (``mem_s``);
+    see :func:`coplan.costmodel.context.seq_lookup_floor_s`."""
+    extra_kernels: float = 0.0
+    """Kernels of an unfused op beyond ``launches`` (per micro-batch), each costing the ``unfused`` launch
+    overhead (a calibration's ``unfused_kernel_s``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSamples:
+    """What one run contributes: its samples and what could not be attributed."""
+
+    run: str
+    device: str
+    plan: Plan
+    result: RunResult | None
+    samples: tuple[Sample, ...]
+    attributed_share: float
+    unattributed_s: float
+    total_s: float
+    moments: dict[str, tuple[float, float]] = field(default_factory=dict)
+    idle_s: float = 0.0
+    """GPU idle time of the profiled steps, per step (0 on CPU traces)."""
+    window_s: float = 0.0
+    """Device-side length of a profiled step (0 on CPU traces)."""
+    step_moments: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Length moments of the steps the run's step-time statistics cover (after warm-up, outside the
+    profiled window): what its measured step time is compared with."""
+    step_moments_each: tuple[dict[str, tuple[float, float]], ...] = ()
+    """The same, one entry per step: a run's p50 step is compared with the median over its steps of
+    the step priced at each one's lengths (:func:`predict_median_step`)."""
+    step_times_each: tuple[float, ...] = ()
+    """Those steps' measured times (``step_time_s`` of metrics.jsonl), one per ``step_moments_each`` entry
+    (empty when a step lacks one)."""
+    unpriced_s: dict[str, float] = field(default_factory=dict)
+    """Per step: measured time (with the idle it ended) the cost model has no op for, by name and phase
+    (FSDP hooks, TorchRec distribution, 'unattributed')."""
+    seq_chunk: int = 0
+    """Ids per bag of the run's sequence lookups (:func:`run_seq_chunk`; 0: whole histories)."""
+    host: HostProfile | None = None
+    """The host side of the profiled steps (:func:`coplan.calibration.host_profile.host_profile`); None when the
+    trace has no profiled trainer step."""
+
+
+def run_seq_chunk(run_dir: str | Path) -> int:
+    """Ids per bag the run's sequence lookups used: ``seq_chunk`` of its recorded options, else 0 (the
+    cost model's reading of a run that did not record them: one bag per sample's whole history)."""
+    opts = RunDir(run_dir).options()
+    return opts.seq_chunk if opts is not None else 0
+
+
+def measured_moments(metrics: Sequence[dict], steps: Iterable[int] | None = None) -> dict[str, tuple[float, float]]:
+    """Mean (E[L], E[L²]) per sequence over the given steps, from ``seq_stats`` lines of metrics.jsonl
+    (``{"<sequence>": [n, ΣL, ΣL²]}`` per rank-local batch); empty when the run did not log them."""
+    want = set(steps) if steps is not None else None
+    acc: dict[str, list[float]] = {}
+    longest: dict[str, list[float]] = {}
+    for row in metrics:
+        if want is not None and row.get("step") not in want:
+            continue
+        for seq, v in (row.get("seq_stats") or {}).items():
+            a = acc.setdefault(seq, [0.0, 0.0, 0.0])
+            a[0] += v[0]
+            a[1] += v[1]
+            a[2] += v[2]
+        for seq, maxima in (row.get("seq_max") or {}).items():
+            longest.setdefault(seq, []).extend(float(x) for x in maxima)
+    out = {s: (a[1] / a[0], a[2] / a[0]) for s, a in acc.items() if a[0] > 0}
+    for seq, xs in longest.items():
+        if xs:
+            x = np.asarray(xs)
+            out[seq + PADDED_SUFFIX] = (float(x.mean()), float((x * x).mean()))
+    return out
+
+
+def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
+                longest: dict[int, dict[str, list[int]]] | None = None) -> RunSamples:
+    """Attribute one run's trace (of ``rank``) and pair each measured op with its roofline terms.
+
+    ``longest``: per step, per sequence, the longest length of each of ``rank``'s micro-batches, when
+    metrics.jsonl does not log them (``seq_max``) but the caller knows the batches (see :data:`PADDED_SUFFIX`).
+    """
+    rd = RunDir(run_dir)
+    d = rd.path
+    if not d.is_dir():
+        raise CalibrationError(f"{d}: not a run directory (expected runs/<id>/ with plan.json, metrics.jsonl, traces/)")
+    if not rd.plan_path.is_file():
+        raise CalibrationError(f"{d}: has no plan.json; was it written by `coplan train`?")
+    plan = rd.plan()
+    result = rd.result()
+    trace_path = rd.rank_trace(rank)
+    if trace_path is None:
+        raise CalibrationError(f"{d}: no trace for rank {rank} under traces/ (run with profiling on)")
+    trace = load_trace(trace_path)
+    att: TraceAttribution = attribute(trace, str(trace_path))
+    try:
+        hp: HostProfile | None = host_profile(trace, str(trace_path))
+    except TraceError:
+        hp = None
+    del trace
+    device = (result.device if result and result.device else plan.topology.gpu.name)
+    metrics = rd.metrics()
+    if longest:
+        metrics = [({**m, "seq_max": longest[m["step"]]} if m.get("step") in longest and "seq_max" not in m else m)
+                   for m in metrics]
+    opts = result.options if result else None
+    seq_chunk = opts.seq_chunk if opts is not None else 0
+    profiled = rd.profiled_steps()
+    moments = measured_moments(metrics, profiled)
+    warm = result.warmup_steps if result else 0
+    timed = [int(m["step"]) for m in metrics if "step" in m and m["step"] >= warm and m["step"] not in set(profiled or ())]
+    step_moments = measured_moments(metrics, timed) if timed else {}
+    pairs = [(measured_moments(metrics, [t]), m.get("step_time_s")) for t in timed
+             for m in metrics if m.get("step") == t] if timed else []
+    each = tuple(mo for mo, _ in pairs if mo)
+    times = tuple(float(x) for mo, x in pairs if mo and x)
+    times = times if len(times) == len(each) else ()
+
+    per_step = att.per_step()
+    out: list[Sample] = []
+    priced: set[tuple[str, str]] = set()
+    for t in unit_terms(plan, moments, rank=rank, seq_chunk=seq_chunk):
+        members = t.members or (t.name,)
+        priced.update((n, t.phase) for n in members)
+        meas = sum(per_step.get((n, t.phase), 0.0) for n in members) / t.micro_batches
+        if meas > 0:
+            out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches,
+                              t.serial_mem_s, t.mem_class, t.lookup_groups, t.extra_kernels))
+    unpriced = {f"{n}:{ph}": v for (n, ph), v in sorted(per_step.items()) if (n, ph) not in priced and v > 0}
+    steps = max(1, att.steps)
+    unpriced["unattributed"] = att.unattributed_s / steps
+    if not out:
+        raise CalibrationError(
+            f"{trace_path}: no op of the cost model could be attributed ({att.unattributed_s * 1e3:.1f} ms unattributed); "
+            "the trainer names its record_function ranges '<block>.<layer>.<op>'"
+        )
+    return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
+                      idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced, step_moments_each=each,
+                      step_times_each=times,
+                      seq_chunk=seq_chunk, host=hp)
+
+
+def run_step_moments(r: RunSamples) -> tuple[dict[str, tuple[float, float]] | None, ...]:
+    """The length moments to price ``r``'s measured steps at: one per step when the run logged them,
+    else the steps' pooled moments (or the profiled ones, or none: the workload's own)."""
+    return r.step_moments_each or (r.step_moments or r.moments or None,)
+
+
+__all__ = ["CalibrationError", "RunSamples", "Sample", "measured_moments", "run_samples", "run_seq_chunk", "run_step_moments"]
