@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coplan import __version__  # noqa: E402
+from coplan.planner.simulate import simulate_point  # noqa: E402
 from coplan.reports.build import write_report  # noqa: E402
 from coplan.reports.html import Report, page_payload, render  # noqa: E402
 from coplan.reports.plotlyjs import choose_bundle  # noqa: E402
@@ -249,7 +250,7 @@ def _measure(args, argv, pw, binary: str) -> int:
     plan_s = time.perf_counter() - t0
     dump_spec(plan, tmp / "plan.json")
     t0 = time.perf_counter()
-    out, report, log = write_report(tmp / "plan.json", tmp / "report.html")
+    out, report, log = write_report(tmp / "plan.json", tmp / "report.html", simulate_point=simulate_point)
     build_s = time.perf_counter() - t0
     if args.keep:
         Path(args.keep).write_bytes(out.read_bytes())

@@ -10,6 +10,7 @@ import json
 import plotly.graph_objects as go
 import pytest
 
+from coplan.planner.simulate import simulate_point
 from coplan.reports.build import write_report
 from coplan.reports.html import Report, Section, render
 from coplan.reports.plotlyjs import choose_bundle
@@ -23,7 +24,7 @@ TIMEOUT_S = 120.0
 
 @pytest.fixture(scope="module")
 def report_html(tmp_path_factory, plan_file):
-    out, report, _ = write_report(plan_file, tmp_path_factory.mktemp("html") / "report.html")
+    out, report, _ = write_report(plan_file, tmp_path_factory.mktemp("html") / "report.html", simulate_point=simulate_point)
     return out, report
 
 
@@ -137,7 +138,7 @@ def test_gem_1t_at_16k_report_renders(pw, tmp_path):
     (Its load time is measured by benchmarks/report_load.py, not asserted here: CI machines vary.)"""
     plan = real_plan("gem-1t", "meta-roce-24k", 16384)
     dump_spec(plan, tmp_path / "plan.json")
-    out, report, _ = write_report(tmp_path / "plan.json", tmp_path / "report.html")
+    out, report, _ = write_report(tmp_path / "plan.json", tmp_path / "report.html", simulate_point=simulate_point)
     assert not [s.key for s in report.sections if s.figure is None]
     assert out.stat().st_size < 8_000_000, "the page stays small: plotly.js (~4.8 MB) and a few hundred KB of figures"
     r = load_report(pw, out, timeout_s=TIMEOUT_S)
