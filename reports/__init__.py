@@ -12,5 +12,6 @@
   bundle the page embeds: the vendored basic one, ``vendor/``, or the full one), :mod:`.build` (assembly),
   :mod:`.cli` (the verb).
 
-Reports import :mod:`coplan.spec` and :mod:`coplan.costmodel`, never torch, the planner or the trainer.
+Reports import :mod:`coplan.spec` and :mod:`coplan.costmodel`, never torch, the planner or the trainer;
+the verb hands the planner's ``simulate_point`` to the scaling curve.
 """
