@@ -3,8 +3,8 @@
 The plan is real: the planner's when it is built, else the cost model's heuristic plan priced by the
 full pricer (what `coplan simulate` uses); ``--plan`` reuses a plan file. The report is written with every
 plan figure (scaling curve included), then opened ``--repeats`` times in a fresh headless Chromium per load
-(once it has gone idle after start-up), at a desktop width and at a phone width, through the DevTools
-protocol (:mod:`coplan.reports.browser`), in three variants taken in turn so that a shared machine's
+(once it has gone idle after start-up), at a desktop width and at a phone width, driven by Playwright
+(``tests/reports/browser.py``, the browser test's helper), in three variants taken in turn so that a shared machine's
 changing load falls on all of them alike:
 
 - ``report``: the report as ``coplan report`` writes it (plotly.js basic bundle when it draws every trace);
@@ -25,7 +25,7 @@ Per load it records:
 
 With ``--trace N``, N more loads per variant at the desktop width run under a Chromium trace, which splits
 the main thread's CPU time into plotly.js compile/run, each figure, HTML parsing, style/layout/paint
-(:func:`coplan.reports.browser.thread_time_breakdown`). The machine, its load average per load, and the
+(:func:`thread_time_breakdown`). The machine, its load average per load, and the
 browser version are recorded, because a shared machine's load moves wall times by several times.
 
     python benchmarks/report_load.py --trace 3 --out benchmarks/results/report_load.json
@@ -45,8 +45,143 @@ import tempfile
 import time
 from pathlib import Path
 
+import plotly
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from coplan import __version__  # noqa: E402
+from coplan.planner.simulate import simulate_point  # noqa: E402
+from coplan.reports.build import write_report  # noqa: E402
+from coplan.reports.html import Report, page_payload, render  # noqa: E402
+from coplan.reports.plotlyjs import choose_bundle  # noqa: E402
+from coplan.spec import dump_spec, load_plan  # noqa: E402
+from tests.reports.browser import find_chromium, load_report, playwright_or_none  # noqa: E402
+from tests.reports.plans import planner_api, real_plan  # noqa: E402
+
+TRACE_CATEGORIES = [
+    "devtools.timeline", "v8", "v8.execute", "disabled-by-default-devtools.timeline", "disabled-by-default-v8.compile",
+    "blink.user_timing", "loading",
+]
+
+
+def _tree_cpu_s(pid: int, *, exclude_self: bool = False) -> float:
+    """CPU seconds (user + system) of a process and all its descendants, from /proc (0 where unreadable)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (ValueError, OSError):
+        return 0.0
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(d))
+        cpu[int(d)] = (int(fields[11]) + int(fields[12])) / ticks
+    total, todo = 0.0, list(children.get(pid, [])) if exclude_self else [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
+def wait_idle(*, quiet_s: float = 0.3, max_cpu_share: float = 0.05, timeout_s: float = 8.0) -> None:
+    """Wait until this process's children (Playwright's driver and the browser it started) use under
+    ``max_cpu_share`` of a CPU for ``quiet_s``.
+
+    A freshly started headless Chromium spends about a second of CPU after start-up building its own UI
+    (the omnibox pop-up WebUI, in a renderer of its own). On a 2-CPU machine that work competes with the
+    page for the CPUs, and it is not the page's cost: a reader opens a report in a browser that is already
+    running. Without /proc (not Linux) this returns at once.
+    """
+    me = os.getpid()
+    if not Path(f"/proc/{me}/stat").exists():
+        return
+    t0 = time.monotonic()
+    last = _tree_cpu_s(me, exclude_self=True)
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(quiet_s)
+        now = _tree_cpu_s(me, exclude_self=True)
+        if now - last < max_cpu_share * quiet_s:
+            return
+        last = now
+
+
+def thread_time_breakdown(events: list[dict], page_url: str) -> dict[str, float]:
+    """The page renderer's main-thread CPU time (ms, from the trace's thread durations ``tdur``, so waiting
+    for a CPU on a loaded machine is not counted), split into:
+
+    - ``plotly_js_compile`` / ``plotly_js_run``: compiling and running the plotly.js script (the largest
+      ``EvaluateScript`` of the page);
+    - ``figure:<id>``: each figure's task (JSON parse of its block, title wrapping, ``Plotly.newPlot`` and the
+      forced style/layout inside it), found by the loader's ``coplan:figure:<id>`` user-timing measures;
+    - ``html_parse``: parsing the HTML outside scripts (the JSON blocks are parsed as text here);
+    - ``other_scripts``: the page's other scripts (error hook, loader set-up);
+    - ``style_layout_paint``: style, layout, paint and compositing outside the figures' tasks;
+    - ``other``: everything else (idle-time tasks, input, timers); ``total``: all main-thread tasks.
+    """
+    def td(e: dict) -> float:  # thread time where the trace has it, else wall time
+        return e.get("tdur", e.get("dur", 0))
+
+    meta = [e for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"]
+    ours = {e["pid"] for e in events if e.get("name") == "EvaluateScript" and page_url in str(e.get("args", {}).get("data", {}).get("url", ""))}
+    mains = {(e["pid"], e["tid"]) for e in meta if e["pid"] in ours and e.get("args", {}).get("name") == "CrRendererMain"}
+    if not mains:
+        return {}
+    xs = sorted((e for e in events if e.get("ph") == "X" and (e["pid"], e["tid"]) in mains), key=lambda e: (e["ts"], -e.get("dur", 0)))
+    # top-level tasks: RunTask slices not nested in another
+    tops, end = [], -1.0
+    for e in xs:
+        if e["name"] in ("RunTask", "ThreadControllerImpl::RunTask") and e["ts"] >= end:
+            tops.append(e)
+            end = e["ts"] + e.get("dur", 0)
+    out: dict[str, float] = {"total": sum(td(e) for e in tops) / 1e3}
+    # figures: the loader's user-timing measures (async begin/end pairs), each drawn in one task
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        n = str(e.get("name", ""))
+        if n.startswith("coplan:figure:") and e.get("ph") in ("b", "e"):
+            spans.setdefault(n.split(":", 2)[2], [0.0, 0.0])[0 if e["ph"] == "b" else 1] = e["ts"]
+    # performance.now() is coarsened (100 µs), so a measure can start a hair before its task: take the task
+    # that overlaps the measure most.
+    fig_tasks: dict[int, str] = {}
+    for fid, (a, b) in spans.items():
+        best, best_ov = None, 0.0
+        for i, t in enumerate(tops):
+            ov = min(b, t["ts"] + t.get("dur", 0)) - max(a, t["ts"])
+            if ov > best_ov:
+                best, best_ov = i, ov
+        if best is not None:
+            fig_tasks[best] = fid
+    for i, fid in fig_tasks.items():
+        out[f"figure:{fid}"] = out.get(f"figure:{fid}", 0.0) + td(tops[i]) / 1e3
+    evals = [e for e in xs if e["name"] == "EvaluateScript"]
+    plotly_eval = max(evals, key=lambda e: e.get("dur", 0), default=None)
+    if plotly_eval is not None:
+        a, b = plotly_eval["ts"], plotly_eval["ts"] + plotly_eval.get("dur", 0)
+        comp = sum(td(e) for e in xs if e["name"] == "v8.compile" and a <= e["ts"] <= b)
+        out["plotly_js_compile"] = comp / 1e3
+        out["plotly_js_run"] = (td(plotly_eval) - comp) / 1e3
+
+    def in_figure(e: dict) -> bool:
+        return any(tops[i]["ts"] <= e["ts"] <= tops[i]["ts"] + tops[i].get("dur", 0) for i in fig_tasks)
+
+    # Scripts run inside the parser's task, so parsing is ParseHTML less the scripts it ran.
+    parse = sum(td(e) for e in xs if e["name"] == "ParseHTML" and not in_figure(e))
+    scripts = sum(td(e) for e in evals if not in_figure(e))
+    out["html_parse"] = max(0.0, (parse - scripts) / 1e3)
+    out["other_scripts"] = max(0.0, (scripts - (td(plotly_eval) if plotly_eval is not None else 0)) / 1e3)
+    out["style_layout_paint"] = sum(td(e) for e in xs if e["name"] in {"UpdateLayoutTree", "Layout", "Paint", "PrePaint", "Layerize", "Commit"}
+                                    and not in_figure(e)) / 1e3
+    known = sum(v for k, v in out.items() if k != "total")
+    out["other"] = max(0.0, out["total"] - known)
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def _cpu_model() -> str:
@@ -92,26 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default=None, help="also copy the report here")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "report_load.json"))
     args = ap.parse_args(argv)
-
-    import plotly
-
-    from coplan import __version__
-    from coplan.reports.browser import find_chromium, load_report
-    from coplan.reports.build import write_report
-    from coplan.reports.html import Report, _payload, render
-    from coplan.reports.plotlyjs import choose_bundle
-    from coplan.spec import dump_spec
-    from tests.reports.plans import planner_api, real_plan
-
     binary = find_chromium()
     if binary is None:
         print("no chromium on PATH; install Debian's `chromium`", file=sys.stderr)
         return 2
+    with playwright_or_none() as pw:
+        if pw is None:
+            print("playwright is not installed (pip install playwright; no `playwright install` needed)", file=sys.stderr)
+            return 2
+        return _measure(args, argv, pw, binary)
+
+
+def _measure(args, argv, pw, binary: str) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="coplan-report-load-"))
     t0 = time.perf_counter()
     if args.plan:
-        from coplan.spec import load_plan
-
         plan = load_plan(args.plan)
         plan_source = f"file {args.plan}"
     else:
@@ -120,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_s = time.perf_counter() - t0
     dump_spec(plan, tmp / "plan.json")
     t0 = time.perf_counter()
-    out, report, log = write_report(tmp / "plan.json", tmp / "report.html")
+    out, report, log = write_report(tmp / "plan.json", tmp / "report.html", simulate_point=simulate_point)
     build_s = time.perf_counter() - t0
     if args.keep:
         Path(args.keep).write_bytes(out.read_bytes())
@@ -128,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     full.write_text(render(report, plotlyjs="full"), encoding="utf-8")
     base = tmp / "baseline.html"
     base.write_text(render(Report("plotly.js only", ("baseline: plotly.js and no figure",), ())), encoding="utf-8")
-    payload = _payload(report)
+    payload = page_payload(report)
     sizes = {k: len(v[0]) for k, v in payload.figures.items()}
     bundle = choose_bundle(payload.trace_types)
     variants = (("report", out), ("report-full", full), ("baseline", base))
@@ -141,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_event_ms": r.load_event_ms, "render_ms": r.render_ms, "wall_ms": r.wall_ms, "figure_ms": r.figure_ms,
             "expected": r.expected, "rendered": r.rendered, "errors": r.errors, "overflow_px": r.overflow_px,
             "timed_out": r.timed_out, "loadavg_1m": os.getloadavg()[0], "main_thread_ms": r.main_thread_ms,
-            "breakdown_ms": r.breakdown_ms,
+            "breakdown_ms": thread_time_breakdown(r.trace_events, r.url) if r.trace_events else {},
         }
 
     def log_line(key: str, r) -> None:
@@ -158,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, path in variants:
                 key = f"{name}@{w}px"
                 try:
-                    r = load_report(path, width_px=w, timeout_s=120)
+                    r = load_report(pw, path, width_px=w, timeout_s=120, settle=wait_idle)
                 except Exception as e:  # one failed load is recorded, not fatal
                     loads.setdefault(key, []).append({"width_px": w, "error": f"{type(e).__name__}: {e}", "errors": [str(e)], "timed_out": True})
                     continue
@@ -168,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.trace):
         for name, path in variants:
             try:
-                r = load_report(path, width_px=widths[0], timeout_s=120, trace=True)
+                r = load_report(pw, path, width_px=widths[0], timeout_s=120, settle=wait_idle, trace_categories=TRACE_CATEGORIES)
             except Exception as e:
                 traces.setdefault(name, []).append({"error": f"{type(e).__name__}: {e}"})
                 continue

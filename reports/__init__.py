@@ -10,7 +10,8 @@
 - :mod:`.palette` (the one colour table), :mod:`.layout` (shared layout, unit formatting),
   :mod:`.summary` (the text at the top), :mod:`.html` (the page), :mod:`.plotlyjs` (which plotly.js
   bundle the page embeds: the vendored basic one, ``vendor/``, or the full one), :mod:`.build` (assembly),
-  :mod:`.cli` (the verb), :mod:`.browser` (headless-Chromium check used by tests and the benchmark).
+  :mod:`.cli` (the verb).
 
-Reports import :mod:`coplan.spec` and :mod:`coplan.costmodel`, never torch, the planner or the trainer.
+Reports import :mod:`coplan.spec` and :mod:`coplan.costmodel`, never torch, the planner or the trainer;
+the verb hands the planner's ``simulate_point`` to the scaling curve.
 """

@@ -17,9 +17,12 @@ from typing import Callable
 
 from coplan import __version__
 from coplan.errors import CoplanError
+from coplan.reports import alternatives, balance, calibration, ledger, ranks, runs, sharding, summary, timeline, waterfall
+from coplan.reports import scaling as scaling_mod
 from coplan.reports.html import Report, Section, render
 from coplan.reports.inputs import ReportInputs, load_inputs
 from coplan.reports.layout import fmt_bytes, fmt_pct, fmt_s
+from coplan.reports.scaling import SimulatePoint, load_sweep
 from coplan.spec import spec_sha256
 
 CAPTIONS = {
@@ -107,11 +110,10 @@ def _section(key: str, title: str, make: Callable[[], object], log: BuildLog) ->
     return Section(key=key, title=title, figure=fig, caption=CAPTIONS.get(key, ""), note=note)
 
 
-def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scaling: bool = True, what_if: bool = True,
-                 log: BuildLog | None = None) -> Report:
-    """Every figure and the summary for ``inputs``."""
-    from coplan.reports import alternatives, balance, calibration, ledger, ranks, runs, scaling as scaling_mod, sharding, summary, timeline, waterfall
-
+def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, simulate_point: SimulatePoint | None = None,
+                 scaling: bool = True, what_if: bool = True, log: BuildLog | None = None) -> Report:
+    """Every figure and the summary for ``inputs``. The scaling curve is drawn from ``sweep``, else from
+    ``simulate_point`` run at each GPU count (the planner's; the CLI hands it in), else left as a note."""
     log = log or BuildLog()
     plan = inputs.plan
     pred = inputs.prediction
@@ -140,8 +142,7 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
                  if plan.world_size > 1 else (None, "one rank: nothing to balance"), log),
     ]
     if scaling:
-        sections.append(_section("scaling", "Scaling curve", lambda: scaling_mod.scaling_curve(
-            sweep if sweep is not None else scaling_mod.simulate_sweep(plan), plan), log))
+        sections.append(_section("scaling", "Scaling curve", lambda: _scaling_figure(plan, sweep, simulate_point), log))
     if inputs.run is not None:
         r = inputs.run
         sections.append(_section("run_steps", "Run: measured vs predicted per step", lambda: runs.run_steps(r, pred), log))
@@ -193,18 +194,25 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, scali
                   summary=tuple(p for p in paras if p), sections=tuple(sections), facts=tuple(facts), footer=footer, meta=meta)
 
 
-def write_report(plan_path: str | Path, output: str | Path, *, run: str | Path | None = None, calibration: str | Path | None = None,
-                 sweep_path: str | Path | None = None, scaling: bool = True, what_if: bool = True) -> tuple[Path, Report, BuildLog]:
-    """Load, build and write a report; returns (path, report, build log)."""
-    from coplan.reports.scaling import load_sweep
+def _scaling_figure(plan, sweep: list[dict] | None, simulate_point: SimulatePoint | None):
+    if sweep is None:
+        if simulate_point is None:
+            return None, "no sweep to draw: give `coplan simulate --json` output (--simulate FILE)"
+        sweep = scaling_mod.simulate_sweep(plan, simulate_point)
+    return scaling_mod.scaling_curve(sweep, plan)
 
+
+def write_report(plan_path: str | Path, output: str | Path, *, run: str | Path | None = None, calibration: str | Path | None = None,
+                 sweep_path: str | Path | None = None, simulate_point: SimulatePoint | None = None, scaling: bool = True,
+                 what_if: bool = True) -> tuple[Path, Report, BuildLog]:
+    """Load, build and write a report; returns (path, report, build log). ``simulate_point``: see :func:`build_report`."""
     out = Path(output)
     if out.parent and not out.parent.exists():
         raise CoplanError(f"{out}: folder {out.parent} does not exist")
     inputs = load_inputs(plan_path, run, calibration)
     sweep = load_sweep(sweep_path) if sweep_path else None
     log = BuildLog()
-    report = build_report(inputs, sweep=sweep, scaling=scaling, what_if=what_if, log=log)
+    report = build_report(inputs, sweep=sweep, simulate_point=simulate_point, scaling=scaling, what_if=what_if, log=log)
     html = render(report)
     try:
         out.write_text(html, encoding="utf-8")

@@ -1,4 +1,7 @@
-"""``coplan report``: write one self-contained HTML report of a plan (and optionally a run and a calibration)."""
+"""``coplan report``: write one self-contained HTML report of a plan (and optionally a run and a calibration).
+
+The verb is the CLI layer of reports: it hands the planner's ``simulate_point`` to the report for the
+scaling curve, so that nothing else under ``reports/`` imports the planner."""
 
 from __future__ import annotations
 
@@ -6,16 +9,19 @@ import argparse
 import json
 
 from coplan.errors import CoplanError
+from coplan.planner.simulate import simulate_point
 
 
 def run_report(args: argparse.Namespace) -> int:
+    # Here, not at the top: every `coplan` command imports each verb's module to build its parser, and
+    # the report's modules bring in plotly.
     from coplan.reports.build import write_report
 
     if args.simulate and args.no_scaling:
         raise CoplanError("--simulate and --no-scaling contradict each other: give one")
     out, report, log = write_report(
         args.plan, args.output, run=args.run, calibration=args.calibration, sweep_path=args.simulate,
-        scaling=not args.no_scaling, what_if=not args.no_what_if,
+        simulate_point=simulate_point, scaling=not args.no_scaling, what_if=not args.no_what_if,
     )
     size = out.stat().st_size
     drawn = [s.key for s in report.sections if s.figure is not None]

@@ -146,7 +146,7 @@ _LOADER = """
     if (width < NARROW_PX) {
       layout.font = layout.font || {};
       layout.font.size = Math.min(layout.font.size || 12, 11);
-      // a left margin above the default was sized for the labels (_hint_margins): keep it, unless the
+      // a left margin above the default was sized for the labels (hint_margins): keep it, unless the
       // figure's narrow overrides shrink those labels (then automargin sizes it for the smaller font)
       var n = layout.meta && layout.meta.narrow, smallerY = !!(n && n.yaxis && n.yaxis.tickfont);
       if (layout.margin) { layout.margin.l = (layout.margin.l || 60) > 60 && !smallerY ? layout.margin.l : 44; layout.margin.r = 8; }
@@ -156,7 +156,7 @@ _LOADER = """
   // A horizontal legend under the plot (legend.yref 'container') takes room from the plot: Plotly reserves it
   // and, when the bottom margin did not already hold it, draws the figure a second time. Estimate its rows the
   // way Plotly lays it out (one row if every item fits, else a grid of the widest item) and start the bottom
-  // margin there; layout.meta.axis_b (from _hint_margins) is the room the x axis itself takes.
+  // margin there; layout.meta.axis_b (from hint_margins) is the room the x axis itself takes.
   function legendRoom(spec, width) {
     var L = spec.layout, lg = L.legend || {};
     var axisB = L.meta && L.meta.axis_b;
@@ -197,7 +197,7 @@ _LOADER = """
         state.figure_ms[id] = t3 - t1;
         state.parse_ms[id] = t2 - t1;
         state.drawn_at_ms[id] = t3;
-        // Did automargin grow a margin (and so draw the figure twice)? See _hint_margins.
+        // Did automargin grow a margin (and so draw the figure twice)? See hint_margins.
         var fs = div._fullLayout && div._fullLayout._size, lm = spec.layout.margin || {};
         if (fs && ['l', 'r', 't', 'b'].some(function (k) { return lm[k] !== undefined && fs[k] > lm[k] + 1; })) {
           state.margin_grown[id] = {l: fs.l, r: fs.r, t: fs.t, b: fs.b};
@@ -294,7 +294,7 @@ def figure_json(fig: go.Figure) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Payload:
+class PagePayload:
     """Every figure's JSON with its template taken out: plotly.py writes the whole template (~8 KB, entries
     for two dozen trace types) into every figure; the page carries each distinct one once, trimmed to the
     trace types the report uses (entries for other types never apply)."""
@@ -306,7 +306,8 @@ class _Payload:
     trace_types: set[str]
 
 
-def _payload(report: Report) -> _Payload:
+def page_payload(report: Report) -> PagePayload:
+    """What the page embeds for ``report``'s figures (also read by ``benchmarks/report_load.py`` for sizes)."""
     dicts: dict[str, dict] = {}
     types: set[str] = set()
     for s in report.sections:
@@ -318,7 +319,7 @@ def _payload(report: Report) -> _Payload:
         types.update(t.get("type", "scatter") for t in d["data"])
         dicts[s.key] = d
     for d in dicts.values():
-        _hint_margins(d["layout"], d["data"])
+        hint_margins(d["layout"], d["data"])
     templates: list[dict] = []
     seen: dict[str, int] = {}
     figures: dict[str, tuple[str, int | None]] = {}
@@ -335,7 +336,7 @@ def _payload(report: Report) -> _Payload:
                 templates.append(tmpl)
             idx = seen[sig]
         figures[key] = (json.dumps(d, separators=(",", ":")), idx)
-    return _Payload(figures, templates, types)
+    return PagePayload(figures, templates, types)
 
 
 _PX_PER_CHAR = 0.55
@@ -347,7 +348,7 @@ _X_TITLE_BOTTOM_PX = 84
 """... and with one row of legend under it (Plotly's automargin gives 82)."""
 
 
-def _hint_margins(layout: dict, data: list[dict]) -> None:
+def hint_margins(layout: dict, data: list[dict]) -> None:
     """Start the margins where Plotly's automargin would take them, so Plotly draws each figure once.
 
     Automargin only grows margins, and every growth redraws the whole figure (in the 16,384-GPU report each
@@ -384,7 +385,7 @@ def render(report: Report, *, plotlyjs: str = "auto") -> str:
     """The whole page as one string. ``plotlyjs``: ``"auto"`` (the smallest bundle that draws every
     trace, see :mod:`coplan.reports.plotlyjs`) or ``"full"``."""
     esc = html.escape
-    payload = _payload(report)
+    payload = page_payload(report)
     bundle = choose_bundle(payload.trace_types, prefer=plotlyjs)
     meta = {**report.meta, "coplan-plotlyjs": f"{bundle.name} {bundle.version}"}
     parts: list[str] = [

@@ -178,23 +178,58 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
     checks: list[str] = []
     if step > 0 and pred.e2e_mfu > 0 and abs(T0 / step - pred.e2e_mfu) > 1e-6 * max(1.0, pred.e2e_mfu):
         checks.append(f"model FLOPs at peak / step = {T0 / step:.6f} but the prediction's E2E MFU is {pred.e2e_mfu:.6f}")
-    shares = class_flop_shares(plan)
+    ct = _ClassTimes.of(pred)
+    losses = _compute_losses(plan, pred, ct, T0, launch_s)
+    comm, exposed_sum = _comm_losses(pred)
+    losses += comm
+    if pred.comms and abs(exposed_sum - pred.exposed_comm_s) > 1e-9 + 1e-6 * pred.exposed_comm_s:
+        checks.append(f"per-collective exposed times sum to {exposed_sum:.6g} s, the prediction says {pred.exposed_comm_s:.6g} s")
 
-    # compute by class, phase fwd/bwd; dense vs lookups for the imbalance spread
-    t_cls = {c: 0.0 for c in COMPUTE_CLASSES}
-    dense_cls = {c: 0.0 for c in COMPUTE_CLASSES}
-    recompute = {c: 0.0 for c in COMPUTE_CLASSES}
-    optimizer = 0.0
-    for o in pred.ops:
-        c = o.op_class if o.op_class in t_cls else "elementwise"
-        if o.phase in ("fwd", "bwd"):
-            t_cls[c] += o.time_s
-            if not o.name.startswith("sparse."):
-                dense_cls[c] += o.time_s
-        elif o.phase == "recompute":
-            recompute[c] += o.time_s
-        else:
-            optimizer += o.time_s
+    # unattributed: whatever of the step the items above do not explain
+    explained = T0 + sum(x.seconds for x in losses)
+    other = step - explained
+    compute_items = sum(ct.total.values()) + sum(ct.recompute.values()) + ct.optimizer
+    losses.append(Loss(
+        "other", "other / unattributed", "loss", "other", other,
+        f"step {_ms(step)} − model FLOPs at peak − the bars above<br>"
+        f"compute not itemised per op: {_ms(pred.compute_s - compute_items)}; "
+        f"exposed communication not itemised: {_ms(pred.exposed_comm_s - exposed_sum) if pred.comms else _ms(pred.exposed_comm_s)}",
+    ))
+    losses += _goodput_losses(pred, W, g)
+    return Ledger(N, peak, pred.model_flops_per_step, step, W, T0, tuple(losses), pred.e2e_mfu, pred.goodput_mfu or pred.e2e_mfu * g, tuple(checks))
+
+
+@dataclass(slots=True)
+class _ClassTimes:
+    """The critical rank's op times per class: forward + backward, of them the dense ops' (the jagged
+    imbalance is spread over those), recompute; and the dense optimizer step."""
+
+    total: dict[str, float]
+    dense: dict[str, float]
+    recompute: dict[str, float]
+    optimizer: float = 0.0
+
+    @classmethod
+    def of(cls, pred: Prediction) -> "_ClassTimes":
+        ct = cls({c: 0.0 for c in COMPUTE_CLASSES}, {c: 0.0 for c in COMPUTE_CLASSES}, {c: 0.0 for c in COMPUTE_CLASSES})
+        for o in pred.ops:
+            c = o.op_class if o.op_class in ct.total else "elementwise"
+            if o.phase in ("fwd", "bwd"):
+                ct.total[c] += o.time_s
+                if not o.name.startswith("sparse."):
+                    ct.dense[c] += o.time_s
+            elif o.phase == "recompute":
+                ct.recompute[c] += o.time_s
+            else:
+                ct.optimizer += o.time_s
+        return ct
+
+
+def _compute_losses(plan: Plan, pred: Prediction, ct: _ClassTimes, T0: float, launch_s: dict[str, float] | None) -> list[Loss]:
+    """Kernel bars per class (less their share of the imbalance and their launches), then launch overhead,
+    jagged imbalance, recompute, unpriced device work and the optimizer step."""
+    shares = class_flop_shares(plan)
+    t_cls, dense_cls = ct.total, ct.dense
     dense_tot = sum(dense_cls.values())
     imb = pred.imbalance_s
     losses: list[Loss] = []
@@ -224,9 +259,9 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
             "imbalance", "jagged load imbalance", "loss", "imbalance", imb,
             f"slowest rank's dense work is {pred.imbalance:.4f}× the mean under '{plan.balancing.policy}' balancing",
         ))
-    rc = sum(recompute.values())
+    rc = sum(ct.recompute.values())
     if rc > 0:
-        parts = ", ".join(f"{c} {_ms(v)}" for c, v in recompute.items() if v > 0)
+        parts = ", ".join(f"{c} {_ms(v)}" for c, v in ct.recompute.items() if v > 0)
         n = sum(1 for lp in plan.layers if lp.recompute)
         losses.append(Loss("recompute", "activation recompute", "loss", "recompute", rc, f"{n} layers recomputed in backward: {parts}"))
     if pred.unpriced_device_s > 0:
@@ -235,11 +270,15 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
                            "the calibration's device-step factor: measured device-bound steps over the device time "
                            "the cost model's ops add up to (small kernels of the optimizer and the allocator, copies, "
                            "gaps between dependent kernels)"))
-    if optimizer > 0:
-        losses.append(Loss("optimizer", "dense optimizer step", "loss", "optimizer", optimizer,
+    if ct.optimizer > 0:
+        losses.append(Loss("optimizer", "dense optimizer step", "loss", "optimizer", ct.optimizer,
                            f"{plan.workload.optimizer.dense} step over this rank's shard of the dense parameters"))
+    return losses
 
-    # exposed communication, grouped by what it is and the tiers it crosses
+
+def _comm_losses(pred: Prediction) -> tuple[list[Loss], float]:
+    """Exposed communication, grouped by what it is and the tiers it crosses, largest first; and the sum
+    of every collective's exposed time."""
     groups: dict[tuple[str, str, str], list] = {}
     for cp in pred.comms:
         base = _comm_base(cp.name)
@@ -250,6 +289,7 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
         acc[1] += cp.time_s
         acc[2] += cp.calls
         acc[3] += cp.bytes * cp.calls
+    losses: list[Loss] = []
     for (base, coll, tiers), (exp, tot, calls, nbytes, gsize) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
         if exp <= 0:
             continue
@@ -260,25 +300,16 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
             f"{calls} call(s), {_bytes(nbytes)} per rank in all; {_ms(tot)} in all, {_ms(exp)} not hidden by compute "
             f"({100 * exp / tot:.0f}%)" if tot > 0 else "",
         ))
-    exposed_sum = sum(cp.exposed_s for cp in pred.comms)
-    if pred.comms and abs(exposed_sum - pred.exposed_comm_s) > 1e-9 + 1e-6 * pred.exposed_comm_s:
-        checks.append(f"per-collective exposed times sum to {exposed_sum:.6g} s, the prediction says {pred.exposed_comm_s:.6g} s")
+    return losses, sum(cp.exposed_s for cp in pred.comms)
 
-    # unattributed: whatever of the step the items above do not explain
-    explained = T0 + sum(x.seconds for x in losses)
-    other = step - explained
-    compute_items = sum(t_cls.values()) + rc + optimizer
-    losses.append(Loss(
-        "other", "other / unattributed", "loss", "other", other,
-        f"step {_ms(step)} − model FLOPs at peak − the bars above<br>"
-        f"compute not itemised per op: {_ms(pred.compute_s - compute_items)}; "
-        f"exposed communication not itemised: {_ms(pred.exposed_comm_s - exposed_sum) if pred.comms else _ms(pred.exposed_comm_s)}",
-    ))
 
-    # goodput: checkpoint writes, then failures
+def _goodput_losses(pred: Prediction, W: float, g: float) -> list[Loss]:
+    """Checkpoint writes, then failures: the rest of ``W − step``."""
+    step = pred.step_time_s
     fc = checkpoint_fraction(pred)
     ckpt = step * (1.0 / fc - 1.0) if fc > 0 else 0.0
     fail = W - step - ckpt
+    losses: list[Loss] = []
     if ckpt > 0:
         losses.append(Loss(
             "checkpoint", "checkpoint writes", "loss", "checkpoint", ckpt,
@@ -289,7 +320,7 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
             "failures", "failures: lost work + restarts", "loss", "failures", fail,
             f"expected work lost since the last checkpoint plus restart time; goodput {100 * g:.3f}% in all",
         ))
-    return Ledger(N, peak, pred.model_flops_per_step, step, W, T0, tuple(losses), pred.e2e_mfu, pred.goodput_mfu or pred.e2e_mfu * g, tuple(checks))
+    return losses
 
 
 def _ms(s: float) -> str:

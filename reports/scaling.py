@@ -1,9 +1,9 @@
 """Scaling curve: predicted MFU, scaling ratio and step time against the number of GPUs, from
-``coplan simulate`` (:func:`coplan.planner.simulate.simulate_point`, one heuristic plan per point), with
-the reported plan marked on it.
+``coplan simulate`` (one heuristic plan per point), with the reported plan marked on it.
 
-The sweep is either computed here (powers of two up to the plan's topology, the plan's own GPU count
-included) or read from a saved ``coplan simulate --json`` file. Points whose plan does not fit in HBM
+The sweep is either computed here with the point function the caller hands in (the planner's
+``simulate_point``: reports do not import the planner), over powers of two up to the plan's topology and
+the plan's own GPU count, or read from a saved ``coplan simulate --json`` file. Points whose plan does not fit in HBM
 are drawn hollow; points the simulator skipped are listed in the subtitle.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -18,7 +19,10 @@ from plotly.subplots import make_subplots
 from coplan.errors import CoplanError
 from coplan.reports.layout import base_layout, fmt_bytes, fmt_s
 from coplan.reports.palette import SERIES_COLOURS
-from coplan.spec import Plan
+from coplan.spec import Calibration, Plan, Topology, Workload
+
+SimulatePoint = Callable[[Workload, Topology, int, Calibration | None], dict]
+"""Plans and prices one GPU count: a ``coplan simulate --json`` row (``gpus``, ``e2e_mfu``, ...)."""
 
 MFU_COLOURS = {"local_mfu": "#88CCEE", "e2e_mfu": "#332288", "goodput_mfu": "#117733"}
 MFU_LABELS = {"local_mfu": "local MFU (compute only)", "e2e_mfu": "E2E MFU", "goodput_mfu": "goodput MFU"}
@@ -40,10 +44,9 @@ def default_gpu_counts(plan: Plan) -> list[int]:
     return sorted(set(out))
 
 
-def simulate_sweep(plan: Plan, gpus: list[int] | None = None) -> list[dict]:
-    """Run ``coplan simulate``'s per-point pricing for the plan's workload on the plan's topology."""
-    from coplan.planner.simulate import simulate_point
-
+def simulate_sweep(plan: Plan, simulate_point: SimulatePoint, gpus: list[int] | None = None) -> list[dict]:
+    """``simulate_point`` at each GPU count for the plan's workload on the plan's topology; a point it
+    cannot price (or past the topology's size) is a ``skipped`` row."""
     rows = []
     for g in gpus or default_gpu_counts(plan):
         if g > plan.topology.num_gpus:
@@ -130,4 +133,4 @@ def scaling_curve(rows: list[dict], plan: Plan | None = None, *, title: str = "S
     return base_layout(fig, title, subtitle="; ".join(parts), height=640)
 
 
-__all__ = ["SweepFileError", "default_gpu_counts", "load_sweep", "scaling_curve", "simulate_sweep"]
+__all__ = ["SimulatePoint", "SweepFileError", "default_gpu_counts", "load_sweep", "scaling_curve", "simulate_sweep"]

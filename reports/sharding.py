@@ -112,11 +112,26 @@ def sharding_map(plan: Plan) -> go.Figure:
     if not rows:
         fig.add_annotation(text="this workload has no embedding tables", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
         return base_layout(fig, "Embedding sharding map", height=300, legend=False)
-
-    # --- top: bytes per rank by sharding type -------------------------------------------------
     per_type = rank_bytes(rows, G)
-    total = sum(per_type.values())
     binned = G > MAX_RANK_BARS
+    _add_rank_bytes(fig, per_type, G, binned)
+    _add_map(fig, rows, G, shown=set(per_type))
+    n = len(rows)
+    fig.update_yaxes(title_text="GiB / rank", row=1, col=1, rangemode="tozero")
+    tick_idx = list(range(n)) if n <= 40 else []
+    fig.update_yaxes(
+        title_text="tables (largest first)", autorange="reversed", row=2, col=1, showgrid=False, zeroline=False,
+        tickvals=tick_idx, ticktext=[rows[i].table for i in tick_idx], showticklabels=bool(tick_idx),
+    )
+    fig.update_xaxes(title_text="rank in the sparse shard group", row=2, col=1, range=[-0.6, G - 0.4])
+    fig.update_layout(barmode="stack", bargap=0.05)
+    height = int(min(900, max(480, 220 + 9 * min(n, 80))))
+    return base_layout(fig, "Embedding sharding map", height=height, subtitle=_subtitle(plan, rows, binned))
+
+
+def _add_rank_bytes(fig: go.Figure, per_type: dict[str, np.ndarray], G: int, binned: bool) -> None:
+    """Top panel: bytes per rank by sharding type; bars for few ranks, else a stacked step area (binned past
+    :data:`MAX_RANK_BARS`, with each bin's fullest rank marked)."""
     if G <= MAX_BAR_RANKS:
         for stype in SHARDING_TYPES:
             if stype not in per_type:
@@ -127,35 +142,45 @@ def sharding_map(plan: Plan) -> go.Figure:
                 customdata=[fmt_bytes(v) for v in y],
                 hovertemplate=f"rank %{{x}}<br>{stype}: %{{customdata}}<extra></extra>",
             ), row=1, col=1)
-    else:
-        # a stacked step area (one flat step per rank or bin of ranks): cheap to draw for many ranks
-        nb = min(G, MAX_RANK_BARS)
-        edges = np.linspace(0, G, nb + 1).round().astype(int)
-        lo, hi = edges[:-1], edges[1:] - 1
-        xs = np.append(lo, G) - 0.5
-        label = [f"rank {a}" if a == b else f"ranks {a}–{b}" for a, b in zip(lo, hi)]
-        for stype in SHARDING_TYPES:
-            if stype not in per_type:
-                continue
-            y = np.add.reduceat(per_type[stype], lo) / (hi - lo + 1)
-            cd = np.stack([label, [fmt_bytes(v) for v in y]], axis=-1)
-            fig.add_trace(go.Scatter(
-                x=xs, y=np.append(y, y[-1]) / 2**30, mode="lines", stackgroup="bytes", name=stype, legendgroup=stype,
-                line={"shape": "hv", "width": 0.5, "color": sharding_colour(stype)}, fillcolor=sharding_colour(stype),
-                customdata=np.vstack([cd, cd[-1:]]),
-                hovertemplate=f"%{{customdata[0]}}<br>{stype}: %{{customdata[1]}}" + (" (bin mean)" if binned else "") + "<extra></extra>",
-            ), row=1, col=1)
-        if binned:
-            mx = np.maximum.reduceat(total, lo)
-            arg = [int(lo[i] + np.argmax(total[lo[i]:hi[i] + 1])) for i in range(len(lo))]
-            cd = np.stack([[f"rank {a}" for a in arg], [fmt_bytes(v) for v in mx]], axis=-1)
-            fig.add_trace(go.Scatter(
-                x=xs, y=np.append(mx, mx[-1]) / 2**30, mode="lines", name="fullest rank of the bin",
-                line={"shape": "hv", "width": 1, "color": "#222", "dash": "dot"}, customdata=np.vstack([cd, cd[-1:]]),
-                hovertemplate="%{customdata[0]}: %{customdata[1]} of embeddings (fullest in its bin)<extra></extra>",
-            ), row=1, col=1)
+        return
+    # a stacked step area (one flat step per rank or bin of ranks): cheap to draw for many ranks
+    nb = min(G, MAX_RANK_BARS)
+    edges = np.linspace(0, G, nb + 1).round().astype(int)
+    lo, hi = edges[:-1], edges[1:] - 1
+    xs = np.append(lo, G) - 0.5
+    label = [f"rank {a}" if a == b else f"ranks {a}–{b}" for a, b in zip(lo, hi)]
+    for stype in SHARDING_TYPES:
+        if stype not in per_type:
+            continue
+        y = np.add.reduceat(per_type[stype], lo) / (hi - lo + 1)
+        cd = np.stack([label, [fmt_bytes(v) for v in y]], axis=-1)
+        fig.add_trace(go.Scatter(
+            x=xs, y=np.append(y, y[-1]) / 2**30, mode="lines", stackgroup="bytes", name=stype, legendgroup=stype,
+            line={"shape": "hv", "width": 0.5, "color": sharding_colour(stype)}, fillcolor=sharding_colour(stype),
+            customdata=np.vstack([cd, cd[-1:]]),
+            hovertemplate=f"%{{customdata[0]}}<br>{stype}: %{{customdata[1]}}" + (" (bin mean)" if binned else "") + "<extra></extra>",
+        ), row=1, col=1)
+    if binned:
+        total = sum(per_type.values())
+        mx = np.maximum.reduceat(total, lo)
+        arg = [int(lo[i] + np.argmax(total[lo[i]:hi[i] + 1])) for i in range(len(lo))]
+        cd = np.stack([[f"rank {a}" for a in arg], [fmt_bytes(v) for v in mx]], axis=-1)
+        fig.add_trace(go.Scatter(
+            x=xs, y=np.append(mx, mx[-1]) / 2**30, mode="lines", name="fullest rank of the bin",
+            line={"shape": "hv", "width": 1, "color": "#222", "dash": "dot"}, customdata=np.vstack([cd, cd[-1:]]),
+            hovertemplate="%{customdata[0]}: %{customdata[1]} of embeddings (fullest in its bin)<extra></extra>",
+        ), row=1, col=1)
 
-    # --- bottom: the map ------------------------------------------------------------------------
+
+def _map_tmpl(stype: str) -> str:
+    return (f"<b>%{{customdata[0]}}</b> ({stype})<br>%{{customdata[1]}} rows × %{{customdata[2]}}<br>"
+            "one shard: %{customdata[3]} (weights + optimizer state)<br>all shards: %{customdata[4]}<br>"
+            "ranks: %{customdata[5]}<extra></extra>")
+
+
+def _add_map(fig: go.Figure, rows: list[ShardRow], G: int, shown: set[str]) -> None:
+    """Bottom panel: one row per table; a dot per single-rank shard (a dash past :data:`MAX_MARKERS`), a bar
+    per run of ranks, line width in four buckets of shard size. ``shown``: types already in the legend."""
     smax = max(r.shard_bytes for r in rows) or 1.0
 
     def size_px(b: float) -> float:
@@ -173,64 +198,44 @@ def sharding_map(plan: Plan) -> go.Figure:
     for yi, (r, runs) in enumerate(zip(rows, all_runs)):
         cd = [r.table, f"{r.rows:,}", str(r.dim), fmt_bytes(r.shard_bytes), fmt_bytes(r.total_bytes), _ranks_text(runs)]
         for a, b in runs:
-            if a == b and dash:
-                bucket = int(min(3, np.sqrt(r.shard_bytes / smax) * 4))
-                sg = segs[(r.sharding_type, bucket)]
-                sg[0] += [a - half, a + half, None]
-                sg[1] += [yi, yi, None]
-                sg[2] += [cd, cd, blank]
-            elif a == b:
+            if a == b and not dash:
                 p = points[r.sharding_type]
                 p[0].append(a)
                 p[1].append(yi)
                 p[2].append(size_px(r.shard_bytes))
                 p[3].append(cd)
-            else:
-                # line width in 4 buckets of shard size (a trace has one width)
-                bucket = int(min(3, np.sqrt(r.shard_bytes / smax) * 4))
-                sg = segs[(r.sharding_type, bucket)]
-                sg[0] += [a - 0.4, b + 0.4, None]
-                sg[1] += [yi, yi, None]
-                sg[2] += [cd, cd, blank]
+                continue
+            # line width in 4 buckets of shard size (a trace has one width)
+            bucket = int(min(3, np.sqrt(r.shard_bytes / smax) * 4))
+            sg = segs[(r.sharding_type, bucket)]
+            sg[0] += [a - half, a + half, None] if a == b else [a - 0.4, b + 0.4, None]
+            sg[1] += [yi, yi, None]
+            sg[2] += [cd, cd, blank]
 
-    def tmpl(stype: str) -> str:
-        return (f"<b>%{{customdata[0]}}</b> ({stype})<br>%{{customdata[1]}} rows × %{{customdata[2]}}<br>"
-                "one shard: %{customdata[3]} (weights + optimizer state)<br>all shards: %{customdata[4]}<br>"
-                "ranks: %{customdata[5]}<extra></extra>")
-
-    shown: set[str] = set(per_type)
     for (stype, bucket), (xs, ys, cds) in sorted(segs.items()):
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="lines", line={"color": sharding_colour(stype), "width": 2 + 3 * bucket},
-            name=stype, legendgroup=stype, showlegend=stype not in shown, customdata=cds, hovertemplate=tmpl(stype),
+            name=stype, legendgroup=stype, showlegend=stype not in shown, customdata=cds, hovertemplate=_map_tmpl(stype),
         ), row=2, col=1)
         shown.add(stype)
     for stype, (xs, ys, ss, cds) in sorted(points.items()):
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="markers", marker={"color": sharding_colour(stype), "size": ss, "line": {"width": 0.5, "color": "#333"}},
-            name=stype, legendgroup=stype, showlegend=stype not in shown, customdata=cds, hovertemplate=tmpl(stype),
+            name=stype, legendgroup=stype, showlegend=stype not in shown, customdata=cds, hovertemplate=_map_tmpl(stype),
         ), row=2, col=1)
         shown.add(stype)
 
-    n = len(rows)
-    counts = defaultdict(int)
+
+def _subtitle(plan: Plan, rows: list[ShardRow], binned: bool) -> str:
+    G = plan.mesh.sparse_shard
+    counts: dict[str, int] = defaultdict(int)
     for r in rows:
         counts[r.sharding_type] += 1
     mix = ", ".join(f"{counts[t]:,} {t}" for t in SHARDING_TYPES if counts[t])
-    sub = f"{n:,} tables over a sparse shard group of {G:,} ranks ({plan.mesh.sparse_replicate}× replicated): {mix}"
+    sub = f"{len(rows):,} tables over a sparse shard group of {G:,} ranks ({plan.mesh.sparse_replicate}× replicated): {mix}"
     if binned:
         sub += f"; top: ranks binned by ~{G / MAX_RANK_BARS:.0f}"
-    sub += "; line thickness (and dot size) = bytes per shard"
-    fig.update_yaxes(title_text="GiB / rank", row=1, col=1, rangemode="tozero")
-    tick_idx = list(range(n)) if n <= 40 else []
-    fig.update_yaxes(
-        title_text="tables (largest first)", autorange="reversed", row=2, col=1, showgrid=False, zeroline=False,
-        tickvals=tick_idx, ticktext=[rows[i].table for i in tick_idx], showticklabels=bool(tick_idx),
-    )
-    fig.update_xaxes(title_text="rank in the sparse shard group", row=2, col=1, range=[-0.6, G - 0.4])
-    fig.update_layout(barmode="stack", bargap=0.05)
-    height = int(min(900, max(480, 220 + 9 * min(n, 80))))
-    return base_layout(fig, "Embedding sharding map", height=height, subtitle=sub)
+    return sub + "; line thickness (and dot size) = bytes per shard"
 
 
 __all__ = ["ShardRow", "rank_bytes", "shard_rows", "sharding_map", "SHARDING_COLOURS"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from coplan.costmodel.flops import layer_names
+from coplan.reports.inputs import price_plan
 from coplan.reports.layout import fmt_bytes, fmt_pct, fmt_s
 from coplan.reports.ledger import Ledger, Loss
 from coplan.spec import LayerPlan, Plan, Prediction
@@ -35,8 +37,6 @@ class WhatIf:
 
 
 def _reprice(plan: Plan, change: str, **update) -> WhatIf | None:
-    from coplan.reports.inputs import price_plan
-
     try:
         c = price_plan(plan.model_copy(update=update)).cost
     except Exception:  # noqa: BLE001 - a what-if that cannot be priced is simply not quoted
@@ -58,8 +58,6 @@ def what_if(plan: Plan, loss: Loss) -> WhatIf | None:
     if k == "kernel.attention" and plan.kernels.attention != "triton":
         return _reprice(plan, "the Triton attention kernels", kernels=plan.kernels.model_copy(update={"attention": "triton"}))
     if k == "kernel.gemm" and plan.workload.precision.fp8 != "off":
-        from coplan.costmodel.flops import layer_names
-
         rec = {lp.name: lp.recompute for lp in plan.layers}
         layers = tuple(LayerPlan(name=n, recompute=rec.get(n, False), precision="fp8") for n in layer_names(plan.workload))
         return _reprice(plan, "fp8 GEMMs in every layer that allows them", layers=layers)
@@ -130,8 +128,6 @@ def describe_plan(plan: Plan) -> str:
                      f"× {m.sparse_replicate:,} replica(s) ({mix})")
     n_rec = sum(1 for lp in plan.layers if lp.recompute)
     n_fp8 = sum(1 for lp in plan.layers if lp.precision == "fp8")
-    from coplan.costmodel.flops import layer_names
-
     n_layers = len(layer_names(plan.workload))
     parts.append(f"{n_rec} of {n_layers} layers recomputed" + (f", {n_fp8} in fp8" if n_fp8 else ""))
     parts.append(f"'{plan.balancing.policy}' jagged balancing, {plan.kernels.attention} attention, {plan.kernels.embedding} embeddings")

@@ -14,6 +14,7 @@ import pytest
 
 from coplan.spec import dump_spec
 
+from tests.reports.browser import find_chromium, playwright_or_none
 from tests.reports.plans import heuristic_plan, real_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,12 +98,20 @@ def tiny_calibration(tiny_run):
 
 
 def chromium_or_skip() -> str:
-    from coplan.reports.browser import find_chromium
-
     b = find_chromium()
     if b is None:
         pytest.skip("no chromium on PATH: install Debian's `chromium` (as .ci/run does) to run the browser tests")
     return b
+
+
+@pytest.fixture(scope="session")
+def pw():
+    """A started Playwright driving the system Chromium; skips when either is missing."""
+    chromium_or_skip()
+    with playwright_or_none() as p:
+        if p is None:
+            pytest.skip("playwright is not installed (the `test` extra) to drive chromium in the browser tests")
+        yield p
 
 
 __all__ = ["PLAN_CASES", "ROOT", "chromium_or_skip", "shutil"]

@@ -11,6 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
+from coplan.planner.simulate import simulate_point
 from coplan.reports import balance, ranks, scaling, sharding, timeline, waterfall
 from coplan.reports.inputs import price_plan
 from coplan.reports.ledger import build_ledger
@@ -233,7 +234,7 @@ def test_jagged_balance_profile_for_many_ranks(h200_plan, monkeypatch):
 
 
 def test_scaling_curve_from_simulate(h200_plan):
-    rows = scaling.simulate_sweep(h200_plan, [8, 16, 64])
+    rows = scaling.simulate_sweep(h200_plan, simulate_point, [8, 16, 64])
     assert [r["gpus"] for r in rows] == [8, 16, 64]
     assert all("e2e_mfu" in r for r in rows)
     here = next(r for r in rows if r["gpus"] == 64)

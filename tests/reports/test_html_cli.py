@@ -12,6 +12,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
+from coplan.planner.simulate import simulate_point
 from coplan.reports.build import write_report
 from coplan.reports.html import Report, Section, render
 from coplan.reports.plotlyjs import choose_bundle
@@ -43,7 +44,7 @@ def test_json_blocks_cannot_close_the_script():
 
 
 def test_write_report_has_summary_and_every_figure(tmp_path, plan_file):
-    out, report, log = write_report(plan_file, tmp_path / "r.html")
+    out, report, log = write_report(plan_file, tmp_path / "r.html", simulate_point=simulate_point)
     keys = [s.key for s in report.sections]
     assert keys == ["waterfall", "timeline", "ranks", "memory", "alternatives", "sharding", "balance", "scaling"]
     missing = {s.key: s.note for s in report.sections if s.figure is None}
@@ -94,6 +95,13 @@ def test_cli_bad_run_and_calibration(tmp_path, plan_file):
     assert out.returncode == 2 and "does not exist" in out.stderr
 
 
+def test_scaling_curve_needs_a_sweep_or_the_planners_simulate(tmp_path, plan_file):
+    """Reports do not import the planner: without a sweep or a point function the curve is a note, not a guess."""
+    _, report, _ = write_report(plan_file, tmp_path / "r.html", what_if=False)
+    sec = next(s for s in report.sections if s.key == "scaling")
+    assert sec.figure is None and "--simulate" in sec.note
+
+
 def test_plan_without_prediction_is_repriced(tmp_path, h200_plan):
     p = tmp_path / "bare.json"
     dump_spec(h200_plan.model_copy(update={"predicted": None}), p)
@@ -107,8 +115,9 @@ def test_reports_never_import_torch(tmp_path, plan_file):
     no trainer. (The scaling curve's sweep is the simulate heuristic's plans, made by the planner, which is torch-free.)"""
     code = (
         "import sys\n"
+        "from coplan.planner.simulate import simulate_point\n"
         "from coplan.reports.build import write_report\n"
-        f"write_report({str(plan_file)!r}, {str(tmp_path / 'r.html')!r})\n"
+        f"write_report({str(plan_file)!r}, {str(tmp_path / 'r.html')!r}, simulate_point=simulate_point)\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'coplan.trainer', 'coplan.kernels')))\n"
         "assert not bad, bad\n"
     )

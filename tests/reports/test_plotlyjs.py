@@ -12,7 +12,7 @@ import plotly.offline
 import pytest
 
 from coplan.reports import plotlyjs
-from coplan.reports.html import Report, Section, _hint_margins, _payload, render
+from coplan.reports.html import Report, Section, hint_margins, page_payload, render
 
 
 def _bar_and_line() -> tuple[go.Figure, go.Figure]:
@@ -87,18 +87,18 @@ def test_margin_hints_cover_bar_labels_and_x_title():
     a.update_layout(margin={"l": 60, "b": 40}, font={"size": 12})
     a.update_xaxes(title_text="seconds")
     d = json.loads(a.to_json())
-    _hint_margins(d["layout"], d["data"])
+    hint_margins(d["layout"], d["data"])
     longest = len("a much longer label")
     assert d["layout"]["margin"]["l"] >= int(0.55 * 12 * longest) > 60
     assert d["layout"]["margin"]["b"] == 84
     # nothing to estimate: margins untouched
     c = json.loads(go.Figure(go.Scatter(x=[1], y=[1]), layout={"margin": {"l": 60, "b": 40}}).to_json())
-    _hint_margins(c["layout"], c["data"])
+    hint_margins(c["layout"], c["data"])
     assert c["layout"]["margin"] == {"l": 60, "b": 40}
 
 
 def test_payload_collects_the_trace_types():
     fig = go.Figure()
     fig.add_trace(go.Bar(x=[1], y=[1]))
-    p = _payload(Report("t", (), (Section("a", "A", fig),)))
+    p = page_payload(Report("t", (), (Section("a", "A", fig),)))
     assert p.trace_types == {"bar"}
