@@ -80,8 +80,9 @@ class Tier(Spec):
     bw_bytes_per_s: PositiveFloat
     """Bandwidth one GPU can drive across this tier, per direction, in bytes/s (before sharing)."""
 
-    latency_s: Annotated[Float, Field(ge=0)]
-    """One-way latency of a message crossing this tier, in seconds (the alpha term)."""
+    latency_s: Annotated[Float, Field(ge=0, le=1)]
+    """One-way latency of a message crossing this tier, in seconds (the alpha term; networks run at µs, so
+    over 1 s is a unit slip, e.g. microseconds written as seconds)."""
 
     oversubscription: Annotated[Float, Field(ge=1)] = 1.0
     """Ratio of downlink to uplink capacity of this tier's switches (1 = non-blocking; 7 = 1:7)."""

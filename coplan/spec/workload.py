@@ -224,8 +224,8 @@ class TableSetGenerator(Spec):
     - the first ``num_sequence_tables`` tables are sequence tables of ``sequence`` (pooling 1).
     """
 
-    seed: Int = 0
-    """Seed of the generator; the same seed gives the same tables."""
+    seed: Annotated[Int, Field(ge=0)] = 0
+    """Seed of the generator (non-negative, as numpy's generators take); the same seed gives the same tables."""
 
     num_tables: Annotated[Int, Field(gt=0, le=MAX_TABLES)]
     """How many tables to generate (at most ``MAX_TABLES``, 100,000)."""
