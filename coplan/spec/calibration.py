@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
 from coplan.errors import MismatchError
-from coplan.spec.base import Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.spec.base import Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.spec.topology import Topology
 
 Fraction = Annotated[Float, Field(gt=0, le=1)]
-if TYPE_CHECKING:
-    from coplan.spec.topology import Topology
-
 ComputeOpClass = Literal["gemm", "attention", "embedding", "elementwise"]
 
 
@@ -128,11 +126,11 @@ class Calibration(Spec):
         mine, theirs = self.device.strip().lower(), gpu_name.strip().lower()
         return mine in theirs or theirs in mine
 
-    def unknown_tiers(self, topology: "Topology") -> list[str]:
+    def unknown_tiers(self, topology: Topology) -> list[str]:
         """Tiers ``collective_efficiency`` names that ``topology`` does not have, sorted."""
         return sorted(set(self.collective_efficiency) - {t.name for t in topology.tiers})
 
-    def check_against(self, topology: "Topology", *, force: bool = False) -> None:
+    def check_against(self, topology: Topology, *, force: bool = False) -> None:
         """Refuse a calibration that does not belong to ``topology``, before any of it is used.
 
         The device must match the topology's GPU unless ``force``. Every tier the calibration fits a
