@@ -66,6 +66,11 @@ Bool = Annotated[bool, Strict()]
 """true or false only (never 1, 0 or "yes" as a string)."""
 
 
+FROM_FILE = "coplan_from_file"
+"""Validation-context key the loader sets: the document is a file a user gave, held to what a file must
+say in full (a plan file lists every table's sharding), not a spec built in Python."""
+
+
 class Spec(BaseModel):
     """Base of all coplan specs."""
 

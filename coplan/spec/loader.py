@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from coplan.errors import AmbiguousNameError, PresetNotFoundError, SpecError
+from coplan.spec.base import FROM_FILE
 from coplan.spec.calibration import Calibration
 from coplan.spec.plan import Plan
 from coplan.spec.run import RunResult
@@ -355,7 +356,7 @@ def parse_spec(kind: type[M], data: Any, source: str) -> M:
         got = "an empty file" if data is None else f"a {type(data).__name__}"
         raise SpecError(source, [("", f"expected a mapping of {kind.__name__} fields, got {got}")])
     try:
-        return kind.model_validate(data)
+        return kind.model_validate(data, context={FROM_FILE: True})
     except ValidationError as e:
         raise SpecError(source, validation_issues(e, kind)) from None
     except RecursionError:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from coplan.spec.base import Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
+from coplan.spec.base import FROM_FILE, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
 from coplan.spec.calibration import Calibration
 from coplan.spec.hashing import spec_sha256
 from coplan.spec.topology import Topology
@@ -503,7 +503,7 @@ class Plan(Spec):
         return check_schema_version(v, '; re-plan')
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Plan":
+    def _consistent(self, info: ValidationInfo) -> "Plan":
         if self.world_size > self.topology.num_gpus:
             raise field_error("world_size", f"{self.world_size} exceeds the {self.topology.num_gpus} GPUs of topology '{self.topology.name}'")
         if self.mesh.world_size != self.world_size:
@@ -524,7 +524,7 @@ class Plan(Spec):
                               f"of {MAX_LOCAL_BATCH:,}; re-plan on more GPUs")
         if local % self.micro_batches:
             raise field_error("mesh.micro_batches", f"{self.micro_batches} micro-batches do not split the local batch of {local} evenly")
-        _check_tables(self)
+        _check_tables(self, from_file=bool(info.context and info.context.get(FROM_FILE)))
         _check_mesh_axes(self)
         _check_prediction(self)
         if self.calibration is not None:
@@ -539,10 +539,15 @@ class Plan(Spec):
         return max(1, math.ceil(self.world_size / self.topology.gpus_per_node))
 
 
-def _check_tables(plan: Plan) -> None:
-    """Every table of the workload sharded exactly once, on ranks of the sparse shard group."""
+def _check_tables(plan: Plan, from_file: bool) -> None:
+    """Every table of the workload sharded exactly once, on ranks of the sparse shard group.
+
+    A plan built in Python may leave ``tables`` empty: the cost model then prices its default sharding.
+    A plan file may not: the trainer would run it with no table sharded."""
     tables = [t.name for t in plan.workload.all_tables]
     known = set(tables)
+    if not plan.tables and not from_file:
+        return
     if tables and not plan.tables:
         raise field_error("tables", f"is empty, but workload '{plan.workload.name}' has {len(tables):,} tables (e.g. "
                           f"{tables[:3]}) and each needs a sharding; re-plan (`coplan plan`) rather than delete them")

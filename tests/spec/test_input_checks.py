@@ -279,3 +279,13 @@ def test_a_calibration_naming_a_tier_the_topology_lacks_is_refused():
     with pytest.raises(MismatchError, match="fitted on 'NVIDIA H100'"):
         Calibration(device="NVIDIA H100").check_against(topo)
     Calibration(device="NVIDIA H100").check_against(topo, force=True)
+
+
+def test_a_plan_built_in_python_may_leave_tables_to_the_pricer_but_a_file_may_not(tmp_path):
+    doc = copy.deepcopy(BASE_PLAN)
+    doc["tables"] = []
+    assert Plan.model_validate(doc).tables == ()  # the cost model prices its default placement
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(SpecError, match="tables: is empty"):
+        load_plan(p)
