@@ -40,6 +40,10 @@ class PresetNotFoundError(CoplanError):
     """A name is neither a preset nor an existing file."""
 
 
+class AmbiguousNameError(CoplanError):
+    """A bare name that is both a preset and a file in the current directory: coplan will not guess which."""
+
+
 class MismatchError(CoplanError):
     """A plan, calibration or run does not match the topology, world size or schema it is used with."""
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import numbers
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict
 
 SCHEMA_VERSION = 1
 """Bumped whenever a spec changes incompatibly; files carry it as ``schema_version``."""
@@ -21,6 +24,51 @@ OpClass = Literal["gemm", "attention", "embedding", "elementwise", "collective"]
 """The one enumeration of op classes shared by cost model, trainer traces and calibration."""
 
 OP_CLASSES: tuple[str, ...] = ("gemm", "attention", "embedding", "elementwise", "collective")
+
+
+INT64_MAX = 2**63 - 1
+"""Largest count any spec field holds: torch, numpy and FBGEMM index with int64."""
+
+
+def _real(v: object) -> object:
+    # pydantic's lax mode reads true as 1.0 and "1e9" as 1e9: a bandwidth of 1 B/s from `bw: true`.
+    if isinstance(v, (bool, np.bool_)):
+        raise ValueError("must be a number, not a boolean (true/false)")
+    if isinstance(v, numbers.Real) and not isinstance(v, (int, float)):
+        return float(v)
+    return v
+
+
+def _whole(v: object) -> object:
+    if isinstance(v, (bool, np.bool_)):
+        raise ValueError("must be a whole number, not a boolean (true/false)")
+    if isinstance(v, numbers.Integral) and not isinstance(v, int):
+        v = int(v)
+    elif isinstance(v, numbers.Real) and not isinstance(v, int):
+        f = float(v)
+        # YAML writes 1e6 as a float: a whole value is taken exactly, a fractional one is never rounded
+        if not math.isfinite(f) or not f.is_integer():
+            raise ValueError(f"must be a whole number (a count); got {f!r}, which coplan will not round")
+        v = int(f)
+    if isinstance(v, int) and abs(v) > INT64_MAX:
+        raise ValueError(f"{v:.3g} is beyond the 64-bit integer range every count must fit in")
+    return v
+
+
+Float = Annotated[float, BeforeValidator(_real), Strict()]
+"""A finite real number: ints are taken, booleans and strings refused (never 1.0 for ``true``)."""
+
+Int = Annotated[int, BeforeValidator(_whole), Strict()]
+"""A count: whole numbers only (``1e6`` is taken as 1000000, ``2.5`` refused), never a boolean or string,
+within int64."""
+
+Bool = Annotated[bool, Strict()]
+"""true or false only (never 1, 0 or "yes" as a string)."""
+
+
+FROM_FILE = "coplan_from_file"
+"""Validation-context key the loader sets: the document is a file a user gave, held to what a file must
+say in full (a plan file lists every table's sharding), not a spec built in Python."""
 
 
 class Spec(BaseModel):

@@ -6,9 +6,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from coplan.spec.base import check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.errors import MismatchError
+from coplan.spec.base import Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.spec.topology import Topology
 
-Fraction = Annotated[float, Field(gt=0, le=1)]
+Fraction = Annotated[Float, Field(gt=0, le=1)]
 ComputeOpClass = Literal["gemm", "attention", "embedding", "elementwise"]
 
 
@@ -21,30 +23,30 @@ class OpClassCalibration(Spec):
     memory_efficiency: Fraction | None = None
     """Achieved fraction of the datasheet HBM bandwidth for bandwidth-bound ops of this class."""
 
-    launch_overhead_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    launch_overhead_s: Annotated[Float, Field(ge=0, le=1)] | None = None
     """Fixed time per kernel launch of this class, in seconds."""
 
 
 class FitError(Spec):
     """How well the fitted model reproduces the measurements it was fitted on (and held-out ones)."""
 
-    median_abs_rel_error: Annotated[float, Field(ge=0)]
+    median_abs_rel_error: Annotated[Float, Field(ge=0)]
     """Median |predicted − measured| / measured over the samples."""
 
-    max_abs_rel_error: Annotated[float, Field(ge=0)]
+    max_abs_rel_error: Annotated[Float, Field(ge=0)]
     """Largest |predicted − measured| / measured over the samples."""
 
-    per_op_class: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    per_op_class: dict[str, Annotated[Float, Field(ge=0)]] = Field(default_factory=dict)
     """Relative error of the summed time of each op class."""
 
-    num_samples: Annotated[int, Field(ge=0)] = 0
+    num_samples: Annotated[Int, Field(ge=0)] = 0
     """Measured quantities the fit used."""
 
 
 class Calibration(Spec):
     """Efficiencies that replace the cost model's defaults."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: Int = SCHEMA_VERSION
     """Version of the calibration schema."""
 
     device: str = Field(min_length=1)
@@ -65,33 +67,33 @@ class Calibration(Spec):
     collective_efficiency: dict[str, dict[Collective, Fraction]] = Field(default_factory=dict)
     """Fitted bus-bandwidth efficiency per tier name and collective."""
 
-    host_launch_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    host_launch_s: Annotated[Float, Field(ge=0, le=1)] | None = None
     """Host time per kernel launch the cost model prices, in seconds, for host-bound steps: the host's
     time is the step's priced launches times this, concurrent with the device's, and the step is priced
     at the longer of the two (``coplan calibrate --host-cost``). None: device time alone."""
 
-    host_sample_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    host_sample_s: Annotated[Float, Field(ge=0, le=1)] | None = None
     """Host time per sample of the rank's local batch per step, in seconds, added to the host's time
     (priced launches × ``host_launch_s``) before the step takes the longer of host and device: the
     trainer's per-sample host work (the data thread's batch read, balancing, KJT building and pinning,
     competing with the launching threads for the GIL; see ``coplan.calibration``). None: none
     (calibrations written before it existed load unchanged)."""
 
-    device_step_factor: Annotated[float, Field(ge=0.5, le=3)] | None = None
+    device_step_factor: Annotated[Float, Field(ge=0.5, le=3)] | None = None
     """Measured device-bound step over the device time the cost model's ops add up to (fitted with the
     host costs to measured step times, ``coplan calibrate --host-cost``): the device work no priced op
     accounts for (the optimizer's and the allocator's small kernels, copies, the gaps between dependent
     kernels) as a share of the priced work. The step is priced at max(factor × device step, host time).
     None: 1 (calibrations written before it existed load unchanged)."""
 
-    host_op_median_us: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    host_op_median_us: dict[str, Annotated[Float, Field(gt=0)]] = Field(default_factory=dict)
     """The host speed the host costs were fitted at: per host call that every fitted run made many times
     (``coplan.calibration.host_profile.HOST_SPEED_OPS``), the geometric mean over the fitted runs of its median
     host duration in their profiled steps, in µs. A later run's trace read against it says how much
     slower or faster its host ran (``coplan.calibration.host_profile.host_speed_index``); the host costs hold for
     a host this fast. Empty: not recorded (calibrations written before it existed load unchanged)."""
 
-    lookup_id_latency_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    lookup_id_latency_s: Annotated[Float, Field(ge=0, le=1)] | None = None
     """Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup
     forward, the latency-bound floor of that kernel (``coplan.costmodel.decomposed.seq_lookup_floor_s``).
     None: the default (``coplan.costmodel.efficiency.DEFAULT_LOOKUP_ID_LATENCY_S``); 0: no floor."""
@@ -102,7 +104,7 @@ class Calibration(Spec):
     UNFUSED_CLASS``), fitted on those ops' traced time. None: the default (the topology's measured
     copy rate, else ``coplan.costmodel.efficiency.DEFAULT_MEMORY_EFFICIENCY['unfused']``)."""
 
-    unfused_kernel_s: Annotated[float, Field(ge=0, le=1)] | None = None
+    unfused_kernel_s: Annotated[Float, Field(ge=0, le=1)] | None = None
     """Device seconds per kernel of an unfused op beyond the one its fused form would launch (the padded
     reference issues ~84 small ATen kernels per forward call, 28 per backward; a call whose work is small,
     the summary attention's, is mostly these), fitted on those ops' traced time. None: the default
@@ -118,3 +120,34 @@ class Calibration(Spec):
     @classmethod
     def _schema(cls, v: int) -> int:
         return check_schema_version(v)
+
+    def matches_device(self, gpu_name: str) -> bool:
+        """Whether the calibration's device names the same GPU as ``gpu_name`` (one contains the other)."""
+        mine, theirs = self.device.strip().lower(), gpu_name.strip().lower()
+        return mine in theirs or theirs in mine
+
+    def unknown_tiers(self, topology: Topology) -> list[str]:
+        """Tiers ``collective_efficiency`` names that ``topology`` does not have, sorted."""
+        return sorted(set(self.collective_efficiency) - {t.name for t in topology.tiers})
+
+    def check_against(self, topology: Topology, *, force: bool = False) -> None:
+        """Refuse a calibration that does not belong to ``topology``, before any of it is used.
+
+        The device must match the topology's GPU unless ``force``. Every tier the calibration fits a
+        collective efficiency for must be a tier of the topology, forced or not: a tier it does not have
+        would be ignored without a word, and the planner would price that tier at the defaults.
+        """
+        gpu = topology.gpu.name
+        if not force and not self.matches_device(gpu):
+            raise MismatchError(
+                f"calibration was fitted on '{self.device}' but topology '{topology.name}' has '{gpu}'; "
+                "re-calibrate on this GPU, or force it (`coplan plan --force`, `force=True` in Python)"
+            )
+        tiers = [t.name for t in topology.tiers]
+        unknown = self.unknown_tiers(topology)
+        if unknown:
+            raise MismatchError(
+                f"calibration collective_efficiency names tier{'s' if len(unknown) > 1 else ''} {unknown} that topology "
+                f"'{topology.name}' does not have (its tiers: {tiers}); rename them to the topology's tiers, drop them "
+                "from the calibration, or use the topology the calibration was measured on"
+            )

@@ -7,8 +7,9 @@ the reason; an unknown key comes with the nearest valid key. Nothing else escape
 from __future__ import annotations
 
 import difflib
-import re
 import json
+import os
+import re
 import typing
 from importlib import resources
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any, TypeVar, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from coplan.errors import PresetNotFoundError, SpecError
+from coplan.errors import AmbiguousNameError, PresetNotFoundError, SpecError
+from coplan.spec.base import FROM_FILE
 from coplan.spec.calibration import Calibration
 from coplan.spec.plan import Plan
 from coplan.spec.run import RunResult
@@ -40,9 +42,39 @@ def preset_path(kind: type[BaseModel], name: str) -> Path:
     return Path(str(resources.files(PRESET_PACKAGES[kind]).joinpath(f"{name}.yaml")))
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that gives one key twice (PyYAML and ``json`` keep the last value without a word)."""
+
+    def __init__(self, key: Any, where: str, path: str = "") -> None:
+        self.key, self.where, self.path = key, where, path
+        super().__init__(f"duplicate key {key!r} {where}")
+
+    def reason(self, fmt: str) -> str:
+        return (f"duplicate key {str(self.key)!r} {self.where}: {fmt} keys must be unique and the reader would keep "
+                "only the last value; remove one of them")
+
+
 class _Yaml12Loader(yaml.SafeLoader):
     """SafeLoader that reads ``1e12`` and ``4.8e12`` as floats, as YAML 1.2 and JSON do (PyYAML's
-    YAML 1.1 resolver wants a dot and a signed exponent and would read them as strings)."""
+    YAML 1.1 resolver wants a dot and a signed exponent and would read them as strings), and refuses
+    a mapping that repeats a key (YAML 1.2 says keys are unique; PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            # explicit keys only: a key merged in with '<<' may be overridden, as YAML's merge says
+            first: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base constructor says so
+                    break
+                if seen is not key_node:
+                    raise DuplicateKeyError(key, f"at line {key_node.start_mark.line + 1} (first given at line "
+                                                 f"{seen.start_mark.line + 1})")
+        return super().construct_mapping(node, deep=deep)
 
 
 class _Yaml12Dumper(yaml.SafeDumper):
@@ -83,11 +115,59 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+MAX_FILE_BYTES = 256 << 20
+"""Largest file coplan reads as a spec (a plan of 100,000 tables is ~50 MB of JSON)."""
+
+MAX_VALUES = 10_000_000
+"""Most values (mappings, lists and scalars, YAML aliases counted at every use) one document may hold:
+far above any real spec, and low enough that an alias bomb is refused before it is validated."""
+
+
+class _Pairs(list):
+    """A JSON object as read, key-value pairs in order, before duplicates are checked."""
+
+
+def _path_str(path: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
+
+
+def _settle(doc: Any) -> Any:
+    """JSON objects made dicts with duplicate keys refused by field path; and a bound on the values a
+    document expands to (YAML aliases share one object that validation would walk at every use)."""
+    root = [doc]
+    # (container, slot, path) of each mapping or list still to visit
+    stack: list[tuple[Any, Any, tuple]] = [(root, 0, ())] if isinstance(doc, (dict, list)) else []
+    count = 0
+    while stack:
+        parent, slot, path = stack.pop()
+        node = parent[slot]
+        if isinstance(node, _Pairs):
+            out: dict[Any, Any] = {}
+            for k, v in node:
+                if k in out:
+                    raise DuplicateKeyError(k, "given twice in one object", _path_str(path + (k,)))
+                out[k] = v
+            parent[slot] = node = out
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            count += 1
+            if isinstance(v, (dict, list)):
+                stack.append((node, k, path + (k,)))
+        if count > MAX_VALUES:
+            raise ValueError(f"holds more than {MAX_VALUES:,} values (YAML aliases count at every use); no spec is "
+                             "this large")
+    return root[0]
+
+
 def _parse_text(text: str, source: str) -> Any:
+    """Parse YAML, or JSON for a ``.json`` source, as one SpecError naming ``source`` on any failure."""
+    is_json = source.endswith(".json")
     try:
-        if source.endswith(".json"):
-            return json.loads(text)
-        return yaml_load(text)
+        if is_json:
+            return _settle(json.loads(text, object_pairs_hook=_Pairs))
+        return _settle(yaml_load(text))
+    except DuplicateKeyError as e:
+        raise SpecError(source, [(e.path, e.reason("JSON" if is_json else "YAML"))]) from None
     except json.JSONDecodeError as e:
         raise SpecError(source, [("", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")]) from None
     except yaml.YAMLError as e:
@@ -95,8 +175,47 @@ def _parse_text(text: str, source: str) -> Any:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError(source, [("", f"not valid YAML: {problem}{where}")]) from None
-    except (RecursionError, ValueError, OverflowError) as e:
-        raise SpecError(source, [("", f"cannot be parsed: {type(e).__name__}: {e}")]) from None
+    except RecursionError:
+        raise SpecError(source, [("", "nested too deeply to be a spec")]) from None
+    except (ValueError, OverflowError, MemoryError) as e:
+        raise SpecError(source, [("", f"cannot be parsed: {e}")]) from None
+
+
+def read_text(path: str | Path, source: str | None = None) -> str:
+    """The UTF-8 text of a file a user named, or a SpecError naming it: missing, a directory, too
+    large, binary (NUL bytes) or not UTF-8. For every reader of user files, specs or not."""
+    p = Path(path)
+    source = source or str(path)
+    try:
+        size = p.stat().st_size
+        if p.is_dir():
+            raise SpecError(source, [("", "is a directory; give the path of a file")])
+        if size > MAX_FILE_BYTES:
+            raise SpecError(source, [("", f"is {size / 2**20:,.0f} MiB, over the {MAX_FILE_BYTES >> 20} MiB coplan "
+                                          "reads as one file; is this the right file?")])
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(source, [("", "no such file")]) from None
+    except OSError as e:
+        raise SpecError(source, [("", f"cannot be read: {e.strerror or e}")]) from None
+    if b"\x00" in raw:
+        at = raw.index(b"\x00")
+        raise SpecError(source, [("", f"is a binary file (a NUL byte at offset {at:,}), not YAML or JSON text; "
+                                      "is this the right file?")])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise SpecError(source, [("", f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, offset {e.start:,}); "
+                                      "coplan reads YAML or JSON saved as UTF-8: is this the right file?")]) from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def load_document(path: str | Path, source: str | None = None) -> Any:
+    """A YAML or JSON file (JSON when the name ends in ``.json``) parsed, with duplicate keys refused and
+    every failure a SpecError naming the file: for readers of user files that are not specs (sweeps,
+    summaries), so they fail as the spec loader does."""
+    return _parse_text(read_text(path, source), str(path) if source is None else source)
 
 
 def _unwrap(annotation: Any) -> list[Any]:
@@ -200,6 +319,8 @@ def _reason(err: dict[str, Any], root: type[BaseModel]) -> str:
     if etype in ("missing",):
         return "required field is missing"
     inp = err.get("input")
+    if etype in ("float_type", "int_type") and isinstance(inp, str):
+        msg += "; a quoted value is a string: write the number without quotes"
     if etype not in ("missing",) and not isinstance(inp, (dict, list)) and inp is not None:
         shown = repr(inp)
         if len(shown) > 60:
@@ -235,39 +356,69 @@ def parse_spec(kind: type[M], data: Any, source: str) -> M:
         got = "an empty file" if data is None else f"a {type(data).__name__}"
         raise SpecError(source, [("", f"expected a mapping of {kind.__name__} fields, got {got}")])
     try:
-        return kind.model_validate(data)
+        return kind.model_validate(data, context={FROM_FILE: True})
     except ValidationError as e:
         raise SpecError(source, validation_issues(e, kind)) from None
     except RecursionError:
         raise SpecError(source, [("", "nested too deeply")]) from None
 
 
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def looks_like_path(arg: str) -> bool:
+    """Whether an argument names a file, never a preset: it has a path separator or a spec suffix."""
+    return "/" in arg or os.sep in arg or bool(os.altsep and os.altsep in arg) or Path(arg).suffix.lower() in SPEC_SUFFIXES
+
+
 def resolve(kind: type[BaseModel], name_or_path: str | Path) -> Path:
-    """A path as given when it exists; else a preset of that name; else a clear error."""
-    p = Path(name_or_path)
-    if p.is_file():
-        return p
-    name = str(name_or_path)
+    """Where a ``kind`` spec given by name or path is read from; presets and files never shadow each other.
+
+    An argument with a path separator or a ``.yaml``/``.yml``/``.json`` suffix is a path and only a path.
+    A bare name is a preset; a bare name that is also a file in the current directory is refused (which
+    was meant?) with how to ask for each; a bare name that is only a file is that file.
+    """
+    arg = str(name_or_path)
+    p = Path(arg)
     presets = list_presets(kind)
-    stem = p.stem if p.suffix in (".yaml", ".yml", ".json") else name
-    if stem in presets and (p.parent == Path(".") or not p.exists()):
-        if p.suffix and p.parent != Path("."):
-            pass
-        return preset_path(kind, stem)
-    near = difflib.get_close_matches(stem, presets, n=1, cutoff=0.5)
+    what = kind.__name__.lower()
+    if looks_like_path(arg):
+        if p.exists():
+            return p
+        stem = p.stem if p.suffix.lower() in SPEC_SUFFIXES else p.name
+        hint = f" ('{stem}' is a {what} preset: give the bare name '{stem}' to use it.)" if stem in presets else ""
+        raise PresetNotFoundError(f"{arg}: no such file.{hint}")
+    if arg in presets:
+        if p.exists():
+            raise AmbiguousNameError(
+                f"'{arg}' is both a {what} preset and a file in the current directory; say which: './{arg}' for the "
+                f"file, or the preset's path {preset_path(kind, arg)} (or rename the file)"
+            )
+        return preset_path(kind, arg)
+    if p.exists():
+        return p
+    near = difflib.get_close_matches(arg, presets, n=1, cutoff=0.5)
     hint = f" Did you mean '{near[0]}'?" if near else ""
+    files = [f"./{arg}{suf}" for suf in SPEC_SUFFIXES if Path(arg + suf).is_file()]
+    if files:
+        hint += f" The file {files[0]} exists: give its name with the suffix."
     listed = f" Presets: {', '.join(presets)}." if presets else ""
-    raise PresetNotFoundError(f"{name}: no such file, and not a {kind.__name__.lower()} preset.{hint}{listed}")
+    raise PresetNotFoundError(f"{arg}: no such file, and not a {what} preset.{hint}{listed}")
+
+
+def _source(kind: type[BaseModel], name_or_path: str | Path, path: Path) -> str:
+    """How errors name what was loaded: the argument as given, or the preset with its file."""
+    arg = str(name_or_path)
+    if not looks_like_path(arg) and arg in list_presets(kind) and path == preset_path(kind, arg):
+        return f"{path} (preset '{arg}')"
+    return arg
 
 
 def load_spec(kind: type[M], name_or_path: str | Path) -> M:
+    """Load a ``kind`` spec from a preset name or a YAML/JSON path (see :func:`resolve`)."""
     path = resolve(kind, name_or_path)
-    source = str(name_or_path) if Path(name_or_path).is_file() else f"{path} (preset '{Path(path).stem}')"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(str(name_or_path), [("", f"cannot be read: {e}")]) from None
-    return parse_spec(kind, _parse_text(text, str(path)), source)
+    source = _source(kind, name_or_path, path)
+    return parse_spec(kind, _parse_text(read_text(path, source), str(path)), source)
 
 
 def load_topology(name_or_path: str | Path) -> Topology:
@@ -329,19 +480,18 @@ def sniff_kind(data: Any) -> type[BaseModel] | None:
 
 
 def load_any(path: str | Path) -> BaseModel:
-    """Load a file of any spec kind, guessed from its keys (for ``coplan validate``)."""
-    p = Path(path)
-    for kind in (Topology, Workload):
-        if not p.is_file() and str(path) in list_presets(kind):
-            return load_spec(kind, path)
-    if not p.is_file():
-        raise PresetNotFoundError(f"{path}: no such file, and not a topology or workload preset")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(str(path), [("", f"cannot be read: {e}")]) from None
-    data = _parse_text(text, str(p))
+    """Load a file of any spec kind, guessed from its keys (for ``coplan validate``); a bare preset name
+    is a topology or workload preset, as :func:`resolve` has it."""
+    arg = str(path)
+    if not looks_like_path(arg):
+        for kind in (Topology, Workload):
+            if arg in list_presets(kind):
+                return load_spec(kind, arg)
+    p = Path(arg)
+    if not p.exists():
+        raise PresetNotFoundError(f"{arg}: no such file, and not a topology or workload preset")
+    data = _parse_text(read_text(p, arg), arg)
     kind = sniff_kind(data)
     if kind is None:
-        raise SpecError(str(path), [("", "cannot tell which spec this is (expected topology, workload, plan, calibration or run keys)")])
-    return parse_spec(kind, data, str(path))
+        raise SpecError(arg, [("", "cannot tell which spec this is (expected topology, workload, plan, calibration or run keys)")])
+    return parse_spec(kind, data, arg)

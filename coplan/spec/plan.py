@@ -11,16 +11,18 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from coplan.spec.base import check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
+from coplan.spec.base import FROM_FILE, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
 from coplan.spec.calibration import Calibration
 from coplan.spec.hashing import spec_sha256
 from coplan.spec.topology import Topology
-from coplan.spec.workload import Kernels, Precision, Workload
+from coplan.spec.workload import MAX_LOCAL_BATCH, Kernels, Precision, Workload
 
-NonNeg = Annotated[float, Field(ge=0)]
-PosInt = Annotated[int, Field(gt=0)]
+NonNeg = Annotated[Float, Field(ge=0)]
+_REL, _ABS_S = 1e-6, 1e-12
+"""Tolerances of the prediction's own sums (the pricer's floating-point rounding, nothing more)."""
+PosInt = Annotated[Int, Field(gt=0)]
 
 MeshAxisName = Literal["dp_replicate", "dp_shard", "ep", "sparse_replicate", "sparse_shard"]
 ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
@@ -92,7 +94,7 @@ class TableShard(Spec):
     sharding_type: ShardingType
     """TorchRec sharding type."""
 
-    ranks: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    ranks: tuple[Annotated[Int, Field(ge=0)], ...] = ()
     """Ranks within the sparse shard group holding the shards, in shard order (empty for data_parallel:
     every rank holds a copy). table_row_wise uses ranks of one node."""
 
@@ -119,7 +121,7 @@ class LayerPlan(Spec):
     name: str = Field(min_length=1)
     """Layer name '<block>.<layer index>' as in op names (e.g. 'interformer.3')."""
 
-    recompute: bool = False
+    recompute: Bool = False
     """Activation checkpointing: keep only the layer input, recompute the rest in backward."""
 
     precision: Literal["bf16", "fp8"] = "bf16"
@@ -180,7 +182,7 @@ class BalancingPlan(Spec):
     """'none' splits in order; 'greedy' is longest-processing-time first; 'karmarkar_karp' the
     multi-way largest differencing method."""
 
-    expected_imbalance: Annotated[float, Field(ge=1)] = 1.0
+    expected_imbalance: Annotated[Float, Field(ge=1)] = 1.0
     """Expected max/mean per-rank cost of the jagged work under this policy (priced by the cost model)."""
 
 
@@ -299,10 +301,10 @@ class Prediction(Spec):
     rank_time_s: tuple[NonNeg, ...] = ()
     """Per-rank step time (all ranks, or a sample of extremes for large worlds: see rank_ids)."""
 
-    rank_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    rank_ids: tuple[Annotated[Int, Field(ge=0)], ...] = ()
     """The ranks rank_time_s refers to."""
 
-    imbalance: Annotated[float, Field(ge=1)] = 1.0
+    imbalance: Annotated[Float, Field(ge=1)] = 1.0
     """Expected max/mean per-rank jagged work under the plan's balancing policy."""
 
     breakdown_s: dict[str, NonNeg] = Field(default_factory=dict)
@@ -312,7 +314,7 @@ class Prediction(Spec):
     layer_time_s: dict[str, NonNeg] = Field(default_factory=dict)
     """Compute + exposed communication per layer ('<block>.<index>', 'sparse', 'optimizer'), seconds."""
 
-    memory_headroom_bytes: float = 0.0
+    memory_headroom_bytes: Float = 0.0
     """usable HBM (capacity less the topology's reserve) − peak_memory_bytes (negative when the plan does not fit)."""
 
     hbm_reserve_bytes: NonNeg = 0.0
@@ -323,6 +325,30 @@ class Prediction(Spec):
 
     notes: tuple[str, ...] = ()
     """What the cost model approximated for this plan."""
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "Prediction":
+        # the pricer writes these together; a value moved between fields by hand breaks one of them
+        step = self.step_time_s
+        for name in ("compute_s", "exposed_comm_s"):
+            if getattr(self, name) > step * (1 + _REL) + _ABS_S:
+                raise field_error(name, f"{getattr(self, name):g} s exceeds step_time_s={step:g} s (part of the step "
+                                  "cannot be longer than the step); re-plan rather than edit predictions")
+        if self.scaling_ratio > 1 + _REL:
+            raise field_error("scaling_ratio", f"{self.scaling_ratio:g} exceeds 1 (it is compute time / step time)")
+        if abs(self.local_mfu * self.scaling_ratio - self.e2e_mfu) > 1e-3 * max(self.e2e_mfu, 1e-9) + 1e-9:
+            raise field_error("e2e_mfu", f"{self.e2e_mfu:g} is not local_mfu × scaling_ratio = "
+                              f"{self.local_mfu * self.scaling_ratio:g}; re-plan rather than edit predictions")
+        if self.memory_bytes and not math.isclose(self.peak_memory_bytes, sum(self.memory_bytes.values()), rel_tol=1e-6, abs_tol=1.0):
+            raise field_error("peak_memory_bytes", f"{self.peak_memory_bytes:g} is not the sum of memory_bytes "
+                              f"({sum(self.memory_bytes.values()):g})")
+        if len(self.rank_time_s) != len(self.rank_ids):
+            raise field_error("rank_time_s", f"has {len(self.rank_time_s)} entries but rank_ids has {len(self.rank_ids)}")
+        if self.rank_memory_bytes and len(self.rank_memory_bytes) != len(self.rank_ids):
+            raise field_error("rank_memory_bytes", f"has {len(self.rank_memory_bytes)} entries but rank_ids has {len(self.rank_ids)}")
+        if len(set(self.rank_ids)) != len(self.rank_ids):
+            raise field_error("rank_ids", "has repeats")
+        return self
 
 
 class SolverReport(Spec):
@@ -345,7 +371,7 @@ class SolverReport(Spec):
     """What CP-SAT's model (the piecewise-linear step, one cut per critical path of the pricer's
     schedule) says of the returned plan, microseconds; the priced step agrees within a few percent."""
 
-    cut_rounds: Annotated[int, Field(ge=0)] = 0
+    cut_rounds: Annotated[Int, Field(ge=0)] = 0
     """Re-solves of the chosen candidate after a priced plan added a cut (0: the first solution's price
     already agreed with the model)."""
 
@@ -358,14 +384,22 @@ class SolverReport(Spec):
     num_workers: PosInt = 1
     """CP-SAT search workers."""
 
-    seed: int = 0
+    seed: Int = 0
     """Random seed (plans are deterministic for a seed)."""
 
-    candidates_total: Annotated[int, Field(ge=0)] = 0
+    candidates_total: Annotated[Int, Field(ge=0)] = 0
     """Mesh candidates enumerated."""
 
-    candidates_solved: Annotated[int, Field(ge=0)] = 0
+    candidates_solved: Annotated[Int, Field(ge=0)] = 0
     """Candidates left after pruning and solved."""
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "SolverReport":
+        if self.gap > 1:
+            raise field_error("gap", f"{self.gap:g} exceeds 1 (it is (objective − bound) / objective)")
+        if self.candidates_solved > self.candidates_total:
+            raise field_error("candidates_solved", f"{self.candidates_solved} exceeds candidates_total={self.candidates_total}")
+        return self
 
 
 class Alternative(Spec):
@@ -382,7 +416,7 @@ class Alternative(Spec):
     description: str
     """What this alternative is, in a few words."""
 
-    step_time_s: Annotated[float, Field(ge=0)] | None = None
+    step_time_s: Annotated[Float, Field(ge=0)] | None = None
     """Its priced step time (None: not priced in full; see ``bound_s``)."""
 
     bound_s: NonNeg = 0.0
@@ -398,7 +432,7 @@ class Alternative(Spec):
 class Plan(Spec):
     """A parallel plan for one workload on one topology at one world size."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: Int = SCHEMA_VERSION
     """Version of the plan schema."""
 
     coplan_version: str = ""
@@ -469,7 +503,7 @@ class Plan(Spec):
         return check_schema_version(v, '; re-plan')
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Plan":
+    def _consistent(self, info: ValidationInfo) -> "Plan":
         if self.world_size > self.topology.num_gpus:
             raise field_error("world_size", f"{self.world_size} exceeds the {self.topology.num_gpus} GPUs of topology '{self.topology.name}'")
         if self.mesh.world_size != self.world_size:
@@ -484,25 +518,98 @@ class Plan(Spec):
         fixed = b.fixed_micro_batches
         if self.mesh.micro_batches is not None and fixed is not None and self.mesh.micro_batches != fixed:
             raise field_error("mesh.micro_batches", f"{self.mesh.micro_batches} but the workload asks for {fixed}; re-plan")
-        local = b.local(self.world_size)
+        local = b.local_batch_size or b.global_(self.world_size) // self.world_size
+        if local > MAX_LOCAL_BATCH:
+            raise field_error("world_size", f"{self.world_size:,} ranks give {local:,} samples per GPU, over coplan's limit "
+                              f"of {MAX_LOCAL_BATCH:,}; re-plan on more GPUs")
         if local % self.micro_batches:
             raise field_error("mesh.micro_batches", f"{self.micro_batches} micro-batches do not split the local batch of {local} evenly")
-        tables = {t.name for t in self.workload.all_tables}
-        seen: set[str] = set()
-        for i, ts in enumerate(self.tables):
-            if ts.table not in tables:
-                raise field_error(f"tables[{i}].table", f"'{ts.table}' is not a table of workload '{self.workload.name}'")
-            if ts.table in seen:
-                raise field_error(f"tables[{i}].table", f"'{ts.table}' is sharded twice")
-            seen.add(ts.table)
-            bad = [r for r in ts.ranks if r >= self.mesh.sparse_shard]
-            if bad:
-                raise field_error(f"tables[{i}].ranks", f"{bad} are outside the sparse shard group of {self.mesh.sparse_shard} ranks")
-        if self.tables and len(seen) != len(tables):
-            missing = sorted(tables - seen)[:5]
-            raise field_error("tables", f"{len(tables) - len(seen)} tables have no sharding, e.g. {missing}")
+        _check_tables(self, from_file=bool(info.context and info.context.get(FROM_FILE)))
+        _check_mesh_axes(self)
+        _check_prediction(self)
+        if self.calibration is not None:
+            unknown = self.calibration.unknown_tiers(self.topology)
+            if unknown:
+                raise field_error("calibration.collective_efficiency", f"names tiers {unknown} that the embedded topology "
+                                  f"does not have (its tiers: {[t.name for t in self.topology.tiers]}); re-plan")
         return self
 
     @property
     def num_nodes(self) -> int:
         return max(1, math.ceil(self.world_size / self.topology.gpus_per_node))
+
+
+def _check_tables(plan: Plan, from_file: bool) -> None:
+    """Every table of the workload sharded exactly once, on ranks of the sparse shard group.
+
+    A plan built in Python may leave ``tables`` empty: the cost model then prices its default sharding.
+    A plan file may not: the trainer would run it with no table sharded."""
+    tables = [t.name for t in plan.workload.all_tables]
+    known = set(tables)
+    if not plan.tables and not from_file:
+        return
+    if tables and not plan.tables:
+        raise field_error("tables", f"is empty, but workload '{plan.workload.name}' has {len(tables):,} tables (e.g. "
+                          f"{tables[:3]}) and each needs a sharding; re-plan (`coplan plan`) rather than delete them")
+    seen: set[str] = set()
+    for i, ts in enumerate(plan.tables):
+        if ts.table not in known:
+            raise field_error(f"tables[{i}].table", f"'{ts.table}' is not a table of workload '{plan.workload.name}'")
+        if ts.table in seen:
+            raise field_error(f"tables[{i}].table", f"'{ts.table}' is sharded twice")
+        seen.add(ts.table)
+        bad = [r for r in ts.ranks if r >= plan.mesh.sparse_shard]
+        if bad:
+            raise field_error(f"tables[{i}].ranks", f"{bad} are outside the sparse shard group of {plan.mesh.sparse_shard} ranks")
+    if len(seen) != len(known):
+        missing = [t for t in tables if t not in seen][:5]
+        raise field_error("tables", f"{len(known) - len(seen):,} tables of workload '{plan.workload.name}' have no "
+                          f"sharding, e.g. {missing}; re-plan")
+    layer_names = [lp.name for lp in plan.layers]
+    dup = sorted({n for n in layer_names if layer_names.count(n) > 1})
+    if dup:
+        raise field_error("layers", f"names layers more than once: {dup[:5]}")
+
+
+_AXIS_DEGREE = {"dp_shard": "dense_shard", "dp_replicate": "dense_replicate", "ep": "expert_parallel",
+                "sparse_shard": "sparse_shard", "sparse_replicate": "sparse_replicate"}
+"""The MeshPlan degree each mesh axis stands for."""
+
+
+def _check_mesh_axes(plan: Plan) -> None:
+    tiers = {t.name for t in plan.topology.tiers}
+    names = [a.name for a in plan.mesh.axes]
+    for i, axis in enumerate(plan.mesh.axes):
+        if names.count(axis.name) > 1:
+            raise field_error(f"mesh.axes[{i}].name", f"'{axis.name}' appears more than once")
+        degree = getattr(plan.mesh, _AXIS_DEGREE[axis.name])
+        if axis.size != degree:
+            raise field_error(f"mesh.axes[{i}].size", f"{axis.size} but mesh.{_AXIS_DEGREE[axis.name]} is {degree}")
+        unknown = [t for t in axis.tiers if t not in tiers]
+        if unknown:
+            raise field_error(f"mesh.axes[{i}].tiers", f"{unknown} are not tiers of topology '{plan.topology.name}' "
+                              f"(its tiers: {[t.name for t in plan.topology.tiers]})")
+
+
+def _check_prediction(plan: Plan) -> None:
+    """The prediction belongs to this plan: per-op detail present, ranks and groups within the world."""
+    pred = plan.predicted
+    if pred is None:
+        return
+    if not pred.ops:
+        raise field_error("predicted.ops", "is empty: a plan's prediction lists the ops it priced (the trainer's "
+                          "checks and the reports read them); re-plan rather than edit predictions")
+    bad = [r for r in pred.rank_ids if r >= plan.world_size]
+    if bad:
+        raise field_error("predicted.rank_ids", f"{bad[:5]} are not ranks of a {plan.world_size}-rank world")
+    tiers = {t.name for t in plan.topology.tiers}
+    for i, c in enumerate(pred.comms):
+        if c.group_size > plan.world_size:
+            raise field_error(f"predicted.comms[{i}].group_size", f"{c.group_size} exceeds world_size={plan.world_size}")
+        unknown = [t for t in c.tiers if t not in tiers]
+        if unknown:
+            raise field_error(f"predicted.comms[{i}].tiers", f"{unknown} are not tiers of topology '{plan.topology.name}'")
+    hbm = plan.topology.gpu.hbm_bytes
+    if pred.hbm_capacity_bytes and not math.isclose(pred.hbm_capacity_bytes, hbm, rel_tol=1e-9):
+        raise field_error("predicted.hbm_capacity_bytes", f"{pred.hbm_capacity_bytes:g} is not the topology's "
+                          f"gpu.hbm_bytes={hbm:g}")

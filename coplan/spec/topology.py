@@ -11,10 +11,15 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from coplan.spec.base import check_schema_version, COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
+from coplan.spec.base import Bool, Float, Int, check_schema_version, COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
 
-PositiveFloat = Annotated[float, Field(gt=0)]
-Fraction = Annotated[float, Field(gt=0, le=1)]
+MAX_GPUS = 1 << 20
+"""Most GPUs a topology may hold (1,048,576; the largest clusters built hold ~10^5). The planner
+enumerates meshes over the GPU count's divisors and prices per-rank figures; far above this it does
+no useful work in useful time, so the load refuses instead."""
+
+PositiveFloat = Annotated[Float, Field(gt=0)]
+Fraction = Annotated[Float, Field(gt=0, le=1)]
 
 
 class GpuSpec(Spec):
@@ -38,7 +43,7 @@ class GpuSpec(Spec):
     measured_hbm_bw_bytes_per_s: PositiveFloat | None = None
     """Device-to-device copy bandwidth measured (read + write bytes over time), when known."""
 
-    hbm_reserve_fraction: Annotated[float, Field(ge=0, lt=0.5)] = 0.08
+    hbm_reserve_fraction: Annotated[Float, Field(ge=0, lt=0.5)] = 0.08
     """Share of HBM no plan may use, held back for what the cost model does not itemise: the caching
     allocator's fragmentation (PyTorch's reserved-minus-allocated runs at 3-10% of the pool in steady
     training: PyTorch "CUDA semantics: memory management" docs and ``torch.cuda.memory_stats``
@@ -47,7 +52,7 @@ class GpuSpec(Spec):
     H200): 5% fragmentation + ~1 GiB context + ~2 GiB NCCL and workspaces. Plans keep every rank at or
     under ``hbm_bytes × (1 − hbm_reserve_fraction)``."""
 
-    num_sms: int = Field(default=132, gt=0)
+    num_sms: Int = Field(default=132, gt=0)
     """Streaming multiprocessors; collectives that run on SMs take some of them from compute."""
 
     @property
@@ -69,29 +74,30 @@ class Tier(Spec):
     name: str = Field(min_length=1, pattern=r"^[a-z][a-z0-9_]*$")
     """Short identifier used in plans and reports, e.g. 'nvlink', 'leaf', 'spine'."""
 
-    size: int = Field(gt=0)
+    size: Int = Field(gt=0, le=MAX_GPUS)
     """How many units of the tier below this one groups (GPUs for the first tier)."""
 
     bw_bytes_per_s: PositiveFloat
     """Bandwidth one GPU can drive across this tier, per direction, in bytes/s (before sharing)."""
 
-    latency_s: Annotated[float, Field(ge=0)]
-    """One-way latency of a message crossing this tier, in seconds (the alpha term)."""
+    latency_s: Annotated[Float, Field(ge=0, le=1)]
+    """One-way latency of a message crossing this tier, in seconds (the alpha term; networks run at µs, so
+    over 1 s is a unit slip, e.g. microseconds written as seconds)."""
 
-    oversubscription: Annotated[float, Field(ge=1)] = 1.0
+    oversubscription: Annotated[Float, Field(ge=1)] = 1.0
     """Ratio of downlink to uplink capacity of this tier's switches (1 = non-blocking; 7 = 1:7)."""
 
-    gpus_per_nic: int = Field(default=1, gt=0)
+    gpus_per_nic: Int = Field(default=1, gt=0)
     """GPUs sharing one NIC or uplink port to this tier; their traffic splits its bandwidth."""
 
     collective_efficiency: dict[Collective, Fraction] = Field(default_factory=dict)
     """Fraction of the alpha-beta bus bandwidth a collective reaches on this tier (missing = 1.0 × the
     cost model's default)."""
 
-    in_switch_reduction: bool = False
+    in_switch_reduction: Bool = False
     """The switches reduce in-network (NVLink SHARP / InfiniBand SHARP): all-reduce moves ~half the bytes."""
 
-    sm_free_comm: bool = False
+    sm_free_comm: Bool = False
     """Communication on this tier runs on copy engines or the NIC without taking SMs from compute."""
 
     mtbf_hours: PositiveFloat | None = None
@@ -107,7 +113,7 @@ class Reliability(Spec):
     gpu_mtbf_hours: PositiveFloat
     """Mean time between failures of one GPU (with its host share), in hours."""
 
-    restart_s: Annotated[float, Field(ge=0)] = 600.0
+    restart_s: Annotated[Float, Field(ge=0)] = 600.0
     """Time to detect a failure, restart the job and reload the checkpoint, in seconds."""
 
     checkpoint_bw_bytes_per_s_per_node: PositiveFloat
@@ -120,7 +126,7 @@ class Reliability(Spec):
 class Topology(Spec):
     """A cluster: one GPU type and the tiers of network it sits in."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: Int = SCHEMA_VERSION
     """Version of the topology schema this file follows."""
 
     name: str = Field(min_length=1)
@@ -132,7 +138,7 @@ class Topology(Spec):
     gpu: GpuSpec
     """The accelerator on every rank."""
 
-    gpus_per_node: int = Field(gt=0)
+    gpus_per_node: Int = Field(gt=0, le=MAX_GPUS)
     """GPUs in one host; must divide or be a multiple of the first tier's size."""
 
     tiers: tuple[Tier, ...] = Field(min_length=1)
@@ -152,6 +158,10 @@ class Topology(Spec):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise field_error("tiers", f"tier names must be unique; repeated: {dupes}")
+        if self.num_gpus > MAX_GPUS:
+            sizes = " × ".join(str(t.size) for t in self.tiers)
+            raise field_error("tiers", f"the tier sizes {sizes} make {self.num_gpus:,} GPUs, over coplan's limit of "
+                              f"{MAX_GPUS:,} (MAX_GPUS); model a smaller cluster (plans use at most the GPUs asked for)")
         first = self.tiers[0].size
         if first % self.gpus_per_node and self.gpus_per_node % first:
             raise field_error(
@@ -194,4 +204,4 @@ class Topology(Spec):
         return self.gpu.peak_flops_per_s["bf16"]
 
 
-__all__ = ["COLLECTIVES", "GpuSpec", "Reliability", "Tier", "Topology"]
+__all__ = ["COLLECTIVES", "MAX_GPUS", "GpuSpec", "Reliability", "Tier", "Topology"]

@@ -16,13 +16,35 @@ from functools import cached_property
 from typing import Annotated, Literal, Union
 
 import numpy as np
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from coplan.spec.base import check_schema_version, SCHEMA_VERSION, Spec, field_error
+from coplan.errors import BatchError
+from coplan.spec.base import Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Spec, field_error
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
-PosInt = Annotated[int, Field(gt=0)]
-PosFloat = Annotated[float, Field(gt=0)]
+PosInt = Annotated[Int, Field(gt=0)]
+PosFloat = Annotated[Float, Field(gt=0)]
+
+MAX_TABLES = 100_000
+"""Most embedding tables one workload may have (explicit and generated together). Large production
+recommenders run ~1,000-10,000 tables; beyond 100,000 the table generator alone takes seconds and the
+planner's per-table model grows past what it solves in useful time, so the load refuses instead."""
+
+MAX_LOCAL_BATCH = 1 << 20
+"""Most samples one GPU may take per step (1,048,576). The cost model simulates jagged batches by
+sampling every sample's length; a larger local batch is no real run and would exhaust memory."""
+
+
+def _embedding_dim(v: int) -> int:
+    if v % 4:
+        near = sorted({max(4, v - v % 4), v - v % 4 + 4})
+        raise ValueError(f"{v} is not a multiple of 4: TorchRec's fused embedding kernels (FBGEMM TBE) need "
+                         f"dims in multiples of 4; use {' or '.join(map(str, near))}")
+    return v
+
+
+EmbeddingDim = Annotated[Int, Field(gt=0, le=8192), AfterValidator(_embedding_dim)]
+"""An embedding dimension: 1-8192 and a multiple of 4 (FBGEMM's table-batched kernels need it)."""
 
 # ---------------------------------------------------------------------------------------------
 # Jagged length distributions
@@ -55,10 +77,10 @@ class LognormalLength(Spec):
     mean: PosFloat
     """Arithmetic mean of the uncapped log-normal, in tokens."""
 
-    sigma: Annotated[float, Field(gt=0, le=4)]
+    sigma: Annotated[Float, Field(gt=0, le=4)]
     """Shape (standard deviation of ln X); 1.0 gives a heavy tail."""
 
-    min_len: Annotated[int, Field(ge=0)] = 1
+    min_len: Annotated[Int, Field(ge=0)] = 1
     """Floor, in tokens; 0 allows empty histories."""
 
     max_len: PosInt
@@ -68,6 +90,13 @@ class LognormalLength(Spec):
     def _order(self) -> "LognormalLength":
         if self.min_len > self.max_len:
             raise field_error("min_len", f"{self.min_len} exceeds max_len={self.max_len}")
+        # a mean outside [min_len, max_len] is clipped away: the lengths would not have the mean written
+        if self.mean > self.max_len:
+            raise field_error("max_len", f"{self.max_len} is below the mean {self.mean:g}: capping there would make "
+                              f"almost every length {self.max_len}; raise max_len above the mean or lower the mean")
+        if self.mean < self.min_len:
+            raise field_error("min_len", f"{self.min_len} is above the mean {self.mean:g}: the floor would make almost "
+                              f"every length {self.min_len}; lower min_len below the mean or raise the mean")
         return self
 
     @property
@@ -81,7 +110,7 @@ class UniformLength(Spec):
     kind: Literal["uniform"] = "uniform"
     """Discriminator."""
 
-    min_len: Annotated[int, Field(ge=0)] = 1
+    min_len: Annotated[Int, Field(ge=0)] = 1
     """Smallest length, in tokens."""
 
     max_len: PosInt
@@ -100,7 +129,7 @@ class EmpiricalLength(Spec):
     kind: Literal["empirical"] = "empirical"
     """Discriminator."""
 
-    lengths: tuple[Annotated[int, Field(ge=0)], ...] = Field(min_length=1)
+    lengths: tuple[Annotated[Int, Field(ge=0)], ...] = Field(min_length=1)
     """Observed lengths, in tokens."""
 
     @property
@@ -142,8 +171,8 @@ class EmbeddingTable(Spec):
     num_rows: PosInt
     """Rows (hash size)."""
 
-    dim: Annotated[int, Field(gt=0, le=8192)]
-    """Embedding dimension."""
+    dim: EmbeddingDim
+    """Embedding dimension (a multiple of 4)."""
 
     feature_kind: Literal["pooled", "sequence"] = "pooled"
     """'pooled': a bag of ids per sample summed into one vector (EmbeddingBag); 'sequence': one id per
@@ -158,7 +187,7 @@ class EmbeddingTable(Spec):
     sequence: Name | None = None
     """For sequence tables: the name of the sequence (history) whose events look this table up."""
 
-    zipf_alpha: Annotated[float, Field(ge=0, le=3)] = 1.05
+    zipf_alpha: Annotated[Float, Field(ge=0, le=3)] = 1.05
     """Access skew: ids are Zipf(alpha)-distributed over rows; 0 means uniform."""
 
     dtype: EmbeddingDtype = "fp16"
@@ -195,11 +224,11 @@ class TableSetGenerator(Spec):
     - the first ``num_sequence_tables`` tables are sequence tables of ``sequence`` (pooling 1).
     """
 
-    seed: int = 0
-    """Seed of the generator; the same seed gives the same tables."""
+    seed: Annotated[Int, Field(ge=0)] = 0
+    """Seed of the generator (non-negative, as numpy's generators take); the same seed gives the same tables."""
 
-    num_tables: PosInt
-    """How many tables to generate."""
+    num_tables: Annotated[Int, Field(gt=0, le=MAX_TABLES)]
+    """How many tables to generate (at most ``MAX_TABLES``, 100,000)."""
 
     name_prefix: Name = "t"
     """Tables are named ``{prefix}{index:04d}``."""
@@ -210,28 +239,28 @@ class TableSetGenerator(Spec):
     max_rows: PosInt = 100_000_000
     """Upper bound of the log-uniform row count."""
 
-    dims: tuple[Annotated[int, Field(gt=0, le=8192)], ...] = (64, 128, 256)
-    """Embedding dimensions to choose from."""
+    dims: tuple[EmbeddingDim, ...] = (64, 128, 256)
+    """Embedding dimensions to choose from (multiples of 4)."""
 
-    dim_weights: tuple[Annotated[float, Field(ge=0)], ...] = (0.3, 0.5, 0.2)
+    dim_weights: tuple[Annotated[Float, Field(ge=0)], ...] = (0.3, 0.5, 0.2)
     """Probabilities of ``dims`` (normalised)."""
 
     pooling_mean: PosFloat = 8.0
     """Arithmetic mean of the uncapped pooling-factor log-normal."""
 
-    pooling_sigma: Annotated[float, Field(ge=0, le=4)] = 1.0
+    pooling_sigma: Annotated[Float, Field(ge=0, le=4)] = 1.0
     """Shape of the pooling-factor log-normal."""
 
     pooling_max: PosFloat = 200.0
     """Cap on a table's pooling factor."""
 
-    zipf_alpha_min: Annotated[float, Field(ge=0, le=3)] = 0.8
+    zipf_alpha_min: Annotated[Float, Field(ge=0, le=3)] = 0.8
     """Lower bound of the per-table Zipf alpha."""
 
-    zipf_alpha_max: Annotated[float, Field(ge=0, le=3)] = 1.2
+    zipf_alpha_max: Annotated[Float, Field(ge=0, le=3)] = 1.2
     """Upper bound of the per-table Zipf alpha."""
 
-    num_sequence_tables: Annotated[int, Field(ge=0)] = 0
+    num_sequence_tables: Annotated[Int, Field(ge=0)] = 0
     """How many of the tables (the first ones) are sequence tables."""
 
     sequence: Name | None = None
@@ -312,7 +341,7 @@ class Attention(Spec):
     activation: Activation = "silu"
     """GDPA's elementwise activation on the scores (ignored for softmax)."""
 
-    causal: bool = True
+    causal: Bool = True
     """Causal (each position sees itself and earlier ones) or full."""
 
     scale: Literal["inv_max_len", "inv_sqrt_head_dim"] | PosFloat = "inv_max_len"
@@ -369,7 +398,7 @@ class InterFormerBlock(Spec):
     ffn_multiplier: PosFloat = 4.0
     """FFN hidden width over model_dim."""
 
-    num_summary_tokens: Annotated[int, Field(ge=0)] = 4
+    num_summary_tokens: Annotated[Int, Field(ge=0)] = 4
     """Summary tokens per sample that attend into the history (cross attention) each layer."""
 
 
@@ -431,10 +460,10 @@ class MoEBlock(Spec):
     expert_hidden_dim: PosInt
     """Hidden width of one expert FFN."""
 
-    num_shared_experts: Annotated[int, Field(ge=0)] = 0
+    num_shared_experts: Annotated[Int, Field(ge=0)] = 0
     """Experts every token goes through (DeepSeek-style shared experts)."""
 
-    capacity_factor: Annotated[float, Field(ge=1, le=16)] = 1.25
+    capacity_factor: Annotated[Float, Field(ge=1, le=16)] = 1.25
     """Per-expert buffer over the balanced load; tokens beyond it are dropped."""
 
     @model_validator(mode="after")
@@ -477,7 +506,7 @@ class TransformerBlock(Spec):
     ffn_kind: Literal["swiglu", "gelu"] = "swiglu"
     """Gated SwiGLU (three matrices) or plain GELU MLP (two)."""
 
-    vocab_size: Annotated[int, Field(ge=0)] = 0
+    vocab_size: Annotated[Int, Field(ge=0)] = 0
     """Vocabulary: adds a dense token embedding and the output projection (0 = none)."""
 
     attention: Attention = Attention(kind="softmax", causal=True, scale="inv_sqrt_head_dim")
@@ -544,11 +573,11 @@ class Batch(Spec):
     A global batch is kept exactly: it must split evenly over the GPUs (and the local batch over the
     micro-batches); coplan refuses, naming the nearest batches that do, rather than change it."""
 
-    global_batch_size: PosInt | None = None
-    """Samples per optimizer step over all GPUs (strong scaling)."""
+    global_batch_size: Annotated[Int, Field(gt=0, le=MAX_LOCAL_BATCH << 20)] | None = None
+    """Samples per optimizer step over all GPUs (strong scaling); each GPU's share is at most ``MAX_LOCAL_BATCH``."""
 
-    local_batch_size: PosInt | None = None
-    """Samples per optimizer step per GPU (weak scaling)."""
+    local_batch_size: Annotated[Int, Field(gt=0, le=MAX_LOCAL_BATCH)] | None = None
+    """Samples per optimizer step per GPU (weak scaling), at most ``MAX_LOCAL_BATCH`` (1,048,576)."""
 
     micro_batches: PosInt | Literal["auto"] = 1
     """Gradient-accumulation micro-batches per step (each rank runs its local batch in this many
@@ -578,7 +607,12 @@ class Batch(Spec):
         assert self.global_batch_size is not None
         if world_size < 1 or self.global_batch_size % world_size:
             raise batch_split_error(self.global_batch_size, world_size)
-        return self.global_batch_size // world_size
+        local = self.global_batch_size // world_size
+        if local > MAX_LOCAL_BATCH:
+            raise BatchError(f"batch.global_batch_size {self.global_batch_size:,} over {world_size:,} GPUs is {local:,} samples "
+                             f"per GPU, over coplan's limit of {MAX_LOCAL_BATCH:,} (MAX_LOCAL_BATCH); use more GPUs "
+                             f"(at least {-(-self.global_batch_size // MAX_LOCAL_BATCH):,}) or a smaller global batch")
+        return local
 
     def splits(self, world_size: int) -> bool:
         """Whether the batch runs on ``world_size`` GPUs as given (no rounding)."""
@@ -615,8 +649,6 @@ def nearest_multiples(n: int, k: int, count: int = 2) -> list[int]:
 def batch_split_error(global_batch: int, world_size: int, workload: str | None = None):
     """The error for a global batch that does not split over ``world_size`` GPUs: the nearest global
     batches that do, and the GPU counts that split this batch."""
-    from coplan.errors import BatchError
-
     near = nearest_multiples(global_batch, max(1, world_size))
     gpus = [d for d in divisors(global_batch) if d <= max(world_size, 1)][-3:]
     who = f"workload '{workload}': " if workload else ""
@@ -673,7 +705,7 @@ class Optimizer(Spec):
     sparse_lr: PosFloat = 0.01
     """Sparse learning rate."""
 
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    weight_decay: Annotated[Float, Field(ge=0)] = 0.0
     """Dense weight decay."""
 
     sparse_sync_interval_steps: PosInt = 1
@@ -709,7 +741,7 @@ class Kernels(Spec):
 class Workload(Spec):
     """A model and how it is trained."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: Int = SCHEMA_VERSION
     """Version of the workload schema this file follows."""
 
     name: Name
@@ -718,8 +750,8 @@ class Workload(Spec):
     description: str = ""
     """One paragraph on what this model is and where its proportions come from."""
 
-    tables: tuple[EmbeddingTable, ...] = ()
-    """Tables listed explicitly."""
+    tables: tuple[EmbeddingTable, ...] = Field(default=(), max_length=MAX_TABLES)
+    """Tables listed explicitly (with the generated ones, at most ``MAX_TABLES``, 100,000)."""
 
     table_generator: TableSetGenerator | None = None
     """Tables generated reproducibly (added after the explicit ones)."""
@@ -758,6 +790,10 @@ class Workload(Spec):
             if t.sequence is not None and t.sequence not in known:
                 raise field_error(f"tables[{i}].sequence", f"'{t.sequence}' is not one of the sequences {sorted(known)}")
         gen = self.table_generator
+        total = len(self.tables) + (gen.num_tables if gen is not None else 0)
+        if total > MAX_TABLES:
+            raise field_error("table_generator.num_tables", f"{len(self.tables):,} explicit + {gen.num_tables:,} generated "
+                              f"tables exceed coplan's limit of {MAX_TABLES:,} tables per workload")
         if gen is not None and gen.sequence is not None and gen.sequence not in known:
             raise field_error("table_generator.sequence", f"'{gen.sequence}' is not one of the sequences {sorted(known)}")
         names = [t.name for t in self.all_tables]
@@ -798,7 +834,7 @@ class Workload(Spec):
 
 
 __all__ = [
-    "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
+    "MAX_LOCAL_BATCH", "MAX_TABLES", "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
     "InterFormerBlock", "Kernels", "KunlunBlock", "LengthDistribution", "LognormalLength", "MoEBlock",
     "Optimizer", "Precision", "SequenceFeature", "TableSetGenerator", "TaskHeads", "TransformerBlock",
     "UniformLength", "Workload", "batch_split_error", "divisors", "nearest_multiples", "sample_lengths",

@@ -16,7 +16,7 @@ from coplan.calibration.terms import unit_terms
 from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.calibration.attribution import attribute, classify_kernel
 from coplan.errors import MismatchError
-from coplan.spec import MeshPlan, Plan, dump_spec, load_topology, load_workload, spec_sha256
+from coplan.spec import MeshPlan, Plan, TableShard, dump_spec, load_topology, load_workload, spec_sha256
 
 TRUE_COMPUTE = {("gemm", "bf16"): 0.62, ("attention", "bf16"): 0.41, ("elementwise", "bf16"): 0.5}
 TRUE_MEMORY = {"gemm": 0.8, "attention": 0.7, "elementwise": 0.72, "embedding": 0.55}
@@ -33,7 +33,8 @@ def _plan(batch: int, mean_len: int) -> Plan:
     from coplan.spec import Workload, parse_spec
 
     w = parse_spec(Workload, doc, "gem-h200 variant")
-    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1),
+    tables = tuple(TableShard(table=tab.name, sharding_type="table_wise", ranks=(0,)) for tab in w.all_tables)
+    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1), tables=tables,
                 topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
 
 

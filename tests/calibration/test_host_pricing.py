@@ -17,7 +17,7 @@ from coplan.costmodel.context import Options, build_context
 from coplan.costmodel.decomposed import seq_lookup_floor_s, table_option_costs
 from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S, resolve_efficiencies
 from coplan.errors import CoplanError
-from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, Workload, load_calibration
+from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, TableShard, Workload, load_calibration
 from coplan.spec import dump_spec, load_topology, load_workload, parse_spec, spec_sha256
 
 from .test_calibrate import TRUE_COMPUTE, TRUE_LAUNCH, TRUE_LOOKUP_ID_S, TRUE_MEMORY, _synth_run, _write_step
@@ -37,7 +37,8 @@ def _plan(batch: int, mean_len: float, layers: int = 4, *, sigma: float | None =
         if b["type"] == "interformer":
             b["num_layers"] = layers
     w = parse_spec(Workload, doc, "gem-h200 variant")
-    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1),
+    tables = tuple(TableShard(table=tab.name, sharding_type="table_wise", ranks=(0,)) for tab in w.all_tables)
+    return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1), tables=tables,
                 topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
 
 

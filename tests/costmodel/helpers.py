@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coplan.spec import MeshPlan, Plan, Topology, Workload, load_topology, load_workload, parse_spec, spec_sha256
+from coplan.spec import MeshPlan, Plan, TableShard, Topology, Workload, load_topology, load_workload, parse_spec, spec_sha256
 
 GB = 1e9
 
@@ -32,5 +32,7 @@ def gem_h200_plan(batch: int = 8, mean_len: int = 512, attention: str = "triton"
     doc["sequences"][0]["length"]["mean"] = mean_len
     doc["kernels"]["attention"] = attention
     w = parse_spec(Workload, doc, "gem-h200 variant")
+    # every table on the one rank, as the pricer's default placement has it: a plan file lists every table
+    tables = tuple(TableShard(table=tab.name, sharding_type="table_wise", ranks=(0,)) for tab in w.all_tables)
     return Plan(topology=t, workload=w, world_size=1, mesh=MeshPlan(dense_shard=1, sparse_shard=1), kernels=w.kernels,
-                topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
+                tables=tables, topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))

@@ -44,7 +44,7 @@ def _base_plan() -> dict:
                       "local_mfu": 0.4, "scaling_ratio": 0.8, "e2e_mfu": 0.32,
                       "ops": [{"name": "interformer.0.gdpa", "op_class": "attention", "phase": "fwd", "time_s": 0.01}],
                       "comms": [{"name": "fsdp.all_gather", "collective": "all_gather", "group_size": 4, "bytes": 1e6, "time_s": 1e-3, "exposed_s": 0.0}],
-                      "memory_bytes": {"parameters": 1e9}},
+                      "memory_bytes": {"parameters": 1e9}, "peak_memory_bytes": 1e9},
         "solver": {"status": "OPTIMAL", "objective_us": 100000, "best_bound_us": 99000, "gap": 0.01},
     }
 

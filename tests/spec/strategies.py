@@ -65,12 +65,13 @@ def _length(draw) -> dict:
         return {"kind": "fixed", "length": draw(st.integers(1, 8192))}
     if kind == "lognormal":
         lo = draw(st.integers(0, 16))
+        hi = draw(st.integers(max(lo, 1), 8192))
         return {
             "kind": "lognormal",
-            "mean": draw(st.floats(min_value=1, max_value=5000)),
+            "mean": draw(st.floats(min_value=max(lo, 1), max_value=min(hi, 5000))),  # within floor and cap
             "sigma": draw(st.floats(min_value=0.05, max_value=2)),
             "min_len": lo,
-            "max_len": draw(st.integers(max(lo, 1), 8192)),
+            "max_len": hi,
         }
     if kind == "uniform":
         lo = draw(st.integers(0, 100))

@@ -141,6 +141,7 @@ def test_plan_refuses_edited_topology_and_bad_mesh():
         "workload_sha256": spec_sha256(work),
         "world_size": 8,
         "mesh": {"dense_shard": 8, "sparse_shard": 8},
+        "tables": [{"table": t.name, "sharding_type": "data_parallel"} for t in work.all_tables],
     }
     plan = parse_spec(Plan, base, "plan.json")
     assert plan.num_nodes == 1
