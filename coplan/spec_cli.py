@@ -57,7 +57,7 @@ def run_validate(args: argparse.Namespace) -> int:
             else:
                 print(f"FAIL  {r['error']}")
         print(f"{len(results) - failed} valid, {failed} invalid")
-    return 1 if failed else 0
+    return 2 if failed else 0
 
 
 def register_validate(sub: argparse._SubParsersAction, help_text: str) -> None:

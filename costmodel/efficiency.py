@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coplan.errors import MismatchError
 from coplan.spec.calibration import Calibration
 from coplan.spec.topology import Topology
 
@@ -150,14 +149,12 @@ class Efficiencies:
 def resolve_efficiencies(topology: Topology, calibration: Calibration | None = None, *, force: bool = False) -> Efficiencies:
     """Efficiencies for ``topology`` with ``calibration`` applied over the defaults.
 
-    A calibration measured on a different GPU than the topology's is refused unless ``force``.
+    A calibration measured on a different GPU than the topology's is refused unless ``force``; one naming
+    a tier the topology does not have is refused always (:meth:`Calibration.check_against`).
     """
     gpu = topology.gpu
-    if calibration is not None and not force and calibration.device.strip().lower() not in gpu.name.lower() and gpu.name.lower() not in calibration.device.lower():
-        raise MismatchError(
-            f"calibration was fitted on '{calibration.device}' but topology '{topology.name}' has '{gpu.name}'; "
-            "re-calibrate on this GPU, or force it (`coplan plan --force`, `force=True` in Python)"
-        )
+    if calibration is not None:
+        calibration.check_against(topology, force=force)
     sources: dict[str, str] = {}
     compute: dict[tuple[str, str], float] = {}
     dtypes = sorted(set(gpu.peak_flops_per_s) | set(DEFAULT_GEMM_EFFICIENCY))

@@ -45,7 +45,7 @@ def test_validate_reports_bad_files_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ngpu: {name: g}\ntiers: []\n")
     out = _run("validate", str(bad))
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert "Traceback" not in out.stdout + out.stderr
     assert "gpu.peak_flops_per_s: required field is missing" in out.stdout
     js = _run("validate", "--json", str(bad), "gem-tiny")
