@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
+from ortools.sat.python import cp_model
 
 from coplan.planner.pricing import (
     LOADS,
@@ -254,8 +255,6 @@ def _rounding_slack(p: CandidatePricing, ic: _IntCuts | None = None) -> float:
 
 def _objective(m, p: CandidatePricing, ic: _IntCuts, X: dict, H: dict, rc_terms: list[list[tuple[int, object]]]):
     """``z`` above every cut; returns z. ``rc_terms[k]``: (coefficient, bool var) of the recompute choice in cut k."""
-    from ortools.sat.python import cp_model
-
     hi = max(ic.const) + sum(max(d.get(v, 0) for d in ic.n) * H[v] for v in ic.used) + \
         max((sum(c for c, _ in rc) for rc in rc_terms), default=0) + max((sum(d.values()) for d in ic.on), default=0) + 1
     z = m.NewIntVar(0, max(1, hi), "step")
@@ -883,8 +882,6 @@ def heuristic_any(p: CandidatePricing) -> Assignment | None:
 def _recompute_model(m, p: CandidatePricing, ic: _IntCuts, points=None):
     """Recompute booleans (one per frontier point, or one per layer), the memory they free net of the
     recompute peak (KiB, an expression), and per cut the (coefficient, bool) terms of their time."""
-    from ortools.sat.python import cp_model
-
     if points is not None:
         rc = [m.NewBoolVar(f"rcp{j}") for j in range(len(points))]
         m.AddExactlyOne(rc)
@@ -916,8 +913,6 @@ def _any_dp(m, p: CandidatePricing, y, tables):
 
 
 def _lin(terms):
-    from ortools.sat.python import cp_model
-
     return cp_model.LinearExpr.WeightedSum([v for _, v in terms], [c for c, _ in terms]) if terms else 0
 
 
@@ -970,8 +965,6 @@ def solve_flat(p: CandidatePricing, settings: SolverSettings, *, hint: Assignmen
                cutoff_s: float | None = None, bound_only: bool = False) -> SolveResult:
     """The whole candidate as one CP-SAT model (every shard's rank a boolean). ``bound_only``: only the
     proven bound is wanted (the solution is not polished)."""
-    from ortools.sat.python import cp_model
-
     t0 = time.perf_counter()
     s, g = p.group_size, p.node_size
     ic = _int_cuts(p)
@@ -1114,23 +1107,18 @@ def _sorted_hint(p: CandidatePricing, a: Assignment, per: dict) -> Assignment:
     return Assignment(a.choice, ranks, a.recompute)
 
 
-class _Collector:
+class _Collector(cp_model.CpSolverSolutionCallback):
     """CP-SAT callback keeping the values of some variables in the last ``keep`` solutions."""
 
-    def __new__(cls, variables, more, keep):
-        from ortools.sat.python import cp_model
+    def __init__(self, variables, more, keep: int):
+        super().__init__()
+        self.vars = list(variables) + list(more)
+        self.keep = keep
+        self.solutions: list[tuple[int, ...]] = []
 
-        class Impl(cp_model.CpSolverSolutionCallback):
-            def __init__(self):
-                super().__init__()
-                self.vars = list(variables) + list(more)
-                self.solutions: list[tuple[int, ...]] = []
-
-            def on_solution_callback(self):
-                self.solutions.append(tuple(int(self.Value(v)) for v in self.vars))
-                del self.solutions[:-keep]
-
-        return Impl()
+    def on_solution_callback(self):
+        self.solutions.append(tuple(int(self.Value(v)) for v in self.vars))
+        del self.solutions[:-self.keep]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1180,8 +1168,6 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     sought. When the relaxation has none, the candidate is proven unable to go below the cutoff, which
     is then its bound, and its heuristic plan stands.
     """
-    from ortools.sat.python import cp_model
-
     t0 = time.perf_counter()
     s = p.group_size
     ic = _int_cuts(p)
