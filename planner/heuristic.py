@@ -22,14 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from coplan.costmodel import build_context, price
 from coplan.costmodel import flops as F
 from coplan.costmodel.embedding import SHARDING_CODES, TableAssignment, greedy_table_wise
 from coplan.planner.mesh import mesh_axes
 from coplan.spec.calibration import Calibration
-from coplan.spec.plan import BalancingPlan, LayerPlan, MeshAxis, MeshPlan, TableShard
+from coplan.spec.plan import BalancingPlan, LayerPlan, MeshPlan, TableShard
 from coplan.spec.topology import Topology
 from coplan.spec.workload import FixedLength, Workload
 

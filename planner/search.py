@@ -6,9 +6,10 @@
    placement can give it, nothing recomputed) with the cost model's full pricer
    (:mod:`coplan.planner.costs`). The pricer's step is non-decreasing in every task duration, so that
    price, plus the least recompute its memory needs (each layer at what the floor path's cut charges
-   for it), bounds the candidate from below. The floor's critical path is the candidate's first cut.
-   Candidates whose memory cannot fit even with every layer recomputed and tables spread as thinly as
-   possible are infeasible; they feed the explanation when nothing fits.
+   for it), bounds the candidate from below (:mod:`coplan.planner.bounds`). The floor's critical path
+   is the candidate's first cut. Candidates whose memory cannot fit even with every layer recomputed
+   and tables spread as thinly as possible are infeasible; they feed the explanation when nothing fits
+   (:mod:`coplan.planner.explain`).
 3. Branch and bound over candidates in order of their bound, in deterministic batches (one
    single-threaded solve per process; the batch is fixed before it runs). Each candidate is solved
    with CP-SAT on its cut model (:mod:`coplan.planner.solver`), the solution is **priced** with the

@@ -42,7 +42,8 @@ ALLOWED: dict[str, set[str]] = {
     "cli": set(PARTS),
 }
 
-# Other slices of issue #22 fix their own parts in parallel; their checks are turned on at merge.
+# Other slices of issue #22 fix their own parts in parallel; their checks are turned on at merge
+# (a part named here is checked strictly; the others are expected to fail until then).
 STRICT = {"planner"}
 
 
@@ -258,7 +259,7 @@ PRICING_FILES = {"coplan.planner.costs", "coplan.planner.pricing"}
 
 
 @pytest.mark.parametrize("which", [
-    pytest.param("search", id="planner"),
+    pytest.param("own", id="planner"),
     pytest.param("pricing", id="planner-pricing", marks=pytest.mark.xfail(
         strict=False, reason="turned on at merge: planner/costs.py and planner/pricing.py are fixed by their own slice of #22")),
 ])
