@@ -10,6 +10,9 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 from coplan import __version__
+from coplan.costmodel import build_context, price
+from coplan.planner.heuristic import heuristic_plan_choices
+from coplan.planner.mesh import mesh_axes
 from coplan.spec import BalancingPlan, Calibration, LayerPlan, MeshPlan, Plan, SolverReport, TableShard, Topology, Workload, spec_sha256
 from coplan.spec.plan import Alternative, PrecisionReport
 from coplan.spec.workload import Kernels
@@ -31,9 +34,6 @@ def assemble(
     notes: Sequence[str] = (),
 ) -> Plan:
     """Price the choices with the full pricer (per-op and per-collective detail) and write the Plan."""
-    from coplan.costmodel import build_context, price
-    from coplan.planner.mesh import mesh_axes
-
     if not mesh.axes:
         mesh = mesh.model_copy(update={"axes": mesh_axes(topology, mesh)})
     kernels = kernels or workload.kernels
@@ -55,8 +55,6 @@ def assemble(
 
 def heuristic_plan(workload: Workload, topology: Topology, world_size: int, calibration: Calibration | None = None) -> Plan:
     """The simulate heuristic's plan (:mod:`coplan.planner.heuristic`), assembled."""
-    from coplan.planner.heuristic import heuristic_plan_choices
-
     hp = heuristic_plan_choices(workload, topology, world_size, calibration)
     return assemble(workload, topology, mesh=hp.mesh, tables=hp.table_shards(workload), layers=hp.layers, balancing=hp.balancing,
                     calibration=calibration, solver=SolverReport(status="HEURISTIC"), notes=tuple(hp.reasons))

@@ -14,7 +14,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from coplan.costmodel import resolve_efficiencies
 from coplan.errors import CoplanError
+from coplan.planner.precision import precision_line
+from coplan.planner.search import PlannerConfig, make_plan
+from coplan.planner.torchrec_export import write_torchrec
 from coplan.spec import Plan, dump_spec, load_calibration, load_topology, load_workload
 from coplan.units import human_bytes, human_seconds
 
@@ -75,8 +79,6 @@ def print_summary(plan: Plan, out=None) -> None:
     b = plan.balancing
     w(f"jagged balancing: {b.policy} (expected max/mean rank work {b.expected_imbalance:.4f})")
     if plan.precision_report is not None:
-        from coplan.planner.precision import precision_line
-
         w(precision_line(plan.precision_report))
     if p is not None:
         w(f"predicted step time  {human_seconds(p.step_time_s)}")
@@ -115,14 +117,10 @@ def parse_pins(items: list[str] | None, flag: str, cast) -> dict:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from coplan.planner.search import PlannerConfig, make_plan
-
     topology = load_topology(args.topology)
     workload = load_workload(args.workload)
     calibration = load_calibration(args.calibration) if args.calibration else None
     if calibration is not None:
-        from coplan.costmodel.efficiency import resolve_efficiencies
-
         if args.force:
             # Say so in the calibration itself, so the plan (and whoever re-prices it) carries the choice.
             orig = calibration.device
@@ -151,8 +149,6 @@ def run_plan(args: argparse.Namespace) -> int:
     dump_spec(plan, out)
     written = [str(out)]
     if args.export_torchrec:
-        from coplan.planner.torchrec_export import write_torchrec
-
         target = Path(args.export_torchrec) if isinstance(args.export_torchrec, str) else out.with_suffix(".torchrec.pt")
         written += [str(p) for p in write_torchrec(plan, target)]
     if args.json:

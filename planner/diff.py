@@ -17,6 +17,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
+from coplan.costmodel import build_context, price
 from coplan.errors import MismatchError
 from coplan.spec import Plan, load_plan
 from coplan.units import human_bytes
@@ -39,8 +40,6 @@ class Difference:
 
 
 def _price(plan: Plan):
-    from coplan.costmodel import build_context, price
-
     ctx = build_context(plan.workload, plan.topology, plan.mesh, plan.calibration, force_calibration=True)
     return price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False)
 

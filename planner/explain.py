@@ -16,7 +16,16 @@ from __future__ import annotations
 
 import math
 
+from coplan.costmodel.context import local_batch_of
 from coplan.errors import CoplanError, InfeasibleError
+from coplan.planner.bounds import memory_floor, most_freed
+from coplan.planner.costs import Pricer
+from coplan.planner.mesh import check_world_size, enumerate_candidates
+from coplan.planner.pricing import evaluate
+from coplan.planner.solver import heuristic_any
+from coplan.spec import list_presets, load_topology
+from coplan.spec.topology import Topology
+from coplan.spec.workload import divisors
 from coplan.units import human_bytes
 
 GB = 1e9
@@ -29,13 +38,6 @@ def _fmt(b: float) -> str:
 def fits(workload, topology, world: int, calibration=None, cfg=None, *, tries: int = 3) -> str | None:
     """A mesh candidate key on which some plan of ``workload`` fits ``world`` GPUs of ``topology``
     (verified by placing it), or None. Tries the ``tries`` candidates of least memory floor."""
-    from coplan.costmodel.context import local_batch_of
-    from coplan.planner.costs import Pricer
-    from coplan.planner.mesh import check_world_size, enumerate_candidates
-    from coplan.planner.pricing import evaluate
-    from coplan.planner.search import most_freed
-    from coplan.planner.solver import heuristic_any
-
     try:
         check_world_size(topology, world)
         local_batch_of(workload, world)
@@ -52,8 +54,7 @@ def fits(workload, topology, world: int, calibration=None, cfg=None, *, tries: i
         p = pricer.candidate(c, with_cut=False)
         if not all(p.options):
             continue
-        f = pricer.floor(p)
-        floor = p.base_bytes + f.mem_bytes + p.recv_mem_factor * f.recv_bytes - most_freed(p)
+        floor = memory_floor(pricer, p)
         scored.append((floor, c, p))
     scored.sort(key=lambda x: (x[0], x[1].key))
     for floor, c, p in scored[:tries]:
@@ -70,8 +71,6 @@ def fits(workload, topology, world: int, calibration=None, cfg=None, *, tries: i
 
 def explain_infeasible(workload, topology, world, pricer, records, pricings, *, solved: bool = False, cfg=None) -> InfeasibleError:
     """An :class:`InfeasibleError` naming the resource that falls short and the fixes, each verified."""
-    from coplan.planner.search import most_freed
-
     cap = topology.gpu.usable_hbm_bytes
     best = min(records, key=lambda r: (r.memory_floor_bytes, r.mesh.key))
     p = pricings[best.mesh]
@@ -119,7 +118,8 @@ def explain_infeasible(workload, topology, world, pricer, records, pricings, *, 
     return InfeasibleError("\n".join(lines), shortfalls=shortfalls, fixes=fixes)
 
 
-def _with(workload, **changes):
+def with_changes(workload, **changes):
+    """``workload`` with the fields at the dotted paths of ``changes`` set (validated again)."""
     data = workload.model_dump()
     for path, value in changes.items():
         node = data
@@ -143,10 +143,8 @@ def verified_fixes(workload, topology, world, calibration, cfg, *, dense_state: 
     # 2. more micro-batches (gradient accumulation): activations of one micro-batch
     local = b.local(world) if b.splits(world) else None
     if local is not None and b.fixed_micro_batches is not None:
-        from coplan.spec.workload import divisors
-
         for mb in [d for d in divisors(local) if d > b.fixed_micro_batches][:6]:
-            w2 = _with(workload, **{"batch.micro_batches": mb})
+            w2 = with_changes(workload, **{"batch.micro_batches": mb})
             key = fits(w2, topology, world, calibration, cfg)
             if key:
                 out.append(f"gradient accumulation: batch.micro_batches: {mb} (or 'auto') runs the local batch of {local} in {mb} "
@@ -158,12 +156,12 @@ def verified_fixes(workload, topology, world, calibration, cfg, *, dense_state: 
         out.append(more)
     # 4. numerics and optimizer state
     if workload.precision.param_dtype == "fp32":
-        w2 = _with(workload, **{"precision.param_dtype": "bf16", "precision.reduce_dtype": "bf16"})
+        w2 = with_changes(workload, **{"precision.param_dtype": "bf16", "precision.reduce_dtype": "bf16"})
         key = fits(w2, topology, world, calibration, cfg)
         if key:
             out.append(f"bf16 master parameters and gradients (precision.param_dtype: bf16, reduce_dtype: bf16): it fits ({key})")
     if workload.optimizer.dense in ("adam", "adamw"):
-        w2 = _with(workload, **{"optimizer.dense": "adagrad"})
+        w2 = with_changes(workload, **{"optimizer.dense": "adagrad"})
         key = fits(w2, topology, world, calibration, cfg)
         if key:
             out.append(f"a lighter dense optimizer (optimizer.dense: adagrad keeps one state instead of two): it fits ({key})")
@@ -180,14 +178,14 @@ def verified_fixes(workload, topology, world, calibration, cfg, *, dense_state: 
         for k in (2, 4):
             gb = b.global_batch_size // k
             if gb >= world and gb % world == 0:
-                key = fits(_with(workload, **{"batch.global_batch_size": gb}), topology, world, calibration, cfg)
+                key = fits(with_changes(workload, **{"batch.global_batch_size": gb}), topology, world, calibration, cfg)
                 if key:
                     out.append(f"a smaller global batch: batch.global_batch_size: {gb:,} (local {gb // world:,}) fits ({key})")
                     break
     elif b.local_batch_size is not None and b.local_batch_size > 1:
         for k in (2, 4):
             lb = max(1, b.local_batch_size // k)
-            key = fits(_with(workload, **{"batch.local_batch_size": lb, "batch.micro_batches": 1}), topology, world, calibration, cfg)
+            key = fits(with_changes(workload, **{"batch.local_batch_size": lb, "batch.micro_batches": 1}), topology, world, calibration, cfg)
             if key:
                 out.append(f"a smaller local batch: batch.local_batch_size: {lb:,} fits ({key})")
                 break
@@ -198,9 +196,6 @@ def _more_gpus(workload, topology, world, calibration, cfg, sharded_bytes: float
     """The fewest GPUs (whole nodes, the batch still splitting evenly) on which a plan fits, on this
     topology or on the smallest preset of the same GPU that has them; verified. The search starts where
     the sharded state alone (dense state and tables, spread over every GPU) would fit in half a GPU."""
-    from coplan.spec import list_presets, load_topology
-    from coplan.spec.topology import Topology
-
     node = topology.gpus_per_node
     family = [topology]
     for name in list_presets(Topology):
@@ -222,8 +217,6 @@ def _more_gpus(workload, topology, world, calibration, cfg, sharded_bytes: float
             sizes.append(n2)
         n *= 2
     if b.global_batch_size is not None:  # the divisors of the batch between the doublings count too
-        from coplan.spec.workload import divisors
-
         sizes = sorted(set(sizes) | {d for d in divisors(b.global_batch_size) if max(world, start // 2) < d <= top
                                      and (d <= node or d % node == 0)})
     tried = 0
@@ -243,4 +236,4 @@ def _more_gpus(workload, topology, world, calibration, cfg, sharded_bytes: float
     return None
 
 
-__all__ = ["explain_infeasible", "fits", "human_bytes", "verified_fixes"]
+__all__ = ["explain_infeasible", "fits", "human_bytes", "verified_fixes", "with_changes"]

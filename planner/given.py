@@ -13,11 +13,15 @@ What a benchmark runs comes from ``coplan plan`` (with ``--pin`` for a fixed lay
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Iterable, Literal, Mapping, Sequence
 
+from coplan.costmodel.flops import layer_names, recomputable_layers
 from coplan.errors import CoplanError, MismatchError
-from coplan.spec import BalancingPlan, Calibration, LayerPlan, MeshPlan, Plan, SolverReport, TableShard, Topology, Workload
+from coplan.planner.assemble import assemble
+from coplan.spec import (BalancingPlan, Calibration, LayerPlan, MeshPlan, Plan, SolverReport, TableShard, Topology, Workload, dump_spec,
+                         load_topology, load_workload)
 
 TablePolicy = Literal["table_wise", "row_wise", "data_parallel", "mixed"]
 TableChoice = str | tuple[str, Sequence[int]]
@@ -52,8 +56,6 @@ def _table_kinds(workload: Workload, tables: TablePolicy | Mapping[str, TableCho
 def _layers(workload: Workload, recompute: Iterable[str], fp8: Iterable[str] = (), also: Iterable[str] = ()) -> tuple[LayerPlan, ...]:
     """A LayerPlan for every layer the trainer can checkpoint (what the planner's plans list), and for
     each layer in ``fp8`` or ``also``, in execution order."""
-    from coplan.costmodel.flops import layer_names, recomputable_layers
-
     may, every = recomputable_layers(workload), layer_names(workload)
     recompute, fp8 = set(recompute), set(fp8)
     unknown = sorted(recompute - set(may))
@@ -133,8 +135,6 @@ def given_plan(
 
 
 def _assemble(workload, topology, mesh, tables, layers, balancing, kernels, calibration, **kw) -> Plan:
-    from coplan.planner.assemble import assemble
-
     return assemble(workload, topology, mesh=mesh, tables=tables, layers=layers, balancing=balancing, calibration=calibration,
                     kernels=kernels, solver=GIVEN, **kw)
 
@@ -181,10 +181,6 @@ def with_layers(plan: Plan, *, recompute: Iterable[str] | None = None, fp8: Iter
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m coplan.planner.given``: write a given plan (development and tests)."""
-    import argparse
-
-    from coplan.spec import dump_spec, load_topology, load_workload
-
     p = argparse.ArgumentParser(prog="python -m coplan.planner.given", description=main.__doc__)
     p.add_argument("--workload", required=True, help="workload preset or file")
     p.add_argument("--topology", required=True, help="topology preset or file")

@@ -22,13 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
+from coplan.costmodel import build_context, price
 from coplan.costmodel import flops as F
 from coplan.costmodel.embedding import SHARDING_CODES, TableAssignment, greedy_table_wise
 from coplan.planner.mesh import mesh_axes
 from coplan.spec.calibration import Calibration
-from coplan.spec.plan import BalancingPlan, LayerPlan, MeshAxis, MeshPlan, TableShard
+from coplan.spec.plan import BalancingPlan, LayerPlan, MeshPlan, TableShard
 from coplan.spec.topology import Topology
 from coplan.spec.workload import FixedLength, Workload
 
@@ -113,9 +112,6 @@ def heuristic_plan_choices(
     workload: Workload, topology: Topology, world_size: int, calibration: Calibration | None = None,
 ) -> HeuristicPlan:
     """A reasonable plan for ``workload`` on the first ``world_size`` GPUs of ``topology``."""
-    from coplan.costmodel.context import build_context
-    from coplan.costmodel.pricer import price
-
     mesh, reasons = choose_mesh(workload, topology, world_size)
     varies = any(not isinstance(s.length, FixedLength) for s in workload.sequences)
     balancing = BalancingPlan(policy="greedy" if varies else "none")

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
+from coplan.costmodel import place_group
+from coplan.costmodel.context import local_batch_of
 from coplan.errors import CoplanError
 from coplan.spec import MeshAxis, MeshPlan, Topology, Workload
 from coplan.spec.workload import MoEBlock
@@ -81,8 +83,6 @@ MAX_AUTO_MICRO_BATCHES = 64
 def micro_batch_counts(workload: Workload, world_size: int) -> list[int]:
     """The micro-batch counts to plan with: the workload's, or with 'auto' every divisor of the local
     batch up to :data:`MAX_AUTO_MICRO_BATCHES`."""
-    from coplan.costmodel.context import local_batch_of
-
     local = local_batch_of(workload, world_size)
     fixed = workload.batch.fixed_micro_batches
     if fixed is not None:
@@ -95,8 +95,6 @@ def mesh_axes(topology: Topology, mesh: MeshPlan) -> tuple[MeshAxis, ...]:
     tiers, derived from the topology by the cost model's placement of each axis's process groups
     (:func:`coplan.costmodel.comm.place_group`, ranks innermost-axis-fastest), so plans, prices and
     reports agree."""
-    from coplan.costmodel.comm import place_group
-
     first = topology.tiers[0].name
 
     def tiers(size: int, stride: int) -> tuple[str, ...]:

@@ -6,9 +6,10 @@
    placement can give it, nothing recomputed) with the cost model's full pricer
    (:mod:`coplan.planner.costs`). The pricer's step is non-decreasing in every task duration, so that
    price, plus the least recompute its memory needs (each layer at what the floor path's cut charges
-   for it), bounds the candidate from below. The floor's critical path is the candidate's first cut.
-   Candidates whose memory cannot fit even with every layer recomputed and tables spread as thinly as
-   possible are infeasible; they feed the explanation when nothing fits.
+   for it), bounds the candidate from below (:mod:`coplan.planner.bounds`). The floor's critical path
+   is the candidate's first cut. Candidates whose memory cannot fit even with every layer recomputed
+   and tables spread as thinly as possible are infeasible; they feed the explanation when nothing fits
+   (:mod:`coplan.planner.explain`).
 3. Branch and bound over candidates in order of their bound, in deterministic batches (one
    single-threaded solve per process; the batch is fixed before it runs). Each candidate is solved
    with CP-SAT on its cut model (:mod:`coplan.planner.solver`), the solution is **priced** with the
@@ -26,23 +27,26 @@
 
 from __future__ import annotations
 
+import heapq
 import math
+import multiprocessing as mp
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
-import multiprocessing as mp
+from dataclasses import dataclass, field
 
-import numpy as np
-
+from coplan.costmodel.context import local_batch_of
 from coplan.errors import CoplanError
+from coplan.planner.assemble import assemble, heuristic_plan
+from coplan.planner.bounds import candidate_bound, memory_floor
 from coplan.planner.costs import Pricer
-from coplan.planner.mesh import MeshCandidate, check_world_size, enumerate_candidates
-from coplan.planner.pricing import Assignment, CandidatePricing, LayerOption, evaluate
-from coplan.planner.recompute import frontier
+from coplan.planner.explain import explain_infeasible
+from coplan.planner.mesh import PINNABLE, MeshCandidate, check_world_size, enumerate_candidates
+from coplan.planner.precision import choose_layer_precision, precision_line
+from coplan.planner.pricing import Assignment, CandidatePricing, evaluate
 from coplan.planner.solver import SolveResult, SolverSettings, solve_candidate
 from coplan.spec import Calibration, LayerPlan, Plan, SolverReport, TableShard, Topology, Workload
-from coplan.spec.plan import Alternative
+from coplan.spec.plan import SHARDING_TYPES, Alternative
 
 
 def available_cores() -> int:
@@ -129,9 +133,6 @@ class PlannerConfig:
 
 def check_pins(workload: Workload, cfg: PlannerConfig) -> None:
     """Refuse pins that name no axis or table, or a sharding that does not exist, before any search."""
-    from coplan.planner.mesh import PINNABLE
-    from coplan.spec.plan import SHARDING_TYPES
-
     for k, v in cfg.pins.items():
         if k not in PINNABLE:
             raise CoplanError(f"--pin {k}={v}: '{k}' is not a mesh axis; pin one of {', '.join(PINNABLE)}")
@@ -148,34 +149,6 @@ def check_pins(workload: Workload, cfg: PlannerConfig) -> None:
                               "(or column_wise/N for N column shards)")
 
 
-@dataclass(slots=True)
-class CandidateRecord:
-    """What the search knows about one candidate (for reports and explanations)."""
-
-    mesh: MeshCandidate
-    lower_bound_s: float
-    memory_floor_bytes: float
-    feasible: bool
-    status: str = "PRUNED"
-    step_time_s: float = math.inf
-    bound_s: float = math.inf
-    method: str = ""
-
-
-@dataclass(slots=True)
-class SearchResult:
-    """The search's outcome, with the chosen candidate's pricing and solution."""
-
-    pricing: CandidatePricing
-    assignment: Assignment
-    solve: SolveResult
-    records: list[CandidateRecord]
-    bound_s: float
-    wall_s: float
-    num_workers: int
-    pricer: Pricer
-
-
 def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int) -> str:
     opts = {k: sorted({c.axis(k) for c in every}) for k in cfg.pins}
     bad = [k for k, v in cfg.pins.items() if v not in opts[k]]
@@ -186,122 +159,6 @@ def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int) -> str
     return (f"--pin {' '.join(f'{k}={v}' for k, v in cfg.pins.items())}: no mesh of {world:,} ranks has all of these at once "
             "(dp_shard x dp_replicate and sparse_shard x sparse_replicate must each equal the world; ep must divide dp_shard "
             "and every MoE block's expert count)")
-
-
-def recompute_floor(p: CandidatePricing, need_bytes: float, times: dict[str, float] | None = None) -> float:
-    """Least recompute time that frees ``need_bytes`` net of the recompute peak, with each layer at
-    ``times[name]`` (default its recompute time): exact, from the recompute frontier; when the frontier
-    is too large to build, for each possible peak a fractional knapsack over the layers no bigger than
-    it. A valid lower bound either way; inf when even recomputing everything cannot free enough."""
-    if need_bytes <= 0:
-        return 0.0
-    layers = p.layers if times is None else tuple(LayerOption(l.name, times.get(l.name, 0.0), l.saved_bytes, l.peak_bytes) for l in p.layers)
-    front = frontier(layers)
-    if front is not None:
-        return front.least_time(need_bytes)
-    useful = [l for l in layers if l.saved_bytes > 0]
-    best = math.inf
-    for peak in sorted({l.peak_bytes for l in useful}):
-        need = need_bytes + peak
-        t = 0.0
-        for l in sorted((l for l in useful if l.peak_bytes <= peak), key=lambda l: l.recompute_s / l.saved_bytes):
-            take = min(1.0, need / l.saved_bytes)
-            t += take * l.recompute_s
-            need -= take * l.saved_bytes
-            if need <= 0:
-                break
-        if need <= 0:
-            best = min(best, t)
-    return best
-
-
-def most_freed(p: CandidatePricing) -> float:
-    """The most memory recompute can free: all layers up to some peak size, minus that peak."""
-    return max([0.0] + [sum(l.saved_bytes for l in p.layers if l.peak_bytes <= pk) - pk for pk in {l.peak_bytes for l in p.layers}])
-
-
-@dataclass(frozen=True, slots=True)
-class CandidateBound:
-    """What pricing a candidate's floor point proves."""
-
-    lower_bound_s: float
-    """No plan of this candidate prices below this."""
-    memory_floor_bytes: float
-    """No plan of this candidate needs less memory on its fullest rank (every layer recomputed)."""
-    floor_step_s: float
-    """The pricer's step at the floor point."""
-
-
-def candidate_bound(pricer: Pricer, p: CandidatePricing, floor_cost) -> CandidateBound:
-    """What no plan of the candidate can beat: the larger of the floor point's price and the joint
-    bound of its cuts (:func:`joint_floor`), each with the least recompute its memory needs."""
-    f = pricer.floor(p)
-    mem_no_rc = p.base_bytes + f.mem_bytes + p.recv_mem_factor * f.recv_bytes
-    mem_floor = mem_no_rc - most_freed(p)
-    need = mem_no_rc - p.capacity_bytes
-    cut = floor_cost.cuts[0] if floor_cost.cuts else None
-    times = dict(cut.rc_s) if cut is not None else {}
-    at_floor = float(floor_cost.step_time_s) - (cut.slack_s if cut is not None else 0.0) + recompute_floor(p, need, times)
-    return CandidateBound(max(at_floor, joint_floor(p, need)), mem_floor, float(floor_cost.step_time_s))
-
-
-def joint_floor(p: CandidatePricing, need_bytes: float, iterations: int = 16) -> float:
-    """A lower bound of the candidate's step that keeps every table to one option.
-
-    Each aggregate is at least what the average rank carries (per-rank loads: the options' loads times
-    their share of the ranks; the all-to-alls at least half their senders' and receivers' volumes), so
-    each cut is at least a sum over tables of what the table's option adds to it. A convex combination
-    of the cuts (weights λ) is below their maximum, and its least over option choices separates by
-    table: ``L(λ) = Σ_k λ_k (c_k − slack_k) + Σ_t min_o Σ_k λ_k cut_k(o) + least recompute``. Any λ gives
-    a valid bound; a few projected subgradient steps look for a good one."""
-    from coplan.planner.pricing import VARS, option_arrays
-
-    if not p.cuts or not p.options:
-        return 0.0
-    arr = option_arrays(p)
-    s = p.group_size
-    share = np.where(arr.place == 2, 1.0, np.array([o.num_shards for opts in p.options for o in opts], dtype=float) / s)
-    avg = arr.vec * share[:, None]                      # (options, 5) per-rank loads of an average rank
-    A = np.zeros((avg.shape[0], len(VARS)))            # (options, 6) in VARS order
-    A[:, 0], A[:, 1] = avg[:, 0], avg[:, 1]
-    A[:, 2] = 0.5 * (avg[:, 2] + p.recv_factor * arr.recv)
-    A[:, 3] = 0.5 * (avg[:, 3] + arr.ids_send)
-    A[:, 4] = arr.dp
-    A[:, 5] = avg[:, 4]
-    base = np.zeros(len(VARS))
-    base[0], base[1] = p.launch_s
-    N = np.array([[c.coef.get(v, 0.0) for v in VARS] for c in p.cuts])          # (cuts, 6)
-    C = np.array([c.const_s - c.slack_s for c in p.cuts]) + N @ base
-    R = {l.name: np.array([c.rc_s.get(l.name, 0.0) for c in p.cuts]) for l in p.layers}
-    starts = arr.off[:-1]
-
-    tid = np.repeat(np.arange(len(starts)), np.diff(arr.off))
-
-    def value(lam: np.ndarray) -> tuple[float, np.ndarray]:
-        per_opt = A @ (N.T @ lam)
-        order = np.lexsort((per_opt, tid))  # by table, cheapest option first
-        pick = order[arr.off[:-1]]
-        grad = C + N @ A[pick].sum(axis=0)
-        return float(lam @ C + per_opt[pick].sum()), grad
-
-    K = len(p.cuts)
-    best_val, best_lam = -np.inf, np.full(K, 1.0 / K)
-    lam = best_lam.copy()
-    for k in range(K):
-        v, _ = value(np.eye(K)[k])
-        if v > best_val:
-            best_val, best_lam = v, np.eye(K)[k]
-    lam = best_lam.copy()
-    for it in range(iterations):
-        v, g = value(lam)
-        if v > best_val:
-            best_val, best_lam = v, lam.copy()
-        step = 1.0 / (it + 2)
-        lam = lam + step * (g - g.mean()) / max(float(np.abs(g - g.mean()).max()), 1e-300)
-        lam = np.clip(lam, 0.0, None)
-        lam = lam / lam.sum() if lam.sum() > 0 else np.full(K, 1.0 / K)
-    times = {n: float(best_lam @ r) for n, r in R.items()}
-    return best_val + recompute_floor(p, need_bytes, times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,14 +295,10 @@ def _least_bound(records: list[CandidateRecord], best: float) -> float:
 def search(workload: Workload, topology: Topology, calibration: Calibration | None = None, config: PlannerConfig | None = None,
            *, progress=None) -> SearchResult:
     """Run the search (see the module docstring). Raises InfeasibleError when no candidate fits."""
-    from coplan.planner.explain import explain_infeasible
-
     cfg = config or PlannerConfig()
     t0 = time.perf_counter()
     world = check_world_size(topology, cfg.world_size)
     check_pins(workload, cfg)
-    from coplan.costmodel.context import local_batch_of
-
     local_batch_of(workload, world)  # a batch that does not split is refused before anything else
     workers = min(cfg.num_workers or available_cores(), max(1, cfg.batch_size))
     pricer = Pricer(workload, topology, world, calibration, min_cw_dim=cfg.min_cw_dim, policy=cfg.policy,
@@ -454,101 +307,17 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     cands = [c for c in every if all(c.axis(k) == v for k, v in cfg.pins.items())]
     if not cands:
         raise CoplanError(_pin_miss(cfg, every, world))
-    records: list[CandidateRecord] = []
-    pricings: dict[MeshCandidate, CandidatePricing] = {}
-    unpinnable: dict[str, list[int]] = {}
-    for c in cands:
-        p = pricer.candidate(c, with_cut=False)
-        empty = [p.table_names[t] for t, o in enumerate(p.options) if not o]
-        if empty:
-            for n in empty:
-                unpinnable.setdefault(n, []).append(c.sparse_shard)
-            continue
-        f = pricer.floor(p)
-        mem_floor = p.base_bytes + f.mem_bytes + p.recv_mem_factor * f.recv_bytes - most_freed(p)
-        feasible = mem_floor <= p.capacity_bytes
-        records.append(CandidateRecord(c, pricer.quick_bound(p), mem_floor, feasible))
-        pricings[c] = p
-    if not records:
-        n, sizes = next(iter(unpinnable.items()))
-        raise CoplanError(f"--pin-table {n}={cfg.table_pins[n]}: no mesh candidate can shard '{n}' that way "
-                          f"(sparse groups tried: {sorted(set(sizes))[:8]}); pin another sharding or drop the pin")
+    records, pricings = bound_candidates(pricer, cands, cfg)
     if progress:
         progress(f"bounded {len(records)} mesh candidates in {time.perf_counter() - t0:.1f} s")
     if not any(r.feasible for r in records):
         for r in sorted(records, key=lambda r: (r.memory_floor_bytes, r.mesh.key))[:1]:
             _refine(pricer, pricings, r)
         raise explain_infeasible(workload, topology, world, pricer, records, pricings, cfg=cfg)
-    settings = SolverSettings(time_limit_s=cfg.solve_dtime, num_workers=1, seed=cfg.seed, flat_max_vars=cfg.flat_max_vars,
-                              relative_gap=cfg.relative_gap)
-    best: tuple[float, CandidateRecord, PricedSolve] | None = None
-    solved = 0
-    import heapq
-    import ortools.sat.python.cp_model  # noqa: F401  (imported once, before the workers fork)
-
-    # Branch and bound over candidates, lazily bounded: every candidate starts with its quick bound;
-    # the one of least bound is priced at its floor point (a tighter bound, and its first cuts) and put
-    # back; once the least-bound candidate is already refined, a batch of such candidates is solved.
-    heap = [(r.lower_bound_s, r.mesh.key, i) for i, r in enumerate(records) if r.feasible]
-    heapq.heapify(heap)
-    refined: set[int] = set()
-    _STATE["pricer"] = pricer
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx) if workers > 1 and ctx is not None else None
-    try:
-        while heap and solved < cfg.max_solves:
-            if best is not None and heap[0][0] >= best[0] * (1 - cfg.gap_tolerance):
-                break
-            if best is not None and time.perf_counter() - t0 > cfg.time_limit_s:
-                break
-            batch: list[CandidateRecord] = []
-            while heap and len(batch) < cfg.batch_size and solved + len(batch) < cfg.max_solves:
-                lb, _, i = heap[0]
-                if best is not None and lb >= best[0] * (1 - cfg.gap_tolerance):
-                    break
-                heapq.heappop(heap)
-                r = records[i]
-                if i not in refined:
-                    refined.add(i)
-                    _refine(pricer, pricings, r)
-                    if r.feasible:
-                        heapq.heappush(heap, (r.lower_bound_s, r.mesh.key, i))
-                    continue
-                batch.append(r)
-            if not batch:
-                continue
-            # Once a plan is known, a candidate only matters if it can beat it by more than the gap
-            # tolerance: the solver is told so (an objective cutoff on its model, which under-estimates
-            # the priced step), cheaper to refute than to solve. Fixed before the batch runs: deterministic.
-            cutoff = best[0] * (1 - cfg.gap_tolerance) if best is not None and cfg.gap_tolerance > 0 else None
-            jobs = [(pricings[r.mesh], settings, cutoff, cfg.cut_rounds, cfg.model_tolerance) for r in batch]
-            results = list(pool.map(_solve_job, jobs)) if pool is not None and len(jobs) > 1 else [_solve_job(j) for j in jobs]
-            for r, res in zip(batch, results):
-                solved += 1
-                # both are proven: the solve's bound of its cut model, and the floor bound from before it
-                r.status, r.step_time_s, r.bound_s, r.method, r.peak_bytes, r.solve = (
-                    res.status, res.step_time_s, max(res.bound_s, r.lower_bound_s), res.method, res.peak_bytes, res)
-                pricings[r.mesh] = res.pricing
-                if res.assignment is not None and (best is None or res.step_time_s < best[0]):
-                    best = (res.step_time_s, r, res)
-            if progress:
-                el = time.perf_counter() - t0
-                progress(f"[{el:5.1f} s] solved {solved} candidates; best {best[0] * 1e3:.1f} ms (priced)" if best
-                         else f"[{el:5.1f} s] solved {solved} candidates; none feasible yet")
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        _STATE.clear()
+    queue = _Queue.of(records)
+    best = _branch_and_bound(pricer, records, pricings, queue, cfg, workers, t0, progress)
     if best is not None:
-        # The budget of solves is spent: price the floor points of the candidates whose quick bound could
-        # still beat the plan (far cheaper than solving them), so that the reported bound is theirs.
-        t_ref = time.perf_counter()
-        while heap and heap[0][0] < best[0] * (1 - cfg.gap_tolerance) and time.perf_counter() - t_ref < cfg.refine_time_s:
-            lb, _, i = heapq.heappop(heap)
-            if i in refined:
-                continue
-            refined.add(i)
-            _refine(pricer, pricings, records[i])
+        _refine_unsolved(pricer, pricings, records, queue, best[0], cfg)
     heur = _baseline(workload, topology, world, calibration, cfg) if cfg.baseline else None
     if best is None and heur is None:
         raise explain_infeasible(workload, topology, world, pricer, records, pricings, solved=True, cfg=cfg)
@@ -561,10 +330,140 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     return SearchResult(pricings[rec.mesh], res.assignment, res, records, _least_bound(records, step), wall, workers, pricer, heur)
 
 
+def bound_candidates(pricer: Pricer, cands: list[MeshCandidate],
+                     cfg: PlannerConfig) -> tuple[list[CandidateRecord], dict[MeshCandidate, CandidatePricing]]:
+    """Every candidate with its quick bound and memory floor (a candidate where a pinned table has no
+    option is left out; when that leaves none, the pin is refused)."""
+    records: list[CandidateRecord] = []
+    pricings: dict[MeshCandidate, CandidatePricing] = {}
+    unpinnable: dict[str, list[int]] = {}
+    for c in cands:
+        p = pricer.candidate(c, with_cut=False)
+        empty = [p.table_names[t] for t, o in enumerate(p.options) if not o]
+        if empty:
+            for n in empty:
+                unpinnable.setdefault(n, []).append(c.sparse_shard)
+            continue
+        mem_floor = memory_floor(pricer, p)
+        feasible = mem_floor <= p.capacity_bytes
+        records.append(CandidateRecord(c, pricer.quick_bound(p), mem_floor, feasible))
+        pricings[c] = p
+    if not records:
+        n, sizes = next(iter(unpinnable.items()))
+        raise CoplanError(f"--pin-table {n}={cfg.table_pins[n]}: no mesh candidate can shard '{n}' that way "
+                          f"(sparse groups tried: {sorted(set(sizes))[:8]}); pin another sharding or drop the pin")
+    return records, pricings
+
+
+@dataclass(slots=True)
+class _Queue:
+    """The feasible candidates not yet solved, least bound first (a heap of (bound, mesh key, index of
+    the record)), and the records already priced at their floor point."""
+
+    heap: list[tuple[float, str, int]]
+    refined: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, records: list[CandidateRecord]) -> _Queue:
+        heap = [(r.lower_bound_s, r.mesh.key, i) for i, r in enumerate(records) if r.feasible]
+        heapq.heapify(heap)
+        return cls(heap)
+
+
+Best = tuple[float, CandidateRecord, PricedSolve]
+"""The best priced plan so far: (priced step, its candidate, its solve)."""
+
+
+def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: dict, queue: _Queue, cfg: PlannerConfig,
+                      workers: int, t0: float, progress) -> Best | None:
+    """Branch and bound over candidates, lazily bounded: every candidate starts with its quick bound;
+    the one of least bound is priced at its floor point (a tighter bound, and its first cuts) and put
+    back; once the least-bound candidate is already refined, a batch of such candidates is solved."""
+    settings = SolverSettings(time_limit_s=cfg.solve_dtime, num_workers=1, seed=cfg.seed, flat_max_vars=cfg.flat_max_vars,
+                              relative_gap=cfg.relative_gap)
+    best: Best | None = None
+    solved = 0
+    _STATE["pricer"] = pricer
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx) if workers > 1 and ctx is not None else None
+    try:
+        while queue.heap and solved < cfg.max_solves:
+            if best is not None and queue.heap[0][0] >= best[0] * (1 - cfg.gap_tolerance):
+                break
+            if best is not None and time.perf_counter() - t0 > cfg.time_limit_s:
+                break
+            batch = _next_batch(pricer, pricings, records, queue, best, cfg, solved)
+            if not batch:
+                continue
+            # Once a plan is known, a candidate only matters if it can beat it by more than the gap
+            # tolerance: the solver is told so (an objective cutoff on its model, which under-estimates
+            # the priced step), cheaper to refute than to solve. Fixed before the batch runs: deterministic.
+            cutoff = best[0] * (1 - cfg.gap_tolerance) if best is not None and cfg.gap_tolerance > 0 else None
+            jobs = [(pricings[r.mesh], settings, cutoff, cfg.cut_rounds, cfg.model_tolerance) for r in batch]
+            results = list(pool.map(_solve_job, jobs)) if pool is not None and len(jobs) > 1 else [_solve_job(j) for j in jobs]
+            best = _record_solves(batch, results, pricings, best)
+            solved += len(batch)
+            if progress:
+                el = time.perf_counter() - t0
+                progress(f"[{el:5.1f} s] solved {solved} candidates; best {best[0] * 1e3:.1f} ms (priced)" if best
+                         else f"[{el:5.1f} s] solved {solved} candidates; none feasible yet")
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        _STATE.clear()
+    return best
+
+
+def _next_batch(pricer: Pricer, pricings: dict, records: list[CandidateRecord], queue: _Queue, best: Best | None,
+                cfg: PlannerConfig, solved: int) -> list[CandidateRecord]:
+    """The next candidates to solve: off the queue, least bound first, each refined (priced at its
+    floor point and put back) the first time it comes up; none whose bound cannot beat ``best``."""
+    heap, refined = queue.heap, queue.refined
+    batch: list[CandidateRecord] = []
+    while heap and len(batch) < cfg.batch_size and solved + len(batch) < cfg.max_solves:
+        lb, _, i = heap[0]
+        if best is not None and lb >= best[0] * (1 - cfg.gap_tolerance):
+            break
+        heapq.heappop(heap)
+        r = records[i]
+        if i not in refined:
+            refined.add(i)
+            _refine(pricer, pricings, r)
+            if r.feasible:
+                heapq.heappush(heap, (r.lower_bound_s, r.mesh.key, i))
+            continue
+        batch.append(r)
+    return batch
+
+
+def _record_solves(batch: list[CandidateRecord], results: list[PricedSolve], pricings: dict, best: Best | None) -> Best | None:
+    """Write each solve into its candidate's record and pricing; the best priced plan, updated."""
+    for r, res in zip(batch, results):
+        # both are proven: the solve's bound of its cut model, and the floor bound from before it
+        r.status, r.step_time_s, r.bound_s, r.method, r.peak_bytes, r.solve = (
+            res.status, res.step_time_s, max(res.bound_s, r.lower_bound_s), res.method, res.peak_bytes, res)
+        pricings[r.mesh] = res.pricing
+        if res.assignment is not None and (best is None or res.step_time_s < best[0]):
+            best = (res.step_time_s, r, res)
+    return best
+
+
+def _refine_unsolved(pricer: Pricer, pricings: dict, records: list[CandidateRecord], queue: _Queue, best_step: float,
+                     cfg: PlannerConfig) -> None:
+    """The budget of solves is spent: price the floor points of the candidates whose quick bound could
+    still beat the plan (far cheaper than solving them), so that the reported bound is theirs."""
+    heap, refined = queue.heap, queue.refined
+    t_ref = time.perf_counter()
+    while heap and heap[0][0] < best_step * (1 - cfg.gap_tolerance) and time.perf_counter() - t_ref < cfg.refine_time_s:
+        lb, _, i = heapq.heappop(heap)
+        if i in refined:
+            continue
+        refined.add(i)
+        _refine(pricer, pricings, records[i])
+
+
 def _baseline(workload, topology, world, calibration, cfg) -> Plan | None:
     """The simulate heuristic's plan when it fits, keeps the user's pins and micro-batches (else None)."""
-    from coplan.planner.assemble import heuristic_plan
-
     if cfg.pins or cfg.table_pins:
         return None  # the heuristic knows no pins: it is not a plan the user asked for
     try:
@@ -668,9 +567,6 @@ def _mesh_key(plan: Plan) -> str:
 
 
 def build_plan(workload: Workload, topology: Topology, calibration: Calibration | None, result: SearchResult, cfg: PlannerConfig) -> Plan:
-    from coplan.planner.assemble import assemble
-    from coplan.planner.precision import choose_layer_precision
-
     pr = result.pricer
     counts = dict(candidates_total=len(result.records), candidates_solved=sum(1 for r in result.records if r.status != "PRUNED"),
                   wall_s=result.wall_s, num_workers=result.num_workers, seed=cfg.seed, pins=cfg.pin_labels)
@@ -691,8 +587,6 @@ def build_plan(workload: Workload, topology: Topology, calibration: Calibration 
                                                       kernels=workload.kernels)
     notes = ()
     if precision_report is not None:
-        from coplan.planner.precision import precision_line
-
         notes = (precision_line(precision_report),)
     step = res.step_time_s
     plan = assemble(workload, topology, mesh=mesh, tables=tables, layers=layers, balancing=pr.balancing, calibration=calibration,

@@ -14,8 +14,18 @@ import json
 import math
 import sys
 
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from coplan.costmodel import build_context, price
+from coplan.costmodel.embedding import greedy_table_wise
+from coplan.costmodel.flops import recomputable_layers
 from coplan.errors import CoplanError, PresetNotFoundError
+from coplan.planner.heuristic import heuristic_plan_choices
+from coplan.planner.mesh import mesh_axes
 from coplan.spec import BalancingPlan, LayerPlan, MeshPlan, Topology, Workload, list_presets, load_calibration, load_topology, load_workload
+from coplan.spec.workload import Kernels
 from coplan.units import human_bytes, human_seconds
 
 KNOBS = {
@@ -104,12 +114,6 @@ def _gpu_list(raw: str | None) -> list[int]:
 
 def simulate_point(workload: Workload, topology: Topology, gpus: int, calibration=None, knob: str | None = None, value=None) -> dict:
     """Plan (heuristically) and price one point; returns a JSON-ready row."""
-    from coplan.costmodel.context import build_context
-    from coplan.planner.heuristic import heuristic_plan_choices
-    from coplan.planner.mesh import mesh_axes
-    from coplan.costmodel.pricer import price
-    from coplan.spec.workload import Kernels
-
     w = workload
     topo = topology
     if knob == "local_batch":
@@ -144,8 +148,6 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
             raise SimulateError(f"{knob}={v} gives an inconsistent mesh: {str(e).splitlines()[-1]}") from None
         mesh = mesh.model_copy(update={"axes": mesh_axes(topo, mesh)})
         if knob == "sparse_shard":
-            from coplan.costmodel.embedding import greedy_table_wise
-
             tables = greedy_table_wise(build_context(w, topo, mesh, calibration)) if w.all_tables else None
     ctx = build_context(w, topo, mesh, calibration)
     if knob == "balancing":
@@ -153,8 +155,6 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
     elif knob == "attention":
         kernels = Kernels(attention=value, embedding=kernels.embedding)
     elif knob == "recompute":
-        from coplan.costmodel.flops import recomputable_layers
-
         may = set(recomputable_layers(w))
         layers = tuple(LayerPlan(name=n, recompute=(value == "all" and n in may)) for n in ctx.layer_names)
     elif knob == "fp8":
@@ -207,8 +207,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     extended = set()
     progress = None
     if not args.json and sys.stderr.isatty() and len(points) > 3:
-        from rich.progress import Progress
-
         progress = Progress(transient=True, console=None)
         progress.start()
         task = progress.add_task("pricing", total=len(points))
@@ -233,9 +231,6 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _print_table(workload: Workload, args: argparse.Namespace, rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     title = f"coplan simulate: {workload.name} on {args.topology}" + (f", knob {args.knob}" if args.knob else "")
     t = Table(title=title)
     cols = ["GPUs"] + (["value"] if args.knob else []) + ["dense ds×dr", "ep", "sparse ss×sr", "step", "local MFU", "scaling",

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
+from ortools.sat.python import cp_model
 
 from coplan.planner.pricing import (
     LOADS,
@@ -254,8 +255,6 @@ def _rounding_slack(p: CandidatePricing, ic: _IntCuts | None = None) -> float:
 
 def _objective(m, p: CandidatePricing, ic: _IntCuts, X: dict, H: dict, rc_terms: list[list[tuple[int, object]]]):
     """``z`` above every cut; returns z. ``rc_terms[k]``: (coefficient, bool var) of the recompute choice in cut k."""
-    from ortools.sat.python import cp_model
-
     hi = max(ic.const) + sum(max(d.get(v, 0) for d in ic.n) * H[v] for v in ic.used) + \
         max((sum(c for c, _ in rc) for rc in rc_terms), default=0) + max((sum(d.values()) for d in ic.on), default=0) + 1
     z = m.NewIntVar(0, max(1, hi), "step")
@@ -883,8 +882,6 @@ def heuristic_any(p: CandidatePricing) -> Assignment | None:
 def _recompute_model(m, p: CandidatePricing, ic: _IntCuts, points=None):
     """Recompute booleans (one per frontier point, or one per layer), the memory they free net of the
     recompute peak (KiB, an expression), and per cut the (coefficient, bool) terms of their time."""
-    from ortools.sat.python import cp_model
-
     if points is not None:
         rc = [m.NewBoolVar(f"rcp{j}") for j in range(len(points))]
         m.AddExactlyOne(rc)
@@ -916,8 +913,6 @@ def _any_dp(m, p: CandidatePricing, y, tables):
 
 
 def _lin(terms):
-    from ortools.sat.python import cp_model
-
     return cp_model.LinearExpr.WeightedSum([v for _, v in terms], [c for c, _ in terms]) if terms else 0
 
 
@@ -970,8 +965,6 @@ def solve_flat(p: CandidatePricing, settings: SolverSettings, *, hint: Assignmen
                cutoff_s: float | None = None, bound_only: bool = False) -> SolveResult:
     """The whole candidate as one CP-SAT model (every shard's rank a boolean). ``bound_only``: only the
     proven bound is wanted (the solution is not polished)."""
-    from ortools.sat.python import cp_model
-
     t0 = time.perf_counter()
     s, g = p.group_size, p.node_size
     ic = _int_cuts(p)
@@ -1114,23 +1107,18 @@ def _sorted_hint(p: CandidatePricing, a: Assignment, per: dict) -> Assignment:
     return Assignment(a.choice, ranks, a.recompute)
 
 
-class _Collector:
+class _Collector(cp_model.CpSolverSolutionCallback):
     """CP-SAT callback keeping the values of some variables in the last ``keep`` solutions."""
 
-    def __new__(cls, variables, more, keep):
-        from ortools.sat.python import cp_model
+    def __init__(self, variables, more, keep: int):
+        super().__init__()
+        self.vars = list(variables) + list(more)
+        self.keep = keep
+        self.solutions: list[tuple[int, ...]] = []
 
-        class Impl(cp_model.CpSolverSolutionCallback):
-            def __init__(self):
-                super().__init__()
-                self.vars = list(variables) + list(more)
-                self.solutions: list[tuple[int, ...]] = []
-
-            def on_solution_callback(self):
-                self.solutions.append(tuple(int(self.Value(v)) for v in self.vars))
-                del self.solutions[:-keep]
-
-        return Impl()
+    def on_solution_callback(self):
+        self.solutions.append(tuple(int(self.Value(v)) for v in self.vars))
+        del self.solutions[:-self.keep]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1180,27 +1168,88 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     sought. When the relaxation has none, the candidate is proven unable to go below the cutoff, which
     is then its bound, and its heuristic plan stands.
     """
-    from ortools.sat.python import cp_model
-
     t0 = time.perf_counter()
-    s = p.group_size
     ic = _int_cuts(p)
     hint = hint if hint is not None else heuristic_any(p)
     hint_ev = evaluate(p, hint) if hint is not None else None
+    free, fixed = _free_and_fixed(p, free_tables)
+    rx = _relaxation(p, ic, free, fixed, cutoff_s, hint)
+    solver = cp_model.CpSolver()
+    _params(solver, settings, settings.time_limit_s)
+    if len(free) > LIGHT_PRESOLVE_ABOVE:
+        # With many free tables, probing and the search for overlapping linear blocks take the whole
+        # deterministic budget in presolve; the LP relaxation, not presolve, is what closes this model.
+        solver.parameters.find_big_linear_overlap = False
+        solver.parameters.cp_model_probing_level = 0
+    keep = max(1, int(settings.placed_solutions))
+    collector = _Collector([v for t in free for v in rx.y[t]], list(rx.rc), keep)
+    status = solver.Solve(rx.m, collector)
+    hint_ok = hint is not None and hint_ev is not None and hint_ev.peak_bytes <= p.capacity_bytes
+    if status == cp_model.INFEASIBLE and rx.cut is not None:
+        wall = time.perf_counter() - t0
+        lb = rx.cut * TIME_UNIT_S / ic.Q - 2 * _rounding_slack(p, ic) - cut_slack(p)
+        if hint_ok:
+            return SolveResult(hint, "FEASIBLE", hint_ev.step_time_s, hint_ev.peak_bytes, min(lb, hint_ev.step_time_s), wall, "decomposed")
+        return SolveResult(None, "UNKNOWN", math.inf, math.inf, lb, wall, "decomposed")
+    if status == cp_model.INFEASIBLE:
+        return SolveResult(None, "INFEASIBLE", math.inf, math.inf, math.inf, time.perf_counter() - t0, "decomposed")
+    bound = _bound_s(solver, ic, p)
+    if bound_only:
+        return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, time.perf_counter() - t0, "decomposed")
+    best: Assignment | None = hint if hint_ok else None
+    best_t = hint_ev.step_time_s if hint_ok else math.inf
+    relaxed_opt = status == cp_model.OPTIMAL and not fixed
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        best, best_t = _place_relaxed(p, rx, collector.solutions, hint, best, best_t)
+    if best is not None:
+        best = rebalance(p, break_lumps(p, best, settle=_settle(p)), max_steps=settings.rebalance_steps)
+    wall = time.perf_counter() - t0
+    if best is None:
+        return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, wall, "decomposed")
+    ev = evaluate(p, best)
+    overall = "OPTIMAL" if relaxed_opt and ev.step_time_s <= bound + 2 * _rounding_slack(p, ic) else "FEASIBLE"
+    return SolveResult(best, overall, ev.step_time_s, ev.peak_bytes, min(bound, ev.step_time_s), wall, "decomposed")
+
+
+def _free_and_fixed(p: CandidatePricing, free_tables: int) -> tuple[list[int], list[int]]:
+    """The ``free_tables`` most consequential tables (sorted by index), and the rest (most
+    consequential first)."""
     n_t = len(p.options)
     imp = _importances(p)
     order = sorted(range(n_t), key=lambda t: (-imp[t], t))
-    free = sorted(order[: min(n_t, free_tables)])
-    fixed = order[min(n_t, free_tables):]
-    m = cp_model.CpModel()
-    y: list[list] = [[] for _ in range(n_t)]
-    for t in free:
-        y[t] = [m.NewBoolVar(f"y{t}_{i}") for i in range(len(p.options[t]))]
-        m.AddExactlyOne(y[t])
-    U = {t: [_load_units(p, ic, o) for o in p.options[t]] for t in range(n_t)}
-    mem_u = {t: [_m_up(o.mem_bytes) for o in p.options[t]] for t in range(n_t)}
-    # constants of the fixed tables: the least each can add (over its options) to each aggregate
-    keys = [v for v in ic.used if v in LOADS]
+    return sorted(order[: min(n_t, free_tables)]), order[min(n_t, free_tables):]
+
+
+@dataclass(slots=True)
+class _Relaxation:
+    """The decomposed model of one candidate, and what reading its solutions back needs."""
+
+    m: cp_model.CpModel
+    free: list[int]
+    """Tables with choice variables, by index."""
+    y: list[list]
+    """``y[t][i]``: table ``t`` takes option ``i`` (empty for a fixed table)."""
+    rc: list
+    """Recompute booleans: one per frontier point (``points``), or one per layer when ``points`` is None."""
+    points: list | None
+    cut: int | None
+    """The objective cutoff, in model units (None: none)."""
+
+
+@dataclass(slots=True)
+class _FixedLeast:
+    """What the fixed tables add at least (each at its least over its options), in model units."""
+
+    per_rank: dict[str, int]
+    """Per aggregate (and ``m``, memory), summed over the group."""
+    recv: int
+    ids: int
+    dp: int
+    recv_mem: int
+
+
+def _fixed_least(p: CandidatePricing, ic: _IntCuts, fixed: list[int], U: dict, mem_u: dict, keys: list[str]) -> _FixedLeast:
+    s = p.group_size
     cw = {k: 0 for k in keys + ["m"]}
     recv_c = ids_c = dp_c = recv_mem_c = 0
     for t in fixed:
@@ -1212,11 +1261,46 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
         ids_c += min(ic.unit(p, "ids", o.ids_send_bytes) for o in opts) if "ids" in ic.used else 0
         dp_c += min(ic.unit(p, "dp", o.allreduce_bytes) for o in opts) if "dp" in ic.used else 0
         recv_mem_c += min(_m_up(p.recv_mem_factor * o.recv_bytes) for o in opts)
+    return _FixedLeast(cw, recv_c, ids_c, dp_c, recv_mem_c)
+
+
+def _relaxation(p: CandidatePricing, ic: _IntCuts, free: list[int], fixed: list[int], cutoff_s: float | None,
+                hint: Assignment | None) -> _Relaxation:
+    """The decomposed model: option choice of the free tables and the recompute set, over aggregated
+    loads (see the module docstring), with the hint and the objective cutoff."""
+    n_t = len(p.options)
+    m = cp_model.CpModel()
+    y: list[list] = [[] for _ in range(n_t)]
+    for t in free:
+        y[t] = [m.NewBoolVar(f"y{t}_{i}") for i in range(len(p.options[t]))]
+        m.AddExactlyOne(y[t])
+    U = {t: [_load_units(p, ic, o) for o in p.options[t]] for t in range(n_t)}
+    mem_u = {t: [_m_up(o.mem_bytes) for o in p.options[t]] for t in range(n_t)}
+    keys = [v for v in ic.used if v in LOADS]
+    least = _fixed_least(p, ic, fixed, U, mem_u, keys)
     front = frontier(p.layers)
     points = None
     if front is not None:
         points = list(front.points)
     rc, freed, rc_terms = _recompute_model(m, p, ic, points)
+    room = _memory_room(m, p, free, fixed, y, freed, least.recv_mem)
+    H = _horizon(p, ic)
+    X = {v: m.NewIntVar(0, H[v], f"X_{v}") for v in ic.used}
+    _load_constraints(m, p, ic, free, y, U, mem_u, keys, X, room, least.per_rank)
+    _traffic_constraints(m, p, ic, free, y, X, least)
+    zobj = _objective(m, p, ic, X, H, rc_terms)
+    cut = None
+    if cutoff_s is not None and math.isfinite(cutoff_s):
+        cut = int((cutoff_s + _rounding_slack(p, ic)) / TIME_UNIT_S * ic.Q)
+        m.Add(zobj <= cut)
+    if hint is not None:
+        _hint_decomposed(m, p, hint, free, y, rc, points)
+    return _Relaxation(m, free, y, rc, points, cut)
+
+
+def _memory_room(m, p: CandidatePricing, free: list[int], fixed: list[int], y, freed, recv_mem_c: int):
+    """KiB a rank has for its table shards: capacity, less the fixed state and the receive buffers,
+    plus what recompute frees."""
     recv_mem = _lin([(_m_up(p.recv_mem_factor * p.options[t][i].recv_bytes), y[t][i])
                      for t in free for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0])
     cap = _m_down(p.capacity_bytes) - _m_up(p.base_bytes) - recv_mem_c
@@ -1224,9 +1308,15 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     room = m.NewIntVar(-span, span, "room")
     forced_dp = any(min(o.allreduce_bytes for o in p.options[t]) > 0 for t in fixed)
     m.Add(room == cap + freed - recv_mem - (_m_up(p.dp_comm_bytes) if forced_dp else _any_dp(m, p, y, free)))
-    H = _horizon(p, ic)
-    X = {v: m.NewIntVar(0, H[v], f"X_{v}") for v in ic.used}
-    launch = {"fwd": ic.unit(p, "fwd", p.launch_s[0]), "bwd": ic.unit(p, "bwd", p.launch_s[1])} if n_t else {}
+    return room
+
+
+def _load_constraints(m, p: CandidatePricing, ic: _IntCuts, free: list[int], y, U: dict, mem_u: dict, keys: list[str], X: dict,
+                      room, cw: dict[str, int]) -> None:
+    """Each per-rank maximum at least the uniform part plus the average of what is placed, and at
+    least the uniform part plus the shards of any one table; memory likewise within ``room``."""
+    s = p.group_size
+    launch = {"fwd": ic.unit(p, "fwd", p.launch_s[0]), "bwd": ic.unit(p, "bwd", p.launch_s[1])} if p.options else {}
     uni = {k: [] for k in keys + ["m"]}
     pack = {k: [] for k in keys + ["m"]}
     per_table = []
@@ -1261,90 +1351,65 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     for item in per_table:
         if item["m"]:
             m.Add(u["m"] + _lin(item["m"]) <= room)
+
+
+def _traffic_constraints(m, p: CandidatePricing, ic: _IntCuts, free: list[int], y, X: dict, least: _FixedLeast) -> None:
+    """The all-reduce of data-parallel tables and the all-to-alls' volumes (received, and ids sent)."""
     if "dp" in X:
-        m.Add(X["dp"] == dp_c + _lin([(ic.unit(p, "dp", p.options[t][i].allreduce_bytes), y[t][i])
-                                      for t in free for i in range(len(p.options[t])) if p.options[t][i].allreduce_bytes > 0]))
+        m.Add(X["dp"] == least.dp + _lin([(ic.unit(p, "dp", p.options[t][i].allreduce_bytes), y[t][i])
+                                          for t in free for i in range(len(p.options[t])) if p.options[t][i].allreduce_bytes > 0]))
     if "a2a" in X:
-        m.Add(X["a2a"] >= recv_c + _lin([(ic.unit(p, "a2a", p.recv_factor * p.options[t][i].recv_bytes), y[t][i])
-                                         for t in free for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0]))
+        m.Add(X["a2a"] >= least.recv + _lin([(ic.unit(p, "a2a", p.recv_factor * p.options[t][i].recv_bytes), y[t][i])
+                                             for t in free for i in range(len(p.options[t])) if p.options[t][i].recv_bytes > 0]))
     if "ids" in X:
-        m.Add(X["ids"] >= ids_c + _lin([(ic.unit(p, "ids", p.options[t][i].ids_send_bytes), y[t][i])
-                                        for t in free for i in range(len(p.options[t])) if p.options[t][i].ids_send_bytes > 0]))
-    zobj = _objective(m, p, ic, X, H, rc_terms)
-    cut = None
-    if cutoff_s is not None and math.isfinite(cutoff_s):
-        cut = int((cutoff_s + _rounding_slack(p, ic)) / TIME_UNIT_S * ic.Q)
-        m.Add(zobj <= cut)
-    if hint is not None:
+        m.Add(X["ids"] >= least.ids + _lin([(ic.unit(p, "ids", p.options[t][i].ids_send_bytes), y[t][i])
+                                            for t in free for i in range(len(p.options[t])) if p.options[t][i].ids_send_bytes > 0]))
+
+
+def _hint_decomposed(m, p: CandidatePricing, hint: Assignment, free: list[int], y, rc, points) -> None:
+    for t in free:
+        for i, v in enumerate(y[t]):
+            m.AddHint(v, i == hint.choice[t])
+    if points is None:
+        for v, on in zip(rc, hint.recompute):
+            m.AddHint(v, on)
+    else:
+        net = _net_freed(p, hint.recompute)
+        j = next((j for j, pt in enumerate(points) if pt.freed_bytes >= net - 1e-6), len(points) - 1)
+        for k, v in enumerate(rc):
+            m.AddHint(v, k == j)
+
+
+def _place_relaxed(p: CandidatePricing, rx: _Relaxation, solutions: list[tuple[int, ...]], hint: Assignment | None,
+                   best: Assignment | None, best_t: float) -> tuple[Assignment | None, float]:
+    """Place the collected relaxed solutions on ranks (best first, each distinct one once); the
+    fastest placed plan that fits, if it beats ``best``."""
+    y, free, points = rx.y, rx.free, rx.points
+    n_y = sum(len(y[t]) for t in free)
+    seen = set()
+    base_choice = list(hint.choice) if hint is not None else [0] * len(p.options)
+    base_rc = hint.recompute if hint is not None else tuple(False for _ in p.layers)
+    for values in reversed(solutions):  # best (last) first
+        ys, rs = values[:n_y], values[n_y:]
+        choice = list(base_choice)
+        k = 0
         for t in free:
-            for i, v in enumerate(y[t]):
-                m.AddHint(v, i == hint.choice[t])
+            choice[t] = next(i for i in range(len(y[t])) if ys[k + i])
+            k += len(y[t])
         if points is None:
-            for v, on in zip(rc, hint.recompute):
-                m.AddHint(v, on)
+            recompute = tuple(bool(x) for x in rs) if rs else base_rc
         else:
-            net = _net_freed(p, hint.recompute)
-            j = next((j for j, pt in enumerate(points) if pt.freed_bytes >= net - 1e-6), len(points) - 1)
-            for k, v in enumerate(rc):
-                m.AddHint(v, k == j)
-    solver = cp_model.CpSolver()
-    _params(solver, settings, settings.time_limit_s)
-    if len(free) > LIGHT_PRESOLVE_ABOVE:
-        # With many free tables, probing and the search for overlapping linear blocks take the whole
-        # deterministic budget in presolve; the LP relaxation, not presolve, is what closes this model.
-        solver.parameters.find_big_linear_overlap = False
-        solver.parameters.cp_model_probing_level = 0
-    keep = max(1, int(settings.placed_solutions))
-    collector = _Collector([v for t in free for v in y[t]], list(rc), keep)
-    status = solver.Solve(m, collector)
-    hint_ok = hint is not None and hint_ev is not None and hint_ev.peak_bytes <= p.capacity_bytes
-    if status == cp_model.INFEASIBLE and cut is not None:
-        wall = time.perf_counter() - t0
-        lb = cut * TIME_UNIT_S / ic.Q - 2 * _rounding_slack(p, ic) - cut_slack(p)
-        if hint_ok:
-            return SolveResult(hint, "FEASIBLE", hint_ev.step_time_s, hint_ev.peak_bytes, min(lb, hint_ev.step_time_s), wall, "decomposed")
-        return SolveResult(None, "UNKNOWN", math.inf, math.inf, lb, wall, "decomposed")
-    if status == cp_model.INFEASIBLE:
-        return SolveResult(None, "INFEASIBLE", math.inf, math.inf, math.inf, time.perf_counter() - t0, "decomposed")
-    bound = _bound_s(solver, ic, p)
-    if bound_only:
-        return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, time.perf_counter() - t0, "decomposed")
-    best: Assignment | None = hint if hint_ok else None
-    best_t = hint_ev.step_time_s if hint_ok else math.inf
-    relaxed_opt = status == cp_model.OPTIMAL and not fixed
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        n_y = sum(len(y[t]) for t in free)
-        seen = set()
-        base_choice = list(hint.choice) if hint is not None else [0] * n_t
-        base_rc = hint.recompute if hint is not None else tuple(False for _ in p.layers)
-        for values in reversed(collector.solutions):  # best (last) first
-            ys, rs = values[:n_y], values[n_y:]
-            choice = list(base_choice)
-            k = 0
-            for t in free:
-                choice[t] = next(i for i in range(len(y[t])) if ys[k + i])
-                k += len(y[t])
-            if points is None:
-                recompute = tuple(bool(x) for x in rs) if rs else base_rc
-            else:
-                recompute = next(pt.layers for pt, x in zip(points, rs) if x)
-            key = (tuple(choice), recompute)
-            if key in seen:
-                continue
-            seen.add(key)
-            placed = place_with_repair(p, tuple(choice), recompute)
-            if placed is not None:
-                ev = evaluate(p, placed)
-                if ev.peak_bytes <= p.capacity_bytes and ev.step_time_s < best_t:
-                    best, best_t = placed, ev.step_time_s
-    if best is not None:
-        best = rebalance(p, break_lumps(p, best, settle=_settle(p)), max_steps=settings.rebalance_steps)
-    wall = time.perf_counter() - t0
-    if best is None:
-        return SolveResult(None, "UNKNOWN", math.inf, math.inf, bound, wall, "decomposed")
-    ev = evaluate(p, best)
-    overall = "OPTIMAL" if relaxed_opt and ev.step_time_s <= bound + 2 * _rounding_slack(p, ic) else "FEASIBLE"
-    return SolveResult(best, overall, ev.step_time_s, ev.peak_bytes, min(bound, ev.step_time_s), wall, "decomposed")
+            recompute = next(pt.layers for pt, x in zip(points, rs) if x)
+        key = (tuple(choice), recompute)
+        if key in seen:
+            continue
+        seen.add(key)
+        placed = place_with_repair(p, tuple(choice), recompute)
+        if placed is not None:
+            ev = evaluate(p, placed)
+            if ev.peak_bytes <= p.capacity_bytes and ev.step_time_s < best_t:
+                best, best_t = placed, ev.step_time_s
+    return best, best_t
 
 
 __all__ = [

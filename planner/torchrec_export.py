@@ -87,6 +87,7 @@ def to_torchrec(
     compute_device: str = "cuda",
 ):
     """TorchRec ``ShardingPlan`` of the plan's tables (see the module docstring for ranks)."""
+    # torchrec (and torch) are the [train] extra: imported only when a TorchRec plan is built
     from torchrec.distributed.sharding_plan import placement
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, EnumerableShardingSpec, ParameterSharding, ShardingPlan, ShardMetadata
 
@@ -151,7 +152,7 @@ def as_json(sharding_plan) -> dict:
 def write_torchrec(plan: Plan, path: str | Path, *, replica: int | None = None) -> list[Path]:
     """Write ``<path>`` (``torch.save`` of the ShardingPlan) and ``<path>.json`` beside it; returns both."""
     try:
-        import torch
+        import torch  # the [train] extra, as in to_torchrec
     except ImportError:  # pragma: no cover - depends on the install
         raise CoplanError("--export-torchrec needs torch and torchrec (pip install 'coplan[train]')") from None
     sp = to_torchrec(plan, replica=replica)

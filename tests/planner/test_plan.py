@@ -128,7 +128,7 @@ def test_nothing_fits_is_explained():
 def test_advice_is_verified_by_the_planner(gpus):
     """A global batch too large per GPU on one node: the fixes offered (micro-batches, more GPUs, a
     smaller batch) are each planned again as stated, and the planner returns a plan that fits."""
-    from coplan.planner.explain import _with
+    from coplan.planner.explain import with_changes
 
     w, t = load_workload("dense-decoder-8b"), load_topology("h200-superpod-1k")
     with pytest.raises(InfeasibleError) as e:
@@ -138,13 +138,13 @@ def test_advice_is_verified_by_the_planner(gpus):
     for f in fixes:
         if "micro_batches:" in f:
             mb = int(f.split("micro_batches:")[1].split()[0])
-            plan, _ = make_plan(_with(w, **{"batch.micro_batches": mb}), t, None, PlannerConfig(world_size=gpus, num_workers=1))
+            plan, _ = make_plan(with_changes(w, **{"batch.micro_batches": mb}), t, None, PlannerConfig(world_size=gpus, num_workers=1))
         elif f.startswith("more GPUs"):
             n = int(f.split("more GPUs: ")[1].split()[0].replace(",", ""))
             plan, _ = make_plan(w, t, None, PlannerConfig(world_size=n, num_workers=1))
         elif "global_batch_size:" in f:
             gb = int(f.split("global_batch_size: ")[1].split()[0].replace(",", ""))
-            plan, _ = make_plan(_with(w, **{"batch.global_batch_size": gb}), t, None, PlannerConfig(world_size=gpus, num_workers=1))
+            plan, _ = make_plan(with_changes(w, **{"batch.global_batch_size": gb}), t, None, PlannerConfig(world_size=gpus, num_workers=1))
         else:
             continue
         pred = plan.predicted
