@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from coplan.errors import CoplanError
+from coplan.spec.loader import load_topology
 from coplan.spec.workload import Workload
 
 Span = tuple[float, float]
@@ -144,8 +145,6 @@ def _fit_tables(w: dict, f: Family, world: int, hbm_bytes: float) -> dict:
 
 def sample_workload(family: str, seed: int) -> Workload:
     """A GEM-shaped workload of ``family`` drawn from ``seed``; see :data:`FAMILIES` for the ranges."""
-    from coplan.spec.loader import load_topology
-
     if family not in FAMILIES:
         raise CoplanError(f"--family {family!r}: no such family; choose one of {', '.join(FAMILIES)}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:

@@ -363,7 +363,7 @@ class Float8Linear(nn.Linear):
 # --------------------------------------------------------------------------------------------
 
 
-def _torchao_float8(recipe: str):
+def torchao_float8(recipe: str):
     """``torchao.float8``, or :class:`Fp8RecipeUnavailable` naming ``recipe`` and the fix."""
     try:
         import torchao.float8 as tf8
@@ -381,7 +381,7 @@ def torchao_float8_config(recipe: str):
     ``from_recipe_name`` with FSDP2 float8 all-gather off and the inner dimension padded to 16."""
     if recipe not in TORCHAO_RECIPES:
         raise Fp8InputError(f"recipe={recipe!r} is not a torchao recipe; choose one of {', '.join(map(repr, TORCHAO_RECIPES))}")
-    tf8 = _torchao_float8(recipe)
+    tf8 = torchao_float8(recipe)
     import dataclasses
 
     base = tf8.Float8LinearConfig.from_recipe_name(recipe.removeprefix("torchao-"))
@@ -413,7 +413,7 @@ def convert_torchao(module: nn.Module, recipe: str, linears) -> list[nn.Module]:
     not inside ``module`` is an :class:`Fp8InputError`: the caller chooses the layers."""
     linears = list(linears)
     config = torchao_float8_config(recipe)
-    tf8 = _torchao_float8(recipe)
+    tf8 = torchao_float8(recipe)
     for lin in linears:
         if not isinstance(lin, nn.Linear) or isinstance(lin, Float8Linear) or is_torchao_float8(lin):
             raise Fp8InputError(f"convert_torchao: expected plain nn.Linear modules, got {type(lin).__name__}")
@@ -441,5 +441,5 @@ def convert_torchao(module: nn.Module, recipe: str, linears) -> list[nn.Module]:
 
 
 __all__ = ["ALL_RECIPES", "Float8Linear", "Fp8InputError", "Fp8RecipeUnavailable", "RECIPES", "Recipe", "TORCHAO_RECIPES",
-           "TORCHAO_VERSION", "TorchaoRecipe", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8", "scaled_mm_block_refusal",
+           "TORCHAO_VERSION", "TorchaoRecipe", "torchao_float8", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8", "scaled_mm_block_refusal",
            "torchao_eligible", "torchao_float8_config"]

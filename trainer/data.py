@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.progress import track
 
+from coplan.costmodel.flops import per_sample_flops
 from coplan.costmodel.jagged import balance
 from coplan.errors import CoplanError, MismatchError
 from coplan.spec import Workload
@@ -335,8 +336,6 @@ def equalize_counts(bins: np.ndarray, costs: np.ndarray, num_bins: int) -> np.nd
 
 def sample_costs(workload: Workload, lengths: dict[str, np.ndarray], n: int) -> np.ndarray:
     """Model FLOPs (forward + backward) of each sample, from :mod:`coplan.costmodel.flops`."""
-    from coplan.costmodel.flops import per_sample_flops
-
     coeffs = per_sample_flops(workload)
     cost = np.full(n, coeffs.get(None).const if None in coeffs else 0.0)
     for s, c in coeffs.items():

@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("spec", "cli", "costmodel", "planner", "calibration", "reports", "trainer", "kernels")
 
 GROUND = {"coplan", "coplan.errors", "coplan.units"}
-CLI = {"coplan.cli", "coplan.spec_cli"}
+# The CLI layer: the verbs, which wire parts together (e.g. `coplan report` hands the planner's simulate
+# point and calibration's figures to the report); nothing below it may.
+CLI = {"coplan.cli", "coplan.spec_cli", "coplan.sample", "coplan.sample_cli", "coplan.planner.cli", "coplan.reports.cli",
+       "coplan.trainer.cli", "coplan.calibration.cli"}
 TRAINER_FROM_COSTMODEL = {"coplan.costmodel.flops", "coplan.costmodel.jagged"}
 
 ALLOWED: dict[str, set[str]] = {
@@ -42,9 +45,8 @@ ALLOWED: dict[str, set[str]] = {
     "cli": set(PARTS),
 }
 
-# Other slices of issue #22 fix their own parts in parallel; their checks are turned on at merge
-# (a part named here is checked strictly; the others are expected to fail until then).
-STRICT = {"planner"}
+# Every part is checked strictly.
+STRICT = set(PARTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,8 +262,7 @@ PRICING_FILES = {"coplan.planner.costs", "coplan.planner.pricing"}
 
 @pytest.mark.parametrize("which", [
     pytest.param("own", id="planner"),
-    pytest.param("pricing", id="planner-pricing", marks=pytest.mark.xfail(
-        strict=False, reason="turned on at merge: planner/costs.py and planner/pricing.py are fixed by their own slice of #22")),
+    pytest.param("pricing", id="planner-pricing"),
 ])
 def test_planner_imports_at_module_top(which):
     """Function-local imports in the planner only for heavy optional dependencies (torch, torchrec),

@@ -15,6 +15,7 @@ from typing import Iterator
 from torch import nn
 
 from coplan.errors import MismatchError
+from coplan.kernels.fp8 import TORCHAO_RECIPES, Float8Linear, convert_torchao, is_torchao_float8, torchao_float8
 from coplan.spec import Plan
 
 _UNPRICED = frozenset({"film"})
@@ -66,13 +67,9 @@ def apply_fp8(dense: nn.Module, plan: Plan) -> list[str]:
         raise MismatchError(
             f"the plan puts {sorted(fp8_layers)[:4]} in fp8 while precision.fp8 is 'off'; re-plan, or set precision.fp8 to auto or force"
         )
-    from coplan.kernels.fp8 import TORCHAO_RECIPES, Float8Linear, is_torchao_float8
-
     torchao = prec.fp8_recipe in TORCHAO_RECIPES
     if torchao:
-        from coplan.kernels.fp8 import _torchao_float8
-
-        _torchao_float8(prec.fp8_recipe)  # before anything is swapped: a clear error naming the recipe and the fix
+        torchao_float8(prec.fp8_recipe)  # before anything is swapped: a clear error naming the recipe and the fix
     entries = list(layer_linears(dense))
     known = {e[0] for e in entries}
     unknown = sorted(fp8_layers - known)
@@ -101,8 +98,6 @@ def apply_fp8(dense: nn.Module, plan: Plan) -> list[str]:
             setattr(parent, attr, new)
         done.append(f"{name}:{lin.in_features}x{lin.out_features}")
     if chosen:
-        from coplan.kernels.fp8 import convert_torchao
-
         convert_torchao(dense, prec.fp8_recipe, chosen)
     return done
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from coplan import kernels
 from coplan.spec.workload import Attention, InterFormerBlock, KunlunBlock
 
 _ACTIVATIONS = {
@@ -68,8 +69,6 @@ def jagged_attention(
     backend: str,
 ) -> torch.Tensor:
     """Attention within each sample of a jagged batch through :mod:`coplan.kernels` (GDPA or softmax)."""
-    from coplan import kernels
-
     if attn.kind == "gdpa":
         return kernels.gdpa(
             q, k, v, q_offsets, k_offsets, activation=attn.activation, causal=causal, max_len=max_len,
