@@ -41,9 +41,12 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from coplan.calibration.kineto import load_trace
+from coplan.spec import TraceClassTimes
 
 OP_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.\d+)?\.[a-z][a-z0-9_]*$")
 """``<block>.<layer index>.<op>`` or ``<group>.<op>`` (``sparse.tbe``, ``fsdp.all_gather``)."""
@@ -478,5 +481,29 @@ def attribute_file(path: str | Path) -> TraceAttribution:
     return attribute(load_trace(path), str(path))
 
 
-__all__ = ["KERNEL_RULES", "OP_NAME", "MeasuredOp", "TraceAttribution", "attribute", "attribute_file", "classify_kernel",
-           "named_range"]
+MAX_CLASS_TRACES = 8
+"""Most rank traces :func:`trace_class_times` attributes (the first, the last and evenly spaced others)."""
+
+
+def trace_class_times(trace_paths: Sequence[Path]) -> TraceClassTimes | None:
+    """Device seconds per step by op class and collective (``comm:<kind>``) of a run's rank traces (in rank
+    order), for at most :data:`MAX_CLASS_TRACES` of them; None without traces."""
+    if not trace_paths:
+        return None
+    n_read = min(MAX_CLASS_TRACES, len(trace_paths))
+    ranks = sorted(set(np.linspace(0, len(trace_paths) - 1, n_read).round().astype(int).tolist()))
+    measured: dict[str, list[float]] = {}
+    unattr: list[float] = []
+    on_device = True
+    for n, i in enumerate(ranks):
+        a = attribute_file(trace_paths[i])
+        on_device = on_device and a.on_device
+        for cls, t in a.by_class_s.items():
+            key = cls.replace("collective:", "comm:")
+            measured.setdefault(key, [0.0] * len(ranks))[n] = t / a.steps
+        unattr.append(a.unattributed_s / a.steps)
+    return TraceClassTimes(measured, unattr, tuple(ranks), on_device)
+
+
+__all__ = ["KERNEL_RULES", "MAX_CLASS_TRACES", "OP_NAME", "MeasuredOp", "TraceAttribution", "attribute", "attribute_file",
+           "classify_kernel", "named_range", "trace_class_times"]

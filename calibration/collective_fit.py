@@ -21,7 +21,6 @@ topology's ``bw_bytes_per_s`` understates the tier, and the result says so.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -33,8 +32,9 @@ from scipy.optimize import least_squares
 
 from coplan.costmodel.comm import bus_factor, collective_model, place_group
 from coplan.costmodel.efficiency import resolve_efficiencies
-from coplan.errors import CoplanError
+from coplan.errors import CoplanError, SpecError
 from coplan.spec import Calibration, FitError
+from coplan.spec.loader import load_document
 from coplan.spec.topology import Topology
 
 FIT_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -164,12 +164,12 @@ def sweep_from_dict(d: Mapping[str, Any], source: str = "<sweep>") -> Sweep:
 
 def load_sweep(path: str | Path) -> Sweep:
     p = Path(path)
+    if not p.exists():
+        raise CollectiveFitError(f"{p}: no such sweep file; run benchmarks/collectives_h200.py to make one")
     try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CollectiveFitError(f"{p}: no such sweep file; run benchmarks/collectives_h200.py to make one") from None
-    except json.JSONDecodeError as e:
-        raise CollectiveFitError(f"{p}: not JSON ({e})") from None
+        d = load_document(p)
+    except SpecError as e:
+        raise CollectiveFitError(str(e)) from None
     return sweep_from_dict(d, str(p))
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
+from coplan.costmodel.compute import seq_cost
 from coplan.costmodel.jagged import balance, bin_loads
 from coplan.reports.layout import base_layout, best_time_unit, fmt_pct, fmt_s
 from coplan.reports.palette import SERIES_COLOURS
@@ -58,8 +59,6 @@ class BalanceSample:
 
 def sample_balance(plan: Plan, context, *, seed: int = 0) -> BalanceSample | None:
     """Draw one global batch and split it both ways; None when the workload has no jagged sequence."""
-    from coplan.costmodel.compute import seq_cost
-
     seq = context.primary_sequence
     if seq is None:
         return None

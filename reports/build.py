@@ -19,11 +19,13 @@ from coplan import __version__
 from coplan.errors import CoplanError
 from coplan.reports import alternatives, balance, calibration, ledger, ranks, runs, sharding, summary, timeline, waterfall
 from coplan.reports import scaling as scaling_mod
+from coplan.reports.calibration import CalibrationPointsOf
 from coplan.reports.html import Report, Section, render
-from coplan.reports.inputs import ReportInputs, load_inputs
+from coplan.reports.inputs import ReportInputs, RunData, load_inputs
 from coplan.reports.layout import fmt_bytes, fmt_pct, fmt_s
+from coplan.reports.runs import TraceClassTimesOf
 from coplan.reports.scaling import SimulatePoint, load_sweep
-from coplan.spec import spec_sha256
+from coplan.spec import Plan, Prediction, spec_sha256
 
 CAPTIONS = {
     "waterfall": (
@@ -111,9 +113,12 @@ def _section(key: str, title: str, make: Callable[[], object], log: BuildLog) ->
 
 
 def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, simulate_point: SimulatePoint | None = None,
+                 trace_class_times: TraceClassTimesOf | None = None, calibration_points: CalibrationPointsOf | None = None,
                  scaling: bool = True, what_if: bool = True, log: BuildLog | None = None) -> Report:
     """Every figure and the summary for ``inputs``. The scaling curve is drawn from ``sweep``, else from
-    ``simulate_point`` run at each GPU count (the planner's; the CLI hands it in), else left as a note."""
+    ``simulate_point`` run at each GPU count (the planner's; the CLI hands it in), else left as a note.
+    The run's per-class figure needs ``trace_class_times`` and the calibration figure ``calibration_points``
+    (calibration's; the CLI hands them in): without them, each is left as a note."""
     log = log or BuildLog()
     plan = inputs.plan
     pred = inputs.prediction
@@ -121,11 +126,11 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, simul
         raise CoplanError(f"{inputs.plan_path or 'the plan'} has no prediction and the cost model could not price it: "
                           + "; ".join(inputs.warnings or ["no reason given"]))
     cost = inputs.cost
-    try:
-        launch = ledger.launch_by_class(plan, inputs.context)
-    except CoplanError as e:
+    launch = ledger.launch_by_class(cost) if cost is not None else None
+    if not launch:
         launch = None
-        inputs.warnings.append(f"kernel launch overhead is left inside the kernel bars: {e}")
+        inputs.warnings.append("kernel launch overhead is left inside the kernel bars: the cost model gave no launch times "
+                               "per op class (the plan could not be re-priced)")
     led = ledger.build_ledger(plan, pred, launch_s=launch)
     sections: list[Section] = [
         _section("waterfall", "MFU waterfall", lambda: waterfall.mfu_waterfall(led), log),
@@ -146,17 +151,11 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, simul
     if inputs.run is not None:
         r = inputs.run
         sections.append(_section("run_steps", "Run: measured vs predicted per step", lambda: runs.run_steps(r, pred), log))
-        sections.append(_section("run_classes", "Run: measured vs predicted per op class", lambda: runs.run_op_classes(r, pred, plan)
-                                 or (None, f"{r.path} has no traces/rank<k>.json (run with profiling on)"), log))
+        sections.append(_section("run_classes", "Run: measured vs predicted per op class",
+                                 lambda: _run_classes_figure(r, pred, plan, trace_class_times), log))
     if inputs.calibration is not None:
-        cal = inputs.calibration
-        extra = [inputs.run.path] if inputs.run is not None and inputs.run.plan is not None else []
-
-        def cal_fig():
-            pts = calibration.calibration_points(cal, cal_path=inputs.calibration_path, extra_runs=extra)
-            return calibration.calibration_scatter(cal, pts)
-
-        sections.append(_section("calibration", "Calibration: predicted vs measured", cal_fig, log))
+        sections.append(_section("calibration", "Calibration: predicted vs measured",
+                                 lambda: _calibration_figure(inputs, calibration_points), log))
 
     t0 = time.perf_counter()
     paras = [summary.describe_plan(plan), summary.describe_prediction(pred), summary.describe_losses(plan, pred, led, price_what_if=what_if)]
@@ -202,17 +201,38 @@ def _scaling_figure(plan, sweep: list[dict] | None, simulate_point: SimulatePoin
     return scaling_mod.scaling_curve(sweep, plan)
 
 
+def _run_classes_figure(r: RunData, pred: Prediction, plan: Plan, trace_class_times: TraceClassTimesOf | None):
+    if not r.trace_paths:
+        return None, f"{r.path} has no traces/rank<k>.json (run with profiling on)"
+    if trace_class_times is None:
+        return None, "the run's traces were not attributed: `coplan report --run` does it (build_report needs trace_class_times)"
+    return runs.run_op_classes(r, trace_class_times(r.trace_paths), pred, plan)
+
+
+def _calibration_figure(inputs: ReportInputs, calibration_points: CalibrationPointsOf | None):
+    if calibration_points is None:
+        return None, ("the calibration's samples were not read: `coplan report --calibration` does it "
+                      "(build_report needs calibration_points)")
+    # the report's run stands in for the calibration's source runs only when it ran a plan
+    extra = [inputs.run.path] if inputs.run is not None and inputs.run.plan is not None else []
+    pts = calibration_points(inputs.calibration, cal_path=inputs.calibration_path, extra_runs=extra)
+    return calibration.calibration_scatter(inputs.calibration, pts)
+
+
 def write_report(plan_path: str | Path, output: str | Path, *, run: str | Path | None = None, calibration: str | Path | None = None,
-                 sweep_path: str | Path | None = None, simulate_point: SimulatePoint | None = None, scaling: bool = True,
-                 what_if: bool = True) -> tuple[Path, Report, BuildLog]:
-    """Load, build and write a report; returns (path, report, build log). ``simulate_point``: see :func:`build_report`."""
+                 sweep_path: str | Path | None = None, simulate_point: SimulatePoint | None = None,
+                 trace_class_times: TraceClassTimesOf | None = None, calibration_points: CalibrationPointsOf | None = None,
+                 scaling: bool = True, what_if: bool = True) -> tuple[Path, Report, BuildLog]:
+    """Load, build and write a report; returns (path, report, build log). ``simulate_point``,
+    ``trace_class_times`` and ``calibration_points``: see :func:`build_report`."""
     out = Path(output)
     if out.parent and not out.parent.exists():
         raise CoplanError(f"{out}: folder {out.parent} does not exist")
     inputs = load_inputs(plan_path, run, calibration)
     sweep = load_sweep(sweep_path) if sweep_path else None
     log = BuildLog()
-    report = build_report(inputs, sweep=sweep, simulate_point=simulate_point, scaling=scaling, what_if=what_if, log=log)
+    report = build_report(inputs, sweep=sweep, simulate_point=simulate_point, trace_class_times=trace_class_times,
+                          calibration_points=calibration_points, scaling=scaling, what_if=what_if, log=log)
     html = render(report)
     try:
         out.write_text(html, encoding="utf-8")

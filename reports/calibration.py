@@ -2,117 +2,33 @@
 (op, phase) sample of the runs the calibration was fitted on, before (the cost model's defaults) and
 after (the calibration), with the error per op class.
 
-Samples, measured times and predictions all come from :mod:`coplan.calibration`: each run's
-traces are attributed (:func:`~coplan.calibration.runs.run_samples`) and each sample is priced by
-the same roofline the fit used (:func:`~coplan.calibration.device_fit.predict`) under the efficiencies
-resolved with and without the calibration. When none of the source runs can be read, the figure falls
-back to the per-class errors the calibration file itself reports.
+The figure draws :class:`~coplan.spec.CalibrationPoints`, which calibration computes (it reads the
+source runs' traces and prices each sample by the roofline its fit used) and the report verb hands in.
+Without readable samples it falls back to the per-class errors the calibration file itself reports.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
 
-from coplan.errors import CoplanError
 from coplan.reports.layout import base_layout, fmt_s
 from coplan.reports.palette import op_class_colour
-from coplan.spec import Calibration
+from coplan.spec import Calibration, CalibrationPoints
 
 CLASSES = ("gemm", "attention", "embedding", "elementwise")
 
 
-@dataclass(frozen=True, slots=True)
-class CalibrationPoints:
-    """Samples of the source runs with their measured and predicted seconds (per micro-batch)."""
+class CalibrationPointsOf(Protocol):
+    """Reads a calibration's source runs and prices their samples with and without it: calibration's
+    ``calibration_points``, which the report verb hands in. ``extra_runs`` stand in, flagged as held out,
+    when none of the source runs can be read."""
 
-    names: list[str]
-    """'<run>: <op> (<phase>)'."""
-    op_class: list[str]
-    measured: np.ndarray
-    before: np.ndarray
-    """Predicted with the cost model's default efficiencies."""
-    after: np.ndarray
-    """Predicted with the calibration."""
-    runs: list[str]
-    skipped: list[str]
-    """Source runs that could not be read, with the reason."""
-    held_out: bool = False
-    """The samples come from a run the calibration was not fitted on (none of its source runs was readable)."""
-
-    def class_error(self, which: str) -> dict[str, float]:
-        """|Σ predicted − Σ measured| / Σ measured per class (the calibration's own definition)."""
-        pred = self.after if which == "after" else self.before
-        out = {}
-        for c in sorted(set(self.op_class)):
-            idx = [i for i, k in enumerate(self.op_class) if k == c]
-            m = float(self.measured[idx].sum())
-            out[c] = abs(float(pred[idx].sum()) - m) / m if m > 0 else 0.0
-        return out
-
-    def median_error(self, which: str) -> float:
-        pred = self.after if which == "after" else self.before
-        return float(np.median(np.abs(pred - self.measured) / self.measured)) if self.measured.size else 0.0
-
-
-def _resolve_run(path: str, base: Path | None) -> Path | None:
-    p = Path(path)
-    for cand in ([p] if p.is_absolute() else [p] + ([base / p] if base else [])):
-        if cand.is_dir():
-            return cand
-    return None
-
-
-def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, extra_runs: list[Path] = ()) -> CalibrationPoints:
-    """Read the calibration's source runs and price every sample both ways. ``extra_runs`` (the report's
-    ``--run``) stand in, flagged as held out, only when none of the source runs can be read: mixing
-    fitted and unseen samples in one error figure would blur both."""
-    from coplan.calibration.device_fit import predict
-    from coplan.calibration.runs import run_samples
-    from coplan.costmodel.efficiency import resolve_efficiencies
-
-    base = Path(cal_path).resolve().parent if cal_path else None
-    dirs: list[Path] = []
-    skipped: list[str] = []
-    for s in cal.source_runs:
-        d = _resolve_run(s, base)
-        if d is None:
-            skipped.append(f"{s}: not found")
-        elif d.resolve() not in [x.resolve() for x in dirs]:
-            dirs.append(d)
-    held_out = False
-    if not dirs and extra_runs:
-        # none of the runs the fit read is here: show the given run instead, as data the fit never saw
-        dirs = [d for d in extra_runs]
-        held_out = True
-    names: list[str] = []
-    cls: list[str] = []
-    meas: list[float] = []
-    before: list[float] = []
-    after: list[float] = []
-    runs: list[str] = []
-    for d in dirs:
-        try:
-            rs = run_samples(d, force=True)
-        except CoplanError as e:
-            skipped.append(f"{d}: {str(e).splitlines()[0]}")
-            continue
-        topo = rs.plan.topology
-        e0 = resolve_efficiencies(topo)
-        e1 = resolve_efficiencies(topo, cal, force=True)
-        b = predict(rs.samples, e0.compute, e0.memory, e0.launch_s, e0.lookup_id_s)
-        a = predict(rs.samples, e1.compute, e1.memory, e1.launch_s, e1.lookup_id_s)
-        runs.append(rs.run)
-        for s, pb, pa in zip(rs.samples, b, a):
-            names.append(f"{rs.run}: {s.name} ({s.phase})")
-            cls.append(s.op_class)
-            meas.append(s.measured_s)
-            before.append(float(pb))
-            after.append(float(pa))
-    return CalibrationPoints(names, cls, np.asarray(meas), np.asarray(before), np.asarray(after), runs, skipped, held_out)
+    def __call__(self, cal: Calibration, *, cal_path: str | Path | None = None,
+                 extra_runs: Sequence[Path] = ()) -> CalibrationPoints: ...
 
 
 def calibration_scatter(cal: Calibration, points: CalibrationPoints | None, *,
@@ -166,4 +82,4 @@ def calibration_scatter(cal: Calibration, points: CalibrationPoints | None, *,
     return base_layout(fig, title, subtitle=sub, height=560)
 
 
-__all__ = ["CalibrationPoints", "calibration_points", "calibration_scatter"]
+__all__ = ["CalibrationPointsOf", "calibration_scatter"]

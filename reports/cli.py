@@ -1,13 +1,16 @@
 """``coplan report``: write one self-contained HTML report of a plan (and optionally a run and a calibration).
 
 The verb is the CLI layer of reports: it hands the planner's ``simulate_point`` to the report for the
-scaling curve, so that nothing else under ``reports/`` imports the planner."""
+scaling curve, and calibration's ``trace_class_times`` and ``calibration_points`` for the run and
+calibration figures, so that nothing else under ``reports/`` imports the planner or calibration."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from coplan.calibration.attribution import trace_class_times
+from coplan.calibration.points import calibration_points
 from coplan.errors import CoplanError
 from coplan.planner.simulate import simulate_point
 
@@ -21,7 +24,8 @@ def run_report(args: argparse.Namespace) -> int:
         raise CoplanError("--simulate and --no-scaling contradict each other: give one")
     out, report, log = write_report(
         args.plan, args.output, run=args.run, calibration=args.calibration, sweep_path=args.simulate,
-        simulate_point=simulate_point, scaling=not args.no_scaling, what_if=not args.no_what_if,
+        simulate_point=simulate_point, trace_class_times=trace_class_times, calibration_points=calibration_points,
+        scaling=not args.no_scaling, what_if=not args.no_what_if,
     )
     size = out.stat().st_size
     drawn = [s.key for s in report.sections if s.figure is not None]

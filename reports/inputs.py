@@ -23,6 +23,7 @@ from coplan.costmodel import Context, StepCost, build_context, price
 from coplan.costmodel.schedule import Schedule
 from coplan.errors import CoplanError
 from coplan.spec import Calibration, Plan, Prediction, RunDir, RunResult, load_calibration, load_plan, load_run_result, spec_sha256
+from coplan.spec.loader import read_text
 
 
 class ReportInputError(CoplanError):
@@ -60,12 +61,9 @@ class RunData:
 def load_metrics(path: Path) -> tuple[dict[str, Any], ...]:
     """Parse ``metrics.jsonl``; a bad line names the file and the line number."""
     rows: list[dict[str, Any]] = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ReportInputError(f"{path}: no metrics file (the trainer writes one line per step here)") from None
-    except OSError as e:
-        raise ReportInputError(f"{path}: cannot be read: {e}") from None
+    if not path.exists():
+        raise ReportInputError(f"{path}: no metrics file (the trainer writes one line per step here)")
+    text = read_text(path)
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue

@@ -14,7 +14,7 @@ Accounting (all per optimizer step, on the critical rank, from the cost model's
   kernel slower than peak on model FLOPs: achieved fraction of peak, memory-bound ops, launch overhead,
   hardware FLOPs that are not model FLOPs (a fused attention backward recomputes the scores), the
   slowest embedding shard's excess over the mean, the slowdown from communication sharing the SMs.
-- Kernel launch overhead (when the pricing context is given): the cost model's per-kernel launch term
+- Kernel launch overhead (when the cost model's StepCost is given): its per-kernel launch term
   of the dense forward and backward ops, taken out of the class bars. There is no pipeline parallelism
   in these plans, so the only other gaps in the compute stream are waits on communication (below).
 - Jagged load imbalance: the cost model's ``imbalance_s`` (the slowest rank's extra dense work),
@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from coplan.costmodel import StepCost
 from coplan.costmodel import flops as F
 from coplan.costmodel.goodput import useful_fraction
 from coplan.spec import Plan, Prediction
@@ -149,21 +150,13 @@ def checkpoint_fraction(pred: Prediction) -> float:
     return useful_fraction(tau, delta, 0.0, math.inf)
 
 
-def launch_by_class(plan: Plan, context) -> dict[str, float]:
+def launch_by_class(cost: StepCost) -> dict[str, float]:
     """Seconds per step of kernel-launch overhead in the critical rank's dense forward and backward ops,
-    per op class: the cost model's own launch term (:class:`~coplan.costmodel.compute.OpArrays`
-    ``fwd_launch_s``/``bwd_launch_s``, one micro-batch) times the micro-batches. Recompute launches stay
-    in the recompute bar; the lookups' launches stay in the embedding bar (the pricer folds them into the
-    slowest shard's time)."""
-    from coplan.costmodel.compute import op_arrays
-
-    fp8 = frozenset(lp.name for lp in plan.layers if lp.precision == "fp8")
-    arr = op_arrays(context, plan.kernels, fp8)
-    out: dict[str, float] = {}
-    for k, i in enumerate(context.dense_idx):
-        c = context.ops[int(i)].op_class
-        out[c] = out.get(c, 0.0) + float(arr.fwd_launch_s[k] + arr.bwd_launch_s[k]) * context.micro_batches
-    return out
+    per op class: the cost model's own launch term (:attr:`~coplan.costmodel.results.StepCost.launch_s`,
+    priced with ``detail``). Recompute launches stay in the recompute bar; the lookups' launches stay in
+    the embedding bar (the pricer folds them into the slowest shard's time). Empty when ``cost`` was
+    priced without detail."""
+    return dict(cost.launch_s)
 
 
 def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | None = None) -> Ledger:

@@ -1,7 +1,7 @@
 """Run figures (``coplan report --run runs/<id>``): what a training run measured next to what the plan
 predicted. Per step: step time, MFU and the jagged imbalance from ``metrics.jsonl``; per op class:
-device time attributed from the Kineto traces (:mod:`coplan.calibration.attribution`) against the cost
-model's per-op and per-collective times.
+device time attributed from the Kineto traces (a :class:`~coplan.spec.TraceClassTimes` that calibration
+computes and the report verb hands in) against the cost model's per-op and per-collective times.
 
 Both sides are per optimizer step. The measured side of the op-class figure is the mean over the
 ranks whose traces were read, with the slowest and fastest rank as the error bar. A run on another
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -20,10 +21,11 @@ from plotly.subplots import make_subplots
 from coplan.reports.inputs import RunData
 from coplan.reports.layout import base_layout, fmt_pct, fmt_s
 from coplan.reports.palette import SERIES_COLOURS, collective_colour, op_class_colour
-from coplan.spec import Plan, Prediction
+from coplan.spec import Plan, Prediction, TraceClassTimes
 
-MAX_TRACES = 8
-"""Most rank traces attributed per run (rank 0 and evenly spaced others)."""
+TraceClassTimesOf = Callable[[Sequence[Path]], TraceClassTimes | None]
+"""Attributes a run's rank traces (rank order) per op class: calibration's ``trace_class_times``, which the
+report verb hands in."""
 
 COMPUTE_CLASSES = ("gemm", "attention", "embedding", "elementwise")
 
@@ -90,30 +92,10 @@ class ClassTimes:
     on_device: bool
 
 
-def _trace_sample(paths: tuple[Path, ...]) -> list[tuple[int, Path]]:
-    idx = sorted(set(np.linspace(0, len(paths) - 1, min(MAX_TRACES, len(paths))).round().astype(int).tolist())) if paths else []
-    return [(i, paths[i]) for i in idx]
-
-
-def class_times(run: RunData, pred: Prediction | None) -> ClassTimes | None:
+def class_times(traced: TraceClassTimes | None, pred: Prediction | None) -> ClassTimes | None:
     """Predicted vs measured seconds per step by op class and collective kind (None without traces)."""
-    from coplan.calibration.attribution import attribute_file
-
-    if not run.trace_paths:
+    if traced is None:
         return None
-    measured: dict[str, list[float]] = {}
-    unattr: list[float] = []
-    ranks: list[int] = []
-    on_device = True
-    sample = _trace_sample(run.trace_paths)
-    for n, (i, p) in enumerate(sample):
-        a = attribute_file(p)
-        on_device = on_device and a.on_device
-        ranks.append(i)
-        for cls, t in a.by_class_s.items():
-            key = cls.replace("collective:", "comm:")
-            measured.setdefault(key, [0.0] * len(sample))[n] = t / a.steps
-        unattr.append(a.unattributed_s / a.steps)
     predicted: dict[str, float] = {}
     if pred is not None:
         for o in pred.ops:
@@ -121,15 +103,17 @@ def class_times(run: RunData, pred: Prediction | None) -> ClassTimes | None:
         for c in pred.comms:
             k = f"comm:{c.collective}"
             predicted[k] = predicted.get(k, 0.0) + c.time_s
+    measured = traced.measured
     keys = [c for c in COMPUTE_CLASSES if c in predicted or c in measured]
     keys += sorted(k for k in set(predicted) | set(measured) if k not in keys)
-    return ClassTimes(tuple(keys), predicted, measured, unattr, tuple(ranks), on_device)
+    return ClassTimes(tuple(keys), predicted, measured, traced.unattributed, traced.ranks_read, traced.on_device)
 
 
-def run_op_classes(run: RunData, pred: Prediction | None, plan: Plan | None = None, *,
+def run_op_classes(run: RunData, traced: TraceClassTimes | None, pred: Prediction | None, plan: Plan | None = None, *,
                    title: str = "Measured vs predicted time per op class") -> go.Figure | None:
-    """Grouped horizontal bars per class: predicted, measured (mean over traced ranks, min–max bar)."""
-    ct = class_times(run, pred)
+    """Grouped horizontal bars per class: predicted, measured (mean over traced ranks, min–max bar);
+    ``traced``: the run's traces attributed per class (None without traces)."""
+    ct = class_times(traced, pred)
     if ct is None:
         return None
     labels = [k.replace("comm:", "comm: ").replace("_", "-") if k.startswith("comm:") else k for k in ct.classes]
@@ -170,4 +154,4 @@ def run_op_classes(run: RunData, pred: Prediction | None, plan: Plan | None = No
     return base_layout(fig, title, subtitle="; ".join(parts), height=max(320, 120 + 44 * len(labels)))
 
 
-__all__ = ["ClassTimes", "class_times", "run_op_classes", "run_steps"]
+__all__ = ["ClassTimes", "TraceClassTimesOf", "class_times", "run_op_classes", "run_steps"]

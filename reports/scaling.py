@@ -9,17 +9,17 @@ are drawn hollow; points the simulator skipped are listed in the subtitle.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from coplan.errors import CoplanError
+from coplan.errors import CoplanError, SpecError
 from coplan.reports.layout import base_layout, fmt_bytes, fmt_s
 from coplan.reports.palette import SERIES_COLOURS
 from coplan.spec import Calibration, Plan, Topology, Workload
+from coplan.spec.loader import load_document
 
 SimulatePoint = Callable[[Workload, Topology, int, Calibration | None], dict]
 """Plans and prices one GPU count: a ``coplan simulate --json`` row (``gpus``, ``e2e_mfu``, ...)."""
@@ -62,12 +62,12 @@ def simulate_sweep(plan: Plan, simulate_point: SimulatePoint, gpus: list[int] | 
 def load_sweep(path: str | Path) -> list[dict]:
     """Points of a saved ``coplan simulate --json`` output."""
     p = Path(path)
+    if not p.exists():
+        raise SweepFileError(f"{p}: no such file (write one with `coplan simulate ... --json > {p.name}`)")
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SweepFileError(f"{p}: no such file (write one with `coplan simulate ... --json > {p.name}`)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise SweepFileError(f"{p}: not a readable JSON file ({e})") from None
+        data = load_document(p)
+    except SpecError as e:
+        raise SweepFileError(str(e)) from None
     pts = data.get("points") if isinstance(data, dict) else None
     if not isinstance(pts, list) or not all(isinstance(r, dict) and "gpus" in r for r in pts):
         raise SweepFileError(f"{p}: expected `coplan simulate --json` output: an object with a 'points' list of rows with 'gpus'")

@@ -1,5 +1,6 @@
 """Specs (pydantic v2, frozen, no unknown keys, units in field names): Topology, Workload, Plan,
-Calibration and RunResult, and their loaders. Knows nothing of the other parts."""
+Calibration and RunResult, and their loaders; and the typed measurements of runs that calibration
+hands to reports (:mod:`.measured`). Knows nothing of the other parts."""
 
 from coplan.spec.base import COLLECTIVES, OP_CLASSES, SCHEMA_VERSION, Spec
 from coplan.spec.calibration import Calibration, FitError, OpClassCalibration
@@ -30,15 +31,16 @@ from coplan.spec.plan import (
     SolverReport,
     TableShard,
 )
+from coplan.spec.measured import CalibrationPoints, TraceClassTimes
 from coplan.spec.run import RunOptions, RunResult, StepTimeStats
 from coplan.spec.run_dir import RunDir, RunDirError
 from coplan.spec.topology import GpuSpec, Reliability, Tier, Topology
 from coplan.spec.workload import Workload
 
 __all__ = [
-    "COLLECTIVES", "OP_CLASSES", "SCHEMA_VERSION", "SPEC_KINDS", "Alternative", "BalancingPlan", "Calibration", "CommPrediction",
-    "FitError", "GpuSpec", "LayerPlan", "MeshAxis", "MeshPlan", "OpClassCalibration", "OpPrediction", "Plan",
+    "COLLECTIVES", "OP_CLASSES", "SCHEMA_VERSION", "SPEC_KINDS", "Alternative", "BalancingPlan", "Calibration", "CalibrationPoints",
+    "CommPrediction", "FitError", "GpuSpec", "LayerPlan", "MeshAxis", "MeshPlan", "OpClassCalibration", "OpPrediction", "Plan",
     "Prediction", "Reliability", "RunDir", "RunDirError", "RunOptions", "RunResult", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
-    "Topology", "Workload", "dump_spec", "list_presets", "load_any", "load_calibration", "load_plan",
+    "Topology", "TraceClassTimes", "Workload", "dump_spec", "list_presets", "load_any", "load_calibration", "load_plan",
     "load_run_result", "load_spec", "load_topology", "load_workload", "parse_spec", "spec_sha256",
 ]

@@ -108,7 +108,7 @@ def test_bad_sweeps_are_refused_readably(tmp_path):
     with pytest.raises(CollectiveFitError, match="no such sweep"):
         load_sweep(tmp_path / "missing.json")
     (tmp_path / "x.json").write_text("{nope")
-    with pytest.raises(CollectiveFitError, match="not JSON"):
+    with pytest.raises(CollectiveFitError, match="not valid JSON"):
         load_sweep(tmp_path / "x.json")
     one_size = sweep_from_dict({"world_size": 2, "cases": [{"kind": "all_reduce", "bytes": 8192, "time_s": 1e-5}]})
     with pytest.raises(CollectiveFitError, match="two distinct sizes"):
@@ -157,6 +157,16 @@ def test_cli_writes_calibration_and_calibrated_superpod(tmp_path, capsys):
     assert sp.num_gpus == 4096 and sp.tiers[0].collective_efficiency["all_gather"] == pytest.approx(TRUE_EFF["all_gather"], rel=0.04)
     assert main(["calibrate"]) == 2
     assert "give run directories" in capsys.readouterr().err
+
+
+def test_calibrate_sweep_file_of_binary_garbage_is_named(tmp_path, capsys):
+    """`calibrate --collectives FILE` reads the file as the spec loader does: binary garbage is an input error naming it."""
+    bad = tmp_path / "sweep.json"
+    bad.write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\xff garbage")
+    assert main(["calibrate", "--collectives", str(bad), "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "binary" in err and "Traceback" not in err
+    assert not (tmp_path / "c.json").exists()
 
 
 @pytest.mark.timeout(240)

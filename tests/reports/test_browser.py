@@ -10,6 +10,8 @@ import json
 import plotly.graph_objects as go
 import pytest
 
+from coplan.calibration.attribution import trace_class_times
+from coplan.calibration.points import calibration_points
 from coplan.planner.simulate import simulate_point
 from coplan.reports.build import write_report
 from coplan.reports.html import Report, Section, render
@@ -124,7 +126,8 @@ def test_harness_sees_javascript_errors(pw, tmp_path):
 def test_full_report_with_run_and_calibration_renders(pw, tmp_path, tiny_run, tiny_calibration):
     plan_path, run_dir = tiny_run
     cal_path, _ = tiny_calibration
-    out, report, _ = write_report(plan_path, tmp_path / "full.html", run=run_dir, calibration=cal_path, scaling=False)
+    out, report, _ = write_report(plan_path, tmp_path / "full.html", run=run_dir, calibration=cal_path, scaling=False,
+                                  trace_class_times=trace_class_times, calibration_points=calibration_points)
     drawn = [s.key for s in report.sections if s.figure is not None]
     assert {"run_steps", "run_classes", "calibration"} <= set(drawn)
     r = load_report(pw, out, timeout_s=TIMEOUT_S)

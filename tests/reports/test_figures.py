@@ -14,7 +14,7 @@ import pytest
 from coplan.planner.simulate import simulate_point
 from coplan.reports import balance, ranks, scaling, sharding, timeline, waterfall
 from coplan.reports.inputs import price_plan
-from coplan.reports.ledger import build_ledger
+from coplan.reports.ledger import build_ledger, launch_by_class
 from coplan.reports.palette import COLLECTIVE_COLOURS, OP_CLASS_COLOURS, SHARDING_COLOURS
 
 UNIT = re.compile(r"(µs|ms|\bs\b|GiB|MiB|KiB|TiB|\bB\b|%|FLOP|pts|points)")
@@ -74,12 +74,10 @@ def test_waterfall_adds_up_exactly(plan_case):
 
 
 def test_waterfall_launch_overhead_bar(plan_case):
-    """With the pricing context, launch overhead is its own bar, taken out of the class bars: the sum holds."""
-    from coplan.reports.ledger import launch_by_class
-
+    """With the cost model's launch times, launch overhead is its own bar, taken out of the class bars: the sum holds."""
     _, plan = plan_case
     pp = price_plan(plan)
-    launch = launch_by_class(plan, pp.context)
+    launch = launch_by_class(pp.cost)
     plain = build_ledger(plan, plan.predicted)
     split = build_ledger(plan, plan.predicted, launch_s=launch)
     assert abs(split.residual_points) < 1e-9

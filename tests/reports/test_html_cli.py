@@ -12,6 +12,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
+from coplan.cli import main
 from coplan.planner.simulate import simulate_point
 from coplan.reports.build import write_report
 from coplan.reports.html import Report, Section, render
@@ -93,6 +94,16 @@ def test_cli_bad_run_and_calibration(tmp_path, plan_file):
     assert out.returncode == 2 and "device" in out.stderr and "Traceback" not in out.stderr
     out = _run("report", str(plan_file), "-o", str(tmp_path / "no" / "such" / "dir" / "r.html"))
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_cli_sweep_file_of_binary_garbage_is_named(tmp_path, plan_file, capsys):
+    """`report --simulate FILE` reads the file as the spec loader does: binary garbage is an input error naming it."""
+    bad = tmp_path / "sweep.json"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe garbage")
+    assert main(["report", str(plan_file), "--simulate", str(bad), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "binary" in err and "Traceback" not in err
+    assert not (tmp_path / "r.html").exists()
 
 
 def test_scaling_curve_needs_a_sweep_or_the_planners_simulate(tmp_path, plan_file):

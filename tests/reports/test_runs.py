@@ -8,7 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from coplan.reports.calibration import calibration_points, calibration_scatter
+from coplan.calibration.attribution import trace_class_times
+from coplan.calibration.points import calibration_points
+from coplan.reports.calibration import calibration_scatter
 from coplan.reports.inputs import load_inputs, load_run
 from coplan.reports.runs import class_times, run_op_classes, run_steps
 
@@ -39,12 +41,13 @@ def test_run_steps_figure(tiny_run):
 def test_run_op_classes_figure(tiny_run):
     plan_path, run_dir = tiny_run
     inputs = load_inputs(plan_path, run_dir)
-    ct = class_times(inputs.run, inputs.prediction)
+    traced = trace_class_times(inputs.run.trace_paths)
+    ct = class_times(traced, inputs.prediction)
     assert ct is not None and ct.ranks_read == tuple(range(RUN_RANKS))
     assert "gemm" in ct.measured and all(v > 0 for v in ct.measured["gemm"])
     pred_gemm = sum(o.time_s for o in inputs.prediction.ops if o.op_class == "gemm")
     assert ct.predicted["gemm"] == pytest.approx(pred_gemm)
-    fig = run_op_classes(inputs.run, inputs.prediction, inputs.plan)
+    fig = run_op_classes(inputs.run, traced, inputs.prediction, inputs.plan)
     assert "measured on cpu" in fig.layout.title.text, "a CPU run against a GPU plan is flagged"
 
 
