@@ -135,7 +135,9 @@ class Calibration(Spec):
 
         The device must match the topology's GPU unless ``force``. Every tier the calibration fits a
         collective efficiency for must be a tier of the topology, forced or not: a tier it does not have
-        would be ignored without a word, and the planner would price that tier at the defaults.
+        would be ignored without a word, and the planner would price that tier at the defaults. A topology
+        of one GPU prices no collective, so a calibration fitted on a larger one of the same GPU applies
+        to it (its compute and host terms) whatever tiers it names.
         """
         gpu = topology.gpu.name
         if not force and not self.matches_device(gpu):
@@ -144,7 +146,7 @@ class Calibration(Spec):
                 "re-calibrate on this GPU, or force it (`coplan plan --force`, `force=True` in Python)"
             )
         tiers = [t.name for t in topology.tiers]
-        unknown = self.unknown_tiers(topology)
+        unknown = self.unknown_tiers(topology) if topology.num_gpus > 1 else []
         if unknown:
             raise MismatchError(
                 f"calibration collective_efficiency names tier{'s' if len(unknown) > 1 else ''} {unknown} that topology "

@@ -279,6 +279,8 @@ def test_a_calibration_naming_a_tier_the_topology_lacks_is_refused():
     with pytest.raises(MismatchError, match="fitted on 'NVIDIA H100'"):
         Calibration(device="NVIDIA H100").check_against(topo)
     Calibration(device="NVIDIA H100").check_against(topo, force=True)
+    # one GPU prices no collective: a node's calibration (its compute and host terms) applies to it
+    cal.check_against(load_topology("h200-1gpu"))
 
 
 def test_a_plan_built_in_python_may_leave_tables_to_the_pricer_but_a_file_may_not(tmp_path):
