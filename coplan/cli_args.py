@@ -115,7 +115,10 @@ checkpoint_every = int_range(-1, MAX_STEPS, name="checkpoint_every")
 def int_list(lo: int, hi: int, max_items: int = MAX_SWEEP_POINTS) -> Callable[[str], list[int]]:
     """A ``type=`` for a comma-separated list of whole numbers in [lo, hi], at most ``max_items`` of them."""
     def parse(text: str) -> list[int]:
-        return [parse_int(x, lo, hi) for x in split_list(text, max_items)]
+        try:
+            return [parse_int(x, lo, hi) for x in split_list(text, max_items)]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers from {lo:,} to {hi:,} ({e})") from None
     parse.__name__ = "int_list"
     return parse
 
@@ -143,7 +146,7 @@ def trace_window(text: str) -> str:
     a, sep, b = s.partition(":")
     if sep and _WHOLE.fullmatch(a) and _WHOLE.fullmatch(b) and 0 <= int(a) < int(b) <= 10**9:
         return f"{int(a)}:{int(b)}"
-    raise argparse.ArgumentTypeError(f"{text!r}: give 'A:B' (profile steps A..B-1, 0 <= A < B), 'auto' or 'none'")
+    raise argparse.ArgumentTypeError(f"expected 'A:B' (profile steps A..B-1, 0 <= A < B), 'auto' or 'none'; got {text!r}")
 
 
 def host_port(text: str) -> str:
@@ -171,7 +174,7 @@ def _same(a: Path, b: Path) -> bool:
 
 def check_output(path: str | Path, flag: str, inputs: Iterable[str | Path | None] = ()) -> Path:
     """``path`` as an output of ``flag``, refused before any work: a folder, a folder that does not exist or
-    cannot be written, or one of ``inputs`` (an input file, or a file inside an input folder)."""
+    cannot be written, or one of ``inputs`` (an input file, or a file already inside an input folder)."""
     out = Path(path)
     if str(path).strip() == "":
         raise CoplanError(f"{flag}: the output path is empty; give a file name")
@@ -188,7 +191,8 @@ def check_output(path: str | Path, flag: str, inputs: Iterable[str | Path | None
         if given is None or str(given) == "":
             continue
         inp = Path(given)
-        if _same(out, inp) or (inp.is_dir() and out.resolve().is_relative_to(inp.resolve())):
+        # a file already in an input folder (a run directory) may be one the command reads
+        if _same(out, inp) or (inp.is_dir() and out.exists() and out.resolve().is_relative_to(inp.resolve())):
             raise CoplanError(f"{flag} {out}: is the input '{given}'; an output never overwrites an input, so write elsewhere")
     return out
 

@@ -424,12 +424,14 @@ def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: 
 
 def _solve_batch(pool: ProcessPoolExecutor | None, jobs: list, solved: int, on_work: OnWork | None) -> list[PricedSolve]:
     """The solves of a batch, in the batch's order (in parallel when there is a pool)."""
+    if on_work:
+        on_work(f"CP-SAT: solving {len(jobs)} candidates", 0, len(jobs))
     each = pool.map(_solve_job, jobs) if pool is not None and len(jobs) > 1 else map(_solve_job, jobs)
     results = []
     for res in each:
         results.append(res)
         if on_work:
-            on_work(f"solved {solved + len(results)} candidates (batch of {len(jobs)})", len(results), len(jobs))
+            on_work(f"CP-SAT: {solved + len(results)} candidates solved", len(results), len(jobs))
     return results
 
 
@@ -448,8 +450,7 @@ def _next_batch(pricer: Pricer, pricings: dict, records: list[CandidateRecord], 
         if i not in refined:
             refined.add(i)
             if on_work:
-                on_work(f"pricing candidate {r.mesh.key} at its floor point, then solving {cfg.batch_size} with CP-SAT",
-                        len(batch), cfg.batch_size)
+                on_work(f"pricing {r.mesh.key} at its floor", len(batch), cfg.batch_size)
             _refine(pricer, pricings, r)
             if r.feasible:
                 heapq.heappush(heap, (r.lower_bound_s, r.mesh.key, i))

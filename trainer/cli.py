@@ -112,9 +112,9 @@ def check_options(args: argparse.Namespace) -> None:
     trace = getattr(args, "trace", None)
     if trace not in (None, "auto", "none"):
         try:
-            trace_window(trace)  # for callers that build the namespace themselves
+            trace_window(trace)
         except argparse.ArgumentTypeError as e:
-            raise MismatchError(f"--trace {e}") from None
+            raise MismatchError(f"--trace {trace}: {e}") from None
     for name in ("steps", "data_samples"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
@@ -125,6 +125,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise MismatchError(f"--warmup {warmup}: must be below the {steps} steps of the run (--steps), or no step is "
                             "measured; give fewer warm-up steps or more steps")
     resume = getattr(args, "resume", None)
+    if resume and len(_plans_of(args)) > 1:
+        raise MismatchError("--resume continues one run: give one plan with it")
     if resume == "auto" and not getattr(args, "run_id", None):
         raise MismatchError("--resume auto needs --run-id: a restarted job must find the same run directory")
     if resume not in (None, "auto") and not Path(resume).is_dir():
@@ -166,8 +168,6 @@ def check_plans(args: argparse.Namespace) -> list[Plan]:
         if len(sizes) > 1:
             raise MismatchError(f"plans for different world sizes ({sorted(sizes)}) cannot share one launch: run one "
                                 "`coplan train` per world size")
-        if getattr(args, "resume", None):
-            raise MismatchError("--resume continues one run: give one plan with it")
         if getattr(args, "data", None):
             from coplan.trainer.data import data_sha256  # (pyarrow, no torch)
 
@@ -272,7 +272,7 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--seed", type=seed, default=None, help=f"seed of the weights and of generated data (0 to {MAX_SEED:,})")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--attention", choices=["triton", "reference", "flex"], default=None, help="override the attention backend")
-    p.add_argument("--trace", type=trace_window, default=None, help="'A:B' steps to profile, 'none', or 'auto'")
+    p.add_argument("--trace", default=None, help="'A:B' steps to profile, 'none', or 'auto' (checked with the other options)")
     p.add_argument("--checkpoint-every", type=checkpoint_every, default=None,
                    help="checkpoint every N steps (0: at the end only; -1: never)")
     p.add_argument("--keep-last-n", type=non_negative_int, default=None, help="complete checkpoints to keep (default 2; 0: all)")

@@ -219,7 +219,7 @@ def _positionals(verb: str, ws) -> list[str]:
 def test_every_checked_flag_has_bad_cases():
     flags = {(v, f) for v, f, _ in _checked_flags()}
     for want in [("plan", "--workers"), ("plan", "--seed"), ("plan", "--time-limit"), ("plan", "--gpus"),
-                 ("simulate", "--gpus"), ("simulate", "--knob"), ("train", "--steps"), ("train", "--trace"),
+                 ("simulate", "--gpus"), ("simulate", "--knob"), ("train", "--steps"), ("train", "--warmup"),
                  ("calibrate", "--rank"), ("sample-workload", "--seed")]:
         assert want in flags, want
     assert len(BAD_FLAG_CASES) >= 250
@@ -286,14 +286,15 @@ def _output_cases(ws) -> list[tuple[list[str], str]]:
         ["train", ws["plan"], "--device", "cpu", "--dry-run", "--resume", str(d / "nope")],
         ["train", ws["plan"], "--device", "cpu", "--dry-run", "--runs-root", ws["topo"]],
         ["train", ws["plan"], "--device", "cpu", "--dry-run", "--steps", "4", "--warmup", "4"],
+        *[["train", ws["plan"], "--device", "cpu", "--dry-run", "--trace", t] for t in ("banana", "5:3", "3:3", "-1:2", "1:", "")],
     ]
     return cases
 
 
-@pytest.mark.parametrize("i", range(27))
+@pytest.mark.parametrize("i", range(33))
 def test_outputs_are_checked_before_work_and_never_overwrite_inputs(i, ws):
     cases = _output_cases(ws)
-    assert len(cases) == 27
+    assert len(cases) == 33
     argv = cases[i]
     _refused(argv, ws["dir"])
     assert not (ws["dir"] / "missing").exists()
