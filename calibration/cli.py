@@ -9,6 +9,7 @@ from pathlib import Path
 
 from coplan.calibration.assemble import calibrate
 from coplan.calibration.collective_fit import apply_to_topology, fit_sweep, load_sweep, merge_into_calibration
+from coplan.cli_args import check_output, non_negative_int, removed_on_failure
 from coplan.errors import CoplanError
 from coplan.spec import dump_spec, load_calibration, load_topology
 
@@ -16,6 +17,20 @@ from coplan.spec import dump_spec, load_calibration, load_topology
 def run_calibrate(args: argparse.Namespace) -> int:
     if not args.runs and not args.collectives:
         raise CoplanError("coplan calibrate: give run directories (runs/<id>/), --collectives SWEEP.json, or both")
+    inputs = (*args.runs, args.collectives, args.base, args.topology, args.apply_to)
+    out_cal = check_output(args.output, "-o", inputs)
+    out_topo = None
+    if args.apply_to:
+        if not args.collectives:
+            raise CoplanError("--apply-to writes the collective fit into a topology: give --collectives SWEEP.json with it")
+        out_topo = check_output(args.topology_out or f"{load_topology(args.apply_to).name}-calibrated.yaml", "--topology-out",
+                                (*inputs, out_cal))
+        args = argparse.Namespace(**{**vars(args), "topology_out": str(out_topo)})
+    with removed_on_failure(out_cal, out_topo):
+        return _calibrate(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
     cal = None
     report: dict = {"output": args.output}
     if args.runs:
@@ -102,7 +117,7 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("calibrate", help=help_text, description=help_text + ".")
     p.add_argument("runs", nargs="*", help="run directories written by `coplan train` (runs/<id>/)")
     p.add_argument("-o", "--output", default="calibration.json", help="where to write the Calibration (default: calibration.json)")
-    p.add_argument("--rank", type=int, default=0, help="whose trace to fit (default: 0)")
+    p.add_argument("--rank", type=non_negative_int, default=0, help="whose trace to fit (default: 0)")
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--host-cost", action="store_true",

@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     verb = "coplan"
     try:
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # a usage error (argparse printed it) is an exit code like any other; --help still exits
+            if e.code == 2:
+                return 2
+            raise
         verb = f"coplan {args.verb}"
         return int(args.func(args) or 0)
     except CoplanError as e:

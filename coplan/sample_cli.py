@@ -6,25 +6,19 @@ import argparse
 import json
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import yaml
 
+from coplan.cli_args import check_output, seed_or_now
 from coplan.errors import CoplanError
 from coplan.sample import FAMILIES, family_world, sample_workload
+from coplan.spec import write_text_atomic
 
 
-def _seed(text: str) -> int:
-    """A seed from the command line: a whole number, or ``now`` (the UTC date and time, YYYYMMDDHHMMSS)."""
-    if text == "now":
-        return int(datetime.now(timezone.utc).strftime("%Y%m%d%H%M%S"))
-    try:
-        v = int(text, 10)
-    except ValueError:
-        raise CoplanError(f"--seed {text!r}: give a whole number in [0, 2**63), or 'now'") from None
-    if not 0 <= v < 2**63:
-        raise CoplanError(f"--seed {text!r}: give a whole number in [0, 2**63), or 'now'")
-    return v
+def _seed(value: int | str) -> int:
+    """The seed: as given (checked by :func:`coplan.cli_args.seed_or_now`), or for ``now`` the UTC date and time
+    (YYYYMMDDHHMMSS)."""
+    return int(datetime.now(timezone.utc).strftime("%Y%m%d%H%M%S")) if value == "now" else int(value)
 
 
 def run_sample(args: argparse.Namespace) -> int:
@@ -40,10 +34,8 @@ def run_sample(args: argparse.Namespace) -> int:
         return 0
     if args.family is None:
         raise CoplanError("coplan sample-workload: give --family NAME (or --list to see the families)")
+    out = check_output(args.output, "-o") if args.output is not None else None
     seed = _seed(args.seed)
-    out = Path(args.output) if args.output else None
-    if out is not None and out.is_dir():
-        raise CoplanError(f"-o {out}: is a folder; give a file name such as draw.yaml")
     w = sample_workload(args.family, seed)
     text = yaml.safe_dump(w.model_dump(mode="json", exclude_none=True), sort_keys=False)
     f = FAMILIES[args.family]
@@ -52,7 +44,7 @@ def run_sample(args: argparse.Namespace) -> int:
     if out is None:
         sys.stdout.write(header + text)
     else:
-        out.write_text(header + text)
+        write_text_atomic(out, header + text)
         print(f"seed {seed}: wrote {out} ({args.family}; plan on {f.topology}, {family_world(args.family, seed)} GPU(s))",
               file=sys.stderr)
     return 0
@@ -61,7 +53,7 @@ def run_sample(args: argparse.Namespace) -> int:
 def register_sample_workload(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("sample-workload", help=help_text, description=help_text + ".")
     p.add_argument("--family", choices=list(FAMILIES), help="which family of workloads to draw from")
-    p.add_argument("--seed", default="now", help="whole number, or 'now' (default): the UTC date and time, printed")
+    p.add_argument("--seed", type=seed_or_now, default="now", help="whole number, or 'now' (default): the UTC date and time, printed")
     p.add_argument("-o", "--output", help="write the workload YAML here (default: standard output)")
     p.add_argument("--list", action="store_true", help="list the families and their ranges")
     p.add_argument("--json", action="store_true", help="with --list: machine-readable")

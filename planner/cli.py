@@ -14,12 +14,17 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from coplan.cli_args import MAX_SEED, check_output, fraction, gpu_count, int_range, removed_on_failure, seconds, seed
 from coplan.costmodel import resolve_efficiencies
 from coplan.errors import CoplanError
 from coplan.planner.precision import precision_line
 from coplan.planner.search import PlannerConfig, make_plan
 from coplan.planner.torchrec_export import write_torchrec
 from coplan.spec import Plan, dump_spec, load_calibration, load_topology, load_workload
+from coplan.spec.topology import MAX_GPUS
 from coplan.units import human_bytes, human_seconds
 
 DEFAULT_TOPOLOGY = "h200-superpod-4k"
@@ -116,7 +121,61 @@ def parse_pins(items: list[str] | None, flag: str, cast) -> dict:
     return out
 
 
+class PlanProgress:
+    """The plan's progress on stderr: one line per phase and batch of solves, and on a terminal a rich
+    spinner with the elapsed time and the step of work under way, so that no stretch of the search is quiet."""
+
+    def __init__(self) -> None:
+        self.console = Console(stderr=True)
+        self.bar: Progress | None = None
+        if self.console.is_terminal:
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=self.console, transient=True)
+            self.task = self.bar.add_task("loading the inputs", total=None)
+            self.bar.start()
+
+    def __call__(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def work(self, what: str, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=what, completed=done, total=total)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    inputs = (args.topology, args.workload, args.calibration)
+    out = check_output(args.output, "-o", inputs)
+    torchrec = None
+    if args.export_torchrec:
+        torchrec = Path(args.export_torchrec) if isinstance(args.export_torchrec, str) else out.with_suffix(".torchrec.pt")
+        check_output(torchrec, "--export-torchrec", (*inputs, out))
+    progress = None if (args.json or args.quiet) else PlanProgress()
+    try:
+        plan = _make_plan(args, progress)
+    finally:
+        if progress is not None:
+            progress.stop()
+    written = [str(out)]
+    with removed_on_failure(out, torchrec, torchrec and torchrec.with_suffix(torchrec.suffix + ".json")):
+        dump_spec(plan, out)
+        if torchrec is not None:
+            written += [str(p) for p in write_torchrec(plan, torchrec)]
+    if args.json:
+        print(json.dumps({"written": written, **summary(plan)}, indent=1, default=str))
+    else:
+        print_summary(plan)
+        print("wrote " + ", ".join(written))
+    return 0
+
+
+def _make_plan(args: argparse.Namespace, progress: PlanProgress | None) -> Plan:
     topology = load_topology(args.topology)
     workload = load_workload(args.workload)
     calibration = load_calibration(args.calibration) if args.calibration else None
@@ -131,32 +190,12 @@ def run_plan(args: argparse.Namespace) -> int:
                 })
         else:
             resolve_efficiencies(topology, calibration)  # refuses a calibration from another GPU, before any search
-    if args.time_limit <= 0:
-        raise CoplanError(f"--time-limit must be positive (got {args.time_limit})")
-    if not 0.0 <= args.gap_tolerance < 1.0:
-        raise CoplanError(f"--gap-tolerance must be in [0, 1) (got {args.gap_tolerance})")
-    if args.max_solves < 1:
-        raise CoplanError(f"--max-solves must be at least 1 (got {args.max_solves})")
     cfg = PlannerConfig(world_size=args.gpus, time_limit_s=args.time_limit, num_workers=args.workers, seed=args.seed,
                         policy=args.policy, solve_dtime=args.solve_dtime, max_solves=args.max_solves,
                         gap_tolerance=args.gap_tolerance, pins=parse_pins(args.pin, "--pin", int),
                         table_pins=parse_pins(args.pin_table, "--pin-table", str))
-    progress = None if (args.json or args.quiet) else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    plan, _ = make_plan(workload, topology, calibration, cfg, progress=progress)
-    out = Path(args.output)
-    if out.parent and not out.parent.exists():
-        raise CoplanError(f"-o {out}: folder '{out.parent}' does not exist")
-    dump_spec(plan, out)
-    written = [str(out)]
-    if args.export_torchrec:
-        target = Path(args.export_torchrec) if isinstance(args.export_torchrec, str) else out.with_suffix(".torchrec.pt")
-        written += [str(p) for p in write_torchrec(plan, target)]
-    if args.json:
-        print(json.dumps({"written": written, **summary(plan)}, indent=1, default=str))
-    else:
-        print_summary(plan)
-        print("wrote " + ", ".join(written))
-    return 0
+    plan, _ = make_plan(workload, topology, calibration, cfg, progress=progress, on_work=progress.work if progress else None)
+    return plan
 
 
 def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -166,14 +205,14 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--calibration", "-c", help="calibration.json from coplan calibrate")
     p.add_argument("--force", action="store_true", help="use a calibration fitted on another GPU than the topology's")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
-    p.add_argument("--gpus", type=int, help="plan for the first N GPUs of the topology (default: all)")
-    p.add_argument("--max-solves", type=int, default=12, help="mesh candidates solved with CP-SAT at most (default 12)")
-    p.add_argument("--time-limit", type=float, default=300.0, help="wall-clock guard: no new batch of solves after this many seconds (default 300)")
-    p.add_argument("--solve-dtime", type=float, default=0.5, help="CP-SAT deterministic-time limit per candidate (default 0.5)")
-    p.add_argument("--gap-tolerance", type=float, default=0.01,
+    p.add_argument("--gpus", type=gpu_count, help=f"plan for the first N GPUs of the topology (default: all; at most {MAX_GPUS:,})")
+    p.add_argument("--max-solves", type=int_range(1, 100_000), default=12, help="mesh candidates solved with CP-SAT at most (default 12)")
+    p.add_argument("--time-limit", type=seconds, default=300.0, help="wall-clock guard: no new batch of solves after this many seconds (default 300)")
+    p.add_argument("--solve-dtime", type=seconds, default=0.5, help="CP-SAT deterministic-time limit per candidate (default 0.5)")
+    p.add_argument("--gap-tolerance", type=fraction, default=0.01,
                    help="stop once no unsolved mesh candidate can beat the best plan by more than this fraction (default 0.01)")
-    p.add_argument("--workers", type=int, default=0, help="parallel solves (default: the machine's cores)")
-    p.add_argument("--seed", type=int, default=0, help="CP-SAT seed (plans are deterministic for a seed)")
+    p.add_argument("--workers", type=int_range(0, 1024), default=0, help="parallel solves (default 0: the machine's cores)")
+    p.add_argument("--seed", type=seed, default=0, help=f"CP-SAT seed, 0 to {MAX_SEED:,} (plans are deterministic for a seed)")
     p.add_argument("--policy", choices=["none", "greedy", "karmarkar_karp"], help="jagged balancing policy (default: least expected imbalance)")
     p.add_argument("--pin", action="append", metavar="AXIS=N",
                    help="fix a mesh axis (dp_shard, dp_replicate, ep, sparse_shard, sparse_replicate) or micro_batches and plan "
@@ -184,5 +223,5 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--export-torchrec", nargs="?", const=True, default=None, metavar="PATH",
                    help="also write TorchRec's ShardingPlan (torch.save) and a JSON rendering (default <output>.torchrec.pt)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=run_plan)

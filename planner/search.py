@@ -32,6 +32,7 @@ import math
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -231,6 +232,9 @@ def solve_priced(pricer: Pricer, p: CandidatePricing, settings: SolverSettings, 
 
 
 _STATE: dict = {}
+
+OnWork = Callable[[str, int, int], None]
+"""Told of each step of the search's work: (what, steps done, steps in all)."""
 """The search's pricer, set before the worker pool forks (workers inherit it; each job carries its candidate)."""
 
 
@@ -293,8 +297,10 @@ def _least_bound(records: list[CandidateRecord], best: float) -> float:
 
 
 def search(workload: Workload, topology: Topology, calibration: Calibration | None = None, config: PlannerConfig | None = None,
-           *, progress=None) -> SearchResult:
-    """Run the search (see the module docstring). Raises InfeasibleError when no candidate fits."""
+           *, progress=None, on_work: OnWork | None = None) -> SearchResult:
+    """Run the search (see the module docstring). Raises InfeasibleError when no candidate fits.
+    ``progress(message)`` gets a line per batch of solves; ``on_work(what, done, total)`` is told of each
+    step of the work in between (a candidate priced at its floor point, a solve finished)."""
     cfg = config or PlannerConfig()
     t0 = time.perf_counter()
     world = check_world_size(topology, cfg.world_size)
@@ -307,7 +313,7 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     cands = [c for c in every if all(c.axis(k) == v for k, v in cfg.pins.items())]
     if not cands:
         raise CoplanError(_pin_miss(cfg, every, world))
-    records, pricings = bound_candidates(pricer, cands, cfg)
+    records, pricings = bound_candidates(pricer, cands, cfg, on_work)
     if progress:
         progress(f"bounded {len(records)} mesh candidates in {time.perf_counter() - t0:.1f} s")
     if not any(r.feasible for r in records):
@@ -315,7 +321,7 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
             _refine(pricer, pricings, r)
         raise explain_infeasible(workload, topology, world, pricer, records, pricings, cfg=cfg)
     queue = _Queue.of(records)
-    best = _branch_and_bound(pricer, records, pricings, queue, cfg, workers, t0, progress)
+    best = _branch_and_bound(pricer, records, pricings, queue, cfg, workers, t0, progress, on_work)
     if best is not None:
         _refine_unsolved(pricer, pricings, records, queue, best[0], cfg)
     heur = _baseline(workload, topology, world, calibration, cfg) if cfg.baseline else None
@@ -331,13 +337,15 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
 
 
 def bound_candidates(pricer: Pricer, cands: list[MeshCandidate],
-                     cfg: PlannerConfig) -> tuple[list[CandidateRecord], dict[MeshCandidate, CandidatePricing]]:
+                     cfg: PlannerConfig, on_work: OnWork | None = None) -> tuple[list[CandidateRecord], dict[MeshCandidate, CandidatePricing]]:
     """Every candidate with its quick bound and memory floor (a candidate where a pinned table has no
     option is left out; when that leaves none, the pin is refused)."""
     records: list[CandidateRecord] = []
     pricings: dict[MeshCandidate, CandidatePricing] = {}
     unpinnable: dict[str, list[int]] = {}
-    for c in cands:
+    for k, c in enumerate(cands):
+        if on_work and k % 16 == 0:
+            on_work(f"bounding {len(cands)} mesh candidates", k, len(cands))
         p = pricer.candidate(c, with_cut=False)
         empty = [p.table_names[t] for t, o in enumerate(p.options) if not o]
         if empty:
@@ -375,7 +383,7 @@ Best = tuple[float, CandidateRecord, PricedSolve]
 
 
 def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: dict, queue: _Queue, cfg: PlannerConfig,
-                      workers: int, t0: float, progress) -> Best | None:
+                      workers: int, t0: float, progress, on_work: OnWork | None = None) -> Best | None:
     """Branch and bound over candidates, lazily bounded: every candidate starts with its quick bound;
     the one of least bound is priced at its floor point (a tighter bound, and its first cuts) and put
     back; once the least-bound candidate is already refined, a batch of such candidates is solved."""
@@ -392,7 +400,7 @@ def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: 
                 break
             if best is not None and time.perf_counter() - t0 > cfg.time_limit_s:
                 break
-            batch = _next_batch(pricer, pricings, records, queue, best, cfg, solved)
+            batch = _next_batch(pricer, pricings, records, queue, best, cfg, solved, on_work)
             if not batch:
                 continue
             # Once a plan is known, a candidate only matters if it can beat it by more than the gap
@@ -400,7 +408,7 @@ def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: 
             # the priced step), cheaper to refute than to solve. Fixed before the batch runs: deterministic.
             cutoff = best[0] * (1 - cfg.gap_tolerance) if best is not None and cfg.gap_tolerance > 0 else None
             jobs = [(pricings[r.mesh], settings, cutoff, cfg.cut_rounds, cfg.model_tolerance) for r in batch]
-            results = list(pool.map(_solve_job, jobs)) if pool is not None and len(jobs) > 1 else [_solve_job(j) for j in jobs]
+            results = _solve_batch(pool, jobs, solved, on_work)
             best = _record_solves(batch, results, pricings, best)
             solved += len(batch)
             if progress:
@@ -414,8 +422,21 @@ def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: 
     return best
 
 
+def _solve_batch(pool: ProcessPoolExecutor | None, jobs: list, solved: int, on_work: OnWork | None) -> list[PricedSolve]:
+    """The solves of a batch, in the batch's order (in parallel when there is a pool)."""
+    if on_work:
+        on_work(f"CP-SAT: solving {len(jobs)} candidates", 0, len(jobs))
+    each = pool.map(_solve_job, jobs) if pool is not None and len(jobs) > 1 else map(_solve_job, jobs)
+    results = []
+    for res in each:
+        results.append(res)
+        if on_work:
+            on_work(f"CP-SAT: {solved + len(results)} candidates solved", len(results), len(jobs))
+    return results
+
+
 def _next_batch(pricer: Pricer, pricings: dict, records: list[CandidateRecord], queue: _Queue, best: Best | None,
-                cfg: PlannerConfig, solved: int) -> list[CandidateRecord]:
+                cfg: PlannerConfig, solved: int, on_work: OnWork | None = None) -> list[CandidateRecord]:
     """The next candidates to solve: off the queue, least bound first, each refined (priced at its
     floor point and put back) the first time it comes up; none whose bound cannot beat ``best``."""
     heap, refined = queue.heap, queue.refined
@@ -428,6 +449,8 @@ def _next_batch(pricer: Pricer, pricings: dict, records: list[CandidateRecord], 
         r = records[i]
         if i not in refined:
             refined.add(i)
+            if on_work:
+                on_work(f"pricing {r.mesh.key} at its floor", len(batch), cfg.batch_size)
             _refine(pricer, pricings, r)
             if r.feasible:
                 heapq.heappush(heap, (r.lower_bound_s, r.mesh.key, i))
@@ -605,8 +628,9 @@ def build_plan(workload: Workload, topology: Topology, calibration: Calibration 
 
 
 def make_plan(workload: Workload, topology: Topology, calibration: Calibration | None = None, config: PlannerConfig | None = None,
-              *, progress=None) -> tuple[Plan, SearchResult]:
-    """Plan ``workload`` on ``topology``: the Plan and the search that produced it."""
+              *, progress=None, on_work: OnWork | None = None) -> tuple[Plan, SearchResult]:
+    """Plan ``workload`` on ``topology``: the Plan and the search that produced it (``progress``,
+    ``on_work``: see :func:`search`)."""
     cfg = config or PlannerConfig()
-    result = search(workload, topology, calibration, cfg, progress=progress)
+    result = search(workload, topology, calibration, cfg, progress=progress, on_work=on_work)
     return build_plan(workload, topology, calibration, result, cfg), result

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from coplan.cli_args import MAX_SWEEP_POINTS, int_list, parse_float, parse_int, split_list
 from coplan.costmodel import build_context, price
 from coplan.costmodel.embedding import greedy_table_wise
 from coplan.costmodel.flops import recomputable_layers
@@ -25,7 +26,8 @@ from coplan.errors import CoplanError, PresetNotFoundError
 from coplan.planner.heuristic import heuristic_plan_choices
 from coplan.planner.mesh import mesh_axes
 from coplan.spec import BalancingPlan, LayerPlan, MeshPlan, Topology, Workload, list_presets, load_calibration, load_topology, load_workload
-from coplan.spec.workload import Kernels
+from coplan.spec.topology import MAX_GPUS
+from coplan.spec.workload import MAX_LOCAL_BATCH, Kernels
 from coplan.units import human_bytes, human_seconds
 
 KNOBS = {
@@ -79,37 +81,52 @@ def topology_for(name: str, num_gpus: int) -> tuple[Topology, bool]:
     return scale_topology(family[-1], num_gpus), True
 
 
+INT_KNOBS = ("local_batch", "micro_batches", "dense_shard", "sparse_shard", "expert_parallel")
+CHOICE_KNOBS = {"balancing": ("none", "greedy", "karmarkar_karp"), "attention": ("triton", "flex", "reference"),
+                "recompute": ("none", "all"), "fp8": ("bf16", "fp8")}
+
+
+def knob_name(text: str) -> str:
+    """``--knob``: one of :data:`KNOBS` (``bw_scale:<tier>``'s tier is checked against the topology)."""
+    k = text.strip()
+    if k in INT_KNOBS or k in CHOICE_KNOBS or (k.startswith("bw_scale:") and k.split(":", 1)[1].strip()):
+        return k
+    raise argparse.ArgumentTypeError(f"unknown knob {text!r}; knobs: {', '.join(KNOBS)}")
+
+
 def _parse_values(knob: str, raw: str) -> list:
-    vals = [v.strip() for v in raw.split(",") if v.strip()]
-    if not vals:
-        raise SimulateError(f"--values for '{knob}' is empty")
+    """The knob's values, each checked: whole numbers in range, positive finite scales, or one of its choices."""
     try:
-        if knob in ("local_batch", "micro_batches", "dense_shard", "sparse_shard", "expert_parallel"):
-            return [int(v) for v in vals]
+        vals = split_list(raw)
+        if knob == "local_batch":
+            return [parse_int(v, 1, MAX_LOCAL_BATCH) for v in vals]
+        if knob == "micro_batches":
+            return [parse_int(v, 1, MAX_LOCAL_BATCH) for v in vals]
+        if knob in INT_KNOBS:
+            return [parse_int(v, 1, MAX_GPUS) for v in vals]
         if knob.startswith("bw_scale:"):
-            return [float(v) for v in vals]
-    except ValueError:
-        raise SimulateError(f"--values '{raw}' for knob '{knob}' must be numbers") from None
-    allowed = {"balancing": ("none", "greedy", "karmarkar_karp"), "attention": ("triton", "flex", "reference"),
-               "recompute": ("none", "all"), "fp8": ("bf16", "fp8")}.get(knob)
-    if allowed is None:
-        raise SimulateError(f"unknown knob '{knob}'; knobs: {', '.join(KNOBS)}")
+            return [parse_float(v, 0.0, 1e6, lo_open=True) for v in vals]
+    except argparse.ArgumentTypeError as e:
+        raise SimulateError(f"--values for knob '{knob}': {e}") from None
+    allowed = CHOICE_KNOBS[knob]
     bad = [v for v in vals if v not in allowed]
     if bad:
         raise SimulateError(f"--values {bad} are not valid for '{knob}' (choose from {list(allowed)})")
     return vals
 
 
-def _gpu_list(raw: str | None) -> list[int]:
-    if not raw:
-        return [8 << k for k in range(12)]  # 8 .. 16,384
-    try:
-        out = [int(x) for x in raw.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise SimulateError(f"--gpus '{raw}' must be a comma-separated list of integers") from None
-    if not out or any(g < 1 for g in out):
-        raise SimulateError(f"--gpus '{raw}' must list positive GPU counts")
-    return out
+def _gpu_list(raw: list[int] | None) -> list[int]:
+    return list(raw) if raw else [8 << k for k in range(12)]  # 8 .. 16,384
+
+
+def _check_tier(name: str, knob: str | None, gpus: int) -> None:
+    """A ``bw_scale:<tier>`` knob naming a tier the topology lacks, refused before any pricing."""
+    if knob and knob.startswith("bw_scale:"):
+        topo, _ = topology_for(name, gpus)
+        tier = knob.split(":", 1)[1]
+        names = [t.name for t in topo.tiers]
+        if tier not in names:
+            raise SimulateError(f"--knob {knob}: topology '{topo.name}' has no tier '{tier}' (tiers: {names})")
 
 
 def simulate_point(workload: Workload, topology: Topology, gpus: int, calibration=None, knob: str | None = None, value=None) -> dict:
@@ -192,6 +209,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     calibration = load_calibration(args.calibration) if args.calibration else None
     gpus = _gpu_list(args.gpus)
+    if args.values is not None and not args.knob:
+        raise SimulateError("--values needs --knob: give the knob the values are for (see the list of knobs in --help)")
     if args.knob:
         if not args.values:
             raise SimulateError("--knob needs --values (comma-separated)")
@@ -200,6 +219,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 raise SimulateError("a knob sweep runs at one GPU count: give --gpus N")
             gpus = [1024]
         values = _parse_values(args.knob, args.values)
+        _check_tier(args.topology, args.knob, gpus[0])
         points = [(gpus[0], v) for v in values]
     else:
         points = [(g, None) for g in gpus]
@@ -266,9 +286,11 @@ def register_simulate(sub: argparse._SubParsersAction, help_text: str) -> None:
                        epilog="knobs:\n" + "\n".join(f"  {k:<18} {v}" for k, v in KNOBS.items()))
     p.add_argument("--workload", "-w", required=True, help="workload preset name or path")
     p.add_argument("--topology", "-t", required=True, help="topology preset, path, or family prefix (e.g. h200-superpod)")
-    p.add_argument("--gpus", help="comma-separated GPU counts (default 8,16,...,16384)")
-    p.add_argument("--knob", help="sweep one knob at one GPU count instead (see the list below)")
-    p.add_argument("--values", help="comma-separated values of the knob")
+    p.add_argument("--gpus", type=int_list(1, MAX_GPUS),
+                   help=f"comma-separated GPU counts (default 8,16,...,16384; each at most {MAX_GPUS:,}, "
+                        f"at most {MAX_SWEEP_POINTS} of them)")
+    p.add_argument("--knob", type=knob_name, help="sweep one knob at one GPU count instead (see the list below)")
+    p.add_argument("--values", help=f"comma-separated values of the knob (at most {MAX_SWEEP_POINTS})")
     p.add_argument("--calibration", help="calibration.json to use instead of the default efficiencies")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_simulate)

@@ -25,7 +25,7 @@ from coplan.reports.inputs import ReportInputs, RunData, load_inputs
 from coplan.reports.layout import fmt_bytes, fmt_pct, fmt_s
 from coplan.reports.runs import TraceClassTimesOf
 from coplan.reports.scaling import SimulatePoint, load_sweep
-from coplan.spec import Plan, Prediction, spec_sha256
+from coplan.spec import Plan, Prediction, spec_sha256, write_text_atomic
 
 CAPTIONS = {
     "waterfall": (
@@ -235,7 +235,7 @@ def write_report(plan_path: str | Path, output: str | Path, *, run: str | Path |
                           calibration_points=calibration_points, scaling=scaling, what_if=what_if, log=log)
     html = render(report)
     try:
-        out.write_text(html, encoding="utf-8")
+        write_text_atomic(out, html)
     except OSError as e:
         raise CoplanError(f"{out}: cannot be written ({e.strerror})") from None
     return out, report, log

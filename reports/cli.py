@@ -11,6 +11,7 @@ import json
 
 from coplan.calibration.attribution import trace_class_times
 from coplan.calibration.points import calibration_points
+from coplan.cli_args import check_output
 from coplan.errors import CoplanError
 from coplan.planner.simulate import simulate_point
 
@@ -22,6 +23,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     if args.simulate and args.no_scaling:
         raise CoplanError("--simulate and --no-scaling contradict each other: give one")
+    check_output(args.output, "-o", (args.plan, args.run, args.calibration, args.simulate))
     out, report, log = write_report(
         args.plan, args.output, run=args.run, calibration=args.calibration, sweep_path=args.simulate,
         simulate_point=simulate_point, trace_class_times=trace_class_times, calibration_points=calibration_points,

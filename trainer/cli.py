@@ -22,8 +22,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from coplan.cli_args import (
+    MAX_SEED,
+    checkpoint_every,
+    gpu_count,
+    host_port,
+    name_part,
+    non_negative_int,
+    positive_int,
+    sample_count,
+    seed,
+    steps_count,
+    trace_window,
+)
 from coplan.errors import CoplanError, MismatchError
 from coplan.spec import Plan, load_plan
+from coplan.trainer.config import DEFAULT_STEPS
 
 _PASS = ("steps", "warmup", "runs_root", "run_id", "resume", "data", "data_samples", "seed", "device", "attention",
          "trace", "checkpoint_every", "keep_last_n", "log_every", "seq_chunk", "compile")
@@ -93,18 +107,35 @@ def check_plan(plan: Plan, *, where: str, nproc: int | None = None) -> None:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """The trainer's options that the launcher can check alone."""
+    """The trainer's options that the launcher can check alone (each number's range is checked by its
+    ``type=``; here, what depends on several options or on the file system)."""
     trace = getattr(args, "trace", None)
     if trace not in (None, "auto", "none"):
-        a, sep, b = trace.partition(":")
-        if not (sep and a.isdigit() and b.isdigit() and int(a) < int(b)):
-            raise MismatchError(f"--trace {trace}: expected 'A:B' (profile steps A..B-1, A < B), 'auto' or 'none'")
+        try:
+            trace_window(trace)
+        except argparse.ArgumentTypeError as e:
+            raise MismatchError(f"--trace {trace}: {e}") from None
     for name in ("steps", "data_samples"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise MismatchError(f"--{name.replace('_', '-')} {v}: expected at least 1")
-    if getattr(args, "resume", None) == "auto" and not getattr(args, "run_id", None):
+    steps = getattr(args, "steps", None) or DEFAULT_STEPS
+    warmup = getattr(args, "warmup", None)
+    if warmup is not None and warmup >= steps:
+        raise MismatchError(f"--warmup {warmup}: must be below the {steps} steps of the run (--steps), or no step is "
+                            "measured; give fewer warm-up steps or more steps")
+    resume = getattr(args, "resume", None)
+    if resume and len(_plans_of(args)) > 1:
+        raise MismatchError("--resume continues one run: give one plan with it")
+    if resume == "auto" and not getattr(args, "run_id", None):
         raise MismatchError("--resume auto needs --run-id: a restarted job must find the same run directory")
+    if resume not in (None, "auto") and not Path(resume).is_dir():
+        raise MismatchError(f"--resume {resume}: no such run directory; give a run directory written by `coplan train` "
+                            "(runs/<id>/), or 'auto' with --run-id")
+    for flag, name in (("--runs-root", "runs_root"), ("--data", "data")):
+        v = getattr(args, name, None)
+        if v is not None and Path(v).exists() and not Path(v).is_dir():
+            raise MismatchError(f"{flag} {v}: is a file, not a folder; give a folder (created when missing)")
 
 
 def _no_nvidia_gpu() -> bool:
@@ -137,8 +168,6 @@ def check_plans(args: argparse.Namespace) -> list[Plan]:
         if len(sizes) > 1:
             raise MismatchError(f"plans for different world sizes ({sorted(sizes)}) cannot share one launch: run one "
                                 "`coplan train` per world size")
-        if getattr(args, "resume", None):
-            raise MismatchError("--resume continues one run: give one plan with it")
         if getattr(args, "data", None):
             from coplan.trainer.data import data_sha256  # (pyarrow, no torch)
 
@@ -231,30 +260,31 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("train", help=help_text, description=help_text + ".")
     p.add_argument("plan", nargs="+", help="plan.json (from coplan plan, or python -m coplan.planner.given); several "
                    "plans of one world size run in turn in the same workers, each in <run id>-<plan file stem>")
-    p.add_argument("--steps", type=int, default=None, help="total steps (default 20)")
-    p.add_argument("--nproc", type=int, default=None, help="processes to launch (must equal the plan's world size)")
-    p.add_argument("--warmup", type=int, default=None, help="steps left out of the statistics")
+    p.add_argument("--steps", type=steps_count, default=None, help=f"total steps (default {DEFAULT_STEPS})")
+    p.add_argument("--nproc", type=gpu_count, default=None, help="processes to launch (must equal the plan's world size)")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="steps left out of the statistics (fewer than --steps)")
     p.add_argument("--runs-root", default=None, help="folder of run directories (default runs/)")
-    p.add_argument("--run-id", default=None, help="run directory name")
+    p.add_argument("--run-id", type=name_part, default=None, help="run directory name")
     p.add_argument("--resume", default=None,
                    help="continue this run directory from its latest complete checkpoint ('auto': <runs-root>/<run-id> if it has one)")
     p.add_argument("--data", default=None, help="Parquet dataset folder (generated when missing)")
-    p.add_argument("--data-samples", type=int, default=None, help="samples to generate when the dataset is missing")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--data-samples", type=sample_count, default=None, help="samples to generate when the dataset is missing")
+    p.add_argument("--seed", type=seed, default=None, help=f"seed of the weights and of generated data (0 to {MAX_SEED:,})")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--attention", choices=["triton", "reference", "flex"], default=None, help="override the attention backend")
-    p.add_argument("--trace", default=None, help="'A:B' steps to profile, 'none', or 'auto'")
-    p.add_argument("--checkpoint-every", type=int, default=None)
-    p.add_argument("--keep-last-n", type=int, default=None, help="complete checkpoints to keep (default 2; 0: all)")
-    p.add_argument("--log-every", type=int, default=None)
-    p.add_argument("--seq-chunk", type=int, default=None, metavar="N",
+    p.add_argument("--trace", default=None, help="'A:B' steps to profile, 'none', or 'auto' (checked with the other options)")
+    p.add_argument("--checkpoint-every", type=checkpoint_every, default=None,
+                   help="checkpoint every N steps (0: at the end only; -1: never)")
+    p.add_argument("--keep-last-n", type=non_negative_int, default=None, help="complete checkpoints to keep (default 2; 0: all)")
+    p.add_argument("--log-every", type=positive_int, default=None, help="read metrics back every N steps")
+    p.add_argument("--seq-chunk", type=non_negative_int, default=None, metavar="N",
                    help="sequence lookups' bags of at most N ids per sample's history (default 32; 0: one bag per sample)")
     p.add_argument("--compile", choices=["off", "layers", "layers-cpp"], default=None,
                    help="torch.compile each InterFormer/Kunlun layer with Inductor ('layers'; 'layers-cpp': with "
                         "Inductor's C++ wrapper); default off")
     p.add_argument("--allow-device-mismatch", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--master", default="MASTER_HOST:29500", help="rendezvous host:port printed for multi-node plans")
+    p.add_argument("--master", type=host_port, default="MASTER_HOST:29500", help="rendezvous host:port printed for multi-node plans")
     p.add_argument("--dry-run", action="store_true", help="check the plans and print the torchrun command instead of running it")
     p.set_defaults(func=run_train)
 

@@ -17,13 +17,17 @@ from coplan.errors import CoplanError, MismatchError
 from coplan.spec import Plan, RunDir
 
 
+DEFAULT_STEPS = 20
+"""Steps of a run when ``--steps`` is not given."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """One run's options (a sweep of several plans has one per plan)."""
 
     plan: Path
     """plan.json of this run."""
-    steps: int = 20
+    steps: int = DEFAULT_STEPS
     """Total steps of the run (a resumed run continues up to it)."""
     warmup: int | None = None
     """Leading steps left out of the statistics (None: min(5, steps / 4))."""
@@ -148,4 +152,4 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
     return out
 
 
-__all__ = ["Ranks", "TrainConfig", "check_launch", "configs", "resolve_resume"]
+__all__ = ["DEFAULT_STEPS", "Ranks", "TrainConfig", "check_launch", "configs", "resolve_resume"]

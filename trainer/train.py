@@ -25,47 +25,41 @@ import json
 import os
 import sys
 
+from coplan.cli_args import checkpoint_every, name_part, non_negative_int, positive_int, sample_count, seed, steps_count, trace_window
 from coplan.errors import CoplanError
 from coplan.spec import load_plan
-from coplan.trainer.config import Ranks, TrainConfig, check_launch, configs
-
-
-def _non_negative(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return n
+from coplan.trainer.config import DEFAULT_STEPS, Ranks, TrainConfig, check_launch, configs
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m coplan.trainer.train", description="Train a plan (one rank; launch with torchrun).")
     p.add_argument("plan", nargs="+", help="plan.json; several plans of one world size run in turn in these processes, "
                    "each in its own run directory (<run id>-<plan file stem>)")
-    p.add_argument("--steps", type=int, default=20, help="total steps of the run (a resumed run continues up to it)")
-    p.add_argument("--warmup", type=int, default=None, help="leading steps left out of the statistics (default: min(5, steps/4))")
+    p.add_argument("--steps", type=steps_count, default=DEFAULT_STEPS, help="total steps of the run (a resumed run continues up to it)")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="leading steps left out of the statistics (default: min(5, steps/4))")
     p.add_argument("--runs-root", default="runs", help="folder holding run directories")
-    p.add_argument("--run-id", default=None, help="run directory name (default: <workload>-<ranks>r-<UTC time>)")
+    p.add_argument("--run-id", type=name_part, default=None, help="run directory name (default: <workload>-<ranks>r-<UTC time>)")
     p.add_argument("--resume", default=None,
                    help="a run directory: continue it from its latest complete checkpoint; 'auto': continue "
                         "<runs-root>/<run-id> when it has one, else start it (what a torchrun restart needs)")
     p.add_argument("--data", default=None, help="dataset folder (Parquet); generated there by rank 0 when missing")
-    p.add_argument("--data-samples", type=int, default=None, help="samples to generate (default: 32 global batches)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of generated data")
+    p.add_argument("--data-samples", type=sample_count, default=None, help="samples to generate (default: 32 global batches)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the weights and of generated data")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda needs GPUs matching the plan's topology; cpu is a functional run on gloo")
     p.add_argument("--attention", choices=["triton", "reference", "flex"], default=None,
                    help="override the plan's attention backend (recorded in the summary)")
-    p.add_argument("--trace", default="auto", help="'A:B' profiles steps A..B-1, 'none' disables, 'auto' = the 3 steps after warm-up")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: at the end only; -1: never)")
-    p.add_argument("--keep-last-n", type=int, default=2, help="complete checkpoints to keep (0: all)")
-    p.add_argument("--log-every", type=int, default=None,
+    p.add_argument("--trace", type=trace_window, default="auto", help="'A:B' profiles steps A..B-1, 'none' disables, 'auto' = the 3 steps after warm-up")
+    p.add_argument("--checkpoint-every", type=checkpoint_every, default=0, help="checkpoint every N steps (0: at the end only; -1: never)")
+    p.add_argument("--keep-last-n", type=non_negative_int, default=2, help="complete checkpoints to keep (0: all)")
+    p.add_argument("--log-every", type=positive_int, default=None,
                    help="read metrics back every N steps (default: 1 on CPU, 10 on CUDA, where reading back waits for the GPU)")
     p.add_argument("--compile", choices=["off", "layers", "layers-cpp"], default="off",
                    help="layers: torch.compile each InterFormer and Kunlun layer (static shapes but for the history's "
                         "token dimension: one graph per layer kind); layers-cpp: the same with Inductor's C++ wrapper "
                         "(less host time per graph call, slower to compile); the compilation "
                         "happens in the first steps, so keep them in --warmup")
-    p.add_argument("--seq-chunk", type=_non_negative, default=32, metavar="N",
+    p.add_argument("--seq-chunk", type=non_negative_int, default=32, metavar="N",
                    help="sequence lookups: each sample's history as bags of at most N ids (ceil(max_len / N) per "
                         "sample, the same on every rank and step), so FBGEMM's no-bag lookup spreads a history over "
                         "many thread groups; 0: one bag per sample (its whole history). The output rows are the same")

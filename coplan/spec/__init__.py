@@ -17,6 +17,7 @@ from coplan.spec.loader import (
     load_topology,
     load_workload,
     parse_spec,
+    write_text_atomic,
 )
 from coplan.spec.plan import (
     Alternative,
@@ -42,5 +43,5 @@ __all__ = [
     "CommPrediction", "FitError", "GpuSpec", "LayerPlan", "MeshAxis", "MeshPlan", "OpClassCalibration", "OpPrediction", "Plan",
     "Prediction", "Reliability", "RunDir", "RunDirError", "RunOptions", "RunResult", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
     "Topology", "TraceClassTimes", "Workload", "dump_spec", "list_presets", "load_any", "load_calibration", "load_plan",
-    "load_run_result", "load_spec", "load_topology", "load_workload", "parse_spec", "spec_sha256",
+    "load_run_result", "load_spec", "load_topology", "load_workload", "parse_spec", "write_text_atomic", "spec_sha256",
 ]

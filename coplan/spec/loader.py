@@ -6,10 +6,12 @@ the reason; an unknown key comes with the nearest valid key. Nothing else escape
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
 import re
+import tempfile
 import typing
 from importlib import resources
 from pathlib import Path
@@ -441,15 +443,32 @@ def load_run_result(path: str | Path) -> RunResult:
     return load_spec(RunResult, path)
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file of the same folder, then
+    renamed over ``path`` (a failed write leaves neither a half-written file nor the temporary one)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_UMASK)  # as a plain write would
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def dump_spec(model: BaseModel, path: str | Path) -> Path:
-    """Write a spec as JSON (``.json``) or YAML (anything else)."""
+    """Write a spec as JSON (``.json``) or YAML (anything else), whole or not at all."""
     path = Path(path)
     data = model.model_dump(mode="json")
-    if path.suffix == ".json":
-        path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    else:
-        path.write_text(yaml_dump(data), encoding="utf-8")
-    return path
+    return write_text_atomic(path, json.dumps(data, indent=1) + "\n" if path.suffix == ".json" else yaml_dump(data))
 
 
 SPEC_KINDS: dict[str, type[BaseModel]] = {

@@ -9,8 +9,8 @@ included, so that a loop hidden inside a function still counts):
   formula and the jagged-work module; ``kernels`` nothing of the project; nothing below the CLI
   imports ``coplan.calibration``.
 
-``coplan.errors``, ``coplan.units`` and the package root (``__version__``) belong with ``spec``: the
-ground floor every part may stand on. ``coplan.cli`` and ``coplan.spec_cli`` are the CLI.
+``coplan.errors``, ``coplan.units``, ``coplan.cli_args`` (the flags' types every verb's parser shares) and the
+package root (``__version__``) belong with ``spec``: the ground floor every part may stand on. ``coplan.cli`` and ``coplan.spec_cli`` are the CLI.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PARTS = ("spec", "cli", "costmodel", "planner", "calibration", "reports", "trainer", "kernels")
 
-GROUND = {"coplan", "coplan.errors", "coplan.units"}
+GROUND = {"coplan", "coplan.cli_args", "coplan.errors", "coplan.units"}
 # The CLI layer: the verbs, which wire parts together (e.g. `coplan report` hands the planner's simulate
 # point and calibration's figures to the report); nothing below it may.
 CLI = {"coplan.cli", "coplan.spec_cli", "coplan.sample", "coplan.sample_cli", "coplan.planner.cli", "coplan.reports.cli",
