@@ -48,7 +48,16 @@ def missing_extra(e: BaseException) -> str | None:
     return f"this needs the '{extra}' extra, which is not installed (no module '{module}'): pip install 'coplan[{extra}]'"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _requested_verb(argv: list[str] | None) -> str | None:
+    """The verb a command line runs (its first word that is not an option), if it is one."""
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    return words[0] if words and words[0] in VERBS else None
+
+
+def build_parser(argv: list[str] | None = None, *, every_verb: bool = True) -> argparse.ArgumentParser:
+    """The parser. With ``every_verb=False`` only the verb ``argv`` runs is imported (the others get a
+    placeholder): ``coplan train`` needs neither OR-Tools nor Plotly, ``coplan plan`` no torch."""
+    wanted = None if every_verb else _requested_verb(argv)
     parser = argparse.ArgumentParser(
         prog="coplan",
         description=(
@@ -61,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module, help_text) in VERBS.items():
+        if wanted is not None and verb != wanted:
+            sub.add_parser(verb, help=help_text)
+            continue
         register = getattr(importlib.import_module(module), f"register_{verb.replace('-', '_')}")
         register(sub, help_text)
     return parser
@@ -70,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     verb = "coplan"
     try:
         try:
-            args = build_parser().parse_args(argv)
+            args = build_parser(argv, every_verb=False).parse_args(argv)
         except SystemExit as e:  # a usage error (argparse printed it) is an exit code like any other; --help still exits
             if e.code == 2:
                 return 2

@@ -73,7 +73,7 @@ def test_unknown_verb_is_a_usage_error():
 def test_a_broken_verb_is_an_internal_error_not_a_missing_part(monkeypatch, capsys):
     """An import error inside a verb's module is a bug, reported as one (not as a part not built yet)."""
     monkeypatch.setitem(VERBS, "plan", ("coplan.no_such_module_for_the_test", "broken"))
-    assert main(["validate", "--help"]) == 1
+    assert main(["plan", "--help"]) == 1
     err = capsys.readouterr().err
     assert "internal error" in err and "no_such_module_for_the_test" in err
 
@@ -92,3 +92,16 @@ def test_train_without_the_training_extra_names_it(monkeypatch, tmp_path, capsys
     assert main(["train", str(plan), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'coplan[train]'" in err and "coplan train" in err and "torch" in err
+
+
+def test_a_verb_imports_only_its_own_part():
+    """`coplan train` needs neither OR-Tools nor Plotly (a GPU machine may have neither); `coplan plan` no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, coplan.cli as c; c.build_parser(['train', 'p.json'], every_verb=False); "
+            "assert not {'ortools', 'plotly'} & set(sys.modules), sorted({'ortools', 'plotly'} & set(sys.modules))")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    code = ("import sys, coplan.cli as c; c.build_parser(['plan'], every_verb=False); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
