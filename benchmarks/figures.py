@@ -210,6 +210,10 @@ FP8_TRAIN = Result("fp8_train_h200.json",
                    "python benchmarks/fp8_train_h200.py --gpus 0,1 --recipe torchao-rowwise --compile layers "
                    "--steps 510 --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3",
                    SPEC + TRAINER + PLANNER + FP8_KERNELS + ("costmodel/flops.py",), script="fp8_train_h200.py")
+FRESH = Result("fresh_draws_h200.json",
+               "python benchmarks/fresh_draws_h200.py --plan-only --n 10 (seed: the run's date and time), then on the "
+               "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
+               SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py")
 
 COST, PLAN, KERN, TRAINING, CAL, FP8, REP, MULTI = (
     "Cost model", "Planner", "Kernels: jagged attention", "Trainer", "Calibration", "FP8", "Reports and load",
@@ -296,6 +300,18 @@ FIGURES: tuple[Figure, ...] = (
     # kernels
     *_attention_figures(),
     # trainer
+    Figure(TRAINING, "Fresh draws (one-H200 family, seed in the JSON): draws that ran of those drawn", FRESH,
+           lambda d: d["summary"]["ran"] / d["summary"]["draws"], "%", Goal(">=", 1.0),
+           note="2026-12-04, seed 20261204150421: 6 of 10 ran; one crashed (a draw with no summary tokens: 'cannot "
+                "reshape tensor of 0 elements'), one was cut by the lease's budget, two not started (budget)"),
+    Figure(TRAINING, "Fresh draws: median local MFU, `coplan train` at defaults", FRESH,
+           at("summary.median_local_mfu"), "%", Goal(">=", 0.40)),
+    Figure(TRAINING, "Fresh draws: lowest local MFU", FRESH, at("summary.min_local_mfu"), "%", Goal(">=", 0.30)),
+    Figure(CAL, "Fresh draws: median |predicted / measured step - 1|, uncalibrated `coplan plan`", FRESH,
+           at("summary.median_abs_step_error"), "%", Goal("<=", 0.30),
+           note="the prediction is too fast on every draw (1.3-9x); issue 23"),
+    Figure(CAL, "Fresh draws: worst |predicted / measured step - 1|, uncalibrated", FRESH,
+           at("summary.max_abs_step_error"), "%"),
     Figure(TRAINING, "Local MFU, gem-h200 on one H200, `--compile layers`, 256 samples a step", TRAIN,
            at("backends.triton-compile@b256.measured_local_mfu"), "%", Goal(">=", 0.45)),
     Figure(TRAINING, "Local MFU, gem-h200 on one H200, eager, 256 samples a step", TRAIN,
@@ -347,7 +363,7 @@ PENDING: tuple[Pending, ...] = (
             goal="scaling ratio ≥ 0.9; predicted step within 10%"),
 )
 
-INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans")
+INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
