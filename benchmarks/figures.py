@@ -303,7 +303,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(TRAINING, "Fresh draws (one-H200 family, seed in the JSON): draws that ran of those drawn", FRESH,
            lambda d: d["summary"]["ran"] / d["summary"]["draws"], "%", Goal(">=", 1.0),
            note="2026-12-04, seed 20261204150421: 6 of 10 ran; one crashed (a draw with no summary tokens: 'cannot "
-                "reshape tensor of 0 elements'), one was cut by the lease's budget, two not started (budget)"),
+                "reshape tensor of 0 elements'; such a workload is now refused by the spec and the sampler draws at least "
+                "one), one was cut by the lease's budget, two not started (budget)"),
     Figure(TRAINING, "Fresh draws: median local MFU, `coplan train` at defaults", FRESH,
            at("summary.median_local_mfu"), "%", Goal(">=", 0.40)),
     Figure(TRAINING, "Fresh draws: lowest local MFU", FRESH, at("summary.min_local_mfu"), "%", Goal(">=", 0.30)),

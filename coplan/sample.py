@@ -50,7 +50,7 @@ class Family:
     interformer_layers: tuple[int, int] = (1, 6)
     kunlun_layers: tuple[int, int] = (1, 4)
     kunlun_tokens: tuple[int, int] = (8, 64)
-    summary_tokens: tuple[int, int] = (0, 16)
+    summary_tokens: tuple[int, int] = (1, 16)
     ffn_multipliers: tuple[float, ...] = (2.0, 3.0, 4.0)
     history_mean: Span = (128.0, 2048.0)
     """Mean history length (log-uniform)."""

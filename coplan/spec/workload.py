@@ -398,8 +398,9 @@ class InterFormerBlock(Spec):
     ffn_multiplier: PosFloat = 4.0
     """FFN hidden width over model_dim."""
 
-    num_summary_tokens: Annotated[Int, Field(ge=0)] = 4
-    """Summary tokens per sample that attend into the history (cross attention) each layer."""
+    num_summary_tokens: Annotated[Int, Field(ge=1)] = 4
+    """Summary tokens per sample that attend into the history (cross attention) each layer; at least one, since
+    they are the only way the history reaches the rest of the model."""
 
 
 class KunlunBlock(Spec):
