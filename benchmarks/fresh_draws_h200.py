@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_commit, wait_or_kill  # noqa: E402
+from _step_anatomy import step_anatomy, verdict  # noqa: E402
 
 FAMILY = "h200-1gpu"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -80,7 +81,13 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
     if code == 0 and summary.is_file():
         s = json.loads(summary.read_text())
         row |= {"measured_step_p50_s": s["step_time"]["p50_s"], "measured_mfu": s["measured_mfu"],
-                "startup": s.get("startup"), "notes": s.get("notes", "")[:400]}
+                "startup": s.get("startup"), "loader": s.get("loader"), "options": s.get("options"),
+                "notes": s.get("notes", "")}
+        try:
+            anatomy = step_anatomy(runs_root / run_id)
+        except Exception as e:  # the figures stand without it
+            anatomy = {"error": str(e)[:300]}
+        row |= {"anatomy": anatomy, "where": verdict(anatomy)}
     else:
         row["tail"] = out[-1500:]
     return row
@@ -103,7 +110,7 @@ def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, r
             row["step_error"] = row["predicted_step_s"] / row["measured_step_p50_s"] - 1
         print(f"seed {m['seed']}: exit {row['exit']} in {row['wall_s']} s" + (
             f", measured {row['measured_step_p50_s'] * 1e3:.1f} ms (predicted {row['predicted_step_s'] * 1e3:.1f}), "
-            f"MFU {row['measured_mfu']:.1%}" if "measured_step_p50_s" in row else ""), flush=True)
+            f"MFU {row['measured_mfu']:.1%}; {row['where']}" if "measured_step_p50_s" in row else ""), flush=True)
         rows.append(row)
     return rows
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.coplan.*)
 from .api import gdpa, jagged_attention
-from .common import Activation, Backend, JaggedInputError
+from .common import Activation, Backend, JaggedInputError, autotune_seconds
 
-__all__ = ["Activation", "Backend", "JaggedInputError", "gdpa", "jagged_attention"]
+__all__ = ["Activation", "Backend", "JaggedInputError", "autotune_seconds", "gdpa", "jagged_attention"]
 
 # FLOPs of these ops: `coplan.costmodel.flops.attention_flops`, the project's one formula (not
 # imported here: kernels import nothing of coplan).

@@ -109,3 +109,26 @@ def next_power_of_2(n: int) -> int:
 def prev_power_of_2(n: int) -> int:
     """Largest power of two <= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (int(n).bit_length() - 1)
+
+
+_AUTOTUNE_S = [0.0]
+
+
+def timed_bench(bench):
+    """``bench`` (a Triton ``do_bench``) that adds the seconds it runs to :func:`autotune_seconds`: what the
+    autotuners of these kernels spent benchmarking in this process (disk-cache hits spend none)."""
+    import time
+
+    def run(kernel_call, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return bench(kernel_call, *args, **kwargs)
+        finally:
+            _AUTOTUNE_S[0] += time.perf_counter() - t0
+
+    return run
+
+
+def autotune_seconds() -> float:
+    """Seconds the kernels' autotuners have spent benchmarking in this process."""
+    return _AUTOTUNE_S[0]

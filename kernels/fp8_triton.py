@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from .common import timed_bench
 from .fp8_rules import scaled_mm_block_refusal
 
 E4M3 = torch.float8_e4m3fn
@@ -536,7 +537,7 @@ def _quick_bench(kernel_call, quantiles):
 
 
 @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K_PAD", "B_SQUARE", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench)
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=timed_bench(_quick_bench), cache_results=True)
 @triton.jit
 def _block_scaled_mm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr,

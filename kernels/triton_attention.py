@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Activation, next_power_of_2, prev_power_of_2
+from .common import Activation, next_power_of_2, prev_power_of_2, timed_bench
 
 SOFTMAX = 0
 ACTIVATION = 1
@@ -598,7 +598,15 @@ def _tuned(kind: str, kernel):
         return configs_for(kind, d)
 
     everything = [c for rows in _CONFIGS[kind].values() for c in rows]
-    return triton.autotune(everything, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})(kernel)
+    # cache_results: the choice is kept in Triton's cache folder, so a later run of the same shapes skips the benchmarks
+    return triton.autotune(everything, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune},
+                           cache_results=True, do_bench=timed_bench(_default_bench))(kernel)
+
+
+def _default_bench(kernel_call, quantiles):
+    # Triton's default window (25 ms warm-up + 100 ms per candidate) made autotuning most of a short run's
+    # first step (25-45 s on fresh H200 draws); a 5 + 20 ms window ranks these tiles as well.
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
 _fwd_tuned = _tuned("fwd", _fwd_kernel)

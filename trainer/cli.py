@@ -20,6 +20,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from coplan.cli_args import (
@@ -38,6 +39,9 @@ from coplan.cli_args import (
 from coplan.errors import CoplanError, MismatchError
 from coplan.spec import Plan, load_plan
 from coplan.trainer.config import DEFAULT_STEPS
+
+LAUNCH_T = time.time()
+"""When this command started (imported as ``coplan train`` dispatches to it)."""
 
 _PASS = ("steps", "warmup", "runs_root", "run_id", "resume", "data", "data_samples", "seed", "device", "attention",
          "trace", "checkpoint_every", "keep_last_n", "log_every", "seq_chunk", "compile")
@@ -205,6 +209,7 @@ def run_train(args: argparse.Namespace) -> int:
     check_installed()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1" if args.device == "cpu" else env.get("OMP_NUM_THREADS", "8"))
+    env["COPLAN_LAUNCH_T"] = repr(LAUNCH_T)  # summary.json's startup counts from here (trainer/startup.py)
     env["COPLAN_LAUNCHER"] = "1"  # the workers leave their error messages to torchrun_main (trainer.train.LAUNCHER_ENV)
     return subprocess.call(cmds[0], env=env)
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -406,6 +408,8 @@ class BatchReader:
             raise DataError(f"a global batch of {global_batch} does not split into {world_size} ranks x {micro_batches} "
                             "micro-batches of equal size")
         self.workload = workload
+        self.args = (workload, str(path), world_size, rank, policy, global_batch, micro_batches)
+        """Everything a reader in another process needs to read the same batches (see :class:`Prefetcher`)."""
         self.layout = feature_layout(workload)
         self.source = ParquetSource(path, self.layout)
         self.world_size, self.rank, self.policy, self.global_batch = world_size, rank, policy, global_batch
@@ -463,16 +467,104 @@ class BatchReader:
         )
 
 
+def _reader_process(args: tuple, steps: list[int], out, stop) -> None:
+    """A reader process: reads every micro-batch of ``steps`` in order into ``out`` as
+    ``(host batch, seconds it took)``; an exception is sent as its message and ends the process."""
+    workload, path, world_size, rank, policy, global_batch, micro_batches = args
+    try:
+        reader = BatchReader(workload, path, world_size=world_size, rank=rank, policy=policy,
+                             global_batch=global_batch, micro_batches=micro_batches)
+        for step in steps:
+            for micro in range(micro_batches):
+                t0 = time.perf_counter()
+                item = (reader.read(step, micro), time.perf_counter() - t0)
+                while not stop.is_set():
+                    try:
+                        out.put(item, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    out.cancel_join_thread()  # stopped: exit without waiting for anyone to take what is queued
+                    return
+    except BaseException as e:  # surfaced on the consumer side, with its type's name
+        out.put(DataError(f"data reader process: {type(e).__name__}: {e}"))
+
+
+def default_reader_processes(device_type: str, local_world: int) -> int:
+    """Reader processes per rank: on CUDA, enough to keep ahead of a fast step without taking the cores the
+    ranks' own threads need; none on CPU runs (the thread reads)."""
+    if device_type != "cuda":
+        return 0
+    cores = os.cpu_count() or 1
+    return max(1, min(4, cores // max(1, local_world) - 2))
+
+
 class Prefetcher:
-    """Reads the next host batches on a background thread (pyarrow and numpy release the GIL): every
-    micro-batch of every step from ``start`` to ``stop``, in order."""
+    """Reads the next host batches ahead of the step: every micro-batch of every step from ``start`` to
+    ``stop``, in order.
+
+    With ``processes`` 0 a background thread reads. Otherwise that many reader processes do (step ``i``
+    by process ``i mod processes``), so that reading's Python work never holds the training process's GIL
+    (a reading thread does: on a short step each hand-back of the GIL can cost the training thread up to
+    the interpreter's switch interval); the thread here then only takes their batches in order and runs
+    ``prepare`` (pinning). Throughput figures: ``busy_s`` is the busier stage's seconds (reading, summed
+    over the processes and divided by their count, or preparing), ``samples`` what was produced."""
 
     def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2,
-                 prepare: Callable[[HostBatch], Any] | None = None, setup: Callable[[], None] | None = None) -> None:
+                 prepare: Callable[[HostBatch], Any] | None = None, setup: Callable[[], None] | None = None,
+                 processes: int = 0) -> None:
         """``prepare``: also run on the thread, items are then ``(host batch, prepare(host batch))`` (the
         trainer pins the batch's tensors there); ``setup``: run once on the thread first (its CUDA device)."""
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self.busy_s = 0.0
+        """Seconds of the loader's busier stage (its throughput's denominator)."""
+        self.samples = 0
+        """Samples in the items it produced."""
+        self.waited_s = 0.0
+        """Seconds the consumer waited on an empty queue."""
+        self.read_s = 0.0
+        self.prepare_s = 0.0
+        self._procs: list = []
+        micro = getattr(reader, "micro_batches", 1)
+        steps = list(range(start, stop))
+        processes = max(0, min(processes, len(steps)))
+        self.processes = processes
+        if processes:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")  # no fork of a process that holds CUDA and NCCL threads
+            self._mp_stop = ctx.Event()
+            queues = [ctx.Queue(maxsize=depth) for _ in range(processes)]
+            for k in range(processes):
+                p = ctx.Process(target=_reader_process, args=(reader.args, steps[k::processes], queues[k], self._mp_stop),
+                                name=f"coplan-data-{k}", daemon=True)
+                p.start()
+                self._procs.append(p)
+
+        def next_read(i: int, step: int, m: int):
+            if not processes:
+                t0 = time.perf_counter()
+                item = reader.read(step, m)
+                self.read_s += time.perf_counter() - t0
+                return item
+            q = queues[i % processes]
+            while True:
+                try:
+                    got = q.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    if self._stop.is_set():
+                        return None
+                    if not self._procs[i % processes].is_alive():
+                        raise DataError(f"data reader process {i % processes} stopped (exit code "
+                                        f"{self._procs[i % processes].exitcode}) before step {step}")
+            if isinstance(got, BaseException):
+                raise got
+            item, secs = got
+            self.read_s += secs / processes
+            return item
 
         def work() -> None:
             try:
@@ -481,14 +573,21 @@ class Prefetcher:
             except BaseException as e:
                 self._q.put(e)
                 return
-            for step in range(start, stop):
-                for micro in range(getattr(reader, "micro_batches", 1)):
+            for i, step in enumerate(steps):
+                for m in range(micro):
                     if self._stop.is_set():
                         return
                     try:
-                        item = reader.read(step, micro)
+                        item = next_read(i, step, m)
+                        if item is None:
+                            return
+                        n = int(getattr(item, "size", 0))
+                        t0 = time.perf_counter()
                         if prepare is not None:
                             item = (item, prepare(item))
+                        self.prepare_s += time.perf_counter() - t0
+                        self.busy_s = max(self.read_s, self.prepare_s)
+                        self.samples += n
                     except BaseException as e:  # surfaced on the consumer side
                         self._q.put(e)
                         return
@@ -501,18 +600,30 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Any:
-        item = self._q.get()
+        try:
+            item = self._q.get_nowait()
+        except queue.Empty:
+            t0 = time.perf_counter()
+            item = self._q.get()
+            self.waited_s += time.perf_counter() - t0
         if isinstance(item, BaseException):
             raise item
         return item
 
     def close(self) -> None:
         self._stop.set()
+        if self._procs:
+            self._mp_stop.set()
         try:
             while True:
                 self._q.get_nowait()
         except queue.Empty:
             pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
 
 
 def check_dataset(path: str | Path, workload: Workload) -> dict:

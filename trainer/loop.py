@@ -25,10 +25,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from coplan import __version__
 from coplan.errors import CoplanError, MismatchError
-from coplan.spec import Plan, RunDir, RunOptions, RunResult, dump_spec, load_plan, spec_sha256
+from coplan.spec import LoaderThroughput, Plan, Startup, RunDir, RunOptions, RunResult, dump_spec, load_plan, spec_sha256
 from coplan.trainer import checkpoint as ckpt
 from coplan.trainer.config import Ranks, TrainConfig, check_launch
-from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, generate_dataset
+from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, default_reader_processes, generate_dataset
 from coplan.trainer.distributed.fsdp import DTYPES
 from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
 from coplan.trainer.features import FeatureLayout
@@ -40,6 +40,7 @@ from coplan.trainer.optim import Optimizers, local
 from coplan.trainer.parallelize import ParallelModel, parallelize
 from coplan.trainer.pipeline import SparseDistPipeline
 from coplan.trainer.profiling import TraceWindow
+from coplan.trainer.startup import StartupClock
 
 
 class NumericalError(CoplanError):
@@ -128,17 +129,19 @@ def open_run_dir(cfg: TrainConfig, plan: Plan, ranks: Ranks) -> Path:
     return run_dir
 
 
-def prepare_data(cfg: TrainConfig, plan: Plan, global_batch: int, rank: int) -> Path:
-    """The dataset folder, checked against the workload; rank 0 generates it when missing."""
+def prepare_data(cfg: TrainConfig, plan: Plan, global_batch: int, rank: int) -> tuple[Path, bool]:
+    """The dataset folder, checked against the workload, and whether this rank generated it (rank 0
+    generates it when missing)."""
     workload = plan.workload
     data_dir = cfg.data or cfg.runs_root / "data" / f"{workload.name}-{data_sha256(workload)[:8]}-seed{cfg.seed}"
-    if rank == 0 and not (data_dir / "dataset.json").is_file():
+    generated = rank == 0 and not (data_dir / "dataset.json").is_file()
+    if generated:
         n = cfg.data_samples or global_batch * 32
         print(f"generating {n:,} samples of '{workload.name}' into {data_dir}", file=sys.stderr, flush=True)
         generate_dataset(workload, data_dir, n, seed=cfg.seed, progress=cfg.progress)
     dist.barrier()
     check_dataset(data_dir, workload)
-    return data_dir
+    return data_dir, generated
 
 
 def enable_grouped_experts(model: GEMModel, plan: Plan, device: torch.device) -> list[str]:
@@ -184,16 +187,20 @@ class Built:
     """How the step runs where that depends on the device (for the summary)."""
 
 
-def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks) -> Built:
+def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, clock: StartupClock | None = None) -> Built:
     """Model, parallelisms (:func:`~coplan.trainer.parallelize.parallelize`) and optimizers."""
     backend = resolve_backend(cfg.attention or plan.kernels.attention, device)
     dims = ParallelDims.from_plan(plan)
     meshes = build_meshes(dims, device.type)
     model = GEMModel(plan.workload, attention_backend=backend, seed=cfg.seed, device=device)
     notes = enable_grouped_experts(model, plan, device) + enable_segment_sums(plan, device)
+    if clock is not None:
+        clock.mark("build")
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=ranks.local_world, seed=cfg.seed,
                      compile_layers=cfg.compile)
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda")
+    if clock is not None:
+        clock.mark("sharding")
     return Built(model=model, pm=pm, optims=optims, backend=backend, notes=notes)
 
 
@@ -282,6 +289,7 @@ class Loop:
         self.pipe = SparseDistPipeline(self.pm.model.sparse, self.layout, device)
         self.bar: Progress | None = None
         self._ahead = None  # (host batch, its prepared Batch) of the next micro-batch
+        self.clock: StartupClock | None = None
 
     def run(self, trace_first: int, trace_count: int) -> None:
         cfg = self.cfg
@@ -289,7 +297,8 @@ class Loop:
         if self.ranks.rank == 0 and cfg.progress:
             self.bar = progress_bar(f"train {self.plan.workload.name}", self.steps, self.start)
             self.bar.start()
-        self.prefetch = Prefetcher(self.reader, self.start, self.steps, prepare=self.pipe.host, setup=self.pipe.thread_setup)
+        self.prefetch = Prefetcher(self.reader, self.start, self.steps, prepare=self.pipe.host, setup=self.pipe.thread_setup,
+                                   processes=default_reader_processes(self.device.type, self.ranks.local_world))
         try:
             with TraceWindow(RunDir(self.run_dir), self.ranks.rank, trace_first, trace_count, self.start,
                              self.device) as tw:
@@ -298,6 +307,8 @@ class Loop:
                     if step > self.start and step % log_every == 0:
                         self.flush()
                     self.step(step)
+                    if step == self.start and self.clock is not None:
+                        self.clock.first_step(self.device)
                     tw.step()
                     if self.bar is not None:
                         self.bar.advance(self.bar.task_ids[0])
@@ -417,7 +428,20 @@ class Loop:
                     self.bar.update(self.bar.task_ids[0], status=f"loss={loss:.4f} step_s={dt:.3g} mfu={rec.mfu:.1%}")
 
 
-def write_summary(loop: Loop, built: Built, device_name: str, started: str, warmup: int, traced: set[int]) -> None:
+def loader_throughput(loop: Loop, measured: list[StepRecord]) -> LoaderThroughput | None:
+    """The loader's samples per second of its busy time against what this rank's measured steps consumed."""
+    pf = getattr(loop, "prefetch", None)
+    if pf is None or pf.busy_s <= 0 or not measured:
+        return None
+    produced = pf.samples / pf.busy_s
+    consumed = sum(r.samples for r in measured) / loop.ranks.world / sum(r.step_time_s for r in measured)
+    steps_run = max(1, loop.steps - loop.start)
+    return LoaderThroughput(samples_per_s=produced, consumed_samples_per_s=consumed,
+                            headroom=produced / consumed if consumed > 0 else 0.0, waited_s_per_step=pf.waited_s / steps_run)
+
+
+def write_summary(loop: Loop, built: Built, device_name: str, started: str, warmup: int, traced: set[int],
+                  startup: Startup | None = None) -> None:
     """``summary.json`` (rank 0), over the measured steps: warm-up steps and profiled steps (the profiler
     slows the host) are left out. Every rank gives its peak memory."""
     plan, ranks, device, steps, start = loop.plan, loop.ranks, loop.device, loop.steps, loop.start
@@ -442,6 +466,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
              f"dense optimizer {'fused' if optims.fused_dense else 'foreach'}"
              + (f" (fused refused: {optims.fused_error})" if optims.fused_error else ""),
              f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor'}",
+             f"data: {loop.prefetch.processes or 'no'} reader process(es) and a pinning thread",
              f"sparse input dist {'one batch ahead' + (' on a side stream' if pipe.stream is not None else '') if pipe.enabled else 'in forward'}",
              f"FSDP2 units: {'one per layer' if pm.fsdp_per_layer else 'the dense root only'}",
              f"compile {loop.cfg.compile}",
@@ -458,6 +483,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
         samples_per_s=sum(r.samples for r in measured) / total_t if total_t else 0.0,
         peak_memory_bytes=tuple(float(m) for m in mems), first_loss=records[0].loss if records else None,
         final_loss=records[-1].loss if records else None, attention_backend=built.backend, notes="; ".join(notes),
+        startup=startup, loader=loader_throughput(loop, measured),
         options=RunOptions(seq_chunk=int(loop.layout.seq_chunk or 0), compile=loop.cfg.compile, attention_backend=built.backend),
     )
     dump_spec(result, RunDir(loop.run_dir).summary_path)
@@ -472,6 +498,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
 
 def train(cfg: TrainConfig, plan: Plan, ranks: Ranks) -> int:
     """One run of ``plan`` on this rank (the process group is set up on the first)."""
+    clock = StartupClock.begin()
     device, device_name = select_device(cfg, plan, ranks)
     if not dist.is_initialized():
         init_process_group("nccl" if device.type == "cuda" else "gloo", ranks.rank, ranks.world)
@@ -479,10 +506,13 @@ def train(cfg: TrainConfig, plan: Plan, ranks: Ranks) -> int:
     if global_batch % ranks.world:
         raise MismatchError(f"global batch {global_batch} does not split evenly over {ranks.world} ranks")
     run_dir = open_run_dir(cfg, plan, ranks)
-    data_dir = prepare_data(cfg, plan, global_batch, ranks.rank)
-    built = build(cfg, plan, device, ranks)
+    clock.mark("launch")
+    data_dir, generated = prepare_data(cfg, plan, global_batch, ranks.rank)
+    clock.mark("data")
+    built = build(cfg, plan, device, ranks, clock)
     start = resume(run_dir, built, ranks.rank) if cfg.resume else 0
     loop = Loop(cfg, plan, ranks, device, run_dir, built, data_dir, start)
+    loop.clock = clock
     if ranks.rank == 0:  # this launch's switches, machine-readable (calibration reads seq_chunk from here)
         config = cfg.as_json()
         config["seq_chunks_per_sample"] = {g: loop.layout.chunks_per_sample(g) for g in loop.layout.sequence_groups}
@@ -493,7 +523,8 @@ def train(cfg: TrainConfig, plan: Plan, ranks: Ranks) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     loop.run(trace_first, trace_count)
-    write_summary(loop, built, device_name, started, warmup, set(range(trace_first, trace_first + trace_count)))
+    write_summary(loop, built, device_name, started, warmup, set(range(trace_first, trace_first + trace_count)),
+                  clock.result(data_generated=generated))
     dist.barrier()
     if cfg.last_plan:
         dist.destroy_process_group()

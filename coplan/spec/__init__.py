@@ -33,7 +33,7 @@ from coplan.spec.plan import (
     TableShard,
 )
 from coplan.spec.measured import CalibrationPoints, TraceClassTimes
-from coplan.spec.run import RunOptions, RunResult, StepTimeStats
+from coplan.spec.run import LoaderThroughput, RunOptions, RunResult, Startup, StepTimeStats
 from coplan.spec.run_dir import RunDir, RunDirError
 from coplan.spec.topology import GpuSpec, Reliability, Tier, Topology
 from coplan.spec.workload import Workload
@@ -41,7 +41,7 @@ from coplan.spec.workload import Workload
 __all__ = [
     "COLLECTIVES", "OP_CLASSES", "SCHEMA_VERSION", "SPEC_KINDS", "Alternative", "BalancingPlan", "Calibration", "CalibrationPoints",
     "CommPrediction", "FitError", "GpuSpec", "LayerPlan", "MeshAxis", "MeshPlan", "OpClassCalibration", "OpPrediction", "Plan",
-    "Prediction", "Reliability", "RunDir", "RunDirError", "RunOptions", "RunResult", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
+    "Prediction", "Reliability", "RunDir", "RunDirError", "LoaderThroughput", "RunOptions", "RunResult", "Startup", "SolverReport", "Spec", "StepTimeStats", "TableShard", "Tier",
     "Topology", "TraceClassTimes", "Workload", "dump_spec", "list_presets", "load_any", "load_calibration", "load_plan",
     "load_run_result", "load_spec", "load_topology", "load_workload", "parse_spec", "write_text_atomic", "spec_sha256",
 ]

@@ -198,6 +198,10 @@ def test_run_directory_is_complete(case, ranks, request):
     assert summary.world_size == ranks and summary.steps == STEPS and summary.device == "cpu"
     assert summary.step_time is not None and summary.model_flops_per_step > 0 and summary.tokens_per_s > 0
     assert len(summary.peak_memory_bytes) == ranks
+    st = summary.startup  # time to the first step, split (rank 0's clock)
+    assert st is not None and st.to_first_step_s > 0 and st.first_step_s > 0
+    assert st.launch_s + st.data_s + st.build_s + st.sharding_s + st.first_step_s == pytest.approx(st.to_first_step_s, rel=1e-6)
+    assert summary.loader is not None and summary.loader.samples_per_s > 0 and summary.loader.consumed_samples_per_s > 0
     for line in (d / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         assert {"step", "loss", "step_time_s", "tokens", "model_flops", "mfu"} <= set(rec)

@@ -178,3 +178,56 @@ def test_token_sequences_hold_next_token_targets(tmp_path):
         pos += n
     assert np.mean((y - x) % vocab == TOKEN_STRIDE) > 0.6
     assert b.labels.shape == (hb.size, 0) and b.pooled is None and b.sequences == {}
+
+
+def _read_all(pf, n):
+    out = [next(pf) for _ in range(n)]
+    pf.close()
+    return out
+
+
+def _same(a, b):
+    assert a.step == b.step and a.micro_batch == b.micro_batch
+    assert np.array_equal(a.indices, b.indices) and np.array_equal(a.pooled_values, b.pooled_values)
+    assert np.array_equal(a.labels, b.labels)
+    assert all(np.array_equal(a.seq_values[k], b.seq_values[k]) for k in a.seq_values)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [1, 3])
+def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, processes):
+    """Reading in processes (steps dealt round-robin) yields exactly the thread's batches, in step order,
+    and counts samples and busy time for the loader's throughput."""
+    from coplan.trainer.data import Prefetcher
+
+    kw = dict(world_size=2, rank=1, policy="greedy", global_batch=32, micro_batches=2)
+    thread = _read_all(Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7), 12)
+    pf = Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7, processes=processes, prepare=lambda hb: hb.size)
+    procs = [next(pf) for _ in range(12)]
+    assert pf.processes == processes and pf.samples == 12 * 8 and pf.busy_s > 0
+    pf.close()
+    assert all(not p.is_alive() for p in pf._procs)
+    for a, (b, n) in zip(thread, procs):
+        _same(a, b)
+        assert n == b.size == 8
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_process_error_surfaces_as_a_data_error(tiny, dataset):
+    from coplan.trainer.data import DataError, Prefetcher
+
+    # the process's reader cannot open the dataset: the consumer gets a DataError naming the process
+    r = BatchReader(tiny, dataset, world_size=1, rank=0, policy="greedy", global_batch=64)
+    r.args = (r.args[0], str(dataset / "gone"), *r.args[2:])
+    pf = Prefetcher(r, 0, 3, processes=1)
+    with pytest.raises(DataError, match="data reader process"):
+        for _ in range(3):
+            next(pf)
+    pf.close()
+
+
+def test_reader_processes_default_to_none_on_cpu():
+    from coplan.trainer.data import default_reader_processes
+
+    assert default_reader_processes("cpu", 1) == 0
+    assert 1 <= default_reader_processes("cuda", 8) <= 4 and 1 <= default_reader_processes("cuda", 1) <= 4

@@ -1,0 +1,89 @@
+"""Where a run's profiled steps go, from rank 0's Kineto trace: the step's wall time, the GPU's busy and idle
+time inside it, the host's forward / backward / rest with the launches each issued, and the kernel classes that
+took the device's time. Used by the fresh-draw benchmark to say why a draw is slow.
+
+A step is host-bound when the GPU sits idle for much of it (``gpu_idle_share``): the host issued its work
+slower than the device ran it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from coplan.calibration.attribution import attribute
+from coplan.calibration.host_profile import host_profile
+from coplan.calibration.kineto import load_trace
+from coplan.spec import RunDir
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def device_busy(trace: dict[str, Any]) -> tuple[float, float, int]:
+    """(seconds per step the device ran anything, seconds per step of the device-side step windows, kernels
+    per step), over the ``ProfilerStep#N`` ranges on the GPU's timeline (or the host's when none)."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    windows = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev
+               if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not windows:
+        windows = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev
+                   if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not windows:
+        return 0.0, 0.0, 0
+    work = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev if e.get("cat") in _DEVICE_CATS]
+    busy = kernels = 0.0
+    for a, b in windows:
+        inside = [(max(a, x), min(b, y)) for x, y in work if y > a and x < b]
+        busy += _union(inside)
+        kernels += len(inside)
+    n = len(windows)
+    return busy / n * 1e-6, sum(b - a for a, b in windows) / n * 1e-6, int(kernels / n)
+
+
+def step_anatomy(run_dir: str | Path) -> dict[str, Any] | None:
+    """Rank 0's profiled steps, per step; None when the run has no trace."""
+    path = RunDir(run_dir).rank_trace(0)
+    if path is None:
+        return None
+    trace = load_trace(path)
+    busy, window, kernels = device_busy(trace)
+    out: dict[str, Any] = {"trace": str(path), "device_window_s": window, "gpu_busy_s": busy,
+                           "gpu_idle_share": 1.0 - busy / window if window > 0 else None, "kernels": kernels}
+    try:
+        hp = host_profile(trace, str(path))
+        out["host"] = {"step_s": hp.step_s, "fwd_s": hp.fwd_s, "bwd_s": hp.bwd_s, "post_s": hp.post_s,
+                       "launches": hp.launches, "fsdp_s": hp.fsdp_fwd_s + hp.fsdp_bwd_s,
+                       "optimizer_s": hp.optimizer_s, "sparse_s": hp.sparse_s}
+    except Exception as e:  # a trace of another shape: say so, keep the device figures
+        out["host_error"] = str(e)[:200]
+    try:
+        att = attribute(trace, str(path))
+        by = sorted(att.by_class_s.items(), key=lambda kv: -kv[1])
+        out["device_by_class_s"] = {k: v / max(att.steps, 1) for k, v in by[:8]}
+        out["unattributed_top"] = dict(list(att.unattributed_by_name.items())[:5])
+    except Exception as e:
+        out["attribution_error"] = str(e)[:200]
+    return out
+
+
+def verdict(anatomy: dict[str, Any] | None) -> str:
+    """One line: where the step goes."""
+    if not anatomy or not anatomy.get("device_window_s"):
+        return "no trace"
+    idle = anatomy.get("gpu_idle_share") or 0.0
+    h = anatomy.get("host", {})
+    host = (f"; host fwd {h['fwd_s'] * 1e3:.1f} ms, bwd {h['bwd_s'] * 1e3:.1f} ms, rest {h['post_s'] * 1e3:.1f} ms, "
+            f"{h['launches']:.0f} launches") if h else ""
+    kind = "host-bound" if idle > 0.3 else "device-bound"
+    return (f"{kind}: GPU busy {anatomy['gpu_busy_s'] * 1e3:.1f} of {anatomy['device_window_s'] * 1e3:.1f} ms "
+            f"({idle:.0%} idle), {anatomy['kernels']} kernels{host}")
