@@ -93,11 +93,15 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
     return row
 
 
-def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, runs_root: Path) -> list[dict]:
+def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, runs_root: Path,
+            done: dict[int, dict] | None = None) -> list[dict]:
     manifest = json.loads((plans / "manifest.json").read_text())
     t_end = time.perf_counter() + budget_s
     rows = []
     for m in manifest["rows"]:
+        if done and m["seed"] in done:  # measured by an earlier call (one lease runs out): carried over as it was
+            rows.append(done[m["seed"]])
+            continue
         row = dict(m)
         if not m.get("plan"):
             rows.append(row | {"skipped": "no plan"})
@@ -135,13 +139,19 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the runs")
     ap.add_argument("--runs-root", type=Path, default=Path("runs/fresh"))
     ap.add_argument("--out", type=Path, default=RESULTS / "fresh_draws_h200.json")
+    ap.add_argument("--continue-from", type=Path, default=None,
+                    help="an earlier result of the same plans: its measured draws are kept, the others run")
     a = ap.parse_args()
     if a.plan_only:
         seed = a.seed if a.seed is not None else int(dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d%H%M%S"))
         print(f"seed {seed} (taken at run time)" if a.seed is None else f"seed {seed}", flush=True)
         make_plans(a.n, seed, a.plans)
         return 0
-    rows = run_all(a.plans, a.steps, a.run_timeout_s, a.budget_s, a.runs_root)
+    done = None
+    if a.continue_from is not None:
+        prev = json.loads(a.continue_from.read_text())
+        done = {r["seed"]: r for r in prev["rows"] if "exit" in r}
+    rows = run_all(a.plans, a.steps, a.run_timeout_s, a.budget_s, a.runs_root, done)
     import torch  # the device's versions, recorded
 
     manifest = json.loads((a.plans / "manifest.json").read_text())

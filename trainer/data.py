@@ -523,7 +523,8 @@ class Prefetcher:
         self.samples = 0
         """Samples in the items it produced."""
         self.waited_s = 0.0
-        """Seconds the consumer waited on an empty queue."""
+        """Seconds the consumer waited on an empty queue, after the first item."""
+        self.taken = 0
         self.read_s = 0.0
         self.prepare_s = 0.0
         self._procs: list = []
@@ -605,7 +606,9 @@ class Prefetcher:
         except queue.Empty:
             t0 = time.perf_counter()
             item = self._q.get()
-            self.waited_s += time.perf_counter() - t0
+            if self.taken:  # (the first item waits for the loader's start: not a stall of the steady state)
+                self.waited_s += time.perf_counter() - t0
+        self.taken += 1
         if isinstance(item, BaseException):
             raise item
         return item

@@ -435,9 +435,12 @@ def loader_throughput(loop: Loop, measured: list[StepRecord]) -> LoaderThroughpu
         return None
     produced = pf.samples / pf.busy_s
     consumed = sum(r.samples for r in measured) / loop.ranks.world / sum(r.step_time_s for r in measured)
-    steps_run = max(1, loop.steps - loop.start)
+    batches = max(1, pf.taken)
     return LoaderThroughput(samples_per_s=produced, consumed_samples_per_s=consumed,
-                            headroom=produced / consumed if consumed > 0 else 0.0, waited_s_per_step=pf.waited_s / steps_run)
+                            headroom=produced / consumed if consumed > 0 else 0.0,
+                            waited_s_per_step=pf.waited_s / max(1, loop.steps - loop.start - 1),
+                            read_s_per_batch=pf.read_s / batches, prepare_s_per_batch=pf.prepare_s / batches,
+                            processes=pf.processes)
 
 
 def write_summary(loop: Loop, built: Built, device_name: str, started: str, warmup: int, traced: set[int],

@@ -90,7 +90,16 @@ class LoaderThroughput(Spec):
     """``samples_per_s / consumed_samples_per_s``: above 1 the loader keeps up."""
 
     waited_s_per_step: NonNeg = 0.0
-    """Time the step waited on the loader (queue empty), mean over the measured steps."""
+    """Time a step waited on the loader (queue empty), mean over the steps after the first."""
+
+    read_s_per_batch: NonNeg = 0.0
+    """Seconds of reading per micro-batch (divided by the reader processes, which read in parallel)."""
+
+    prepare_s_per_batch: NonNeg = 0.0
+    """Seconds of preparing (pinning) per micro-batch, on the trainer's data thread."""
+
+    processes: int = Field(default=0, ge=0)
+    """Reader processes (0: a thread read)."""
 
 
 class RunResult(Spec):
