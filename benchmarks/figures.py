@@ -210,6 +210,12 @@ FP8_TRAIN = Result("fp8_train_h200.json",
                    "python benchmarks/fp8_train_h200.py --gpus 0,1 --recipe torchao-rowwise --compile layers "
                    "--steps 510 --fp8-layers interformer.0,interformer.1,interformer.2,interformer.3",
                    SPEC + TRAINER + PLANNER + FP8_KERNELS + ("costmodel/flops.py",), script="fp8_train_h200.py")
+def _median(xs: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(xs) if xs else None
+
+
 FRESH = Result("fresh_draws_h200.json",
                "python benchmarks/fresh_draws_h200.py --plan-only --n 10 (seed: the run's date and time), then on the "
                "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
@@ -302,15 +308,24 @@ FIGURES: tuple[Figure, ...] = (
     # trainer
     Figure(TRAINING, "Fresh draws (one-H200 family, seed in the JSON): draws that ran of those drawn", FRESH,
            lambda d: d["summary"]["ran"] / d["summary"]["draws"], "%", Goal(">=", 1.0),
-           note="2026-12-04, seed 20261204150421: 6 of 10 ran; one crashed (a draw with no summary tokens: 'cannot "
-                "reshape tensor of 0 elements'; such a workload is now refused by the spec and the sampler draws at least "
-                "one), one was cut by the lease's budget, two not started (budget)"),
+           note="2026-12-04, seed 20261204172407 (one lease of 30 min for calibration draws, exploration and this): 2 of "
+                "10 ran; 2 were cut by the per-run limit (120 s, start-up and end-of-run checkpoint included), 6 not "
+                "started within the lease's budget. The earlier set (seed 20261204150421): 6 of 10 ran, one crashed (no "
+                "summary tokens, now refused by the spec)"),
     Figure(TRAINING, "Fresh draws: median local MFU, `coplan train` at defaults", FRESH,
            at("summary.median_local_mfu"), "%", Goal(">=", 0.40)),
     Figure(TRAINING, "Fresh draws: lowest local MFU", FRESH, at("summary.min_local_mfu"), "%", Goal(">=", 0.30)),
     Figure(CAL, "Fresh draws: median |predicted / measured step - 1|, uncalibrated `coplan plan`", FRESH,
            at("summary.median_abs_step_error"), "%", Goal("<=", 0.30),
-           note="the prediction is too fast on every draw (1.3-9x); issue 23"),
+           note="the prediction is too fast on every draw: uncalibrated, the host's time is not priced and these "
+                "steps are host-bound (GPU busy 2-20 ms of 30-67 ms steps); issue 23"),
+    Figure(TRAINING, "Fresh draws: time to the first step, median (`summary.json` startup)", FRESH,
+           lambda d: _median([r["startup"]["to_first_step_s"] for r in d["rows"] if r.get("startup")]), "s",
+           note="split in the JSON: launch and imports 13-20 s, data generation 2-9 s, autotuning 19-33 s on a new "
+                "draw's shapes (cached on disk: a repeated run of a draw reached its first step in 16.6 s, "
+                "docs/benchmarks-log/results/fresh_draw_ab_process_loader_e3971b3.json)"),
+    Figure(TRAINING, "Fresh draws: loader throughput / consumption, lowest", FRESH,
+           lambda d: min(r["loader"]["headroom"] for r in d["rows"] if r.get("loader")), "x", Goal(">=", 3.0)),
     Figure(CAL, "Fresh draws: worst |predicted / measured step - 1|, uncalibrated", FRESH,
            at("summary.max_abs_step_error"), "%"),
     Figure(TRAINING, "Local MFU, gem-h200 on one H200, `--compile layers`, 256 samples a step", TRAIN,
@@ -364,7 +379,7 @@ PENDING: tuple[Pending, ...] = (
             goal="scaling ratio ≥ 0.9; predicted step within 10%"),
 )
 
-INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans")
+INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
