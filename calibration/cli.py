@@ -120,8 +120,9 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--rank", type=non_negative_int, default=0, help="whose trace to fit (default: 0)")
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--host-cost", action="store_true",
-                   help="also fit a host cost per priced kernel launch and one per local sample, and a device-step factor "
+    p.add_argument("--host-cost", action=argparse.BooleanOptionalAction, default=True,
+                   help="(default on; --no-host-cost: device efficiencies only) also fit a host cost per priced kernel "
+                        "launch and one per local sample, and a device-step factor "
                         "(device work the ops do not price), to the runs' measured step times (host_launch_s, host_sample_s, "
                         "device_step_factor); a step is then priced at max(factor x device time, launches x host cost "
                         "+ samples x per-sample cost) (see coplan.calibration.host_fit)")

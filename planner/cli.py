@@ -23,7 +23,8 @@ from coplan.errors import CoplanError
 from coplan.planner.precision import precision_line
 from coplan.planner.search import PlannerConfig, make_plan
 from coplan.planner.torchrec_export import write_torchrec
-from coplan.spec import Plan, dump_spec, load_calibration, load_topology, load_workload
+from coplan.calibration.shipped import AUTO, choose
+from coplan.spec import Plan, dump_spec, load_topology, load_workload
 from coplan.spec.topology import MAX_GPUS
 from coplan.units import human_bytes, human_seconds
 
@@ -150,7 +151,7 @@ class PlanProgress:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    inputs = (args.topology, args.workload, args.calibration)
+    inputs = (args.topology, args.workload, *([args.calibration] if args.calibration.lower() not in ("auto", "none") else []))
     out = check_output(args.output, "-o", inputs)
     torchrec = None
     if args.export_torchrec:
@@ -158,7 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
         check_output(torchrec, "--export-torchrec", (*inputs, out))
     progress = None if (args.json or args.quiet) else PlanProgress()
     try:
-        plan = _make_plan(args, progress)
+        plan, calibration_line = _make_plan(args, progress)
     finally:
         if progress is not None:
             progress.stop()
@@ -168,17 +169,18 @@ def run_plan(args: argparse.Namespace) -> int:
         if torchrec is not None:
             written += [str(p) for p in write_torchrec(plan, torchrec)]
     if args.json:
-        print(json.dumps({"written": written, **summary(plan)}, indent=1, default=str))
+        print(json.dumps({"written": written, "calibration_used": calibration_line, **summary(plan)}, indent=1, default=str))
     else:
+        print(calibration_line)
         print_summary(plan)
         print("wrote " + ", ".join(written))
     return 0
 
 
-def _make_plan(args: argparse.Namespace, progress: PlanProgress | None) -> Plan:
+def _make_plan(args: argparse.Namespace, progress: PlanProgress | None) -> tuple[Plan, str]:
     topology = load_topology(args.topology)
     workload = load_workload(args.workload)
-    calibration = load_calibration(args.calibration) if args.calibration else None
+    calibration, line = choose(args.calibration, topology)
     if calibration is not None:
         if args.force:
             # Say so in the calibration itself, so the plan (and whoever re-prices it) carries the choice.
@@ -195,14 +197,16 @@ def _make_plan(args: argparse.Namespace, progress: PlanProgress | None) -> Plan:
                         gap_tolerance=args.gap_tolerance, pins=parse_pins(args.pin, "--pin", int),
                         table_pins=parse_pins(args.pin_table, "--pin-table", str))
     plan, _ = make_plan(workload, topology, calibration, cfg, progress=progress, on_work=progress.work if progress else None)
-    return plan
+    return plan, line
 
 
 def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("plan", help=help_text, description=help_text + f". With no arguments: {DEFAULT_WORKLOAD} on {DEFAULT_TOPOLOGY}.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology preset or file (default {DEFAULT_TOPOLOGY})")
     p.add_argument("--workload", "-w", default=DEFAULT_WORKLOAD, help=f"workload preset or file (default {DEFAULT_WORKLOAD})")
-    p.add_argument("--calibration", "-c", help="calibration.json from coplan calibrate")
+    p.add_argument("--calibration", "-c", default=AUTO,
+                   help="calibration.json from coplan calibrate; 'auto' (default): the one shipped for the topology's GPU, "
+                        "if any (coplan/calibration/data/); 'none': default efficiencies, host time not priced")
     p.add_argument("--force", action="store_true", help="use a calibration fitted on another GPU than the topology's")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--gpus", type=gpu_count, help=f"plan for the first N GPUs of the topology (default: all; at most {MAX_GPUS:,})")

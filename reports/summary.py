@@ -138,7 +138,25 @@ def describe_plan(plan: Plan) -> str:
         else:
             solver = f"chosen by {'the heuristic (no solver ran)' if s.status == 'HEURISTIC' else f'CP-SAT ({s.status}, gap {fmt_pct(s.gap, 2)})'}"
         parts.append(solver)
+    parts.append(describe_calibration(plan))
     return "Plan: " + "; ".join(parts) + "."
+
+
+def describe_calibration(plan: Plan) -> str:
+    """Which calibration priced the plan: its device, date, the commit its runs ran at and its fit error."""
+    c = plan.calibration
+    if c is None:
+        return "priced uncalibrated (default efficiencies; the host's time is not priced)"
+    bits = [f"fitted {c.created_utc[:10]}" if c.created_utc else "fit date unknown"]
+    if c.versions.get("coplan_git_commit"):
+        bits.append(f"runs at commit {c.versions['coplan_git_commit'][:7]}")
+    if c.source_runs:
+        bits.append(f"{len(c.source_runs)} run(s)")
+    if c.fit_error is not None:
+        bits.append(f"per-op fit error median {fmt_pct(c.fit_error.median_abs_rel_error)}")
+    if c.host_launch_s:
+        bits.append(f"host {c.host_launch_s * 1e6:.0f} µs per priced launch")
+    return f"priced with a calibration for {c.device} ({', '.join(bits)})"
 
 
 def describe_prediction(pred: Prediction) -> str:

@@ -70,7 +70,29 @@ def versions() -> dict[str, str]:
             pass
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
+    commit = git_commit()
+    if commit:
+        out["coplan_git_commit"] = commit
     return out
+
+
+def git_commit() -> str:
+    """The commit of the code that runs (``COPLAN_GIT_COMMIT`` where the copy has no history of its own), or ''."""
+    env = os.environ.get("COPLAN_GIT_COMMIT", "")
+    if env:
+        return env
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:  # only the checkout coplan runs from (not a repository an installed copy happens to sit in)
+        r = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                           text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = r.stdout.split()
+    if r.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != here.parent:
+        return ""
+    return lines[1]
 
 
 def trace_window(spec: str, warmup: int, steps: int) -> tuple[int, int]:

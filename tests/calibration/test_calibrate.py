@@ -238,7 +238,7 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     assert cal0.host_launch_s is None
     _, n = step_launches(runs[0].plan, res)
     assert n > 0
-    # the CLI writes the same host cost with --host-cost, and none without it
+    # the CLI writes the same host cost by default (and with --host-cost), and none with --no-host-cost
     from coplan.cli import main
     from coplan.spec import load_calibration
 
@@ -246,6 +246,8 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
     assert main(["calibrate", *map(str, dirs), "-o", str(out), "--host-cost", "--json"]) == 0
     assert load_calibration(out).host_launch_s == pytest.approx(cal.host_launch_s, rel=1e-6)
     assert main(["calibrate", *map(str, dirs), "-o", str(out), "--json"]) == 0
+    assert load_calibration(out).host_launch_s == pytest.approx(cal.host_launch_s, rel=1e-6)
+    assert main(["calibrate", *map(str, dirs), "-o", str(out), "--json", "--no-host-cost"]) == 0
     assert load_calibration(out).host_launch_s is None
 
 

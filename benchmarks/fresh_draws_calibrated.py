@@ -1,0 +1,82 @@
+"""Held-out accuracy of the shipped calibration on fresh draws (issue 23): every draw of
+``benchmarks/results/fresh_draws_h200.json`` that ran on the H200 is planned again with ``coplan plan`` at its
+defaults (the shipped calibration for the topology's GPU) and with ``--calibration none``; where both plans make
+the same choices as the plan that ran, their predicted steps are compared with the measured one (p50). No refit:
+the shipped calibration was fitted on other draws (its ``source_runs``).
+
+Runs on any machine (no GPU): the measurements are the H200's, recorded in the input JSON::
+
+    python benchmarks/fresh_draws_calibrated.py
+
+Writes ``benchmarks/results/fresh_draws_calibrated.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
+
+
+def plan(workload: Path, out: Path, calibration: str) -> dict:
+    subprocess.run([sys.executable, "-m", "coplan.cli", "plan", "-t", "h200-1gpu", "-w", str(workload), "-o", str(out),
+                    "--quiet", "--calibration", calibration], check=True, capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--measured", type=Path, default=RESULTS / "fresh_draws_h200.json")
+    ap.add_argument("--plans", type=Path, default=RESULTS / "fresh_plans")
+    ap.add_argument("--out", type=Path, default=RESULTS / "fresh_draws_calibrated.json")
+    a = ap.parse_args()
+    measured = json.loads(a.measured.read_text())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in measured["rows"]:
+            if "measured_step_p50_s" not in r:
+                continue
+            ran = json.loads((a.plans / r["plan"]).read_text())
+            cal = plan(a.plans / r["workload"], Path(tmp) / "auto.json", "auto")
+            unc = plan(a.plans / r["workload"], Path(tmp) / "none.json", "none")
+            same = all(cal.get(k) == ran.get(k) == unc.get(k) for k in CHOICES)
+            m = r["measured_step_p50_s"]
+            rows.append({"seed": r["seed"], "measured_step_p50_s": m, "same_choices_as_the_run": same,
+                         "calibrated_step_s": cal["predicted"]["step_time_s"],
+                         "uncalibrated_step_s": unc["predicted"]["step_time_s"],
+                         "calibrated_error": cal["predicted"]["step_time_s"] / m - 1,
+                         "uncalibrated_error": unc["predicted"]["step_time_s"] / m - 1,
+                         "calibration": (cal.get("calibration") or {}).get("notes", "")[:160]})
+            print(f"seed {r['seed']}: measured {m * 1e3:.1f} ms, calibrated {rows[-1]['calibrated_step_s'] * 1e3:.1f} ms "
+                  f"({rows[-1]['calibrated_error']:+.0%}), uncalibrated {rows[-1]['uncalibrated_step_s'] * 1e3:.1f} ms "
+                  f"({rows[-1]['uncalibrated_error']:+.0%}){'' if same else ' (plans differ: not counted)'}", flush=True)
+    ok = [x for x in rows if x["same_choices_as_the_run"]]
+    ce, ue = [abs(x["calibrated_error"]) for x in ok], [abs(x["uncalibrated_error"]) for x in ok]
+    result = {"benchmark": "held-out step-time error of the shipped calibration on fresh draws (no refit)",
+              "device": f"CPU, from {measured['device']} measurements", "measured_git_commit": measured["git_commit"],
+              "git_commit": git_commit(), "seed": measured["seed"],
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "summary": {"draws_measured": len(rows), "draws_compared": len(ok),
+                          "median_abs_error_calibrated": statistics.median(ce) if ce else None,
+                          "max_abs_error_calibrated": max(ce) if ce else None,
+                          "median_abs_error_uncalibrated": statistics.median(ue) if ue else None,
+                          "max_abs_error_uncalibrated": max(ue) if ue else None},
+              "rows": rows}
+    a.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
