@@ -43,7 +43,12 @@ from coplan.spec.workload import sample_lengths
 from coplan.trainer.features import FeatureLayout, feature_layout
 
 DATASET_META = "dataset.json"
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
+"""Version 2: a sample's pooled features in two columns (``pooled_lengths``: one length per table;
+``pooled_ids``: the ids of every table, in table order), read in two column operations whatever the
+number of tables (version 1 kept one column per table: 100-500 column reads a batch). Same ids and labels."""
+
+POOLED_LENGTHS, POOLED_IDS = "pooled_lengths", "pooled_ids"
 
 _HASH_MULT = 2_654_435_761  # a prime larger than any table: id = (rank · p + shift) mod rows is a bijection
 
@@ -105,14 +110,22 @@ def _generate_chunk(workload: Workload, layout: FeatureLayout, n: int, seed: int
     logits = np.zeros((n, n_tasks))
     # pooled features: bags of Zipf ids; the teacher scores a bag by its mean id score
     pooled_terms = np.zeros((n, n_tasks))
+    per_table_lengths, per_table_ids = [], []
     for fi, f in enumerate(layout.pooled):
         t = f.table
         pf = t.pooling_factor
         lengths = np.ones(n, dtype=np.int64) if pf <= 1.0 else 1 + rng.poisson(pf - 1.0, size=n)
         ids = zipf_ids(rng, int(lengths.sum()), t.num_rows, t.zipf_alpha, shift=_table_shift(seed, t.name))
-        cols[f.name] = pa.ListArray.from_arrays(_offsets(lengths), pa.array(ids, type=pa.int64()))
+        per_table_lengths.append(lengths)
+        per_table_ids.append(ids)
         for k in range(n_tasks):
             pooled_terms[:, k] += _segment_mean(teacher_score(ids, 1_000 * k + fi), lengths)
+    if layout.pooled:
+        lengths_tb = np.stack(per_table_lengths)  # (tables, samples)
+        ids_sample_major = np.concatenate(per_table_ids)[regroup(lengths_tb)]
+        cols[POOLED_LENGTHS] = pa.FixedSizeListArray.from_arrays(
+            pa.array(lengths_tb.T.reshape(-1).astype(np.int32), type=pa.int32()), len(layout.pooled))
+        cols[POOLED_IDS] = pa.ListArray.from_arrays(_offsets(lengths_tb.sum(axis=0)), pa.array(ids_sample_major, type=pa.int64()))
     logits += math.sqrt(3.0) * pooled_terms / math.sqrt(max(1, len(layout.pooled)))
     # histories: recency-weighted mean of the events' id scores
     seq_lengths: dict[str, np.ndarray] = {}
@@ -172,6 +185,21 @@ def markov_tokens(rng: np.random.Generator, counts: np.ndarray, vocab: int, keep
     last = np.maximum.accumulate(np.where(reset, pos, 0)) if total else pos
     ids = (draws[last] + (pos - last) * TOKEN_STRIDE) % vocab
     return ids.astype(np.int64), counts
+
+
+def regroup(lengths: np.ndarray) -> np.ndarray:
+    """For bags laid out row-major over ``lengths`` (shape (R, C): bag (r, c) holds ``lengths[r, c]`` ids, the
+    bags of row 0 first), the gather index that lays the same ids out column-major (bag (0, c), (1, c), ... for
+    c = 0, 1, ...). Table-major <-> sample-major, both ways: ``regroup(L)`` inverts ``regroup(L.T)``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    flat = lengths.reshape(-1)
+    starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).reshape(lengths.shape) if flat.size else flat.reshape(lengths.shape)
+    order_starts, order_lengths = starts.T.reshape(-1), lengths.T.reshape(-1)
+    total = int(order_lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    out_starts = np.concatenate([[0], np.cumsum(order_lengths)[:-1]])
+    return np.repeat(order_starts - out_starts, order_lengths) + np.arange(total, dtype=np.int64)
 
 
 def _offsets(lengths: np.ndarray) -> pa.Array:
@@ -251,7 +279,7 @@ class ParquetSource:
         self.layout = layout
         self.files = [pq.ParquetFile(f) for f in files]
         schema = self.files[0].schema_arrow
-        need = layout.pooled_names + [t.name for s in layout.sequences for t in layout.sequence_tables[s]]
+        need = ([POOLED_LENGTHS, POOLED_IDS] if layout.pooled else []) + [t.name for s in layout.sequences for t in layout.sequence_tables[s]]
         need += [f"len_{s}" for s in layout.sequences] + [f"label_{t}" for t in layout.tasks]
         need += [f"tok_{s}" for s in layout.token_sequences]
         if layout.num_dense:
@@ -435,11 +463,14 @@ class BatchReader:
         mine = shares[self.rank * M + micro_batch]
         rank_costs = bin_costs.reshape(self.world_size, M)[:, micro_batch]
         local = table.take(pa.array(mine))
-        pl, pv = [], []
-        for name in lay.pooled_names:
-            ln, vals = _list_column(local, name)
-            pl.append(ln)
-            pv.append(vals)
+        if lay.pooled:  # stored sample-major; TorchRec's KJT wants them table-major
+            n_t = len(lay.pooled)
+            lengths_bt = local.column(POOLED_LENGTHS).combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(
+                np.int64).reshape(len(mine), n_t)
+            _, ids = _list_column(local, POOLED_IDS)
+            pooled_lengths, pooled_values = lengths_bt.T.reshape(-1), ids[regroup(lengths_bt)]
+        else:
+            pooled_lengths, pooled_values = np.zeros(0, np.int64), np.zeros(0, np.int64)
         seq_lengths, seq_values = {}, {}
         for s in lay.sequences:
             seq_lengths[s] = local.column(f"len_{s}").to_numpy().astype(np.int64)
@@ -460,8 +491,7 @@ class BatchReader:
         labels = (np.stack([local.column(f"label_{t}").to_numpy().astype(np.float32) for t in lay.tasks], axis=1)
                   if lay.tasks else np.zeros((len(mine), 0), np.float32))
         return HostBatch(
-            step=step, indices=mine, pooled_lengths=np.concatenate(pl) if pl else np.zeros(0, np.int64),
-            pooled_values=np.concatenate(pv) if pv else np.zeros(0, np.int64), seq_lengths=seq_lengths,
+            step=step, indices=mine, pooled_lengths=pooled_lengths, pooled_values=pooled_values, seq_lengths=seq_lengths,
             seq_values=seq_values, dense=dense, labels=labels, global_lengths=g_lengths, rank_costs=rank_costs,
             token_ids=token_ids, micro_batch=micro_batch, num_micro_batches=M,
         )
@@ -635,6 +665,10 @@ def check_dataset(path: str | Path, workload: Workload) -> dict:
     if not meta_path.is_file():
         raise DataError(f"{path}: no {DATASET_META}; not a coplan dataset")
     meta = json.loads(meta_path.read_text())
+    if meta.get("generator_version") != GENERATOR_VERSION:
+        raise DataError(f"{path}: written by data generator version {meta.get('generator_version')}; this coplan reads "
+                        f"version {GENERATOR_VERSION} (the pooled features' columns changed): delete the folder, or pass "
+                        "--data to a new one, and it is generated again")
     if meta.get("data_sha256") != data_sha256(workload):
         raise MismatchError(f"{path}: written for workload '{meta.get('workload')}', whose inputs (tables, sequences, "
                             f"dense features, tasks) differ from those of '{workload.name}'; generate data for this plan")

@@ -42,9 +42,15 @@ def test_files_have_jagged_list_columns(tiny, dataset):
     lay = feature_layout(tiny)
     import pyarrow as pa
 
-    for f in lay.pooled_names + ["hist_item", "hist_action"]:
+    for f in ["pooled_ids", "hist_item", "hist_action"]:
         typ = table.schema.field(f).type
         assert pa.types.is_list(typ) and typ.value_type == pa.int64()
+    # the pooled features: one length per table and sample, the ids of every table in table order
+    typ = table.schema.field("pooled_lengths").type
+    assert pa.types.is_fixed_size_list(typ) and typ.list_size == len(lay.pooled_names)
+    lens = table.column("pooled_lengths").combine_chunks().flatten().to_numpy().reshape(-1, len(lay.pooled_names))
+    assert np.array_equal(lens.sum(axis=1), table.column("pooled_ids").combine_chunks().value_lengths().to_numpy())
+    assert (lens >= 1).all()
     lengths = table.column("len_history").to_numpy()
     assert np.array_equal(table.column("hist_item").combine_chunks().value_lengths().to_numpy(), lengths)
     assert lengths.min() >= 0 and lengths.max() <= 64
@@ -75,7 +81,9 @@ def test_lengths_are_long_tailed_and_ids_skewed():
 def test_labels_follow_the_teacher(tiny, dataset):
     """The labels carry signal a model can learn: the teacher's pooled-id score predicts the CTR label."""
     t = pq.read_table(dataset / "part-00000.parquet")
-    user = t.column("user_id").combine_chunks().flatten().to_numpy()  # one id per sample
+    lay = feature_layout(tiny)
+    assert lay.pooled[0].name == "user_id" and lay.pooled[0].table.pooling_factor <= 1.0  # one id per sample, first
+    user = np.array([ids[0] for ids in t.column("pooled_ids").to_pylist()])
     score = teacher_score(user, 0)
     y = t.column("label_ctr").to_numpy()
     assert 0.05 < y.mean() < 0.95
@@ -231,3 +239,50 @@ def test_reader_processes_default_to_none_on_cpu():
 
     assert default_reader_processes("cpu", 1) == 0
     assert 1 <= default_reader_processes("cuda", 8) <= 4 and 1 <= default_reader_processes("cuda", 1) <= 4
+
+
+def test_regroup_swaps_table_major_and_sample_major_bags():
+    from coplan.trainer.data import regroup
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        lengths = rng.integers(0, 4, size=(int(rng.integers(0, 5)), int(rng.integers(0, 5))))
+        vals = np.arange(int(lengths.sum()))
+        bags, pos = {}, 0
+        for r in range(lengths.shape[0]):
+            for c in range(lengths.shape[1]):
+                bags[r, c] = vals[pos:pos + lengths[r, c]]
+                pos += lengths[r, c]
+        want = [bags[r, c] for c in range(lengths.shape[1]) for r in range(lengths.shape[0])]
+        got = vals[regroup(lengths)]
+        assert np.array_equal(got, np.concatenate(want) if want else np.zeros(0))
+        assert np.array_equal(got[regroup(lengths.T)], vals)
+
+
+def test_reader_gives_each_table_its_bags(tiny, dataset):
+    """The batch's pooled features are table-major as TorchRec's KJT wants them, each bag as generated."""
+    import pyarrow.parquet as pq
+
+    lay = feature_layout(tiny)
+    r = BatchReader(tiny, dataset, world_size=1, rank=0, policy="greedy", global_batch=32)
+    hb = r.read(0)
+    table = pq.read_table(sorted(dataset.glob("*.parquet"))[0]).take(hb.indices)
+    T, B = len(lay.pooled_names), len(hb.indices)
+    lens = table.column("pooled_lengths").combine_chunks().flatten().to_numpy().reshape(B, T)
+    ids = table.column("pooled_ids").to_pylist()
+    assert np.array_equal(hb.pooled_lengths, lens.T.reshape(-1))
+    pos = 0
+    for t in range(T):
+        for b in range(B):
+            start = int(lens[b, :t].sum())
+            assert list(hb.pooled_values[pos:pos + lens[b, t]]) == ids[b][start:start + lens[b, t]]
+            pos += lens[b, t]
+
+
+def test_a_dataset_of_an_older_generator_is_refused(tiny, tmp_path):
+    d = generate_dataset(tiny, tmp_path / "old", 64, seed=1)
+    meta = json.loads((d / "dataset.json").read_text())
+    meta["generator_version"] = 1
+    (d / "dataset.json").write_text(json.dumps(meta))
+    with pytest.raises(CoplanError, match="generator version 1"):
+        check_dataset(d, tiny)
