@@ -219,6 +219,9 @@ def _median(xs: list[float]) -> float | None:
 FRESH_CAL = Result("fresh_draws_calibrated.json", "python benchmarks/fresh_draws_calibrated.py",
                    SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h200.json",),
                    script="fresh_draws_calibrated.py")
+LOADER = Result("loader_throughput.json", "python benchmarks/loader_throughput.py",
+                SPEC + ("trainer/data.py", "trainer/features.py", "costmodel/jagged.py", "costmodel/flops.py",
+                        "benchmarks/results/fresh_draws_h200.json"), script="loader_throughput.py")
 FRESH = Result("fresh_draws_h200.json",
                "python benchmarks/fresh_draws_h200.py --plan-only --n 10 (seed: the run's date and time), then on the "
                "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
@@ -328,7 +331,16 @@ FIGURES: tuple[Figure, ...] = (
                 "draw's shapes (cached on disk: a repeated run of a draw reached its first step in 16.6 s, "
                 "docs/benchmarks-log/results/fresh_draw_ab_process_loader_e3971b3.json)"),
     Figure(TRAINING, "Fresh draws: loader throughput / consumption, lowest", FRESH,
-           lambda d: min(r["loader"]["headroom"] for r in d["rows"] if r.get("loader")), "x", Goal(">=", 3.0)),
+           lambda d: min(r["loader"]["headroom"] for r in d["rows"] if r.get("loader")), "x", Goal(">=", 3.0),
+           note="measured with data generator v1 (one Parquet column per table); v2 reads 11x faster on this CPU "
+                "(next rows)"),
+    Figure(TRAINING, "Loader alone, one reader process on this CPU: median samples/s over the held-out draws", LOADER,
+           at("summary.median_samples_per_s"), "samples/s",
+           note="generator v1 (one column per table) on the same draws and machine: 403 samples/s "
+                "(docs/benchmarks-log/results/loader_throughput_a397979_generator_v1.json)"),
+    Figure(TRAINING, "Loader alone, one process on this CPU, over the H200 runs' consumption: lowest", LOADER,
+           at("summary.min_headroom_one_process"), "x", Goal(">=", 3.0),
+           note="a floor: the trainer reads with up to 4 processes per rank on CUDA hosts; two draws had H200 runs"),
     Figure(CAL, "Fresh draws: worst |predicted / measured step - 1|, uncalibrated", FRESH,
            at("summary.max_abs_step_error"), "%"),
     Figure(CAL, "Fresh draws: held-out draws priced with the shipped calibration (no refit)", FRESH_CAL,
