@@ -1,7 +1,9 @@
 """Jagged training data: a seeded generator that writes Parquet, a reader, and the per-rank split.
 
-Files hold one row per sample: ``dense`` (list<float32>), one ``list<int64>`` column per pooled
-feature (a bag of ids), one ``list<int64>`` column per sequence table (one id per event), ``len_<sequence>``
+Files hold one row per sample: ``dense`` (list<float32>), the pooled features in two columns whatever
+their number (``pooled_lengths``: fixed-size list<int32>, one bag length per table; ``pooled_ids``:
+list<int64>, every table's bag in table order), one ``list<int64>`` column per sequence table (one id per
+event), ``len_<sequence>``
 (int32), ``tok_<sequence>`` (list<int64>, ``L + 1`` token ids, for the sequences a transformer with a
 vocabulary reads) and ``label_<task>`` (float32). The generator draws long-tailed history lengths from
 the workload's distributions, Zipf-skewed ids spread over the rows by an affine hash (as hashed ids
