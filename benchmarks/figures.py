@@ -333,12 +333,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure(TRAINING, "Fresh draws: loader throughput / consumption, lowest", FRESH,
            lambda d: min(r["loader"]["headroom"] for r in d["rows"] if r.get("loader")), "x", Goal(">=", 3.0),
            note="measured with data generator v1 (one Parquet column per table); v2 reads 7-11x faster on this CPU "
-                "(next rows; two runs, both beside the CI suite on the same two cores)"),
+                "(next rows; two paired runs, both beside the CI suite on the same two cores)"),
     Figure(TRAINING, "Loader alone, one reader process on this CPU: median samples/s over the held-out draws", LOADER,
            at("summary.median_samples_per_s"), "samples/s",
            note="generator v1 (one column per table) on the same draws and machine: 403 samples/s "
-                "(docs/benchmarks-log/results/loader_throughput_a397979_generator_v1.json); v2 measured twice: 4,545 and "
-                "2,866 samples/s (this machine's other load moves it)"),
+                "(docs/benchmarks-log/results/loader_throughput_a397979_generator_v1.json), measured beside the CI suite; v2 "
+                "beside it: 4,545 and 2,866 samples/s; the figure here is v2 on an idle machine"),
     Figure(TRAINING, "Loader alone, one process on this CPU, over the H200 runs' consumption: lowest", LOADER,
            at("summary.min_headroom_one_process"), "x", Goal(">=", 3.0),
            note="a floor: the trainer reads with up to 4 processes per rank on CUDA hosts; two draws had H200 runs"),
