@@ -11,22 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from compile_host import union_length  # (the scripts run by path: benchmarks/ is on sys.path)
 from coplan.calibration.attribution import attribute
 from coplan.calibration.host_profile import host_profile
 from coplan.calibration.kineto import load_trace
 from coplan.spec import RunDir
 
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
 
 
 def device_busy(trace: dict[str, Any]) -> tuple[float, float, int]:
@@ -44,7 +35,7 @@ def device_busy(trace: dict[str, Any]) -> tuple[float, float, int]:
     busy = kernels = 0.0
     for a, b in windows:
         inside = [(max(a, x), min(b, y)) for x, y in work if y > a and x < b]
-        busy += _union(inside)
+        busy += union_length(inside)
         kernels += len(inside)
     n = len(windows)
     return busy / n * 1e-6, sum(b - a for a, b in windows) / n * 1e-6, int(kernels / n)

@@ -117,7 +117,8 @@ def _self_times(ops: list[dict], runtime: list[dict]) -> dict[int, float]:
     return out
 
 
-def _union_us(spans: list[tuple[float, float]]) -> float:
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the spans (overlaps counted once), in their unit."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b <= end:
@@ -174,7 +175,7 @@ def analyze_step(events: list[dict], names: dict, step: dict, top: int = 15) -> 
             acc[1] += 1
             slf[k] = slf.get(k, 0.0) + selfs.get(id(e), e["dur"])
         rt_mine = [e for e in rt if e["tid"] == tid]
-        busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in mine + rt_mine])
+        busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in mine + rt_mine])
         threads[str(tid)] = {
             "name": names.get(tid), "busy_ms": busy / 1e3,
             "runtime_calls_ms": sum(e["dur"] for e in rt_mine) / 1e3,
@@ -213,7 +214,7 @@ def analyze_step(events: list[dict], names: dict, step: dict, top: int = 15) -> 
                 waits_dep += gap
         end = max(end or d["ts"], d["ts"] + d["dur"])
     window = (end - dev[0]["ts"]) if dev else 0.0
-    busy_dev = _union_us([(d["ts"], d["ts"] + d["dur"]) for d in dev])
+    busy_dev = union_length([(d["ts"], d["ts"] + d["dur"]) for d in dev])
     lag_profile = [{"launch_at_ms": 5 * b, "launches": len(v), "median_lag_us": _pct(v, 0.5), "min_lag_us": min(v)}
                    for b, v in sorted(lag_bins.items())]
 

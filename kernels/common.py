@@ -7,6 +7,7 @@ one spelling of each choice, and so that an error can be raised before anything 
 from __future__ import annotations
 
 import enum
+import time
 
 
 class JaggedInputError(ValueError):

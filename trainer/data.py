@@ -550,8 +550,6 @@ class Prefetcher:
         trainer pins the batch's tensors there); ``setup``: run once on the thread first (its CUDA device)."""
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self.busy_s = 0.0
-        """Seconds of the loader's busier stage (its throughput's denominator)."""
         self.samples = 0
         """Samples in the items it produced."""
         self.waited_s = 0.0
@@ -619,7 +617,6 @@ class Prefetcher:
                         if prepare is not None:
                             item = (item, prepare(item))
                         self.prepare_s += time.perf_counter() - t0
-                        self.busy_s = max(self.read_s, self.prepare_s)
                         self.samples += n
                     except BaseException as e:  # surfaced on the consumer side
                         self._q.put(e)
@@ -628,6 +625,11 @@ class Prefetcher:
 
         self._thread = threading.Thread(target=work, name="coplan-data", daemon=True)
         self._thread.start()
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds of the loader's busier stage (its throughput's denominator)."""
+        return max(self.read_s, self.prepare_s)
 
     def __iter__(self) -> Iterator[HostBatch]:
         return self
