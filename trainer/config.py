@@ -57,6 +57,9 @@ class TrainConfig:
     """Read metrics back every N steps (None: 1 on CPU, 10 on CUDA)."""
     compile: Literal["off", "layers", "layers-cpp"] = "off"
     """torch.compile of the InterFormer and Kunlun layers."""
+    cuda_graphs: Literal["auto", "off"] = "auto"
+    """The dense arch's forward and backward as CUDA graphs per padded history length where they apply
+    (:mod:`coplan.trainer.graphs`); ``off``: eager."""
     seq_chunk: int = 32
     """Sequence lookups' bags of at most N ids per sample's history (0: one bag per sample)."""
     allow_device_mismatch: bool = False
@@ -147,6 +150,7 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
             data_samples=args.data_samples, seed=args.seed, device=args.device, attention=args.attention,
             trace=args.trace, checkpoint_every=args.checkpoint_every, keep_last_n=args.keep_last_n,
             log_every=args.log_every, compile=args.compile, seq_chunk=args.seq_chunk,
+            cuda_graphs=getattr(args, "cuda_graphs", None) or "auto",
             allow_device_mismatch=args.allow_device_mismatch, progress=not args.no_progress,
             last_plan=i == len(plans) - 1))
     return out

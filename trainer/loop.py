@@ -32,6 +32,7 @@ from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha
 from coplan.trainer.distributed.fsdp import DTYPES
 from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
 from coplan.trainer.features import FeatureLayout
+from coplan.trainer.graphs import DenseGraphs, graphs_unavailable
 from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
 from coplan.trainer.model.gem import GEMModel, loss_parts
 from coplan.trainer.model.layers import enable_segment_sum_gemm, resolve_backend, segment_sum_gemm_works
@@ -205,6 +206,8 @@ class Built:
     optims: Optimizers
     backend: str
     """The attention backend the model runs."""
+    graphs: DenseGraphs | None = None
+    """Runs the dense arch (CUDA graphs where they apply; None: the model's own forward under FSDP2)."""
     notes: list[str] = field(default_factory=list)
     """How the step runs where that depends on the device (for the summary)."""
 
@@ -218,12 +221,20 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
     notes = enable_grouped_experts(model, plan, device) + enable_segment_sums(plan, device)
     if clock is not None:
         clock.mark("build")
+    why_not = ("--cuda-graphs off" if cfg.cuda_graphs == "off" else
+               graphs_unavailable(model, device=device, world=ranks.world, compile_mode=cfg.compile, backend=backend,
+                                  fp8_layers=len(plan.fp8_layers)))
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=ranks.local_world, seed=cfg.seed,
-                     compile_layers=cfg.compile)
+                     compile_layers=cfg.compile, fsdp=why_not is not None)
+    graphs = None
+    if why_not is None:
+        graphs = model.dense_graphs = DenseGraphs(model.dense, DTYPES[plan.precision.compute_dtype], device)
+    elif device.type == "cuda":
+        notes.append(f"CUDA graphs off ({why_not})")
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda")
     if clock is not None:
         clock.mark("sharding")
-    return Built(model=model, pm=pm, optims=optims, backend=backend, notes=notes)
+    return Built(model=model, pm=pm, optims=optims, backend=backend, graphs=graphs, notes=notes)
 
 
 def resume(run_dir: Path, built: Built, rank: int) -> int:
@@ -292,7 +303,7 @@ class Loop:
     def __init__(self, cfg: TrainConfig, plan: Plan, ranks: Ranks, device: torch.device, run_dir: Path, built: Built,
                  data_dir: Path, start: int) -> None:
         self.cfg, self.plan, self.ranks, self.device, self.run_dir = cfg, plan, ranks, device, run_dir
-        self.pm, self.optims = built.pm, built.optims
+        self.pm, self.optims, self.graphs = built.pm, built.optims, built.graphs
         self.start, self.steps = start, cfg.steps
         self.global_batch = plan.workload.batch.global_(plan.world_size)
         self.layout = built.model.layout.with_seq_chunk(cfg.seq_chunk)
@@ -357,6 +368,8 @@ class Loop:
         over the ranks once, in the optimizer step."""
         micro_batches = self.plan.micro_batches
         step_parts, hbs = None, []
+        if self.graphs is not None:
+            self.graphs.begin_step()
         for micro in range(micro_batches):
             if self._ahead is None:
                 hb, ht = next(self.prefetch)
@@ -493,7 +506,9 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
              f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor'}",
              f"data: {loop.prefetch.processes or 'no'} reader process(es) and a pinning thread",
              f"sparse input dist {'one batch ahead' + (' on a side stream' if pipe.stream is not None else '') if pipe.enabled else 'in forward'}",
-             f"FSDP2 units: {'one per layer' if pm.fsdp_per_layer else 'the dense root only'}",
+             ("FSDP2: none (one rank; the CUDA graphs cast the fp32 masters)" if built.graphs is not None else
+              f"FSDP2 units: {'one per layer' if pm.fsdp_per_layer else 'the dense root only'}"),
+             *([built.graphs.stats.note()] if built.graphs is not None else []),
              f"compile {loop.cfg.compile}",
              seq_chunk_note(loop.layout)]
     if device.type == "cpu":

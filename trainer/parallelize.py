@@ -85,7 +85,10 @@ def _without_tables(model: nn.Module) -> nn.Module:
 
 
 def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes, *, device: torch.device,
-                local_size: int, seed: int, compile_layers: str | bool = False, fsdp_per_layer: bool | None = None) -> ParallelModel:
+                local_size: int, seed: int, compile_layers: str | bool = False, fsdp_per_layer: bool | None = None,
+                fsdp: bool = True) -> ParallelModel:
+    """``fsdp=False``: leave the dense parameters unsharded (one-rank runs whose dense arch runs as CUDA
+    graphs, which cast the masters to the compute dtype themselves: :mod:`coplan.trainer.graphs`)."""
     if getattr(model, "sparse", None) is None:  # no tables (a dense decoder): no TorchRec sharding at all
         dmp, sync = _without_tables(model), None
     else:
@@ -99,7 +102,7 @@ def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes
     apply_fp8(dense, plan)
     recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
     apply_compile(dense, compile_layers)
-    per_layer = apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision, per_layer=fsdp_per_layer)
+    per_layer = apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision, per_layer=fsdp_per_layer) if fsdp else False
     return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed,
                          ep_mesh=meshes.ep_mesh if dims.ep_enabled else None, fsdp_per_layer=per_layer,
                          replica_sync=sync, sparse_shard=dims.sparse_shard)

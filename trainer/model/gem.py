@@ -49,7 +49,7 @@ from coplan.spec.workload import (
 from coplan.trainer.features import FeatureLayout, TokenLayout, check_sequences, feature_layout, readouts, token_layout
 from coplan.trainer.model.decoder import DecoderStack, last_tokens
 from coplan.trainer.model.dlrm import DotInteraction, column_index
-from coplan.trainer.model.layers import MLP, InterFormerLayer, KunlunLayer, segment_ids, segment_sum
+from coplan.trainer.model.layers import MLP, InterFormerLayer, KunlunLayer, mask_rows, segment_ids, segment_sum
 from coplan.trainer.model.moe import MoELayer
 
 
@@ -136,22 +136,25 @@ class InterFormerStack(nn.Module):
         self.out_norm = nn.LayerNorm(d)
         self.to_tokens = nn.Linear(d, token_width) if d != token_width else nn.Identity()
 
-    def forward(self, seq: dict[str, torch.Tensor], offsets: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def forward(self, seq: dict[str, torch.Tensor], offsets: torch.Tensor, ctx: torch.Tensor,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``valid``: which rows of the history are tokens (``None``: all of them; padded rows are masked,
+        see :func:`~coplan.trainer.model.layers.mask_rows`)."""
         n = self.name
         x = torch.cat([seq[f] for f in self.features], dim=-1) if len(self.features) > 1 else seq[self.features[0]]
         total, batch = x.shape[0], offsets.numel() - 1
         with record_function(f"{n}.0.input_proj"):
-            seg = segment_ids(offsets, total)
+            seg = segment_ids(offsets, total, padded=valid is not None)
             # position counted from the most recent event (recency), bounded by the spec's max length
             pos = (offsets[1:][seg] - 1 - torch.arange(total, device=x.device)).clamp_(0, self.max_len - 1)
             h = self.input(x) + self.pos(pos)
             summary = self.summary_init + self.summary_ctx(ctx).view(batch, self.num_summary, -1)
         for layer in self.layers:
-            h, summary = layer(h, offsets, summary, ctx)
+            h, summary = layer(h, offsets, summary, ctx) if valid is None else layer(h, offsets, summary, ctx, valid)
         with record_function(f"{n}.{len(self.layers) - 1}.norm_act"):
             # mean of the final history tokens (an empty history gives zeros) joins every summary token
             lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)
-            pooled = (segment_sum(h, offsets) / lengths[:, None]).to(h.dtype)
+            pooled = (segment_sum(mask_rows(h, valid), offsets) / lengths[:, None]).to(h.dtype)
             summary = summary + pooled[:, None, :]
             return self.to_tokens(self.out_norm(summary))
 
@@ -233,6 +236,7 @@ class DenseArch(nn.Module):
         elif tokens.pooled_source == "learned":
             self.pooled_const = nn.Parameter(torch.randn(tokens.pooled, w) * 0.02)
         self.pooled_features = [(f.name, f.table.dim) for f in layout.pooled]
+        self._chunk_cols: dict[tuple, torch.Tensor] = {}
         self.blocks = nn.ModuleDict()
         self.order: list[str] = []
         for b in workload.blocks:
@@ -267,7 +271,11 @@ class DenseArch(nn.Module):
     def _pooled_chunks(self, pooled: torch.Tensor, keys: tuple[str, ...], widths: list[int], batch: int) -> torch.Tensor:
         """The pooled embeddings (in layout order) as ``[B, ⌈Σ dims / width⌉, width]``, zero-padded."""
         w = self.tokens.width
-        cols = torch.tensor(column_index(self.pooled_features, keys, widths), dtype=torch.long, device=pooled.device)
+        ck = (keys, tuple(widths), str(pooled.device))
+        cols = self._chunk_cols.get(ck)
+        if cols is None:  # built once per layout (no host-to-device copy per step, none inside a CUDA graph)
+            cols = self._chunk_cols[ck] = torch.tensor(column_index(self.pooled_features, keys, widths), dtype=torch.long,
+                                                       device=pooled.device)
         x = pooled.index_select(1, cols)
         pad = self.tokens.pooled * w - x.shape[1]
         if pad:
@@ -286,9 +294,11 @@ class DenseArch(nn.Module):
         token_ids: dict[str, torch.Tensor] | None = None,
         targets: dict[str, torch.Tensor] | None = None,
         batch_size: int | None = None,
+        valid: dict[str, torch.Tensor] | None = None,
     ):
         """Task logits ``[B, tasks]``; with ``targets`` (token sequence -> next-token ids; ``{}`` when there
-        are none), a :class:`DenseOutput` with the token losses too."""
+        are none), a :class:`DenseOutput` with the token losses too. ``valid``: per sequence, which rows of
+        its padded features are tokens (:mod:`coplan.trainer.graphs`; InterFormer blocks only)."""
         if batch_size is None:
             sources = [t.shape[0] for t in (pooled, dense) if t is not None] + [o.numel() - 1 for o in offsets.values()]
             if not sources:
@@ -321,7 +331,8 @@ class DenseArch(nn.Module):
             if kind == "interformer":
                 if ctx is None:
                     ctx = torch.zeros(batch, w, device=offsets[block.sequence].device)
-                s = block(seq, offsets[block.sequence], ctx)
+                mask = valid.get(block.sequence) if valid else None
+                s = block(seq, offsets[block.sequence], ctx) if mask is None else block(seq, offsets[block.sequence], ctx, mask)
                 z = s if z is None else torch.cat([z, s], dim=1)
             elif kind in ("kunlun", "moe"):
                 z = block(z)
@@ -372,6 +383,8 @@ class GEMModel(nn.Module):
             from coplan.trainer.model.sparse import SparseArch
 
             self.sparse = SparseArch(self.layout, device="meta")
+        self.dense_graphs = None
+        """A :class:`~coplan.trainer.graphs.DenseGraphs` that runs the dense arch (set by the trainer where it applies)."""
         # Dense weights are drawn on the CPU from one seed, so every rank (and the reference) starts equal.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -384,6 +397,9 @@ class GEMModel(nn.Module):
             pooled, keys, widths, seq = self.sparse(batch.pooled, batch.sequences, getattr(batch, "sparse_dist", None))
         else:
             pooled, keys, widths, seq = None, (), [], {}
+        if self.dense_graphs is not None:
+            logits = self.dense_graphs(pooled, keys, widths, seq, batch.offsets, batch.dense, batch.size)
+            return DenseOutput(logits.float(), {})
         out = self.dense(pooled, keys, widths, seq, batch.offsets, batch.dense, token_ids=getattr(batch, "token_ids", {}),
                          targets=getattr(batch, "targets", {}), batch_size=batch.size)
         return DenseOutput(out.logits.float(), {s: v.float() for s, v in out.token_loss.items()})

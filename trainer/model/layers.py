@@ -176,10 +176,27 @@ def segment_sum_gemm_works(device: torch.device, dtype: torch.dtype, dim: int = 
         return False
 
 
-def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """Sample index of every row of a jagged tensor with ``total`` rows (no host sync)."""
+def segment_ids(offsets: torch.Tensor, total: int, *, padded: bool = False) -> torch.Tensor:
+    """Sample index of every row of a jagged tensor with ``total`` rows (no host sync).
+
+    ``padded``: the tensor may hold rows past ``offsets[-1]`` (a CUDA graph's bucket, :mod:`coplan.trainer.graphs`);
+    they get the last sample's index, so that indexing by it stays in range. Their values never reach the
+    loss (the layers mask them), so their gradients are zeros and summing them into that sample adds nothing."""
+    if padded:
+        rows = torch.arange(total, device=offsets.device, dtype=offsets.dtype)
+        return torch.searchsorted(offsets[1:], rows, right=True).clamp_(max=max(0, offsets.numel() - 2))
     lengths = offsets[1:] - offsets[:-1]
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
+
+
+def mask_rows(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``x`` with the rows that ``valid`` (bool ``[T]``) leaves out set to zero, forward and backward (``None``:
+    ``x``). A padded jagged tensor's extra rows are in no sample: the attention kernels neither read nor write
+    them (their outputs and input gradients there are whatever memory held), so every path from those rows
+    towards the loss goes through this select, which drops them, NaNs included, both ways."""
+    if valid is None:
+        return x
+    return torch.where(valid.view(-1, *([1] * (x.dim() - 1))), x, x.new_zeros(()))
 
 
 def op_range(module: nn.Module, op: str):
@@ -267,18 +284,21 @@ class InterFormerLayer(nn.Module):
         nn.init.zeros_(self.film.bias)
 
     def forward(
-        self, h: torch.Tensor, offsets: torch.Tensor, summary: torch.Tensor, ctx: torch.Tensor
+        self, h: torch.Tensor, offsets: torch.Tensor, summary: torch.Tensor, ctx: torch.Tensor,
+        valid: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``valid``: which rows of ``h`` are tokens (``None``: all; a padded history, see :func:`mask_rows`)."""
         total, batch = h.shape[0], offsets.numel() - 1
-        seg = segment_ids(offsets, total)
+        seg = segment_ids(offsets, total, padded=valid is not None)
         with op_range(self, "norm_act"):
             gamma, beta = self.film(ctx).chunk(2, dim=-1)
             x = torch.addcmul(expand_segments(beta, seg, offsets), self.norm1(h), expand_segments(1.0 + gamma, seg, offsets))
         with op_range(self, "qkv"):
-            q, k, v = self.qkv(x).view(total, 3, self.heads, self.head_dim).unbind(1)
+            q, k, v = mask_rows(self.qkv(x), valid).view(total, 3, self.heads, self.head_dim).unbind(1)
         with op_range(self, "gdpa"):
-            a = jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal, max_len=self.max_len,
-                                 scale=self.scale, out_scale=self.out_scale, backend=self.backend)
+            a = mask_rows(jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal,
+                                           max_len=self.max_len, scale=self.scale, out_scale=self.out_scale,
+                                           backend=self.backend), valid)
         with op_range(self, "attn_out"):
             h = h + self.out(a.reshape(total, self.inner))
         with op_range(self, "norm_act"):
@@ -331,6 +351,6 @@ class KunlunLayer(nn.Module):
 
 __all__ = [
     "FFN", "InterFormerLayer", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "expand_segments",
-    "jagged_attention", "op_range", "resolve_backend", "enable_segment_sum_gemm", "segment_ids", "segment_sum",
+    "jagged_attention", "mask_rows", "op_range", "resolve_backend", "enable_segment_sum_gemm", "segment_ids", "segment_sum",
     "segment_sum_gemm_enabled", "segment_sum_gemm_works", "segment_sum_grad",
 ]

@@ -1,0 +1,212 @@
+"""The dense arch's CUDA-graph path (trainer/graphs.py): padded histories compute what the unpadded eager
+arch computes, forward and backward, whatever the attention leaves in the padded rows; buckets; where the
+graphs apply. The capture itself runs on the GPU (skipped without one)."""
+
+import numpy as np
+import pytest
+import torch
+
+from coplan.sample import sample_workload
+from coplan.spec import load_workload
+from coplan.spec.draw import random_workload
+from coplan.trainer.features import feature_layout
+from coplan.trainer.graphs import DenseGraphs, bucket, graphs_unavailable
+from coplan.trainer.model import layers as layers_mod
+from coplan.trainer.model.gem import DenseArch, GEMModel
+
+
+def _inputs(workload, lengths, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lay = feature_layout(workload)
+    b = len(lengths)
+    keys = tuple(lay.pooled_names)
+    widths = [f.table.dim for f in lay.pooled]
+    pooled = torch.randn(b, sum(widths), generator=g).to(device, dtype).requires_grad_(True)
+    total = int(sum(lengths))
+    seq = {t.name: torch.randn(total, t.dim, generator=g).to(device, dtype).requires_grad_(True)
+           for s in lay.sequences for t in lay.sequence_tables[s]}
+    offsets = {s: torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64, device=device)
+               for s in lay.sequences}
+    dense = torch.randn(b, lay.num_dense, generator=g).to(device) if lay.num_dense else None
+    return pooled, keys, widths, seq, offsets, dense
+
+
+def test_bucket_pads_by_less_than_an_eighth():
+    assert bucket(0) == bucket(1) == bucket(256) == 256
+    prev = 0
+    for n in range(1, 70_000, 37):
+        b = bucket(n)
+        assert b >= n and b >= prev
+        if n > 256:
+            assert b - n < n / 8
+        prev = b
+    # few distinct buckets over a realistic spread of a batch's token count
+    assert len({bucket(n) for n in range(10_000, 12_000)}) <= 3
+
+
+class _Poison(torch.autograd.Function):
+    """Writes NaN into the rows past ``end`` forward and into their gradient backward: what an attention
+    kernel that leaves rows outside every sample untouched may return."""
+
+    @staticmethod
+    def forward(ctx, x, end):  # type: ignore[override]
+        ctx.end = end
+        y = x.clone()
+        y[end:] = float("nan")
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        g = g.clone()
+        g[ctx.end:] = float("nan")
+        return g, None
+
+
+def _poisoned_attention(monkeypatch):
+    real = layers_mod.jagged_attention
+
+    def attn(q, k, v, q_offsets, k_offsets, **kw):
+        end_q = int(q_offsets[-1])
+        end_k = int((k_offsets if k_offsets is not None else q_offsets)[-1])
+        q, k, v = _Poison.apply(q, end_q), _Poison.apply(k, end_k), _Poison.apply(v, end_k)
+        return _Poison.apply(real(q, k, v, q_offsets, k_offsets, **kw), end_q)
+
+    monkeypatch.setattr(layers_mod, "jagged_attention", attn)
+
+
+def _grads(arch, outs, wrt, g_out):
+    return torch.autograd.grad(outs, wrt, grad_outputs=g_out, allow_unused=True)
+
+
+@pytest.mark.parametrize("make", [lambda: load_workload("gem-tiny"), lambda: sample_workload("h200-1gpu", 7)],
+                         ids=["gem-tiny", "h200-1gpu-draw-7"])
+def test_padded_pass_equals_eager(make, monkeypatch):
+    w = make()
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    lengths = [0, 3, 17, 40, 5] if w.name == "gem-tiny" else [12, 0, 33, 7]
+    pooled, keys, widths, seq, offsets, dense = _inputs(w, lengths)
+    batch = len(lengths)
+    want = arch(pooled, keys, widths, seq, offsets, dense, batch_size=batch)
+    g_out = torch.randn_like(want)
+    params = [p for p in arch.parameters() if p.requires_grad]
+    ref = _grads(arch, want, params + [pooled, *seq.values()], g_out)
+
+    _poisoned_attention(monkeypatch)
+    runner = DenseGraphs(arch, torch.float32, torch.device("cpu"))
+    rows = {s: int(next(iter(seq[f] for f in fs)).shape[0]) for s, fs in runner.features.items()}
+    b = runner._static(pooled, seq, offsets, dense, rows)
+    assert all(b.rows[s] > n for s, n in rows.items())  # there are padded rows to poison
+    b.pooled.requires_grad_(True)
+    for v in b.seq.values():
+        v.requires_grad_(True)
+    with torch.no_grad():  # stale values in the padded rows before the load zeroes them
+        for v in b.seq.values():
+            v.fill_(3.0)
+    runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
+    runner.begin_step()
+    got, _, leaves = runner._graph_pass(b, keys, widths, batch, grad_out=None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    in_grads = runner._backward(got, leaves, g_out)
+    for p, r in zip(params, ref[:len(params)]):
+        torch.testing.assert_close(p.grad, r if r is not None else torch.zeros_like(p), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(in_grads[0], ref[len(params)], rtol=1e-4, atol=1e-6)
+    for f, gi, r in zip(sorted(b.seq), in_grads[1:], [ref[len(params) + 1 + list(seq).index(f)] for f in sorted(b.seq)]):
+        n = seq[f].shape[0]
+        torch.testing.assert_close(gi[:n], r, rtol=1e-4, atol=1e-6)
+        assert torch.isfinite(gi).all()
+
+
+def test_micro_batches_accumulate_into_the_grad_buffers():
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    runner = DenseGraphs(arch, torch.float32, torch.device("cpu"))
+    runner.begin_step()
+    total = None
+    for seed, lengths in ((1, [4, 9]), (2, [30, 1])):
+        pooled, keys, widths, seq, offsets, dense = _inputs(w, lengths, seed)
+        rows = {s: int(seq[fs[0]].shape[0]) for s, fs in runner.features.items()}
+        b = runner._static(pooled, seq, offsets, dense, rows)
+        b.pooled.requires_grad_(True)
+        for v in b.seq.values():
+            v.requires_grad_(True)
+        runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
+        got, _, leaves = runner._graph_pass(b, keys, widths, 2, grad_out=None)
+        runner._backward(got, leaves, torch.ones_like(got))
+        out = arch(pooled, keys, widths, seq, offsets, dense, batch_size=2)
+        gs = torch.autograd.grad(out.sum(), list(arch.parameters()), allow_unused=True)
+        total = gs if total is None else [a if b_ is None else (b_ if a is None else a + b_) for a, b_ in zip(total, gs)]
+    for p, t in zip(arch.parameters(), total):
+        torch.testing.assert_close(p.grad, t if t is not None else torch.zeros_like(p), rtol=1e-4, atol=1e-6)
+
+
+def test_eager_fallback_is_the_model():
+    """Without graphs (CPU, or past the bucket limit) the runner is the dense arch, gradients to the masters."""
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    pooled, keys, widths, seq, offsets, dense = _inputs(w, [3, 8, 0])
+    want = arch(pooled, keys, widths, seq, offsets, dense, batch_size=3)
+    runner = DenseGraphs(arch, torch.float32, torch.device("cpu"))
+    got = runner(pooled, keys, widths, seq, offsets, dense, 3)
+    torch.testing.assert_close(got, want)
+    assert runner.stats.eager == 1 and runner.stats.replayed == 0
+    assert "off" in runner.stats.note()
+
+
+def test_where_graphs_do_not_apply():
+    w = load_workload("gem-tiny")
+    m = GEMModel(w, attention_backend="reference")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    ok = dict(world=1, compile_mode="off", backend="triton", fp8_layers=0)
+    assert "CUDA" in graphs_unavailable(m, device=cpu, **ok)
+    assert "ranks" in graphs_unavailable(m, device=cuda, **{**ok, "world": 2})
+    assert "--compile" in graphs_unavailable(m, device=cuda, **{**ok, "compile_mode": "layers"})
+    assert "FP8" in graphs_unavailable(m, device=cuda, **{**ok, "fp8_layers": 2})
+    assert "backend" in graphs_unavailable(m, device=cuda, **{**ok, "backend": "reference"})
+    # gem-tiny's MoE layer loops over experts unless the trainer turned the grouped GEMM on
+    assert "MoE" in graphs_unavailable(m, device=cuda, **ok)
+    for layer in m.dense.modules():
+        if hasattr(layer, "grouped_mm"):
+            layer.grouped_mm = True
+    assert graphs_unavailable(m, device=cuda, **ok) is None
+    dec = GEMModel(random_workload(0, "dense"), attention_backend="reference")
+    assert "transformer" in graphs_unavailable(dec, device=cuda, **ok)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_graphs_match_eager_on_the_gpu():
+    from coplan.trainer.loop import enable_segment_sums  # noqa: F401  (the trainer's CUDA switches)
+    from coplan.trainer.model.moe import MoELayer
+
+    dev = torch.device("cuda")
+    w = sample_workload("h200-1gpu", 11)
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "triton").to(dev)
+    for m in arch.modules():
+        if isinstance(m, MoELayer):
+            m.grouped_mm = True
+    runner = DenseGraphs(arch, torch.bfloat16, dev)
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        lengths = rng.integers(0, 200, size=8).tolist()
+        pooled, keys, widths, seq, offsets, dense = _inputs(w, lengths, seed=step, device=dev)
+        runner.begin_step()
+        got = runner(pooled, keys, widths, seq, offsets, dense, 8)
+        got.float().sum().backward()
+        g_graph = [p.grad.clone() for p in runner.params]
+        g_seq = {f: v.grad.clone() for f, v in seq.items()}
+        for p in runner.params:
+            p.grad = None
+        for v in seq.values():
+            v.grad = None
+        eager = runner._forward(pooled, keys, widths, seq, offsets, dense, 8, None)
+        eager.float().sum().backward()
+        torch.testing.assert_close(got.float(), eager.float(), rtol=2e-2, atol=2e-2)
+        for a, p in zip(g_graph, runner.params):
+            if p.grad is not None:
+                torch.testing.assert_close(a, p.grad, rtol=5e-2, atol=5e-3)
+        for f, v in seq.items():
+            torch.testing.assert_close(g_seq[f].float(), v.grad.float(), rtol=5e-2, atol=5e-3)
+    assert runner.stats.replayed == 4 and runner.stats.captured >= 1 and runner.stats.disabled is None

@@ -1,0 +1,311 @@
+"""The dense arch's forward and backward as CUDA graphs, one pair per padded token count (one-rank runs).
+
+Why: on one GPU the eager step of a sampled GEM-shaped workload is host-bound. Its dense forward and
+backward issue ~1,000 kernel launches and ~100 module calls a step, 30-50 ms of host time for 2-20 ms of
+GPU work (H200 traces of `coplan train` on sampler draws, ``benchmarks/_step_anatomy.py``). A replayed
+graph issues them all in one call.
+
+What is captured, and what stays eager:
+
+- captured: everything after the embedding lookups: the cast of the fp32 master weights to the compute
+  dtype (what FSDP2's mixed precision does on one rank), the dense arch's forward, and its backward,
+  which adds the weights' fp32 gradients into persistent ``.grad`` buffers (micro-batches accumulate);
+- eager: TorchRec's lookups and their backward (the fused optimizer runs inside it), the loss, the dense
+  optimizer (one fused kernel), the metrics.
+
+Graphs need fixed shapes; a history's token count changes every batch. Histories are padded to a
+*bucket* (:func:`bucket`: 8 steps per octave, so at most 12.5% extra rows) and one pair of graphs is
+captured per bucket the run meets. Padded rows are in no sample: the layers mask them
+(:func:`~coplan.trainer.model.layers.mask_rows`) so that they change neither the loss nor any
+gradient; a padded step computes what the unpadded eager step does (``tests/trainer/test_graphs.py``).
+All buckets share one memory pool: a bucket's forward and backward always replay back to back, so a
+later capture may reuse what an earlier one freed.
+
+Where it applies (:func:`graphs_unavailable` says why not): CUDA, one rank (no FSDP2: its hooks run
+Python per step and cannot be captured; on one rank they only cast), the Triton attention, no
+``--compile``, no FP8 layers, no token-loss (decoder) blocks, and MoE layers with the grouped GEMM (the
+per-expert loop reads counts back to the host). A capture that fails turns the graphs off for the
+run, with the reason in the summary; the same functional forward then runs eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+BUCKET_STEPS_PER_OCTAVE = 8
+"""Padded sizes per doubling of the token count: rows are padded by less than 1/8."""
+
+MIN_BUCKET_ROWS = 256
+"""The smallest bucket."""
+
+MAX_GRAPHS = 24
+"""Buckets captured per run at most; a batch past them runs eagerly (counted in the summary)."""
+
+WARMUP_ITERS = 2
+"""Eager forward+backward passes on a side stream before a capture (cuBLAS workspaces, Triton's JIT and
+autotuning must not happen inside it)."""
+
+
+def bucket(rows: int, per_octave: int = BUCKET_STEPS_PER_OCTAVE, floor: int = MIN_BUCKET_ROWS) -> int:
+    """The padded row count of a jagged tensor of ``rows`` rows: the next multiple of ``2**e / per_octave``
+    where ``2**e < rows <= 2**(e+1)``, and at least ``floor``."""
+    if rows <= floor:
+        return floor
+    e = (rows - 1).bit_length() - 1
+    step = max(1, (1 << e) // per_octave)
+    return -(-rows // step) * step
+
+
+def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, compile_mode: str, backend: str,
+                       fp8_layers: int) -> str | None:
+    """Why the dense arch cannot run as CUDA graphs here (None: it can)."""
+    from coplan.trainer.model.decoder import DecoderStack
+    from coplan.trainer.model.moe import MoELayer
+
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if world != 1:
+        return f"{world} ranks (graphs are used on one rank, where FSDP2 has nothing to shard)"
+    if compile_mode != "off":
+        return f"--compile {compile_mode}"
+    if backend != "triton":
+        return f"attention backend '{backend}' (graphs use the Triton kernels)"
+    if fp8_layers:
+        return f"{fp8_layers} FP8 layer(s)"
+    dense = model.dense
+    if any(isinstance(m, DecoderStack) for m in dense.modules()):
+        return "a transformer block (its token losses are not captured)"
+    if any(isinstance(m, MoELayer) and not m.grouped_mm for m in dense.modules()):
+        return "MoE experts without the grouped GEMM (their loop reads counts on the host)"
+    return None
+
+
+@dataclass
+class _Bucket:
+    """The static tensors and graphs of one padded shape."""
+
+    rows: dict[str, int]
+    pooled: torch.Tensor | None
+    dense: torch.Tensor | None
+    seq: dict[str, torch.Tensor]
+    offsets: dict[str, torch.Tensor]
+    grad_out: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    grads: tuple = ()
+    fwd: torch.cuda.CUDAGraph | None = None
+    bwd: torch.cuda.CUDAGraph | None = None
+
+
+@dataclass
+class GraphStats:
+    """What the graphs did over a run (for the summary)."""
+
+    captured: int = 0
+    replayed: int = 0
+    eager: int = 0
+    padded_rows: int = 0
+    rows: int = 0
+    capture_s: float = 0.0
+    disabled: str | None = None
+    buckets: list[tuple] = field(default_factory=list)
+
+    def note(self) -> str:
+        if self.disabled and not self.replayed:
+            return f"CUDA graphs off ({self.disabled})"
+        pad = self.padded_rows / self.rows if self.rows else 0.0
+        s = (f"CUDA graphs: dense forward+backward replayed {self.replayed} times over {self.captured} bucket(s) "
+             f"(captured in {self.capture_s:.1f} s; padding {pad:.1%} of history rows)")
+        if self.eager:
+            s += f"; {self.eager} micro-batch(es) eager"
+        if self.disabled:
+            s += f"; turned off after: {self.disabled}"
+        return s
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: copy the inputs into the bucket's buffers and replay its forward graph. Backward: replay its
+    backward graph (which also adds the weights' gradients) and hand the inputs' gradients to TorchRec."""
+
+    @staticmethod
+    def forward(ctx, runner: "DenseGraphs", b: _Bucket, inputs: dict, pooled, *seq_values):  # type: ignore[override]
+        runner._load(b, inputs)
+        b.fwd.replay()
+        ctx.runner, ctx.bucket = runner, b
+        ctx.rows = [v.shape[0] for v in seq_values]
+        ctx.pooled_grad = pooled is not None and pooled.requires_grad
+        return b.logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        b = ctx.bucket
+        b.grad_out.copy_(grad)
+        b.bwd.replay()
+        g_pooled, *g_seq = b.grads
+        out = [None, None, None, g_pooled if ctx.pooled_grad else None]
+        out += [g[:n] if g is not None else None for g, n in zip(g_seq, ctx.rows)]
+        return tuple(out)
+
+
+class DenseGraphs:
+    """Runs ``model.dense`` (a :class:`~coplan.trainer.model.gem.DenseArch` whose parameters are the fp32
+    masters) in ``dtype`` through CUDA graphs captured per bucket; see the module docstring."""
+
+    def __init__(self, dense: nn.Module, dtype: torch.dtype, device: torch.device, *, max_graphs: int = MAX_GRAPHS,
+                 use_graphs: bool = True) -> None:
+        self.dense, self.dtype, self.device = dense, dtype, device
+        self.named = [(n, p) for n, p in dense.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        self.grad_bufs = [torch.zeros_like(p) for p in self.params]
+        self.buckets: dict[tuple, _Bucket] = {}
+        self.max_graphs = max_graphs
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.stats = GraphStats(disabled=None if self.use_graphs else "not a CUDA device")
+        self.features: dict[str, list[str]] = {}
+        """Sequence -> its features (the InterFormer blocks' inputs): the jagged tensors padded to a bucket."""
+        for name in getattr(dense, "order", []):
+            block = dense.blocks[name]
+            if getattr(block, "features", None) is not None and getattr(block, "sequence", None) is not None:
+                self.features.setdefault(block.sequence, list(block.features))
+        self.seq_of = {f: s for s, fs in self.features.items() for f in fs}
+
+    # ---------------------------------------------------------------- the step's bookkeeping
+
+    def begin_step(self) -> None:
+        """Zero the gradient buffers the graphs add into and make them the weights' ``.grad`` (the optimizer's
+        ``zero_grad`` drops them)."""
+        torch._foreach_zero_(self.grad_bufs)
+        for p, g in zip(self.params, self.grad_bufs):
+            p.grad = g
+
+    # ---------------------------------------------------------------- the functional forward
+
+    def _cast(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        return x.to(self.dtype) if x is not None and x.is_floating_point() and x.dtype != self.dtype else x
+
+    def _forward(self, pooled, keys, widths, seq, offsets, dense_x, batch, valid) -> torch.Tensor:
+        """Task logits from the fp32 masters cast to the compute dtype (differentiable: the gradients reach
+        the masters in fp32), with the inputs cast as FSDP2's mixed precision casts them."""
+        params = {n: self._cast(p) for n, p in self.named}
+        args = (self._cast(pooled), keys, widths, {f: self._cast(v) for f, v in seq.items()}, offsets, self._cast(dense_x))
+        return functional_call(self.dense, params, args, {"batch_size": batch, "valid": valid}, strict=False)
+
+    # ---------------------------------------------------------------- entry point
+
+    def __call__(self, pooled: torch.Tensor | None, keys: tuple[str, ...], widths: list[int], seq: dict[str, torch.Tensor],
+                 offsets: dict[str, torch.Tensor], dense_x: torch.Tensor | None, batch: int) -> torch.Tensor:
+        rows = {s: int(next(iter(seq[f] for f in fs)).shape[0]) for s, fs in self.features.items() if fs and fs[0] in seq}
+        key = (tuple(sorted((s, bucket(n)) for s, n in rows.items())), keys, tuple(widths), batch,
+               None if pooled is None else (pooled.dtype, pooled.requires_grad),
+               tuple((f, v.dtype, v.shape[1:]) for f, v in sorted(seq.items())))
+        graphable = self.use_graphs and all(f in self.seq_of for f in seq)  # (a feature no block pads: eager)
+        b = self.buckets.get(key) if graphable else None
+        if b is None and graphable and len(self.buckets) < self.max_graphs:
+            b = self._capture(key, pooled, keys, widths, seq, offsets, dense_x, batch, rows)
+        self.stats.rows += sum(rows.values())
+        if b is None:
+            self.stats.eager += 1
+            return self._forward(pooled, keys, widths, seq, offsets, dense_x, batch, None)
+        self.stats.replayed += 1
+        self.stats.padded_rows += sum(b.rows[s] - n for s, n in rows.items())
+        order = sorted(seq)
+        inputs = {"offsets": offsets, "dense": dense_x, "seq": dict(seq), "pooled": pooled}
+        return _Replay.apply(self, b, inputs, pooled, *[seq[f] for f in order])
+
+    # ---------------------------------------------------------------- capture
+
+    def _static(self, pooled, seq, offsets, dense_x, rows) -> _Bucket:
+        def like(x, n=None):
+            if x is None:
+                return None
+            shape = (n, *x.shape[1:]) if n is not None else x.shape
+            return torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+        padded = {s: bucket(n) for s, n in rows.items()}
+        return _Bucket(rows=padded, pooled=like(pooled), dense=like(dense_x),
+                       seq={f: like(v, padded[self.seq_of[f]]) for f, v in seq.items()},
+                       offsets={s: like(o) for s, o in offsets.items()})
+
+    def _load(self, b: _Bucket, inputs: dict) -> None:
+        """Copy a batch into the bucket's buffers (no autograd: called inside the Function's forward or under
+        no_grad); padded rows are zeroed."""
+        with torch.no_grad():
+            if b.pooled is not None:
+                b.pooled.copy_(inputs["pooled"])
+            if b.dense is not None:
+                b.dense.copy_(inputs["dense"])
+            for f, v in inputs["seq"].items():
+                n = v.shape[0]
+                b.seq[f][:n].copy_(v)
+                if n < b.seq[f].shape[0]:
+                    b.seq[f][n:].zero_()
+            for s, o in inputs["offsets"].items():
+                b.offsets[s].copy_(o)
+
+    def _graph_pass(self, b: _Bucket, keys, widths, batch, *, grad_out: torch.Tensor | None):
+        """One forward (and, with ``grad_out``, backward) over the bucket's buffers; returns (logits, grads)."""
+        valid = {s: torch.arange(b.rows[s], device=self.device) < b.offsets[s][-1] for s in b.rows}
+        leaves = [b.pooled if b.pooled is not None and b.pooled.requires_grad else None]
+        leaves += [b.seq[f] for f in sorted(b.seq)]
+        logits = self._forward(b.pooled, keys, widths, b.seq, b.offsets, b.dense, batch, valid)
+        return logits, valid, leaves
+
+    def _backward(self, logits, leaves, grad_out):
+        wrt = self.params + [x for x in leaves if x is not None]
+        grads = torch.autograd.grad(logits, wrt, grad_outputs=grad_out, allow_unused=True)
+        pg, ig = grads[:len(self.params)], list(grads[len(self.params):])
+        pairs = [(buf, g) for buf, g in zip(self.grad_bufs, pg) if g is not None]
+        if pairs:
+            torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+        it = iter(ig)
+        return tuple(next(it) if x is not None else None for x in leaves)
+
+    def _capture(self, key, pooled, keys, widths, seq, offsets, dense_x, batch, rows) -> _Bucket | None:
+        import time
+
+        t0 = time.perf_counter()
+        b = self._static(pooled, seq, offsets, dense_x, rows)
+        if b.pooled is not None and pooled.requires_grad:
+            b.pooled.requires_grad_(True)
+        for f, v in b.seq.items():
+            v.requires_grad_(seq[f].requires_grad)
+        self._load(b, {"pooled": pooled, "dense": dense_x, "seq": seq, "offsets": offsets})
+        saved = [g.clone() for g in self.grad_bufs]
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_ITERS):  # (the gradients they add are undone below)
+                    logits, _, leaves = self._graph_pass(b, keys, widths, batch, grad_out=None)
+                    self._backward(logits, leaves, torch.ones_like(logits))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            b.fwd, b.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            # thread-local: the loader's pinning thread keeps working while the main thread captures
+            with torch.cuda.graph(b.fwd, pool=self.pool, capture_error_mode="thread_local"):
+                logits, _, leaves = self._graph_pass(b, keys, widths, batch, grad_out=None)
+            b.logits = logits.detach()
+            b.grad_out = torch.zeros_like(b.logits)
+            with torch.cuda.graph(b.bwd, pool=self.pool, capture_error_mode="thread_local"):
+                b.grads = self._backward(logits, leaves, b.grad_out)
+        except Exception as e:  # noqa: BLE001 -- any capture failure: the run goes on eagerly, and says why
+            self.use_graphs = False
+            self.stats.disabled = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            print(f"warning: {self.stats.disabled}; the dense arch runs eagerly", file=sys.stderr, flush=True)
+            b = None
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.grad_bufs, saved)
+        self.stats.capture_s += time.perf_counter() - t0
+        if b is not None:
+            self.buckets[key] = b
+            self.stats.captured += 1
+            self.stats.buckets.append(tuple(sorted(b.rows.items())))
+        return b
+
+
+__all__ = ["BUCKET_STEPS_PER_OCTAVE", "DenseGraphs", "GraphStats", "MAX_GRAPHS", "bucket", "graphs_unavailable"]
