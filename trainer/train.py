@@ -63,6 +63,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="sequence lookups: each sample's history as bags of at most N ids (ceil(max_len / N) per "
                         "sample, the same on every rank and step), so FBGEMM's no-bag lookup spreads a history over "
                         "many thread groups; 0: one bag per sample (its whole history). The output rows are the same")
+    p.add_argument("--cuda-graphs", choices=["auto", "off"], default="auto",
+                   help="auto: the dense arch's forward and backward as CUDA graphs, one per padded history length "
+                        "bucket, where they apply (one GPU, no --compile, Triton attention; the summary says why "
+                        "not otherwise); off: eager")
     p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
