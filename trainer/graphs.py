@@ -33,6 +33,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -59,6 +60,25 @@ def bucket(rows: int, per_octave: int = BUCKET_STEPS_PER_OCTAVE, floor: int = MI
     e = (rows - 1).bit_length() - 1
     step = max(1, (1 << e) // per_octave)
     return -(-rows // step) * step
+
+
+def likely_rows(values: np.ndarray, probs: np.ndarray, samples: int, *, coverage: float = 0.99, draws: int = 4000,
+                seed: int = 0) -> list[int]:
+    """The bucket sizes that a micro-batch of ``samples`` histories, lengths drawn from the pmf ``(values, probs)``
+    (:func:`coplan.costmodel.jagged.length_pmf` of the workload's spec), falls into with probability
+    ``coverage`` (the central interval of a Monte-Carlo draw of its token count)."""
+    if samples <= 0 or len(values) == 0:
+        return []
+    rng = np.random.default_rng(seed)
+    p = np.asarray(probs, dtype=np.float64)
+    totals = rng.choice(np.asarray(values, dtype=np.int64), size=(draws, samples), p=p / p.sum()).sum(axis=1)
+    lo, hi = np.quantile(totals, [(1 - coverage) / 2, 1 - (1 - coverage) / 2])
+    out, t = [], int(lo)
+    while t <= int(hi):
+        b = bucket(t)
+        out.append(b)
+        t = b + 1
+    return out
 
 
 def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, compile_mode: str, backend: str,
@@ -106,6 +126,8 @@ class GraphStats:
     """What the graphs did over a run (for the summary)."""
 
     captured: int = 0
+    ahead: int = 0
+    """Of the captured buckets, those captured at the first step for lengths the workload makes likely."""
     replayed: int = 0
     eager: int = 0
     padded_rows: int = 0
@@ -118,8 +140,8 @@ class GraphStats:
         if self.disabled and not self.replayed:
             return f"CUDA graphs off ({self.disabled})"
         pad = self.padded_rows / self.rows if self.rows else 0.0
-        s = (f"CUDA graphs: dense forward+backward replayed {self.replayed} times over {self.captured} bucket(s) "
-             f"(captured in {self.capture_s:.1f} s; padding {pad:.1%} of history rows)")
+        s = (f"CUDA graphs: dense forward+backward replayed {self.replayed} times; {self.captured} bucket(s) captured "
+             f"({self.ahead} ahead, for likely lengths) in {self.capture_s:.1f} s; padding {pad:.1%} of history rows")
         if self.eager:
             s += f"; {self.eager} micro-batch(es) eager"
         if self.disabled:
@@ -156,7 +178,11 @@ class DenseGraphs:
     masters) in ``dtype`` through CUDA graphs captured per bucket; see the module docstring."""
 
     def __init__(self, dense: nn.Module, dtype: torch.dtype, device: torch.device, *, max_graphs: int = MAX_GRAPHS,
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, likely_rows: dict[str, list[int]] | None = None) -> None:
+        """``likely_rows``: per sequence, row counts of a micro-batch worth capturing at the first step
+        (:func:`likely_rows`)."""
+        self.likely_rows = likely_rows or {}
+        self.last_offsets: dict[str, torch.Tensor] = {}
         self.dense, self.dtype, self.device = dense, dtype, device
         self.named = [(n, p) for n, p in dense.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -173,6 +199,8 @@ class DenseGraphs:
             if getattr(block, "features", None) is not None and getattr(block, "sequence", None) is not None:
                 self.features.setdefault(block.sequence, list(block.features))
         self.seq_of = {f: s for s, fs in self.features.items() for f in fs}
+        self.max_len = {getattr(dense.blocks[n], "sequence", None): int(getattr(dense.blocks[n], "max_len", 0))
+                        for n in getattr(dense, "order", []) if getattr(dense.blocks[n], "sequence", None) in self.features}
 
     # ---------------------------------------------------------------- the step's bookkeeping
 
@@ -197,16 +225,22 @@ class DenseGraphs:
 
     # ---------------------------------------------------------------- entry point
 
+    def _key(self, rows: dict[str, int], keys, widths, batch: int, pooled, seq) -> tuple:
+        return (tuple(sorted((s, bucket(n)) for s, n in rows.items())), keys, tuple(widths), batch,
+                None if pooled is None else (pooled.dtype, pooled.requires_grad),
+                tuple((f, v.dtype, v.shape[1:], v.requires_grad) for f, v in sorted(seq.items())))
+
     def __call__(self, pooled: torch.Tensor | None, keys: tuple[str, ...], widths: list[int], seq: dict[str, torch.Tensor],
                  offsets: dict[str, torch.Tensor], dense_x: torch.Tensor | None, batch: int) -> torch.Tensor:
         rows = {s: int(next(iter(seq[f] for f in fs)).shape[0]) for s, fs in self.features.items() if fs and fs[0] in seq}
-        key = (tuple(sorted((s, bucket(n)) for s, n in rows.items())), keys, tuple(widths), batch,
-               None if pooled is None else (pooled.dtype, pooled.requires_grad),
-               tuple((f, v.dtype, v.shape[1:]) for f, v in sorted(seq.items())))
+        key = self._key(rows, keys, widths, batch, pooled, seq)
         graphable = self.use_graphs and all(f in self.seq_of for f in seq)  # (a feature no block pads: eager)
         b = self.buckets.get(key) if graphable else None
         if b is None and graphable and len(self.buckets) < self.max_graphs:
+            first = not self.buckets
             b = self._capture(key, pooled, keys, widths, seq, offsets, dense_x, batch, rows)
+            if first and b is not None:
+                self._capture_likely(pooled, keys, widths, seq, dense_x, batch, rows)
         self.stats.rows += sum(rows.values())
         if b is None:
             self.stats.eager += 1
@@ -218,6 +252,31 @@ class DenseGraphs:
         return _Replay.apply(self, b, inputs, pooled, *[seq[f] for f in order])
 
     # ---------------------------------------------------------------- capture
+
+    def _capture_likely(self, pooled, keys, widths, seq, dense_x, batch, rows) -> None:
+        """Capture, with the first batch's pooled and dense inputs and zero histories of made-up lengths, the
+        buckets of :attr:`likely_rows` (one sequence only), so that steps after the first rarely capture."""
+        if len(rows) != 1 or not self.likely_rows:
+            return
+        (s, _), = rows.items()
+        cap = self.max_len.get(s, 0)
+        for target in self.likely_rows.get(s, ()):
+            if len(self.buckets) >= self.max_graphs - 4 or not self.use_graphs:  # (room left for the unlikely)
+                return
+            n = min(target, batch * cap) if cap else target
+            fake_rows = {s: n}
+            fake_seq = {f: torch.zeros((n, *v.shape[1:]), dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+                        for f, v in seq.items()}
+            key = self._key(fake_rows, keys, widths, batch, pooled, fake_seq)
+            if key in self.buckets:
+                continue
+            lengths = torch.full((batch,), n // batch, dtype=torch.int64)
+            lengths[: n % batch] += 1
+            off = torch.zeros(batch + 1, dtype=torch.int64)
+            off[1:] = lengths.cumsum(0)
+            fake_off = {k: off.to(device=o.device, dtype=o.dtype) for k, o in self.last_offsets.items()}
+            self._capture(key, pooled, keys, widths, fake_seq, fake_off, dense_x, batch, fake_rows, warmup=1)
+            self.stats.ahead += 1
 
     def _static(self, pooled, seq, offsets, dense_x, rows) -> _Bucket:
         def like(x, n=None):
@@ -265,8 +324,11 @@ class DenseGraphs:
         it = iter(ig)
         return tuple(next(it) if x is not None else None for x in leaves)
 
-    def _capture(self, key, pooled, keys, widths, seq, offsets, dense_x, batch, rows) -> _Bucket | None:
+    def _capture(self, key, pooled, keys, widths, seq, offsets, dense_x, batch, rows, warmup: int = WARMUP_ITERS
+                 ) -> _Bucket | None:
         import time
+
+        self.last_offsets = offsets
 
         t0 = time.perf_counter()
         b = self._static(pooled, seq, offsets, dense_x, rows)
@@ -280,7 +342,7 @@ class DenseGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                for _ in range(WARMUP_ITERS):  # (the gradients they add are undone below)
+                for _ in range(warmup):  # (the gradients they add are undone below)
                     logits, _, leaves = self._graph_pass(b, keys, widths, batch, grad_out=None)
                     self._backward(logits, leaves, torch.ones_like(logits))
             torch.cuda.current_stream(self.device).wait_stream(side)
@@ -308,4 +370,4 @@ class DenseGraphs:
         return b
 
 
-__all__ = ["BUCKET_STEPS_PER_OCTAVE", "DenseGraphs", "GraphStats", "MAX_GRAPHS", "bucket", "graphs_unavailable"]
+__all__ = ["BUCKET_STEPS_PER_OCTAVE", "DenseGraphs", "GraphStats", "MAX_GRAPHS", "bucket", "graphs_unavailable", "likely_rows"]

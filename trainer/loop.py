@@ -32,7 +32,8 @@ from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha
 from coplan.trainer.distributed.fsdp import DTYPES
 from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
 from coplan.trainer.features import FeatureLayout
-from coplan.trainer.graphs import DenseGraphs, graphs_unavailable
+from coplan.costmodel.jagged import length_pmf
+from coplan.trainer.graphs import DenseGraphs, graphs_unavailable, likely_rows
 from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
 from coplan.trainer.model.gem import GEMModel, loss_parts
 from coplan.trainer.model.layers import enable_segment_sum_gemm, resolve_backend, segment_sum_gemm_works
@@ -228,13 +229,26 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
                      compile_layers=cfg.compile, fsdp=why_not is not None)
     graphs = None
     if why_not is None:
-        graphs = model.dense_graphs = DenseGraphs(model.dense, DTYPES[plan.precision.compute_dtype], device)
+        graphs = model.dense_graphs = DenseGraphs(model.dense, DTYPES[plan.precision.compute_dtype], device,
+                                                  likely_rows=micro_batch_rows(plan, ranks.world))
     elif device.type == "cuda":
         notes.append(f"CUDA graphs off ({why_not})")
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda")
     if clock is not None:
         clock.mark("sharding")
     return Built(model=model, pm=pm, optims=optims, backend=backend, graphs=graphs, notes=notes)
+
+
+def micro_batch_rows(plan: Plan, world: int) -> dict[str, list[int]]:
+    """Per sequence, the padded token counts a rank's micro-batch likely has (from the spec's length
+    distribution): the CUDA graphs capture them at the first step."""
+    w = plan.workload
+    samples = w.batch.global_(plan.world_size) // max(1, world) // max(1, plan.micro_batches)
+    out = {}
+    for s in w.sequences:
+        values, probs = length_pmf(s.length)
+        out[s.name] = likely_rows(values, probs, samples)
+    return out
 
 
 def resume(run_dir: Path, built: Built, rank: int) -> int:

@@ -210,3 +210,19 @@ def test_captured_graphs_match_eager_on_the_gpu():
         for f, v in seq.items():
             torch.testing.assert_close(g_seq[f].float(), v.grad.float(), rtol=5e-2, atol=5e-3)
     assert runner.stats.replayed == 4 and runner.stats.captured >= 1 and runner.stats.disabled is None
+
+
+def test_likely_buckets_cover_the_micro_batches_the_spec_draws():
+    from coplan.costmodel.jagged import length_pmf
+    from coplan.trainer.graphs import likely_rows
+
+    w = sample_workload("h200-1gpu", 5)
+    s = w.sequences[0]
+    values, probs = length_pmf(s.length)
+    got = likely_rows(values, probs, 48)
+    assert got == sorted(set(got)) and all(bucket(b) == b for b in got)
+    rng = np.random.default_rng(123)  # another draw than the function's own
+    totals = rng.choice(values, size=(2000, 48), p=probs / probs.sum()).sum(axis=1)
+    covered = np.mean([bucket(int(t)) in got for t in totals])
+    assert covered >= 0.97
+    assert likely_rows(values, probs, 0) == []
