@@ -196,6 +196,11 @@ class Context:
         return ds // ep if ds % ep == 0 else 1
 
     @property
+    def dense_graphs(self) -> bool:
+        """Whether the trainer runs this plan's dense arch as CUDA graphs (:func:`coplan.costmodel.flops.dense_graphs_apply`)."""
+        return F.dense_graphs_apply(self.workload, self.world)
+
+    @property
     def sm_contention(self) -> float:
         return self.eff.sm_contention if self.options.sm_contention is None else self.options.sm_contention
 

@@ -603,6 +603,23 @@ def _ops_cached(workload: Workload) -> tuple[Op, ...]:
     return tuple(ops)
 
 
+
+GRAPH_HOST_KERNELS = 12.0
+"""Kernels the host issues per micro-batch for a dense arch run as CUDA graphs (``trainer/graphs.py``): the
+inputs' copies into the bucket's buffers and the padded rows' zeroing (~6), the forward and backward
+replays, the logits' copy, the output gradient's copy, the gradient buffers' zeroing (per step)."""
+
+
+def dense_graphs_apply(workload: Workload, world: int) -> bool:
+    """Whether the trainer can run the dense arch as CUDA graphs (``coplan.trainer.graphs``): one rank, the
+    Triton attention, no transformer block (their token losses are not captured); a plan with FP8 layers
+    runs eagerly (the pricer checks that per step). The cost model then prices a few host launches per
+    micro-batch for the dense work instead of each op's, and no FSDP2 (nothing to shard on one rank: the
+    graphs cast the fp32 masters)."""
+    return (world == 1 and workload.kernels.attention == "triton"
+            and not any(isinstance(b, TransformerBlock) for b in workload.blocks))
+
+
 def workload_ops(workload: Workload) -> tuple[Op, ...]:
     """Every op of the workload: the lookups first, then the blocks in execution order (cached)."""
     return _ops_cached(workload)
@@ -750,7 +767,7 @@ def dense_params(workload: Workload) -> tuple[int, int]:
 
 __all__ = [
     "COMPUTE_CLASSES", "Coeffs", "FlopCount", "LengthStats", "Op", "ZERO", "attention_flops", "causal_pairs",
-    "dense_params", "full_pairs", "kunlun_tokens", "layer_names", "model_flops", "op_flops", "per_sample",
+    "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "full_pairs", "kunlun_tokens", "layer_names", "model_flops", "op_flops", "per_sample",
     "per_sample_flops", "per_token", "table_lookup_coeffs", "workload_ops",
 ]
 

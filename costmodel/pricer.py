@@ -33,7 +33,8 @@ from typing import Sequence
 import numpy as np
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.compute import OpArrays, host_work_s, imbalance, op_arrays
+from coplan.costmodel.compute import HOST_KERNELS_PER_PRICED_LAUNCH, OpArrays, host_work_s, imbalance, op_arrays
+from coplan.costmodel.flops import GRAPH_HOST_KERNELS
 from coplan.costmodel.context import Context
 from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs, table_option_costs
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
@@ -161,28 +162,43 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
     return _step_launches(ctx, arr, arr.fwd_launches, arr.bwd_launches, recomputed, emb_kernels)
 
 
+def _graphed(ctx: Context, arr) -> bool:
+    """Whether the trainer runs this step's dense arch as CUDA graphs: where they apply to the plan
+    (:attr:`Context.dense_graphs`), with no FP8 layer and no attention that syncs with the host (the
+    trainer's conditions, ``coplan.trainer.graphs.graphs_unavailable``)."""
+    return ctx.dense_graphs and not np.any(arr.fwd_syncs) and not np.any(arr.fp8)
+
+
 def _fp8_quant_launches(ctx: Context) -> int:
     """Quantisation kernels per priced forward launch of an FP8 op (forward and backward together)."""
     return 3 * math.ceil(ctx.options.fp8_quant_reads_rowwise) + 3 * math.ceil(ctx.options.fp8_quant_reads_colwise)
 
 
-def _fixed_launches(ctx: Context) -> tuple[float, float, float]:
+def _fixed_launches(ctx: Context, graphed: bool = False) -> tuple[float, float, float]:
     """FSDP2's forward and backward copy launches per micro-batch and the optimizer's per step (0 where
     the plan has none of that work)."""
     fixed = dense_fixed_costs(ctx)
-    return (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 else 0.0,
-            FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 else 0.0,
+    # (no FSDP2 under CUDA graphs: the graphs cast the masters themselves)
+    return (FSDP_COPY_LAUNCHES[0] if fixed.fsdp_copy_fwd_s > 0 and not graphed else 0.0,
+            FSDP_COPY_LAUNCHES[1] if fixed.fsdp_copy_bwd_s > 0 and not graphed else 0.0,
             OPTIMIZER_LAUNCHES if fixed.optimizer_step_s > 0 else 0.0)
 
 
 def _step_launches(ctx: Context, arr, fwd: np.ndarray, bwd: np.ndarray, recomputed: frozenset[str],
-                   emb_kernels: float) -> float:
-    """A step's launches with ``fwd`` / ``bwd`` per dense op call (the priced launches, or the host's)."""
+                   emb_kernels: float, host: bool = False) -> float:
+    """A step's launches with ``fwd`` / ``bwd`` per dense op call (the priced launches, or the host's).
+    ``host``: the host's count, which CUDA graphs cut to a few per micro-batch (:func:`_graphed`; the device
+    still runs every kernel, and the graphs' casts and gradient sums stand where FSDP2's copies do)."""
     ops = [ctx.ops[int(oi)] for oi in ctx.dense_idx]
-    calls = np.array([2.0 if o.layer in recomputed else 1.0 for o in ops])  # forward again when recomputed
-    quant = np.array([o.fwd_launches for o in ops], dtype=float) * _fp8_quant_launches(ctx) * (np.asarray(arr.fp8) != 0)
-    dense = float((np.asarray(fwd) * calls + np.asarray(bwd) + quant).sum()) if ops else 0.0
-    fsdp_f, fsdp_b, opt = _fixed_launches(ctx)
+    graphed = host and _graphed(ctx, arr)
+    if graphed:
+        # CUDA graphs: the dense forward and backward (recompute included) are two replays and a few copies
+        dense = GRAPH_HOST_KERNELS / HOST_KERNELS_PER_PRICED_LAUNCH if ops else 0.0
+    else:
+        calls = np.array([2.0 if o.layer in recomputed else 1.0 for o in ops])  # forward again when recomputed
+        quant = np.array([o.fwd_launches for o in ops], dtype=float) * _fp8_quant_launches(ctx) * (np.asarray(arr.fp8) != 0)
+        dense = float((np.asarray(fwd) * calls + np.asarray(bwd) + quant).sum()) if ops else 0.0
+    fsdp_f, fsdp_b, opt = _fixed_launches(ctx, graphed)
     return float((dense + 3.0 * emb_kernels + fsdp_f + fsdp_b) * ctx.micro_batches + opt)
 
 
@@ -220,7 +236,7 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
                    ) -> tuple[list[float], list[tuple[int, int, str]], list[float]]:
     if not np.any(arr.fwd_syncs):
         # no sync: one segment (the planner's inner loop prices many plans; no per-call walk needed)
-        return [_step_launches(ctx, arr, arr.fwd_host_launches, arr.bwd_host_launches, recomputed, emb_kernels)], [], [0.0]
+        return [_step_launches(ctx, arr, arr.fwd_host_launches, arr.bwd_host_launches, recomputed, emb_kernels, host=True)], [], [0.0]
     quant = _fp8_quant_launches(ctx)
     fsdp_f, fsdp_b, opt = _fixed_launches(ctx)
     by_layer: dict[int, list[int]] = {}
@@ -623,7 +639,8 @@ def _host_cut(ctx: Context, arr, recomputed: frozenset[str], host_s: float) -> S
     plus each recomputed layer's forward launches again."""
     M = ctx.micro_batches
     per = np.zeros(len(ctx.layer_names))
-    np.add.at(per, ctx.op_layer, np.asarray(arr.fwd_host_launches, dtype=float))
+    if not _graphed(ctx, arr):  # (under CUDA graphs recompute costs the host nothing)
+        np.add.at(per, ctx.op_layer, np.asarray(arr.fwd_host_launches, dtype=float))
     h = {n: float(ctx.eff.host_launch_s * M * per[i]) for i, n in enumerate(ctx.layer_names)}
     const = host_s - sum(h[n] for n in recomputed if n in h)
     return StepCut(const, {}, h, "host")
