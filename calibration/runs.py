@@ -137,7 +137,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
         raise CalibrationError(f"{d}: not a run directory (expected runs/<id>/ with plan.json, metrics.jsonl, traces/)")
     if not rd.plan_path.is_file():
         raise CalibrationError(f"{d}: has no plan.json; was it written by `coplan train`?")
-    plan = rd.plan()
+    plan = rd.ran_plan()
     result = rd.result()
     trace_path = rd.rank_trace(rank)
     if trace_path is None:

@@ -616,7 +616,7 @@ def dense_graphs_apply(workload: Workload, world: int) -> bool:
     runs eagerly (the pricer checks that per step). The cost model then prices a few host launches per
     micro-batch for the dense work instead of each op's, and no FSDP2 (nothing to shard on one rank: the
     graphs cast the fp32 masters)."""
-    return (world == 1 and workload.kernels.attention == "triton"
+    return (world == 1 and workload.kernels.attention == "triton" and workload.kernels.cuda_graphs == "auto"
             and not any(isinstance(b, TransformerBlock) for b in workload.blocks))
 
 

@@ -91,7 +91,7 @@ def load_run(path: str | Path) -> RunData:
         raise ReportInputError(f"{p}: no summary.json; is the run finished? (coplan train writes it at the end)")
     result = load_run_result(rd.summary_path)
     metrics = load_metrics(rd.metrics_path)
-    plan = rd.plan() if rd.plan_path.exists() else None
+    plan = rd.ran_plan() if rd.plan_path.exists() else None
     return RunData(path=p, result=result, metrics=metrics, plan=plan, trace_paths=rd.trace_paths())
 
 

@@ -223,6 +223,7 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
     if clock is not None:
         clock.mark("build")
     why_not = ("--cuda-graphs off" if cfg.cuda_graphs == "off" else
+               "the workload's kernels.cuda_graphs is off" if plan.workload.kernels.cuda_graphs == "off" else
                graphs_unavailable(model, device=device, world=ranks.world, compile_mode=cfg.compile, backend=backend,
                                   fp8_layers=sum(1 for lp in plan.layers if lp.precision == "fp8")))
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=ranks.local_world, seed=cfg.seed,
@@ -538,7 +539,9 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
         peak_memory_bytes=tuple(float(m) for m in mems), first_loss=records[0].loss if records else None,
         final_loss=records[-1].loss if records else None, attention_backend=built.backend, notes="; ".join(notes),
         startup=startup, loader=loader_throughput(loop, measured),
-        options=RunOptions(seq_chunk=int(loop.layout.seq_chunk or 0), compile=loop.cfg.compile, attention_backend=built.backend),
+        options=RunOptions(seq_chunk=int(loop.layout.seq_chunk or 0), compile=loop.cfg.compile, attention_backend=built.backend,
+                           cuda_graphs=built.graphs is not None and built.graphs.stats.replayed > 0
+                           and built.graphs.stats.eager == 0 and built.graphs.stats.disabled is None),
     )
     dump_spec(result, RunDir(loop.run_dir).summary_path)
     st = result.step_time

@@ -45,6 +45,9 @@ class RunOptions(Spec):
     attention_backend: str = ""
     """Attention kernel backend that ran (the plan's, or the launch's override)."""
 
+    cuda_graphs: bool = False
+    """The dense arch ran as CUDA graphs (``coplan.trainer.graphs``; False for runs before them)."""
+
 
 class Startup(Spec):
     """Where a run's time to its first step went, in seconds (rank 0)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coplan.errors import CoplanError
+from coplan.spec.hashing import spec_sha256
 from coplan.spec.loader import load_plan, load_run_result
 from coplan.spec.plan import Plan
 from coplan.spec.run import RunOptions, RunResult
@@ -23,6 +24,14 @@ _TRACE_NAME = re.compile(r"^rank(\d+)\.json(\.gz)?$")
 
 class RunDirError(CoplanError):
     """A run directory's file is unreadable or corrupt."""
+
+
+def _eager(plan: Plan) -> Plan:
+    w = plan.workload
+    if w.kernels.cuda_graphs == "off":
+        return plan
+    w = w.model_copy(update={"kernels": w.kernels.model_copy(update={"cuda_graphs": "off"})})
+    return plan.model_copy(update={"workload": w, "workload_sha256": spec_sha256(w) if plan.workload_sha256 else ""})
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,16 @@ class RunDir:
 
     def plan(self) -> Plan:
         return load_plan(self.plan_path)
+
+    def ran_plan(self) -> Plan:
+        """The plan as the run ran it: a run whose summary says its dense arch did not run as CUDA graphs
+        (``--cuda-graphs off``, a capture that failed, a trainer before them) is the plan with
+        ``kernels.cuda_graphs: off``, so that pricing it again prices what ran."""
+        plan = self.plan()
+        if not self.summary_path.is_file():  # unfinished: as planned
+            return plan
+        opts = self.options()
+        return plan if opts is not None and opts.cuda_graphs else _eager(plan)
 
     def result(self) -> RunResult | None:
         """The summary; None when the run has not written one (unfinished)."""

@@ -738,6 +738,11 @@ class Kernels(Spec):
     embedding: Literal["fused", "dense"] = "fused"
     """Embedding lookups through FBGEMM's fused table-batched kernel or per-table modules."""
 
+    cuda_graphs: Literal["auto", "off"] = "auto"
+    """The dense arch's forward and backward as CUDA graphs, one per padded history length, where they
+    apply (one GPU, Triton attention, no FP8 layer, no transformer block; ``coplan.trainer.graphs``), or
+    ``off``: eager. The cost model prices the host's launches accordingly."""
+
 
 class Workload(Spec):
     """A model and how it is trained."""

@@ -197,7 +197,9 @@ def test_host_cost_per_launch_is_recovered(tmp_path):
                               memory_efficiency=TRUE_MEMORY[c], launch_overhead_s=TRUE_LAUNCH[c])
         for c in TRUE_MEMORY}, lookup_id_latency_s=TRUE_LOOKUP_ID_S)
     shapes = [(8, 256), (16, 512), (64, 1024), (256, 2048)]
-    plans = [_plan(b, L) for b, L in shapes]
+    from coplan.spec.run_dir import _eager
+
+    plans = [_eager(_plan(b, L)) for b, L in shapes]  # eager runs: every dense launch costs the host
     # h between the smallest and the largest run's device time per launch: some runs host-bound, some not
     dev, nl = [], []
     for p in plans:
@@ -260,7 +262,9 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
     from coplan.costmodel.pricer import layer_sets, price, priced_launches
     from coplan.spec import Calibration, LayerPlan, OpClassCalibration
 
-    base = _plan(32, 512)
+    from coplan.spec.run_dir import _eager
+
+    base = _eager(_plan(32, 512))  # (eager: under CUDA graphs the host's count is not the device's, below)
     names = build_context(base.workload, base.topology, base.mesh).layer_names
     layers = [LayerPlan(name=names[1], recompute=True), LayerPlan(name=names[2], precision="fp8")]
     plan = base.model_copy(update={"layers": tuple(layers)})
@@ -281,6 +285,36 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
         sc = price(ctx, p.tables or None, p.layers, p.balancing, p.kernels)
         assert sc.step_time_s == pytest.approx(n * h) and any("host-bound" in x for x in sc.notes)
         assert predict_step_time(p, cal(1e-6, 1e-3 * d0 / n)) == pytest.approx(d0)
+
+
+def test_cuda_graphs_cut_the_hosts_launches_not_the_devices():
+    """A one-GPU plan the trainer runs as CUDA graphs: the device's launch slope is unchanged, the host
+    issues a few launches per micro-batch for the dense arch (recompute adds none), and an FP8 layer or
+    ``kernels.cuda_graphs: off`` prices the eager host again."""
+    from coplan.costmodel.compute import HOST_KERNELS_PER_PRICED_LAUNCH, op_arrays
+    from coplan.costmodel.context import build_context
+    from coplan.costmodel.flops import GRAPH_HOST_KERNELS
+    from coplan.costmodel.pricer import host_launches, layer_sets, priced_launches
+    from coplan.spec import LayerPlan
+    from coplan.spec.run_dir import _eager
+
+    graphed = _plan(32, 512)
+    eager = _eager(graphed)
+    ctx_g = build_context(graphed.workload, graphed.topology, graphed.mesh)
+    ctx_e = build_context(eager.workload, eager.topology, eager.mesh)
+    assert ctx_g.dense_graphs and not ctx_e.dense_graphs
+    names = ctx_g.layer_names
+    for layers in ((), (LayerPlan(name=names[1], recompute=True),)):
+        rec, fp8 = layer_sets(ctx_g, layers)
+        arr_g, arr_e = op_arrays(ctx_g, graphed.kernels, fp8), op_arrays(ctx_e, eager.kernels, fp8)
+        assert priced_launches(ctx_g, arr_g, rec, 1.0) == pytest.approx(priced_launches(ctx_e, arr_e, rec, 1.0))
+        opt = host_launches(ctx_g, arr_g, frozenset(), 0.0) - ctx_g.micro_batches * GRAPH_HOST_KERNELS / HOST_KERNELS_PER_PRICED_LAUNCH
+        assert host_launches(ctx_g, arr_g, rec, 1.0) == pytest.approx(
+            ctx_g.micro_batches * (GRAPH_HOST_KERNELS / HOST_KERNELS_PER_PRICED_LAUNCH + 3.0) + opt)
+        assert host_launches(ctx_g, arr_g, rec, 1.0) < 0.2 * host_launches(ctx_e, arr_e, rec, 1.0)
+    rec, fp8 = layer_sets(ctx_g, (LayerPlan(name=names[2], precision="fp8"),))
+    arr = op_arrays(ctx_g, graphed.kernels, fp8)
+    assert host_launches(ctx_g, arr, rec, 1.0) == pytest.approx(priced_launches(ctx_g, arr, rec, 1.0))
 
 
 def test_padded_reference_prices_the_expected_max_and_its_square():
