@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -90,6 +91,9 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
         row |= {"anatomy": anatomy, "where": verdict(anatomy)}
     else:
         row["tail"] = out[-1500:]
+    # the lent machine's disk (64 GiB) holds a few draws' tables: each run's checkpoint and dataset go once read
+    shutil.rmtree(runs_root / run_id / "checkpoints", ignore_errors=True)
+    shutil.rmtree(runs_root / "data", ignore_errors=True)
     return row
 
 

@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Annotated, Literal, Union
 
 import numpy as np
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_serializer, model_validator
 
 from coplan.errors import BatchError
 from coplan.spec.base import Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Spec, field_error
@@ -741,7 +741,15 @@ class Kernels(Spec):
     cuda_graphs: Literal["auto", "off"] = "auto"
     """The dense arch's forward and backward as CUDA graphs, one per padded history length, where they
     apply (one GPU, Triton attention, no FP8 layer, no transformer block; ``coplan.trainer.graphs``), or
-    ``off``: eager. The cost model prices the host's launches accordingly."""
+    ``off``: eager. The cost model prices the host's launches accordingly. Written (and hashed) only when
+    ``off``, so that workloads and plans from before the field keep their hashes."""
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and out.get("cuda_graphs") == "auto":
+            out.pop("cuda_graphs")
+        return out
 
 
 class Workload(Spec):
