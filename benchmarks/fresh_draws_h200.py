@@ -151,11 +151,17 @@ def main() -> int:
         print(f"seed {seed} (taken at run time)" if a.seed is None else f"seed {seed}", flush=True)
         make_plans(a.n, seed, a.plans)
         return 0
-    done = None
+    done, failed_before = None, {}
     if a.continue_from is not None:
         prev = json.loads(a.continue_from.read_text())
-        done = {r["seed"]: r for r in prev["rows"] if "exit" in r}
+        # measured draws are kept; a draw that failed runs again (and its earlier failure is kept beside it)
+        done = {r["seed"]: r for r in prev["rows"] if r.get("exit") == 0}
+        failed_before = {r["seed"]: {"exit": r["exit"], "tail": r.get("tail", "")[-300:]} for r in prev["rows"]
+                         if r.get("exit") not in (None, 0)}
     rows = run_all(a.plans, a.steps, a.run_timeout_s, a.budget_s, a.runs_root, done)
+    for r in rows:
+        if a.continue_from is not None and r["seed"] in failed_before:
+            r["earlier_failure"] = failed_before[r["seed"]]
     import torch  # the device's versions, recorded
 
     manifest = json.loads((a.plans / "manifest.json").read_text())
