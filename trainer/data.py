@@ -429,6 +429,71 @@ def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return lengths, values
 
 
+def _list_arrays(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (offsets [rows + 1] into ``values``, values), without copying the values when the
+    column is one chunk (a batch within one row group): the offsets are the slice's own, not rebased."""
+    arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    offsets = arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return offsets, values
+
+
+def _fixed_rows(col: pa.ChunkedArray, width: int) -> np.ndarray:
+    """A fixed-size list column as a ``[rows, width]`` array."""
+    arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return arr.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+
+
+def gather_index(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For a list column given as ``offsets`` (``[n + 1]``), the lengths of ``rows`` (in that order) and the
+    index of their values, concatenated in that order."""
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return lengths, np.zeros(0, dtype=np.int64)
+    out_starts = np.cumsum(lengths) - lengths
+    return lengths, np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
+
+
+class _StepColumns:
+    """One global batch's columns as numpy arrays (views where Arrow allows), gathered per micro-batch by row."""
+
+    def __init__(self, table: pa.Table, layout: FeatureLayout, path: Path) -> None:
+        n = table.num_rows
+        self.lists: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.pooled_lengths = None
+        if layout.pooled:
+            self.pooled_lengths = _fixed_rows(table.column(POOLED_LENGTHS), len(layout.pooled)).astype(np.int64)
+            self.lists[POOLED_IDS] = _list_arrays(table.column(POOLED_IDS))
+        self.seq_lengths = {s: table.column(f"len_{s}").to_numpy().astype(np.int64) for s in layout.sequences}
+        for s in layout.sequences:
+            for t in layout.sequence_tables[s]:
+                off, vals = self.lists[t.name] = _list_arrays(table.column(t.name))
+                if not np.array_equal(np.diff(off), self.seq_lengths[s]):
+                    raise DataError(f"{path}: column '{t.name}' has lengths that differ from len_{s}")
+        for s in layout.token_sequences:
+            off, _ = self.lists[f"tok_{s}"] = _list_arrays(table.column(f"tok_{s}"))
+            if not np.array_equal(np.diff(off), self.seq_lengths[s] + 1):
+                raise DataError(f"{path}: column 'tok_{s}' does not hold len_{s} + 1 ids per sample")
+        self.dense = (_fixed_rows(table.column("dense"), layout.num_dense).astype(np.float32, copy=False)
+                      if layout.num_dense else None)
+        self.labels = (np.stack([table.column(f"label_{t}").to_numpy().astype(np.float32) for t in layout.tasks], axis=1)
+                       if layout.tasks else np.zeros((n, 0), np.float32))
+
+    def values(self, name: str, rows: np.ndarray) -> np.ndarray:
+        off, vals = self.lists[name]
+        if _contiguous(rows):  # (one rank, one micro-batch: every row in order) a view, no gather
+            return vals[off[rows[0]]:off[rows[-1] + 1]].astype(np.int64, copy=False)
+        _, idx = gather_index(off, rows)
+        return vals[idx].astype(np.int64, copy=False)
+
+
+def _contiguous(rows: np.ndarray) -> bool:
+    n = len(rows)
+    return n > 0 and int(rows[-1]) - int(rows[0]) + 1 == n and bool(np.all(np.diff(rows) == 1))
+
+
 class BatchReader:
     """Global batch ``step`` → this rank's :class:`HostBatch` of each micro-batch (deterministic on every rank)."""
 
@@ -444,10 +509,10 @@ class BatchReader:
         self.source = ParquetSource(path, self.layout)
         self.world_size, self.rank, self.policy, self.global_batch = world_size, rank, policy, global_batch
         self.micro_batches = micro_batches
-        self._split: tuple[int, pa.Table, dict[str, np.ndarray], list[np.ndarray], np.ndarray] | None = None
+        self._split: tuple[int, _StepColumns, dict[str, np.ndarray], list[np.ndarray], np.ndarray] | None = None
 
     def _step(self, step: int):
-        """(step, table, global lengths, the bins' sample indices, the bins' costs) of global batch ``step``,
+        """(step, its columns, global lengths, the bins' sample indices, the bins' costs) of global batch ``step``,
         kept for its micro-batches."""
         if self._split is None or self._split[0] != step:
             lay = self.layout
@@ -455,43 +520,30 @@ class BatchReader:
             g_lengths = {s: table.column(f"len_{s}").to_numpy().astype(np.int64) for s in lay.sequences}
             costs = sample_costs(self.workload, g_lengths, self.global_batch)
             shares = split_global_batch(costs, self.world_size, self.policy, self.micro_batches)
-            self._split = (step, table, g_lengths, shares, np.array([costs[s].sum() for s in shares]))
+            self._split = (step, _StepColumns(table, lay, self.source.path), g_lengths, shares,
+                           np.array([costs[s].sum() for s in shares]))
         return self._split
 
     def read(self, step: int, micro_batch: int = 0) -> HostBatch:
         lay = self.layout
         M = self.micro_batches
-        _, table, g_lengths, shares, bin_costs = self._step(step)
+        _, cols, g_lengths, shares, bin_costs = self._step(step)
         mine = shares[self.rank * M + micro_batch]
         rank_costs = bin_costs.reshape(self.world_size, M)[:, micro_batch]
-        local = table.take(pa.array(mine))
         if lay.pooled:  # stored sample-major; TorchRec's KJT wants them table-major
-            n_t = len(lay.pooled)
-            lengths_bt = local.column(POOLED_LENGTHS).combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(
-                np.int64).reshape(len(mine), n_t)
-            _, ids = _list_column(local, POOLED_IDS)
-            pooled_lengths, pooled_values = lengths_bt.T.reshape(-1), ids[regroup(lengths_bt)]
+            lengths_bt = cols.pooled_lengths[mine]
+            off, vals = cols.lists[POOLED_IDS]
+            order = regroup(lengths_bt)
+            idx = order + off[mine[0]] if _contiguous(mine) else gather_index(off, mine)[1][order]
+            pooled_lengths = lengths_bt.T.reshape(-1)
+            pooled_values = vals[idx].astype(np.int64, copy=False)
         else:
             pooled_lengths, pooled_values = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        seq_lengths, seq_values = {}, {}
-        for s in lay.sequences:
-            seq_lengths[s] = local.column(f"len_{s}").to_numpy().astype(np.int64)
-            for t in lay.sequence_tables[s]:
-                ln, vals = _list_column(local, t.name)
-                if not np.array_equal(ln, seq_lengths[s]):
-                    raise DataError(f"{self.source.path}: column '{t.name}' has lengths that differ from len_{s}")
-                seq_values[t.name] = vals
-        token_ids = {}
-        for s in lay.token_sequences:
-            ln, vals = _list_column(local, f"tok_{s}")
-            if not np.array_equal(ln, seq_lengths[s] + 1):
-                raise DataError(f"{self.source.path}: column 'tok_{s}' does not hold len_{s} + 1 ids per sample")
-            token_ids[s] = vals
-        dense = None
-        if lay.num_dense:
-            dense = local.column("dense").combine_chunks().flatten().to_numpy().astype(np.float32).reshape(len(mine), lay.num_dense)
-        labels = (np.stack([local.column(f"label_{t}").to_numpy().astype(np.float32) for t in lay.tasks], axis=1)
-                  if lay.tasks else np.zeros((len(mine), 0), np.float32))
+        seq_lengths = {s: cols.seq_lengths[s][mine] for s in lay.sequences}
+        seq_values = {t.name: cols.values(t.name, mine) for s in lay.sequences for t in lay.sequence_tables[s]}
+        token_ids = {s: cols.values(f"tok_{s}", mine) for s in lay.token_sequences}
+        dense = cols.dense[mine] if cols.dense is not None else None
+        labels = cols.labels[mine]
         return HostBatch(
             step=step, indices=mine, pooled_lengths=pooled_lengths, pooled_values=pooled_values, seq_lengths=seq_lengths,
             seq_values=seq_values, dense=dense, labels=labels, global_lengths=g_lengths, rank_costs=rank_costs,
@@ -523,13 +575,19 @@ def _reader_process(args: tuple, steps: list[int], out, stop) -> None:
         out.put(DataError(f"data reader process: {type(e).__name__}: {e}"))
 
 
+MAX_READER_PROCESSES = 8
+"""Reader processes per rank at most. Under CUDA graphs the small sampled draws' steps (17-26 ms on the H200)
+consumed samples faster than four processes read them (headroom 0.63-0.80 in ``fresh_draws_h200.json``, commit
+1c695dd): reading a batch in a process took 90-160 ms there."""
+
+
 def default_reader_processes(device_type: str, local_world: int) -> int:
     """Reader processes per rank: on CUDA, enough to keep ahead of a fast step without taking the cores the
     ranks' own threads need; none on CPU runs (the thread reads)."""
     if device_type != "cuda":
         return 0
     cores = os.cpu_count() or 1
-    return max(1, min(4, cores // max(1, local_world) - 2))
+    return max(1, min(MAX_READER_PROCESSES, cores // max(1, local_world) - 2))
 
 
 class Prefetcher:

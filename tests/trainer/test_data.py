@@ -238,7 +238,10 @@ def test_reader_processes_default_to_none_on_cpu():
     from coplan.trainer.data import default_reader_processes
 
     assert default_reader_processes("cpu", 1) == 0
-    assert 1 <= default_reader_processes("cuda", 8) <= 4 and 1 <= default_reader_processes("cuda", 1) <= 4
+    from coplan.trainer.data import MAX_READER_PROCESSES
+
+    assert 1 <= default_reader_processes("cuda", 8) <= MAX_READER_PROCESSES
+    assert 1 <= default_reader_processes("cuda", 1) <= MAX_READER_PROCESSES
 
 
 def test_regroup_swaps_table_major_and_sample_major_bags():
@@ -286,3 +289,24 @@ def test_a_dataset_of_an_older_generator_is_refused(tiny, tmp_path):
     (d / "dataset.json").write_text(json.dumps(meta))
     with pytest.raises(CoplanError, match="generator version 1"):
         check_dataset(d, tiny)
+
+
+def test_gather_index_is_arrow_take_of_a_sliced_list_column():
+    """The reader gathers a micro-batch's rows from the step's columns by offsets (no Arrow ``take``): the same
+    lengths and values as ``take``, for a slice of a column (offsets not rebased), rows in any order, empty rows."""
+    import pyarrow as pa
+
+    from coplan.trainer.data import _list_arrays, gather_index
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 6, size=40)
+    lengths[[3, 17]] = 0
+    values = np.arange(int(lengths.sum()), dtype=np.int64) * 7
+    col = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)), pa.array(values))
+    sliced = pa.chunked_array([col.slice(5, 30)])
+    off, vals = _list_arrays(sliced)
+    for rows in (np.arange(30), np.array([29, 0, 12, 12, 3]), rng.permutation(30)[:11], np.array([], dtype=np.int64)):
+        got_len, idx = gather_index(off, rows)
+        want = sliced.take(pa.array(rows, type=pa.int64())).combine_chunks()
+        assert np.array_equal(got_len, want.value_lengths().to_numpy(zero_copy_only=False))
+        assert np.array_equal(vals[idx], want.flatten().to_numpy(zero_copy_only=False))
