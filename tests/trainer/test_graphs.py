@@ -181,7 +181,6 @@ def test_where_graphs_do_not_apply():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_graphs_match_eager_on_the_gpu():
-    from coplan.trainer.loop import enable_segment_sums  # noqa: F401  (the trainer's CUDA switches)
     from coplan.trainer.model.moe import MoELayer
 
     dev = torch.device("cuda")
