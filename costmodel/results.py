@@ -335,7 +335,9 @@ class Goodput:
     restart_s: float
     """Detect + restart + reload, seconds."""
     fraction: float
-    """Useful fraction of wall time."""
+    """Useful fraction of wall time (checkpoints, failures, and the step's stretch by stragglers and jitter)."""
+    jitter: float = 0.0
+    """Expected relative stretch of a synchronous step by its slowest rank (:func:`coplan.costmodel.goodput.jitter_stretch`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,6 +488,7 @@ class StepCost:
             scaling_ratio=self.scaling_ratio,
             e2e_mfu=self.e2e_mfu,
             goodput=gp.fraction if gp else 1.0,
+            step_jitter=gp.jitter if gp else 0.0,
             goodput_mfu=self.goodput_mfu,
             checkpoint_interval_s=gp.interval_s if gp else 0.0,
             checkpoint_write_s=gp.checkpoint_write_s if gp else 0.0,

@@ -188,7 +188,7 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
         f"compute not itemised per op: {_ms(pred.compute_s - compute_items)}; "
         f"exposed communication not itemised: {_ms(pred.exposed_comm_s - exposed_sum) if pred.comms else _ms(pred.exposed_comm_s)}",
     ))
-    losses += _goodput_losses(pred, W, g)
+    losses += _goodput_losses(pred, W, g, N)
     return Ledger(N, peak, pred.model_flops_per_step, step, W, T0, tuple(losses), pred.e2e_mfu, pred.goodput_mfu or pred.e2e_mfu * g, tuple(checks))
 
 
@@ -296,13 +296,21 @@ def _comm_losses(pred: Prediction) -> tuple[list[Loss], float]:
     return losses, sum(cp.exposed_s for cp in pred.comms)
 
 
-def _goodput_losses(pred: Prediction, W: float, g: float) -> list[Loss]:
-    """Checkpoint writes, then failures: the rest of ``W − step``."""
+def _goodput_losses(pred: Prediction, W: float, g: float, ranks: int = 1) -> list[Loss]:
+    """Stragglers and jitter (the step stretched by its slowest rank), checkpoint writes, then failures: the
+    rest of ``W − step``."""
     step = pred.step_time_s
+    jit = step * pred.step_jitter
     fc = checkpoint_fraction(pred)
-    ckpt = step * (1.0 / fc - 1.0) if fc > 0 else 0.0
-    fail = W - step - ckpt
+    ckpt = (step + jit) * (1.0 / fc - 1.0) if fc > 0 else 0.0
+    fail = W - step - jit - ckpt
     losses: list[Loss] = []
+    if jit > 0:
+        losses.append(Loss(
+            "jitter", "stragglers and jitter", "loss", "jitter", jit,
+            f"the slowest of {ranks:,} ranks ends each synchronous step: +{100 * pred.step_jitter:.2f}% "
+            f"(a rank's step varies by {100 * _cv(pred, ranks):.1f}% (CV); expected maximum of {ranks:,} normals)",
+        ))
     if ckpt > 0:
         losses.append(Loss(
             "checkpoint", "checkpoint writes", "loss", "checkpoint", ckpt,
@@ -314,6 +322,13 @@ def _goodput_losses(pred: Prediction, W: float, g: float) -> list[Loss]:
             f"expected work lost since the last checkpoint plus restart time; goodput {100 * g:.3f}% in all",
         ))
     return losses
+
+
+def _cv(pred: Prediction, ranks: int) -> float:
+    from coplan.costmodel.goodput import expected_max_normal
+
+    z = expected_max_normal(ranks)
+    return pred.step_jitter / z if z > 0 else 0.0
 
 
 def _ms(s: float) -> str:

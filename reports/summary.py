@@ -105,6 +105,9 @@ def lever(loss: Loss, plan: Plan, pred: Prediction) -> str:
         return "more overlap of this collective with compute"
     if k == "checkpoint":
         return f"asynchronous checkpointing (the write blocks {fmt_s(pred.checkpoint_write_s)} every {fmt_s(pred.checkpoint_interval_s)}) or faster storage"
+    if k == "jitter":
+        return ("fewer stragglers: steadier per-rank step times (pinned host threads, no co-tenants, balanced jagged "
+                "batches), or fewer synchronous ranks per step; it grows with the log of the rank count")
     if k == "failures":
         return "faster restarts (in-memory checkpoints, hot spares): expected lost work and restarts grow with the GPU count"
     return "a closer look at the cost model's breakdown"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from coplan.spec.base import FROM_FILE, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
 from coplan.spec.calibration import Calibration
@@ -272,7 +272,11 @@ class Prediction(Spec):
     """Model FLOPs / (step time × GPUs × dense bf16 peak) = local MFU × scaling ratio."""
 
     goodput: NonNeg = 1.0
-    """Fraction of wall time making progress after checkpoints and failures."""
+    """Fraction of wall time making progress after checkpoints, failures, stragglers and jitter."""
+
+    step_jitter: NonNeg = 0.0
+    """Expected relative stretch of a step by its slowest rank (stragglers and jitter; in ``goodput``).
+    Written only when not 0, so that plans from before it keep their hashes."""
 
     goodput_mfu: NonNeg = 0.0
     """E2E MFU × goodput."""
@@ -349,6 +353,13 @@ class Prediction(Spec):
         if len(set(self.rank_ids)) != len(self.rank_ids):
             raise field_error("rank_ids", "has repeats")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and not out.get("step_jitter"):
+            out.pop("step_jitter", None)
+        return out
 
 
 class SolverReport(Spec):

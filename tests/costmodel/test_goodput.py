@@ -40,5 +40,30 @@ def test_goodput_falls_with_scale_and_is_optimal_at_daly():
     small, big = goodput(t, 2e12, 256), goodput(t, 2e12, 4096)
     assert 0 < big.fraction < small.fraction < 1
     g = big
+    at_daly = g.fraction * (1.0 + g.jitter)  # (the checkpoint-and-failure part; jitter divides it)
     for k in (0.5, 2.0):
-        assert useful_fraction(g.interval_s * k, g.checkpoint_write_s, g.restart_s, g.mtbf_s) <= g.fraction + 1e-9
+        assert useful_fraction(g.interval_s * k, g.checkpoint_write_s, g.restart_s, g.mtbf_s) <= at_daly + 1e-9
+
+
+def test_expected_max_of_normals_matches_closed_forms_and_grows_like_sqrt_2_ln_n():
+    from coplan.costmodel.goodput import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)        # closed form
+    assert expected_max_normal(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-6)  # closed form
+    vals = [expected_max_normal(n) for n in (2, 8, 64, 512, 4096, 65536)]
+    assert vals == sorted(vals)
+    for n, v in zip((4096, 65536), vals[-2:]):  # below the sqrt(2 ln n) envelope, within 15% of it
+        assert 0.85 * math.sqrt(2 * math.log(n)) < v < math.sqrt(2 * math.log(n))
+
+
+def test_stragglers_and_jitter_stretch_the_step_by_cv_times_the_expected_max():
+    from coplan.costmodel.goodput import expected_max_normal, jitter_stretch
+
+    t = load_topology("h200-superpod-4k")
+    assert jitter_stretch(1) == 0.0 and jitter_stretch(1, 0.5) == 0.0
+    assert jitter_stretch(1024, 0.03) == pytest.approx(0.03 * expected_max_normal(1024))
+    assert jitter_stretch(4096, 0.02) > jitter_stretch(256, 0.02) > 0  # grows with the rank count
+    assert jitter_stretch(4096, 0.04) == pytest.approx(2 * jitter_stretch(4096, 0.02))  # linear in the CV
+    calm, noisy = goodput(t, 2e12, 4096, jitter_cv=0.0), goodput(t, 2e12, 4096, jitter_cv=0.02)
+    assert calm.jitter == 0.0 and noisy.fraction == pytest.approx(calm.fraction / (1 + noisy.jitter))
