@@ -422,13 +422,6 @@ class HostBatch:
         return int(self.labels.shape[0])
 
 
-def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    col = table.column(name).combine_chunks()
-    lengths = col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
-    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    return lengths, values
-
-
 def _list_arrays(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """A list column as (offsets [rows + 1] into ``values``, values), without copying the values when the
     column is one chunk (a batch within one row group): the offsets are the slice's own, not rebased."""

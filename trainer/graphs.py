@@ -31,6 +31,7 @@ run, with the reason in the summary; the same functional forward then runs eager
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +90,8 @@ def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, co
 
     if device.type != "cuda":
         return "not a CUDA device"
+    if model.workload.kernels.cuda_graphs == "off":
+        return "the workload's kernels.cuda_graphs is off"
     if world != 1:
         return f"{world} ranks (graphs are used on one rank, where FSDP2 has nothing to shard)"
     if compile_mode != "off":
@@ -157,7 +160,7 @@ class _Replay(torch.autograd.Function):
     def forward(ctx, runner: "DenseGraphs", b: _Bucket, inputs: dict, pooled, *seq_values):  # type: ignore[override]
         runner._load(b, inputs)
         b.fwd.replay()
-        ctx.runner, ctx.bucket = runner, b
+        ctx.bucket = b
         ctx.rows = [v.shape[0] for v in seq_values]
         ctx.pooled_grad = pooled is not None and pooled.requires_grad
         return b.logits.clone()
@@ -306,13 +309,14 @@ class DenseGraphs:
             for s, o in inputs["offsets"].items():
                 b.offsets[s].copy_(o)
 
-    def _graph_pass(self, b: _Bucket, keys, widths, batch, *, grad_out: torch.Tensor | None):
-        """One forward (and, with ``grad_out``, backward) over the bucket's buffers; returns (logits, grads)."""
+    def _graph_pass(self, b: _Bucket, keys, widths, batch):
+        """One forward over the bucket's buffers (rows past each history's end masked); returns (logits, the
+        leaves whose gradients the backward hands back: the pooled input or None, then the sequence features)."""
         valid = {s: torch.arange(b.rows[s], device=self.device) < b.offsets[s][-1] for s in b.rows}
         leaves = [b.pooled if b.pooled is not None and b.pooled.requires_grad else None]
         leaves += [b.seq[f] for f in sorted(b.seq)]
         logits = self._forward(b.pooled, keys, widths, b.seq, b.offsets, b.dense, batch, valid)
-        return logits, valid, leaves
+        return logits, leaves
 
     def _backward(self, logits, leaves, grad_out):
         wrt = self.params + [x for x in leaves if x is not None]
@@ -326,8 +330,6 @@ class DenseGraphs:
 
     def _capture(self, key, pooled, keys, widths, seq, offsets, dense_x, batch, rows, warmup: int = WARMUP_ITERS
                  ) -> _Bucket | None:
-        import time
-
         self.last_offsets = offsets
 
         t0 = time.perf_counter()
@@ -343,13 +345,13 @@ class DenseGraphs:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(warmup):  # (the gradients they add are undone below)
-                    logits, _, leaves = self._graph_pass(b, keys, widths, batch, grad_out=None)
+                    logits, leaves = self._graph_pass(b, keys, widths, batch)
                     self._backward(logits, leaves, torch.ones_like(logits))
             torch.cuda.current_stream(self.device).wait_stream(side)
             b.fwd, b.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             # thread-local: the loader's pinning thread keeps working while the main thread captures
             with torch.cuda.graph(b.fwd, pool=self.pool, capture_error_mode="thread_local"):
-                logits, _, leaves = self._graph_pass(b, keys, widths, batch, grad_out=None)
+                logits, leaves = self._graph_pass(b, keys, widths, batch)
             b.logits = logits.detach()
             b.grad_out = torch.zeros_like(b.logits)
             with torch.cuda.graph(b.bwd, pool=self.pool, capture_error_mode="thread_local"):

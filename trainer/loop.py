@@ -223,7 +223,6 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
     if clock is not None:
         clock.mark("build")
     why_not = ("--cuda-graphs off" if cfg.cuda_graphs == "off" else
-               "the workload's kernels.cuda_graphs is off" if plan.workload.kernels.cuda_graphs == "off" else
                graphs_unavailable(model, device=device, world=ranks.world, compile_mode=cfg.compile, backend=backend,
                                   fp8_layers=sum(1 for lp in plan.layers if lp.precision == "fp8")))
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=ranks.local_world, seed=cfg.seed,

@@ -109,7 +109,7 @@ def test_padded_pass_equals_eager(make, monkeypatch):
             v.fill_(3.0)
     runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
     runner.begin_step()
-    got, _, leaves = runner._graph_pass(b, keys, widths, batch, grad_out=None)
+    got, leaves = runner._graph_pass(b, keys, widths, batch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     in_grads = runner._backward(got, leaves, g_out)
     for p, r in zip(params, ref[:len(params)]):
@@ -136,7 +136,7 @@ def test_micro_batches_accumulate_into_the_grad_buffers():
         for v in b.seq.values():
             v.requires_grad_(True)
         runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
-        got, _, leaves = runner._graph_pass(b, keys, widths, 2, grad_out=None)
+        got, leaves = runner._graph_pass(b, keys, widths, 2)
         runner._backward(got, leaves, torch.ones_like(got))
         out = arch(pooled, keys, widths, seq, offsets, dense, batch_size=2)
         gs = torch.autograd.grad(out.sum(), list(arch.parameters()), allow_unused=True)
