@@ -544,11 +544,22 @@ class BatchReader:
         )
 
 
-def _reader_process(args: tuple, steps: list[int], out, stop) -> None:
+def reader_threads(processes: int, local_world: int, cores: int | None = None) -> int:
+    """Arrow decode threads per reader process: the host's cores shared out over every rank's readers (at
+    least one). Arrow's own default is one pool of all the cores in every process, so that eight readers of
+    each of eight ranks would each start a pool as large as the host and contend for it (the in-trainer read
+    of a batch took 3-4x the one-process time on the H200's 16-core host, ``fresh_draws_h200.json``)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // max(1, processes * max(1, local_world)))
+
+
+def _reader_process(args: tuple, steps: list[int], out, stop, threads: int = 1) -> None:
     """A reader process: reads every micro-batch of ``steps`` in order into ``out`` as
-    ``(host batch, seconds it took)``; an exception is sent as its message and ends the process."""
+    ``(host batch, seconds it took)``; an exception is sent as its message and ends the process.
+    ``threads``: Arrow's CPU pool size in this process (:func:`reader_threads`)."""
     workload, path, world_size, rank, policy, global_batch, micro_batches = args
     try:
+        pa.set_cpu_count(max(1, threads))
         reader = BatchReader(workload, path, world_size=world_size, rank=rank, policy=policy,
                              global_batch=global_batch, micro_batches=micro_batches)
         for step in steps:
@@ -596,7 +607,7 @@ class Prefetcher:
 
     def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2,
                  prepare: Callable[[HostBatch], Any] | None = None, setup: Callable[[], None] | None = None,
-                 processes: int = 0) -> None:
+                 processes: int = 0, local_world: int = 1) -> None:
         """``prepare``: also run on the thread, items are then ``(host batch, prepare(host batch))`` (the
         trainer pins the batch's tensors there); ``setup``: run once on the thread first (its CUDA device)."""
         self._q: queue.Queue = queue.Queue(maxsize=depth)
@@ -619,8 +630,9 @@ class Prefetcher:
             ctx = mp.get_context("spawn")  # no fork of a process that holds CUDA and NCCL threads
             self._mp_stop = ctx.Event()
             queues = [ctx.Queue(maxsize=depth) for _ in range(processes)]
+            threads = reader_threads(processes, local_world)
             for k in range(processes):
-                p = ctx.Process(target=_reader_process, args=(reader.args, steps[k::processes], queues[k], self._mp_stop),
+                p = ctx.Process(target=_reader_process, args=(reader.args, steps[k::processes], queues[k], self._mp_stop, threads),
                                 name=f"coplan-data-{k}", daemon=True)
                 p.start()
                 self._procs.append(p)

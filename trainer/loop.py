@@ -345,7 +345,8 @@ class Loop:
             self.bar = progress_bar(f"train {self.plan.workload.name}", self.steps, self.start)
             self.bar.start()
         self.prefetch = Prefetcher(self.reader, self.start, self.steps, prepare=self.pipe.host, setup=self.pipe.thread_setup,
-                                   processes=default_reader_processes(self.device.type, self.ranks.local_world))
+                                   processes=default_reader_processes(self.device.type, self.ranks.local_world),
+                                   local_world=self.ranks.local_world)
         try:
             with TraceWindow(RunDir(self.run_dir), self.ranks.rank, trace_first, trace_count, self.start,
                              self.device) as tw:

@@ -244,6 +244,15 @@ def test_reader_processes_default_to_none_on_cpu():
     assert 1 <= default_reader_processes("cuda", 1) <= MAX_READER_PROCESSES
 
 
+def test_reader_threads_share_the_host_s_cores_out():
+    from coplan.trainer.data import reader_threads
+
+    assert reader_threads(8, 1, cores=16) == 2  # eight readers of one rank on 16 cores
+    assert reader_threads(8, 8, cores=128) == 2
+    assert reader_threads(4, 8, cores=16) == 1  # never fewer than one
+    assert reader_threads(0, 1, cores=4) == 4
+
+
 def test_regroup_swaps_table_major_and_sample_major_bags():
     from coplan.trainer.data import regroup
 
