@@ -13,11 +13,15 @@ numerics: ``s = max(amax, 1e-12) / fp8_max`` and ``q = clamp(y · (1/s), ±fp8_m
 IEEE-rounded (``tl.math.div_rn``), so a fused producer's ``q`` and ``s`` are bit-equal to
 ``quant_act_dual`` of the values it computed.
 
-- :func:`layernorm_quant`: one program per block of rows reads x, computes mean and rstd (chunked
-  Welford), then normalises each 128-wide chunk (a re-read that hits L1/L2) and writes y's tiles. A
+- :func:`layernorm_quant`: one program per block of rows reads x, computes mean and rstd (128-wide
+  chunks merged by Chan's formula), then normalises each 128-wide chunk (a re-read that hits L1/L2) and writes y's tiles. A
   row block of 128 holds whole 128-token tiles of every column, so yᵀ's tiles (along the tokens, for
   the weight gradient) come out of the same read: the transposed operand costs no extra HBM read,
-  only its own 1 byte per element of writes (plus 4 bytes of scale per 128).
+  only its own 1 byte per element of writes (plus 4 bytes of scale per 128). The price is
+  parallelism: with the transpose, a program owns 128 rows, so M = 61,000 tokens give 477 programs
+  (enough for 132 SMs) but M = 512 summary tokens only 4. Where that underfills the GPU, a stats
+  kernel (one read of x) followed by a 2-D grid of tiles (a second read, ``2·M·D`` bytes more in
+  bf16) would trade bytes for SMs; not written, as nothing measured it yet.
 - :func:`act_quant`: the FFN activation (SiLU, GELU-tanh, ReLU, ReLU², identity, and the gated
   SwiGLU / GeGLU over ``[gate | up]`` halves, ``chunk(2, -1)``'s order), tile-local, optionally also
   the activation's input in fp8 for the backward (DeepSeek-V3 §3.3.3 stores the SwiGLU inputs so).
@@ -46,6 +50,9 @@ No bf16 y or a is saved: the GEMMs' weight gradients take the fp8 transposed cop
 copy replaces x or h only where the backward's math tolerates the rounding (h, opt-in; x̂ in
 LayerNorm's backward is not rounded).
 
+Status: checked against PyTorch in Triton's CPU interpreter (tests/kernels/test_fp8_fused.py); the
+compiled kernels, their bf16 tests and ``benchmarks/fp8_fused_h200.py`` have not run on a GPU yet.
+
 What is not fused here, and why: the InterFormer layer's first norm feeds ``qkv`` through a per-sample
 FiLM modulation (``x·(1+γ)+β``), which :func:`layernorm_quant` does not apply; the attention output
 ``a`` is written by the attention kernel (:mod:`.triton_attention`), whose epilogue would have to
@@ -57,6 +64,7 @@ composition spanning the whole layer, since autograd hands gradients between ops
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -193,7 +201,8 @@ def _ln_fwd_kernel(
     for c0 in range(0, D, BLOCK_K):
         cols = c0 + tl.arange(0, BLOCK_K)
         cmask = cols < D
-        v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
         n_c = tl.minimum(D - c0, BLOCK_K) * 1.0
         n_a = c0 * 1.0
         c_mean = tl.sum(v, axis=1) / n_c
@@ -703,3 +712,469 @@ def act_backward_quant(
                    dict(ACT=act, GATED=gated, H_FP8=h_fp8 is not None, WITH_DH=return_dh, QUANT=quant, WITH_T=with_t,
                         FP8_MAX=fp8_max, BLOCK_M=block_m, BLOCK_K=BLOCK), warps)
     return ActGrad(dh, _finish(b, fp8_dtype) if b is not None else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd compositions: producer → block-scaled GEMM
+# --------------------------------------------------------------------------------------------
+
+
+def _mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, n: int, b_square: bool, out_dtype: torch.dtype) -> Tensor:
+    """``(qa·sa) @ (qb·sb)ᵀ`` → ``[M, n]``: :func:`~coplan.kernels.fp8_triton.block_mm` (cuBLAS where it
+    takes the shapes) for e4m3 operands; the Triton GEMM where one is e5m2 (cuBLAS's block-wise path is
+    e4m3 only, and a refused first call would turn block_mm's cuBLAS path off for every later e4m3 call)."""
+    if qa.dtype == E4M3 and qb.dtype == E4M3:
+        return ft.block_mm(qa, sa, qb, sb, n=n, b_square=b_square, out_dtype=out_dtype)
+    out = ft.block_scaled_mm(qa, sa, qb, sb, n=n, b_square=b_square,
+                             out_dtype=out_dtype if out_dtype != torch.float16 else torch.float32)
+    return out.to(out_dtype)
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """A weight gradient trimmed to its n rows (the transposed operand's rows are padded to 16)."""
+    return t if t.shape[0] == n else t[:n].contiguous()
+
+
+def _opt(t: Tensor | None) -> Tensor:
+    return t if t is not None else torch.empty(0)
+
+
+def _grad_out_quant(gout: Tensor, with_t: bool) -> DualQuant:
+    # The chain's incoming gradient is produced outside it: one read, both copies (quant_act_dual).
+    return ft.quant_act_dual(gout.contiguous(), with_t=with_t)
+
+
+class _LnLinearFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, weight, bias, eps):  # type: ignore[override]
+        need = ctx.needs_input_grad
+        need_dy, need_dw = need[0] or need[1] or need[2], need[3]
+        M, D = x.shape
+        N = weight.shape[0]
+        ctx.shape = (M, D, N)
+        ctx.dtypes = (x.dtype, weight.dtype, ln_w.dtype if ln_w is not None else None,
+                      ln_b.dtype if ln_b is not None else None, bias.dtype if bias is not None else None)
+        ln = layernorm_quant(x, ln_w, ln_b, eps, with_t=need_dw)
+        wq = ft.quant_weight_dual(weight, with_t=need_dy)
+        out = _mm(ln.fp8.q, ln.fp8.s, wq.q, wq.s, n=N, b_square=True, out_dtype=x.dtype) if M else x.new_zeros(0, N)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.save_for_backward(x, ln_w, ln.mean, ln.rstd, _opt(ln.fp8.qt), _opt(ln.fp8.st), _opt(wq.qt), _opt(wq.st))
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):  # type: ignore[override]
+        x, ln_w, mean, rstd, yqt, yst, wqt, wst = ctx.saved_tensors
+        M, D, N = ctx.shape
+        x_dt, w_dt, lnw_dt, lnb_dt, b_dt = ctx.dtypes
+        need = ctx.needs_input_grad
+        need_dy = need[0] or need[1] or need[2]
+        dx = dlnw = dlnb = dw = db = None
+        if M == 0:
+            dx = x.new_zeros(0, D) if need[0] else None
+            dlnw = torch.zeros(D, device=x.device, dtype=lnw_dt) if need[1] else None
+            dlnb = torch.zeros(D, device=x.device, dtype=lnb_dt) if need[2] else None
+            dw = torch.zeros(N, D, device=x.device, dtype=w_dt) if need[3] else None
+            db = torch.zeros(N, device=x.device, dtype=b_dt) if need[4] else None
+            return dx, dlnw, dlnb, dw, db, None
+        dq = _grad_out_quant(gout, with_t=need[3])
+        if need[3]:
+            dw = _rows(_mm(dq.qt, dq.st, yqt, yst, n=D, b_square=False, out_dtype=w_dt), N)
+        if need_dy:
+            dy = _mm(dq.q, dq.s, wqt, wst, n=D, b_square=True, out_dtype=x_dt)
+            g = layernorm_backward_quant(dy, x, ln_w, mean, rstd, return_dx=need[0], quant=False,
+                                         weight_grads=need[1] or need[2])
+            dx = g.dx
+            dlnw = g.dweight.to(lnw_dt) if need[1] else None
+            dlnb = g.dbias.to(lnb_dt) if need[2] else None
+        if need[4]:
+            db = gout.sum(0, dtype=torch.float32).to(b_dt)
+        return dx, dlnw, dlnb, dw, db, None
+
+
+class _ActLinearFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, kind, save_input_fp8):  # type: ignore[override]
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        M, C = h.shape
+        H, N = act_width(C, kind), weight.shape[0]
+        ctx.shape, ctx.kind = (M, C, H, N), kind
+        ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        aq = act_quant(h, kind, with_t=need_dw, save_input_fp8=save_input_fp8 and need_dh)
+        wq = ft.quant_weight_dual(weight, with_t=need_dh)
+        out = _mm(aq.fp8.q, aq.fp8.s, wq.q, wq.s, n=N, b_square=True, out_dtype=h.dtype) if M else h.new_zeros(0, N)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        hq, hs = aq.h_fp8 if aq.h_fp8 is not None else (None, None)
+        keep_h = h if need_dh and hq is None else None
+        ctx.save_for_backward(keep_h, _opt(hq), _opt(hs), _opt(aq.fp8.qt), _opt(aq.fp8.st), _opt(wq.qt), _opt(wq.st))
+        ctx.h_fp8 = hq is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):  # type: ignore[override]
+        h, hq, hs, aqt, ast, wqt, wst = ctx.saved_tensors
+        M, C, H, N = ctx.shape
+        h_dt, w_dt, b_dt = ctx.dtypes
+        need = ctx.needs_input_grad
+        dh = dw = db = None
+        if M == 0:
+            dev = gout.device
+            return (torch.zeros(0, C, device=dev, dtype=h_dt) if need[0] else None,
+                    torch.zeros(N, H, device=dev, dtype=w_dt) if need[1] else None,
+                    torch.zeros(N, device=dev, dtype=b_dt) if need[2] else None, None, None)
+        dq = _grad_out_quant(gout, with_t=need[1])
+        if need[1]:
+            dw = _rows(_mm(dq.qt, dq.st, aqt, ast, n=H, b_square=False, out_dtype=w_dt), N)
+        if need[0]:
+            da = _mm(dq.q, dq.s, wqt, wst, n=H, b_square=True, out_dtype=h_dt)
+            dh = act_backward_quant(da, h, ctx.kind, h_fp8=(hq, hs) if ctx.h_fp8 else None, return_dh=True,
+                                    quant=False, dh_dtype=h_dt).dh
+        if need[2]:
+            db = gout.sum(0, dtype=torch.float32).to(b_dt)
+        return dh, dw, db, None, None
+
+
+class _LnFfnFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, w_up, w_down, eps, kind, save_input_fp8, grad_dtype):  # type: ignore[override]
+        need = ctx.needs_input_grad
+        need_dy = need[0] or need[1] or need[2]
+        need_dh = need_dy or need[3]
+        M, D = x.shape
+        C, Dout = w_up.shape[0], w_down.shape[0]
+        H = act_width(C, kind)
+        ctx.shape, ctx.kind, ctx.grad_dtype = (M, D, C, H, Dout), kind, grad_dtype
+        ctx.dtypes = (x.dtype, ln_w.dtype if ln_w is not None else None, ln_b.dtype if ln_b is not None else None,
+                      w_up.dtype, w_down.dtype)
+        ln = layernorm_quant(x, ln_w, ln_b, eps, with_t=need[3])
+        wu = ft.quant_weight_dual(w_up, with_t=need_dy)
+        wd = ft.quant_weight_dual(w_down, with_t=need_dh)
+        if M:
+            h = _mm(ln.fp8.q, ln.fp8.s, wu.q, wu.s, n=C, b_square=True, out_dtype=x.dtype)
+            aq = act_quant(h, kind, with_t=need[4], save_input_fp8=save_input_fp8 and need_dh)
+            out = _mm(aq.fp8.q, aq.fp8.s, wd.q, wd.s, n=Dout, b_square=True, out_dtype=x.dtype)
+        else:
+            h, aq = None, None
+            out = x.new_zeros(0, Dout)
+        hq, hs = aq.h_fp8 if aq is not None and aq.h_fp8 is not None else (None, None)
+        keep_h = h if need_dh and hq is None else None
+        ctx.h_fp8 = hq is not None
+        ctx.save_for_backward(x, ln_w, ln.mean, ln.rstd, _opt(ln.fp8.qt), _opt(ln.fp8.st), _opt(wu.qt), _opt(wu.st),
+                              keep_h, _opt(hq), _opt(hs), _opt(aq.fp8.qt if aq else None), _opt(aq.fp8.st if aq else None),
+                              _opt(wd.qt), _opt(wd.st))
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):  # type: ignore[override]
+        x, ln_w, mean, rstd, yqt, yst, wut, wust, h, hq, hs, aqt, ast, wdt, wdst = ctx.saved_tensors
+        M, D, C, H, Dout = ctx.shape
+        x_dt, lnw_dt, lnb_dt, wu_dt, wd_dt = ctx.dtypes
+        need = ctx.needs_input_grad
+        need_dy = need[0] or need[1] or need[2]
+        dx = dlnw = dlnb = dwu = dwd = None
+        if M == 0:
+            dev = gout.device
+            return (x.new_zeros(0, D) if need[0] else None,
+                    torch.zeros(D, device=dev, dtype=lnw_dt) if need[1] else None,
+                    torch.zeros(D, device=dev, dtype=lnb_dt) if need[2] else None,
+                    torch.zeros(C, D, device=dev, dtype=wu_dt) if need[3] else None,
+                    torch.zeros(Dout, H, device=dev, dtype=wd_dt) if need[4] else None, None, None, None, None)
+        dq = _grad_out_quant(gout, with_t=need[4])
+        if need[4]:
+            dwd = _rows(_mm(dq.qt, dq.st, aqt, ast, n=H, b_square=False, out_dtype=wd_dt), Dout)
+        if need_dy or need[3]:
+            da = _mm(dq.q, dq.s, wdt, wdst, n=H, b_square=True, out_dtype=x_dt)
+            # dh goes straight to fp8 (both copies): it never exists in bf16
+            g = act_backward_quant(da, h if not ctx.h_fp8 else None, ctx.kind, h_fp8=(hq, hs) if ctx.h_fp8 else None,
+                                   quant=True, with_t=need[3], fp8_dtype=ctx.grad_dtype)
+            if need[3]:
+                dwu = _rows(_mm(g.fp8.qt, g.fp8.st, yqt, yst, n=D, b_square=False, out_dtype=wu_dt), C)
+            if need_dy:
+                dy = _mm(g.fp8.q, g.fp8.s, wut, wust, n=D, b_square=True, out_dtype=x_dt)
+                lg = layernorm_backward_quant(dy, x, ln_w, mean, rstd, return_dx=need[0], quant=False,
+                                              weight_grads=need[1] or need[2])
+                dx = lg.dx
+                dlnw = lg.dweight.to(lnw_dt) if need[1] else None
+                dlnb = lg.dbias.to(lnb_dt) if need[2] else None
+        return dx, dlnw, dlnb, dwu, dwd, None, None, None, None
+
+
+def _check_weight(w: Tensor, name: str, fn: str, in_features: int, device: torch.device) -> None:
+    if not isinstance(w, Tensor) or w.dim() != 2:
+        shape = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
+        raise _err(f"{fn}: {name} must be a 2-D [out_features, in_features] tensor, got {shape}")
+    if not w.is_floating_point() or w.dtype not in ACT_FLOAT_DTYPES:
+        raise _err(f"{fn}: {name} must be float32, bfloat16 or float16, got {w.dtype}")
+    if w.shape[1] != in_features:
+        raise _err(f"{fn}: {name} has in_features {w.shape[1]}, the input has {in_features} features "
+                   f"({name} shape {tuple(w.shape)})")
+    if w.shape[0] == 0:
+        raise _err(f"{fn}: {name} has no output features (shape {tuple(w.shape)})")
+    if w.device != device:
+        raise _err(f"{fn}: {name} is on {w.device}, the input on {device}")
+
+
+def _flatten(x: Tensor, fn: str) -> Tensor:
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise _err(f"{fn}: x must be a tensor [..., features], got {got}")
+    return x.reshape(-1, x.shape[-1])
+
+
+def _inference(*ts):
+    """The tensors detached when no graph is recorded (``torch.no_grad``): inside the op's forward the
+    grad mode is always off, and ``needs_input_grad`` still follows ``requires_grad``, so without this
+    a forward-only call would write the transposed fp8 copies a backward needs."""
+    if torch.is_grad_enabled():
+        return ts
+    return tuple(t.detach() if isinstance(t, Tensor) else t for t in ts)
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+def ln_linear_fp8(
+    x: Tensor, ln_weight: Tensor | None, ln_bias: Tensor | None, weight: Tensor, bias: Tensor | None = None, *,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``F.linear(F.layer_norm(x, (D,), ln_weight, ln_bias, eps), weight, bias)`` with LayerNorm
+    writing the GEMM's e4m3 operand (:func:`layernorm_quant`, y's transposed tiles too when the
+    weight needs a gradient) and every GEMM block-scaled fp8. The backward runs dY = dOut·W and
+    dW = dOutᵀ·y on fp8 operands and LayerNorm's backward in one kernel (dx, dγ, dβ). Saved: x,
+    mean/rstd, fp8 yᵀ and Wᵀ (no bf16 y). Output in x's dtype (the autocast dtype under autocast)."""
+    fn = "ln_linear_fp8"
+    x2d = _flatten(x, fn)
+    D = x2d.shape[1]
+    _check_weight(weight, "weight", fn, D, x.device)
+    _check_vec(bias, "bias", fn, weight.shape[0], x.device)
+    cast = _autocast_dtype(x)
+    if cast is not None:
+        x2d = x2d.to(cast)
+    _check_rows(x2d, "x", fn)
+    _check_vec(ln_weight, "ln_weight", fn, D, x.device)
+    _check_vec(ln_bias, "ln_bias", fn, D, x.device)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise _err(f"{fn}: eps must be a positive number, got {eps!r}")
+    with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
+        out = _LnLinearFp8.apply(*_inference(x2d, ln_weight, ln_bias, weight, bias), float(eps))
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def act_linear_fp8(
+    h: Tensor, weight: Tensor, bias: Tensor | None = None, *, kind: str = "silu", save_input_fp8: bool = False,
+) -> Tensor:
+    """``F.linear(act(h), weight, bias)`` with the activation writing the GEMM's e4m3 operand
+    (:func:`act_quant`); gated kinds take ``h = [gate | up]``. The backward computes
+    ``dh = (dOut·W) · act'(h)`` in one elementwise kernel and returns it in h's dtype (the producing
+    linear is outside this op: :func:`ln_ffn_fp8` keeps dh in fp8). Saved: h (``save_input_fp8``:
+    its e4m3 1x128 tiles instead, half the bytes of bf16, the DeepSeek-V3 choice for SwiGLU inputs),
+    fp8 aᵀ and Wᵀ."""
+    fn = "act_linear_fp8"
+    _check_kind(kind, fn)
+    h2d = _flatten(h, fn)
+    cast = _autocast_dtype(h)
+    if cast is not None:
+        h2d = h2d.to(cast)
+    _check_rows(h2d, "h", fn)
+    _check_weight(weight, "weight", fn, act_width(h2d.shape[1], kind), h.device)
+    if ACTIVATIONS[kind][1] and h2d.shape[1] % 2:
+        raise _err(f"{fn}: kind={kind!r} takes h = [gate | up] with an even number of columns, got {h2d.shape[1]}")
+    _check_vec(bias, "bias", fn, weight.shape[0], h.device)
+    with torch.autocast(h.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
+        out = _ActLinearFp8.apply(*_inference(h2d, weight, bias), kind, bool(save_input_fp8))
+    return out if h.dim() == 2 else out.reshape(*h.shape[:-1], weight.shape[0])
+
+
+def ln_ffn_fp8(
+    x: Tensor, ln_weight: Tensor | None, ln_bias: Tensor | None, w_up: Tensor, w_down: Tensor, *, kind: str = "silu",
+    eps: float = 1e-5, save_input_fp8: bool = False, grad_dtype: torch.dtype = E4M3,
+) -> Tensor:
+    """The pre-norm FFN ``F.linear(act(F.linear(F.layer_norm(x), w_up)), w_down)`` (no biases, as in
+    :class:`coplan.trainer.model.layers.FFN`), every producer writing fp8: LayerNorm (y and yᵀ tiles),
+    the activation (a and aᵀ tiles) and, in the backward, the activation's gradient (dh and dhᵀ
+    tiles, ``grad_dtype`` e4m3 or e5m2), which never exists in high precision. Gated kinds: ``w_up``
+    is ``[2H, D]`` (``[gate | up]`` rows), ``w_down`` ``[Dout, H]``."""
+    fn = "ln_ffn_fp8"
+    _check_kind(kind, fn)
+    _check_fp8_dtype(grad_dtype, fn)
+    x2d = _flatten(x, fn)
+    D = x2d.shape[1]
+    cast = _autocast_dtype(x)
+    if cast is not None:
+        x2d = x2d.to(cast)
+    _check_rows(x2d, "x", fn)
+    _check_vec(ln_weight, "ln_weight", fn, D, x.device)
+    _check_vec(ln_bias, "ln_bias", fn, D, x.device)
+    _check_weight(w_up, "w_up", fn, D, x.device)
+    if ACTIVATIONS[kind][1] and w_up.shape[0] % 2:
+        raise _err(f"{fn}: kind={kind!r} needs w_up = [gate | up] with an even number of rows, got {w_up.shape[0]}")
+    _check_weight(w_down, "w_down", fn, act_width(w_up.shape[0], kind), x.device)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise _err(f"{fn}: eps must be a positive number, got {eps!r}")
+    with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
+        out = _LnFfnFp8.apply(*_inference(x2d, ln_weight, ln_bias, w_up, w_down), float(eps), kind, bool(save_input_fp8),
+                              grad_dtype)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w_down.shape[0])
+
+
+class FusedFp8LayerNormLinear(nn.Module):
+    """``linear(norm(x))`` through :func:`ln_linear_fp8`, holding the given ``nn.LayerNorm`` and
+    ``nn.Linear`` (their parameter objects, so FSDP2 and an optimizer built on them see the same
+    parameters; ``state_dict`` keys ``norm.*``, ``linear.*``)."""
+
+    def __init__(self, norm: nn.LayerNorm, linear: nn.Linear) -> None:
+        super().__init__()
+        if not isinstance(norm, nn.LayerNorm) or not isinstance(linear, nn.Linear):
+            raise _err(f"FusedFp8LayerNormLinear: expected an nn.LayerNorm and an nn.Linear, got "
+                       f"{type(norm).__name__} and {type(linear).__name__}")
+        if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != linear.in_features:
+            raise _err(f"FusedFp8LayerNormLinear: the norm's shape {tuple(norm.normalized_shape)} must be "
+                       f"({linear.in_features},), the linear's in_features")
+        self.norm, self.linear = norm, linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ln_linear_fp8(x, self.norm.weight, self.norm.bias, self.linear.weight, self.linear.bias, eps=self.norm.eps)
+
+
+# --------------------------------------------------------------------------------------------
+# HBM bytes of a chain, fused and unfused
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChainBytes:
+    """HBM bytes one producer → fp8 GEMM chain moves in a forward + backward, per kernel (reads +
+    writes, each operand read once per GEMM: the traffic floor, not a cache simulation). Additive."""
+
+    parts: tuple[tuple[str, int], ...]
+    """(kernel, bytes), in execution order; a kernel that runs twice (two GEMMs) appears twice."""
+
+    @property
+    def hbm_bytes(self) -> int:
+        return sum(b for _, b in self.parts)
+
+    @property
+    def quant_pass_bytes(self) -> int:
+        """Bytes of the stand-alone quantisation passes (``quant_*`` kernels)."""
+        return sum(b for k, b in self.parts if k.startswith("quant_"))
+
+    def by_kernel(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for k, b in self.parts:
+            out[k] = out.get(k, 0) + b
+        return out
+
+    def __add__(self, other: "ChainBytes") -> "ChainBytes":
+        return ChainBytes(self.parts + other.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedBytes:
+    """A chain's bytes with its producers writing fp8 (this module) and unfused (nn.LayerNorm /
+    F.silu writing bf16, then ``quant_act_dual`` reading it back: the ``blockwise`` recipe of
+    :mod:`.fp8` today). Both run the same GEMMs on the same fp8 operands."""
+
+    chain: str
+    """'ln_linear', 'act_linear' or 'ln_ffn'."""
+    M: int
+    D: int
+    N: int
+    fused: ChainBytes
+    unfused: ChainBytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.unfused.hbm_bytes - self.fused.hbm_bytes
+
+
+CHAINS = ("ln_linear", "act_linear", "ln_ffn")
+
+
+def _tiles(m: int, c: int) -> int:
+    """An operand [m, c] in 1x128 tiles: q [m, c→128] e4m3 + fp32 scales."""
+    return m * padded(c, BLOCK) + 4 * m * (padded(c, BLOCK) // BLOCK)
+
+
+def _tiles_t(m: int, c: int) -> int:
+    """Its transposed copy [c→16, m→128] + scales along the tokens."""
+    return padded(c, T_ROWS_GRANULE) * padded(m, BLOCK) + 4 * padded(c, T_ROWS_GRANULE) * (padded(m, BLOCK) // BLOCK)
+
+
+def _blocks(n: int, k: int) -> int:
+    """A weight [n, k] in 128x128 blocks (rows padded to 16) + block scales."""
+    return padded(n, T_ROWS_GRANULE) * padded(k, BLOCK) + 4 * (padded(n, BLOCK) // BLOCK) * (padded(k, BLOCK) // BLOCK)
+
+
+def _linear_parts(M: int, K: int, N: int, e: int, wb: int, *, dgrad: bool = True) -> tuple[list, list]:
+    """(forward, backward) kernels of one block-scaled linear [M, K] → [M, N] past its A operand's
+    producer: the weight's quantisation, the three GEMMs and the incoming gradient's quantisation."""
+    w = ("quant_weight", wb * N * K + _blocks(N, K) + _blocks(K, N))
+    fwd = [w, ("gemm_fwd", _tiles(M, K) + _blocks(N, K) + e * M * N)]
+    bwd = []
+    bwd.append(("gemm_wgrad", _tiles_t(M, N) + _tiles_t(M, K) + wb * N * K))
+    if dgrad:
+        bwd.append(("gemm_dgrad", _tiles(M, N) + _blocks(K, N) + e * M * K))
+    return fwd, bwd
+
+
+def fused_bytes(M: int, D: int, N: int, *, chain: str = "ln_linear", act_bytes: int = 2, weight_bytes: int = 2,
+                gated: bool = False) -> FusedBytes:
+    """HBM bytes of one chain's forward + backward, fused vs unfused (:class:`FusedBytes`).
+
+    - ``ln_linear``: LayerNorm over ``x [M, D]`` → linear ``D → N`` (:func:`ln_linear_fp8`). Fusion
+      saves y's bf16 write and its re-read by the quantisation pass: ``2·act_bytes·M·D``.
+    - ``act_linear``: activation of ``h [M, D]`` (``[M, 2D]`` gated) → linear ``D → N``
+      (:func:`act_linear_fp8`): saves a's bf16 write and re-read.
+    - ``ln_ffn``: LayerNorm → up ``D → N`` (``2N`` gated) → activation → down ``N → D``
+      (:func:`ln_ffn_fp8`, ``N`` the hidden width): also the hidden gradient dh's bf16 write and
+      re-read, which goes straight to fp8.
+
+    What stays a separate pass in both: the weights' quantisation and the chain's incoming gradient
+    (made outside the chain). ``act_bytes``: bytes of a high-precision activation (bf16: 2);
+    ``weight_bytes``: of the weight as the op reads it and of its gradient."""
+    if chain not in CHAINS:
+        raise _err(f"fused_bytes: chain={chain!r}; choose one of {', '.join(map(repr, CHAINS))}")
+    if min(M, D, N) < 0 or min(D, N) == 0:
+        raise _err(f"fused_bytes: M, D, N must be non-negative with D, N > 0, got {M}, {D}, {N}")
+    e, wb = act_bytes, weight_bytes
+    stats = 8 * M  # mean and rstd, fp32
+    ln_bwd = ("ln_bwd", 3 * e * M * D + stats + 2 * 2 * 4 * D * cdiv(M, 16))  # dy, x → dx; dγ/dβ partials out and in
+
+    def grad_out(rows: int, cols: int) -> tuple[str, int]:
+        return ("quant_grad_out", e * rows * cols + _tiles(rows, cols) + _tiles_t(rows, cols))
+
+    if chain == "ln_linear":
+        fwd, bwd = _linear_parts(M, D, N, e, wb)
+        fused = [("ln_fwd", e * M * D + stats + _tiles(M, D) + _tiles_t(M, D)), *fwd, grad_out(M, N), *bwd, ln_bwd]
+        unfused = [("ln_fwd", e * M * D + stats + e * M * D), ("quant_act", e * M * D + _tiles(M, D) + _tiles_t(M, D)),
+                   *fwd, grad_out(M, N), *bwd, ln_bwd]
+    elif chain == "act_linear":
+        cin = 2 * D if gated else D
+        fwd, bwd = _linear_parts(M, D, N, e, wb)
+        act_bwd = ("act_bwd", e * M * D + 2 * e * M * cin)  # da, h → dh (high precision: the op returns it)
+        fused = [("act_fwd", e * M * cin + _tiles(M, D) + _tiles_t(M, D)), *fwd, grad_out(M, N), *bwd, act_bwd]
+        unfused = [("act_fwd", e * M * cin + e * M * D), ("quant_act", e * M * D + _tiles(M, D) + _tiles_t(M, D)),
+                   *fwd, grad_out(M, N), *bwd, act_bwd]
+    else:
+        H, C = N, (2 * N if gated else N)
+        up_f, up_b = _linear_parts(M, D, C, e, wb)
+        dn_f, dn_b = _linear_parts(M, H, D, e, wb)
+        ln_f = ("ln_fwd", e * M * D + stats + _tiles(M, D) + _tiles_t(M, D))
+        act_f = ("act_fwd", e * M * C + _tiles(M, H) + _tiles_t(M, H))
+        act_b = ("act_bwd", e * M * H + e * M * C + _tiles(M, C) + _tiles_t(M, C))  # da, h → dh tiles
+        fused = [ln_f, *up_f, act_f, *dn_f, grad_out(M, D), *dn_b, act_b, *up_b, ln_bwd]
+        unfused = [("ln_fwd", e * M * D + stats + e * M * D), ("quant_act", e * M * D + _tiles(M, D) + _tiles_t(M, D)),
+                   *up_f, ("act_fwd", e * M * C + e * M * H), ("quant_act", e * M * H + _tiles(M, H) + _tiles_t(M, H)),
+                   *dn_f, grad_out(M, D), *dn_b, ("act_bwd", e * M * H + 2 * e * M * C),
+                   ("quant_grad_hidden", e * M * C + _tiles(M, C) + _tiles_t(M, C)), *up_b, ln_bwd]
+    return FusedBytes(chain, M, D, N, ChainBytes(tuple(fused)), ChainBytes(tuple(unfused)))
+
+
+__all__ = [
+    "ACTIVATIONS", "AMAX_FLOOR", "CHAINS", "E5M2", "FP8_MAX", "ActGrad", "ActQuant", "ChainBytes", "FusedBytes",
+    "FusedFp8LayerNormLinear", "LayerNormGrad", "LayerNormQuant", "act_backward_quant", "act_linear_fp8", "act_quant",
+    "act_width", "fused_bytes", "layernorm_backward_quant", "layernorm_quant", "ln_ffn_fp8", "ln_linear_fp8",
+]
