@@ -224,6 +224,9 @@ FRESH_CAL = Result("fresh_draws_calibrated.json", "python benchmarks/fresh_draws
 LOADER = Result("loader_throughput.json", "python benchmarks/loader_throughput.py",
                 SPEC + ("trainer/data.py", "trainer/features.py", "costmodel/jagged.py", "costmodel/flops.py",
                         "benchmarks/results/fresh_draws_h200.json"), script="loader_throughput.py")
+LOADER_FIT = Result("loader_fit.json", "python benchmarks/loader_fit.py (fit seed: the run's date and time)",
+                    SPEC + ("trainer/data.py", "trainer/features.py", "costmodel/jagged.py", "costmodel/flops.py",
+                            "costmodel/loader.py", "coplan/sample.py"), script="loader_fit.py")
 FRESH = Result("fresh_draws_h200.json",
                "python benchmarks/fresh_draws_h200.py --plan-only --n 10 (seed: the run's date and time), then on the "
                "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
@@ -348,6 +351,13 @@ FIGURES: tuple[Figure, ...] = (
            note="generator v1 (one column per table) on the same draws and machine: 403 samples/s "
                 "(docs/benchmarks-log/results/loader_throughput_a397979_generator_v1.json), measured beside the CI suite; v2 "
                 "beside it: 4,545 and 2,866 samples/s; the figure here is v2 on an idle machine"),
+    Figure(COST, "Data-loader price: held-out median |priced / measured - 1| (one reader process on this CPU)", LOADER_FIT,
+           at("held_out.median_abs_rel_error"), "%",
+           note="coefficients fitted on 8 fresh h200-1gpu draws, checked on the 10 held-out draws of fresh_plans; the "
+                "trainer's in-situ reads on the H200 host (fresh_draws_h200.json) were 4-13x these, their mean then "
+                "including each reader's first batch (file opening), left out since"),
+    Figure(COST, "Data-loader price: held-out worst |priced / measured - 1|", LOADER_FIT,
+           at("held_out.max_abs_rel_error"), "%"),
     Figure(TRAINING, "Loader alone, one process on this CPU, over the H200 runs' consumption: lowest", LOADER,
            at("summary.min_headroom_one_process"), "x", Goal(">=", 3.0),
            note="a floor: the trainer reads with up to 8 processes per rank on CUDA hosts; 7 draws had H200 runs"),

@@ -16,7 +16,9 @@ from coplan.calibration.host_profile import host_reference_us
 from coplan.calibration.runs import CalibrationError, RunSamples, run_samples
 from coplan.calibration.step_price import unfused_memory
 from coplan.calibration.terms import CLASSES
+from coplan.costmodel.context import local_batch_of, micro_batches_of
 from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
+from coplan.costmodel.loader import loader_step_s
 from coplan.spec import Calibration, FitError, OpClassCalibration
 from coplan.spec.calibration import ComputeOpClass
 
@@ -61,6 +63,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             op_classes[c] = OpClassCalibration(
                 compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me), launch_overhead_s=la
             )
+    loader = fit_loader_scale(runs)
     versions = dict(runs[0].result.versions) if runs[0].result else {}
     versions.setdefault("coplan", __version__)
     cal = Calibration(
@@ -76,6 +79,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         lookup_id_latency_s=res.lookup_id_s,
         unfused_memory_efficiency=unfused_memory(res),
         unfused_kernel_s=res.launch_s.get(UNFUSED_CLASS),
+        loader_scale=loader[0] if loader else None,
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
             max_abs_rel_error=float(np.max(rel)),
@@ -96,10 +100,35 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
                + (f"each run's host time scaled by its host's speed (index {min(host_fit.speed):.2f}-{max(host_fit.speed):.2f} "
                   "against the runs' mean, host_op_median_us); " if host_fit.speed else "")
                if host_fit else ("no host cost fitted (no measured step times); " if host else ""))
+            + (f"data loader x{loader[0]:.3g} the default coefficients (median over {len(loader[1])} run(s) of a reader "
+               f"process's measured seconds per step over the priced: {', '.join(f'{x:.2f}' for x in loader[1])}); "
+               if loader else "data loader left at the default coefficients (no run recorded its loader); ")
             + "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
         ),
     )
     return cal, res, runs
 
 
-__all__ = ["calibrate"]
+def fit_loader_scale(runs: Sequence[RunSamples]) -> tuple[float, list[float]] | None:
+    """The data loader's measured time over its priced time (``coplan.costmodel.loader``, default coefficients):
+    the median over the runs whose summary records the loader, each the seconds a reader process (or the data
+    thread, without processes) spent reading one step, over the priced seconds for the run's workload, local
+    batch, micro-batches and world (today's trainer decodes every rank's rows: the balance group is the
+    world). None when no run recorded it."""
+    ratios: list[float] = []
+    for r in runs:
+        ld = r.result.loader if r.result is not None else None
+        if ld is None or ld.read_s_per_batch <= 0:
+            continue
+        plan = r.plan
+        M = micro_batches_of(plan.workload, plan.mesh)
+        measured = ld.read_s_per_batch * max(1, ld.processes) * M
+        priced = loader_step_s(plan.workload, local_batch_of(plan.workload, plan.world_size), M, plan.world_size, 1).process_s
+        if priced > 0:
+            ratios.append(measured / priced)
+    if not ratios:
+        return None
+    return float(min(100.0, max(1e-3, np.median(ratios)))), ratios
+
+
+__all__ = ["calibrate", "fit_loader_scale"]

@@ -91,6 +91,9 @@ def _print_runs(cal, runs) -> None:
         chunks = sorted({r.seq_chunk for r in runs})
         print(f"sequence lookup: {cal.lookup_id_latency_s * 1e9:.0f} ns per serial id of a bag "
               f"(runs' seq_chunk: {', '.join(str(c) for c in chunks)}; 0 = whole histories)")
+    if cal.loader_scale is not None:
+        print(f"data loader: x{cal.loader_scale:.3g} the cost model's default coefficients (measured read time per step "
+              "over the priced, median over the runs)")
     if cal.device_step_factor is not None:
         print(f"device step factor: {cal.device_step_factor:.3f} (device work the ops do not price)")
     if cal.host_launch_s is not None:

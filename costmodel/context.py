@@ -91,6 +91,14 @@ class Options:
     along the token dimension, or a weight's input dimension): an amax reduction pass, then a
     scale-cast-transpose pass (assumption: the reduction runs over a dimension that does not fit on chip)."""
 
+    step_jitter_cv: float | None = None
+    """Coefficient of variation of one rank's step time (stragglers and jitter in the goodput); None: the
+    default, ``coplan.costmodel.goodput.DEFAULT_STEP_JITTER_CV``."""
+
+    loader_group_ranks: int | None = None
+    """Ranks whose rows each rank's data loader decodes (its balance group); None: one node's ranks
+    (``coplan.costmodel.loader``). The world size prices today's trainer, which balances over every rank."""
+
     seq_chunk: int = 32
     """Ids per bag of the sequence lookups' KeyedJaggedTensors, as the trainer feeds them (its
     ``--seq-chunk``, default 32; 0 = each sample's whole history is one bag). Sets the sequence

@@ -138,6 +138,9 @@ class Efficiencies:
     """The device step's factor for device work no priced op accounts for (a calibration's
     ``device_step_factor``; 1: none)."""
 
+    loader_scale: float = 1.0
+    """Measured over priced data-loader time (a calibration's ``loader_scale``; 1: the default coefficients)."""
+
     lookup_id_s: float = DEFAULT_LOOKUP_ID_LATENCY_S
     """Seconds per id of a warp's serial walk through a no-bag lookup bag (a calibration's
     ``lookup_id_latency_s``; default :data:`DEFAULT_LOOKUP_ID_LATENCY_S`)."""
@@ -213,9 +216,13 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     if calibration is not None and calibration.lookup_id_latency_s is not None:
         lookup_id = calibration.lookup_id_latency_s
         sources["lookup_id_latency"] = f"calibration ({calibration.device})"
+    loader_scale = 1.0
+    if calibration is not None and calibration.loader_scale:
+        loader_scale = calibration.loader_scale
+        sources["loader"] = f"calibration ({calibration.device}): x{loader_scale:.3g} the default loader coefficients"
     return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources,
                         host_launch_s=host, host_sample_s=per_sample, device_step_factor=factor,
-                        lookup_id_s=lookup_id)
+                        lookup_id_s=lookup_id, loader_scale=loader_scale)
 
 
 __all__ = [

@@ -39,6 +39,7 @@ from coplan.costmodel.context import Context
 from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs, table_option_costs
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
 from coplan.costmodel.goodput import goodput as goodput_of
+from coplan.costmodel.loader import LoaderTime, loader_note, loader_step_s, reader_processes
 from coplan.costmodel.memory import fsdp_copy_bytes, state_bytes, step_memory
 from coplan.costmodel.results import CommCost, DenseFixedCosts, EmbeddingRanks, Memory, OpCost, Perf, SparseAggregates, StepCost, StepCut
 from coplan.costmodel.schedule import Schedule
@@ -356,6 +357,8 @@ def price(
         step_cuts = (_path_cut(S, t.factor),) + _stream_cuts(S, t.factor) + _through_cuts(S, t.factor)
         if _host_priced(ctx):
             step_cuts += (_host_cut(ctx, d.arr, recomputed, t.host_s),)
+        if t.loader_s > 0:
+            step_cuts += (StepCut(t.loader_s, {}, {}, "loader"),)
     ops_out, comms_out = _op_rows(ctx, d, sp, b.fixed, recomputed, br) if detail else ((), ())
     M = ctx.micro_batches
     emb = (sp.agg.mem_weight_bytes, sp.agg.mem_optimizer_bytes, sp.agg.mem_io_bytes + 2.0 * sp.agg.recv_bytes * rho / M) \
@@ -370,8 +373,11 @@ def price(
         memory=mem, hbm_capacity_bytes=hbm, hbm_reserve_bytes=hbm * ctx.topology.gpu.hbm_reserve_fraction, ops=tuple(ops_out),
         comms=tuple(comms_out), layers=br.layers,
         rank_ids=tuple(int(r) for r in ids), rank_time_s=rank_time, rank_memory_bytes=rank_mem,
-        goodput=goodput_of(ctx.topology, state_bytes(ctx), ctx.world), notes=tuple(notes),
+        goodput=goodput_of(ctx.topology, state_bytes(ctx), ctx.world,
+                           **({} if ctx.options.step_jitter_cv is None else {"jitter_cv": ctx.options.step_jitter_cv})),
+        notes=tuple(notes),
         unpriced_device_s=max(0.0, t.device_step - S.makespan) if t.step <= t.device_step else 0.0,
+        host_s=t.host_s, loader_s=t.loader_s, device_s=t.device_step,
         segments=t.segments, cuts=step_cuts,
         schedule=S if detail else None, embedding=sp.agg.ranks if sp.agg is not None else None,
         **(_launches_by_class(ctx, d.arr) if detail else {}),
@@ -466,6 +472,8 @@ class _StepTime:
     host_s: float
     """The host's time (0 unless the host is priced)."""
     segments: tuple[tuple[float, float, float], ...]
+    loader_s: float = 0.0
+    """The data loader's time per step (:func:`loader_time`)."""
 
 
 def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, d: DenseWork, sp: SparseWork,
@@ -509,7 +517,27 @@ def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, 
                          f"device {step * 1e3:.2f}) ms")
             host_s = synced
         step = max(step, host_s)
-    return _StepTime(step, device_step, factor, host_s, seg_out)
+    lt = loader_time(ctx)
+    if lt.step_s > step:
+        notes.append(f"loader-bound: the data loader needs {lt.step_s * 1e3:.2f} ms per step ({lt.processes} reader processes, "
+                     f"{lt.values_per_sample:,.0f} values per sample, {lt.group_ranks} rank(s)' rows decoded by each) against "
+                     f"{step * 1e3:.2f} ms of {'host' if host_s >= device_step and host_s > 0 else 'device'} time; step priced at the loader's")
+    if (n := loader_note(ctx.world, lt.group_ranks)) is not None:
+        notes.append(n)
+    step = max(step, lt.step_s)
+    return _StepTime(step, device_step, factor, host_s, seg_out, lt.step_s)
+
+
+def loader_time(ctx: Context) -> LoaderTime:
+    """One rank's data loader per step (:mod:`coplan.costmodel.loader`): its balance group is the node's ranks
+    (at most the world), its processes what the trainer starts on the topology's hosts, scaled by a
+    calibration's ``loader_scale``."""
+    topo = ctx.topology
+    group = max(1, min(ctx.world, ctx.options.loader_group_ranks or topo.gpus_per_node))
+    procs = reader_processes(topo.cpu_cores_per_node, min(ctx.world, topo.gpus_per_node))
+    lt = loader_step_s(ctx.workload, ctx.local_batch, ctx.micro_batches, group, procs)
+    k = ctx.eff.loader_scale
+    return LoaderTime(lt.step_s * k, lt.process_s * k, lt.processes, lt.group_ranks, lt.values_per_sample) if k != 1.0 else lt
 
 
 def _op_rows(ctx: Context, d: DenseWork, sp: SparseWork, fixed: DenseFixedCosts, recomputed: frozenset[str], br: _Breakdown

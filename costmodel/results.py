@@ -396,6 +396,15 @@ class StepCost:
     """Step time added by a calibration's device-step factor (device work no priced op accounts for) when the
     step is the device's; 0 without one, or when the host's time sets the step."""
 
+    host_s: float = 0.0
+    """The host's time per step (0 unless a calibration prices the host); the step is at least this."""
+
+    loader_s: float = 0.0
+    """The data loader's time per step (``coplan.costmodel.loader``); the step is at least this."""
+
+    device_s: float = 0.0
+    """The device's step (the schedule's makespan times a calibrated factor)."""
+
     cuts: tuple[StepCut, ...] = ()
     """Filled with ``price(..., cuts=True)``: linear pieces of the step (see :class:`StepCut`); the
     largest of them at the priced plan equals ``step_time_s`` (the device's, or the host's)."""
@@ -483,6 +492,9 @@ class StepCost:
             exposed_comm_s=self.perf.exposed_s,
             imbalance_s=self.imbalance_s,
             unpriced_device_s=self.unpriced_device_s,
+            host_s=self.host_s,
+            loader_s=self.loader_s,
+            device_s=self.device_s if self.step_time_s > self.device_s * (1.0 + 1e-12) else 0.0,
             model_flops_per_step=self.model_flops,
             local_mfu=self.local_mfu,
             scaling_ratio=self.scaling_ratio,

@@ -408,7 +408,7 @@ def _check_rows(t: Tensor, name: str, fn: str, *, width: int | None = None, rows
         raise _err(f"{fn}: {name} is on {t.device}, the other operands on {device}")
     _check_runnable(t, f"{fn}: {name}")
     try:
-        ft._check_2d(t, fn)
+        ft.check_2d(t, fn)
     except ValueError as e:
         raise _err(str(e)) from None
 
@@ -453,9 +453,9 @@ class _Fp8Out(NamedTuple):
 def _fp8_buffers(M: int, C: int, with_t: bool, fp8_dtype: torch.dtype, device) -> _Fp8Out:
     """Empty copies in quant_act_dual's layouts: q [M, C→128], s [M, C/128] strides (1, M); with_t,
     qt [C→16, M→128], st [C→16, M/128] strides (1, C→16). Under the interpreter q is fp32 (its
-    fp32 → fp8 rounding is wrong; PyTorch casts after: fp8_triton._store_dtype)."""
+    fp32 → fp8 rounding is wrong; PyTorch casts after: fp8_triton.store_dtype)."""
     c_pad, kb = padded(C, BLOCK), padded(C, BLOCK) // BLOCK
-    store = ft._store_dtype(fp8_dtype)
+    store = ft.store_dtype(fp8_dtype)
     q = torch.empty(M, c_pad, device=device, dtype=store)
     s = torch.empty(kb, M, device=device, dtype=torch.float32).t()
     qt = st = None
@@ -517,7 +517,7 @@ def layernorm_quant(
     if M:
         block_m, warps = _block_rows(with_t)
         k = b.kw
-        ft._launch(_ln_fwd_kernel, (cdiv(M, block_m),),
+        ft.launch_kernel(_ln_fwd_kernel, (cdiv(M, block_m),),
                    (x, weight if weight is not None else x, bias if bias is not None else x, y if y is not None else x,
                     mean, rstd, k["q"], k["s"], k["qt"], k["st"],
                     M, D, padded(D, BLOCK), k["qt_rows"], k["m_pad"], x.stride(0), y.stride(0) if y is not None else 0,
@@ -570,7 +570,7 @@ def layernorm_backward_quant(
     if M and (return_dx or quant or weight_grads):
         k = b.kw if b is not None else dict(q=x, s=mean, qt=x, st=mean, qt_rows=0, m_pad=0)
         s, st = k["s"], k["st"]
-        ft._launch(_ln_bwd_kernel, (n_blocks,),
+        ft.launch_kernel(_ln_bwd_kernel, (n_blocks,),
                    (dy, x, weight if weight is not None else x, mean, rstd,
                     residual_grad if residual_grad is not None else x, dx if dx is not None else x,
                     pw if pw is not None else mean, pb if pb is not None else mean, k["q"], s, k["qt"], st,
@@ -629,12 +629,12 @@ def act_quant(
     h_pad, parts = padded(H, BLOCK), 2 if gated else 1
     hq = hs = None
     if save_input_fp8:
-        hq = torch.empty(M, parts * h_pad, device=h.device, dtype=ft._store_dtype(E4M3))
+        hq = torch.empty(M, parts * h_pad, device=h.device, dtype=ft.store_dtype(E4M3))
         hs = torch.empty(M, parts * h_pad // BLOCK, device=h.device, dtype=torch.float32)
     if M:
         block_m, warps = _block_rows(with_t)
         k = b.kw
-        ft._launch(_act_fwd_kernel, (cdiv(M, block_m), h_pad // BLOCK),
+        ft.launch_kernel(_act_fwd_kernel, (cdiv(M, block_m), h_pad // BLOCK),
                    (h, a if a is not None else h, k["q"], k["s"], k["qt"], k["st"], hq if hq is not None else h,
                     hs if hs is not None else k["s"], M, H, h_pad, k["qt_rows"], k["m_pad"],
                     hq.shape[1] if hq is not None else 0, h.stride(0), a.stride(0) if a is not None else 0,
@@ -704,7 +704,7 @@ def act_backward_quant(
         block_m, warps = _block_rows(with_t)
         k = b.kw if b is not None else dict(q=da, s=da, qt=da, st=da, qt_rows=0, m_pad=0)
         s, st = k["s"], k["st"]
-        ft._launch(_act_bwd_kernel, (cdiv(M, block_m), c_pad // BLOCK),
+        ft.launch_kernel(_act_bwd_kernel, (cdiv(M, block_m), c_pad // BLOCK),
                    (da, src, hs if hs is not None else da, dh if dh is not None else da, k["q"], s, k["qt"], st,
                     M, H, C, c_pad, up_off, k["qt_rows"], k["m_pad"], da.stride(0), stride_h,
                     hs.stride(0) if hs is not None else 0, dh.stride(0) if dh is not None else 0,

@@ -287,7 +287,7 @@ def _launch_hooks_set() -> bool:
     return any(getattr(h, "calls", h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
-def _launch(kernel, grid: tuple, args: tuple, consts: dict, num_warps: int) -> None:
+def launch_kernel(kernel, grid: tuple, args: tuple, consts: dict, num_warps: int) -> None:
     """``kernel[grid](*args, **consts, num_warps=num_warps)``, directly where a compiled kernel of
     the same specialisation is known. ``args``: every non-constexpr argument, in signature order;
     ``consts``: every constexpr one (they follow the others in these kernels' signatures)."""
@@ -320,7 +320,7 @@ def _launch(kernel, grid: tuple, args: tuple, consts: dict, num_warps: int) -> N
             DIRECT_LAUNCH = False
 
 
-def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
+def store_dtype(out_dtype: torch.dtype) -> torch.dtype:
     """What the quantisation kernels store. Triton's CPU interpreter rounds fp32 -> e4m3 wrongly
     when the rounding carries into the exponent (124.3 -> 64 instead of 128), so under the
     interpreter the kernels store the scaled, clamped values in fp32 and PyTorch's cast rounds them
@@ -331,7 +331,7 @@ def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
 INT32_LIMIT = 2**31
 
 
-def _check_2d(x: torch.Tensor, name: str) -> None:
+def check_2d(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(x.shape)}")
     # The kernels compute element offsets in int32 (row x stride): past 2^31 they would wrap and
@@ -382,14 +382,14 @@ def _quant_rows_split(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, R: int,
     steps = 1 if interpreting() else 8
     n_c = cdiv(C, block_c * steps)
     part = torch.empty(n_c, R, device=x.device, dtype=torch.float32)
-    _launch(_amax_rows_partial_kernel, (n_c, cdiv(R, block_r)), (x, part, R, C, x.stride(0), x.stride(1)),
+    launch_kernel(_amax_rows_partial_kernel, (n_c, cdiv(R, block_r)), (x, part, R, C, x.stride(0), x.stride(1)),
             dict(BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps), 4)
     # The scale in a kernel, not in PyTorch: on CUDA, PyTorch's `tensor / 448.0` multiplies by the
     # rounded reciprocal of the Python scalar (amax · (1/448)), 1 ulp off the IEEE quotient in ~40%
     # of rows (the H200 run failed here); the reference and every kernel divide, IEEE-rounded.
     inv = torch.empty(R, device=x.device, dtype=torch.float32)
-    _launch(_rows_scale_kernel, (cdiv(R, 128),), (part, s, inv, R, n_c), dict(BLOCK_R=128), 4)
-    _launch(_quant_rows_apply_kernel, (cdiv(c_pad, block_c), cdiv(R, block_r)),
+    launch_kernel(_rows_scale_kernel, (cdiv(R, 128),), (part, s, inv, R, n_c), dict(BLOCK_R=128), 4)
+    launch_kernel(_quant_rows_apply_kernel, (cdiv(c_pad, block_c), cdiv(R, block_r)),
             (x, q, inv, R, C, c_pad, x.stride(0), x.stride(1)), dict(BLOCK_R=block_r, BLOCK_C=block_c), 4)
 
 
@@ -402,10 +402,10 @@ def quant_rows(
     s = 1). ``granule=16`` is ``torch._scaled_mm``'s alignment of K (and of N, for the B operand).
     ``split``: force (True) or forbid (False) the two-pass path for long rows; None picks it on the
     GPU where a program per row block would underfill the GPU (see :func:`_split_rows`)."""
-    _check_2d(x, "quant_rows")
+    check_2d(x, "quant_rows")
     R, C = x.shape
     c_pad, r_pad = padded(C, granule), padded(R, rows_granule)
-    q = torch.empty(r_pad, c_pad, device=x.device, dtype=_store_dtype(out_dtype))
+    q = torch.empty(r_pad, c_pad, device=x.device, dtype=store_dtype(out_dtype))
     s = torch.empty(r_pad, 1, device=x.device, dtype=torch.float32)
     if r_pad > R:
         q[R:].view(torch.uint8).zero_()
@@ -423,7 +423,7 @@ def quant_rows(
         block_r, block_c = 4, 512
     else:  # a transposed view: tall tiles so that each column's read is a contiguous run
         block_r, block_c = 64, 64
-    _launch(_quant_rows_kernel, (cdiv(R, block_r),), (x, q, s, R, C, c_pad, x.stride(0), x.stride(1)),
+    launch_kernel(_quant_rows_kernel, (cdiv(R, block_r),), (x, q, s, R, C, c_pad, x.stride(0), x.stride(1)),
             dict(BLOCK_R=block_r, BLOCK_C=block_c), 4)
     return q.to(out_dtype), s
 
@@ -432,18 +432,18 @@ def quant_tiles(x: torch.Tensor, square: bool, out_dtype: torch.dtype = E4M3) ->
     """Block-wise e4m3 quantisation of a 2-D view (any strides) into ``q [R, C padded to 128]``
     row-major and fp32 scales: ``[R, C/128]`` for 1x128 tiles (``square=False``) or
     ``[R/128, C/128]`` (rounded up) for 128x128 blocks (``square=True``)."""
-    _check_2d(x, "quant_tiles")
+    check_2d(x, "quant_tiles")
     R, C = x.shape
     c_pad = padded(C, BLOCK)
     kb = c_pad // BLOCK
-    q = torch.empty(R, c_pad, device=x.device, dtype=_store_dtype(out_dtype))
+    q = torch.empty(R, c_pad, device=x.device, dtype=store_dtype(out_dtype))
     s_rows = cdiv(R, BLOCK) if square else R
     s = torch.empty(s_rows, kb, device=x.device, dtype=torch.float32)
     if R == 0:
         return q.to(out_dtype), s
     block_r = BLOCK if square else (16 if interpreting() else (32 if x.stride(1) == 1 else 64))
     grid = (cdiv(R, block_r), kb)
-    _launch(_quant_tiles_kernel, grid, (x, q, s, R, C, c_pad, x.stride(0), x.stride(1), s.stride(0)),
+    launch_kernel(_quant_tiles_kernel, grid, (x, q, s, R, C, c_pad, x.stride(0), x.stride(1), s.stride(0)),
             dict(BLOCK_R=block_r, GROUP=BLOCK, SQUARE=square), 8 if square else 4)
     return q.to(out_dtype), s
 
@@ -462,12 +462,12 @@ def _dual(x: torch.Tensor, square: bool, with_t: bool, q_rows: int, qt_rows: int
           s: torch.Tensor, st: torch.Tensor | None) -> DualQuant:
     R, C = x.shape
     c_pad, r_pad = padded(C, BLOCK), padded(R, BLOCK)
-    dt = _store_dtype(E4M3)
+    dt = store_dtype(E4M3)
     q = torch.empty(q_rows, c_pad, device=x.device, dtype=dt)
     qt = torch.empty(qt_rows, r_pad, device=x.device, dtype=dt) if with_t else None
     if r_pad and c_pad and x.device.type != "meta":  # meta: shapes and layouts only (tests)
         st_arg = st if st is not None else s
-        _launch(_quant_dual_kernel, (r_pad // BLOCK, c_pad // BLOCK),
+        launch_kernel(_quant_dual_kernel, (r_pad // BLOCK, c_pad // BLOCK),
                 (x, q, s, qt if qt is not None else q, st_arg, R, C, q_rows, qt_rows, c_pad, r_pad,
                  x.stride(0), x.stride(1), s.stride(0), s.stride(1), st_arg.stride(0), st_arg.stride(1)),
                 dict(SQUARE=square, WITH_T=with_t, BLOCK=BLOCK), 8)
@@ -482,7 +482,7 @@ def quant_act_dual(x: torch.Tensor, with_t: bool, t_rows_granule: int = 16) -> D
     Scales are stored "outer-dim-major" (``s.stride() == (1, R)``), the layout ``torch._scaled_mm``'s
     block-wise path takes for a 1x128 operand; ``qt``'s rows are padded to ``t_rows_granule``
     (``_scaled_mm`` needs the B operand's N a multiple of 16) with zeros."""
-    _check_2d(x, "quant_act_dual")
+    check_2d(x, "quant_act_dual")
     R, C = x.shape
     kb, rb = padded(C, BLOCK) // BLOCK, padded(R, BLOCK) // BLOCK
     qt_rows = padded(C, t_rows_granule)
@@ -498,7 +498,7 @@ def quant_weight_dual(w: torch.Tensor, with_t: bool, rows_granule: int = 16) -> 
     operand's scales for strides ``(K/128, 1)`` exactly (its error message's "16-byte aligned
     strides" notwithstanding): the round-1 buffers, padded to 4 columns, were rejected at every K
     that is not a multiple of 512 (K = 1216, 256, ...) on the H200."""
-    _check_2d(w, "quant_weight_dual")
+    check_2d(w, "quant_weight_dual")
     N, K = w.shape
     nb, kb = padded(N, BLOCK) // BLOCK, padded(K, BLOCK) // BLOCK
     s = torch.empty(nb, kb, device=w.device, dtype=torch.float32)

@@ -17,7 +17,7 @@ from typing import Callable
 
 from coplan import __version__
 from coplan.errors import CoplanError
-from coplan.reports import alternatives, balance, calibration, ledger, ranks, runs, sharding, summary, timeline, waterfall
+from coplan.reports import alternatives, assumptions, balance, calibration, ledger, ranks, runs, sharding, summary, timeline, waterfall
 from coplan.reports import scaling as scaling_mod
 from coplan.reports.calibration import CalibrationPointsOf
 from coplan.reports.html import Report, Section, render
@@ -62,6 +62,12 @@ CAPTIONS = {
     "balance": (
         "One global batch of jagged samples, drawn from the workload's length distribution and priced per sample by the cost model, split "
         "across ranks in order and with the plan's balancing policy (the trainer's own balancer). The slowest rank sets the step."
+    ),
+    "assumptions": (
+        "The plan as priced against the same plan re-priced with one of the cost model's unmeasured assumptions moved to the far end "
+        "of its own source's range (kernel efficiency, network efficiency beyond the first tier, SM contention, step jitter, host and "
+        "loader speed, embedding bandwidth, failures), then all together; across nodes also today's trainer's data loader, which "
+        "decodes the whole global batch on every rank. Nothing is re-planned. The shaded band is Meta's reported E2E MFU for GEM."
     ),
     "scaling": (
         "coplan simulate's sweep of the same workload on the same topology, one heuristic plan per GPU count; the star is this plan. "
@@ -146,6 +152,12 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, simul
                  or (None, "the workload has no jagged sequence: every sample costs the same, there is nothing to balance"))
                  if plan.world_size > 1 else (None, "one rank: nothing to balance"), log),
     ]
+    table: list = []
+    if what_if:
+        def _assumptions():
+            table.extend(assumptions.assumption_table(plan))
+            return assumptions.assumptions_figure(plan, table)
+        sections.append(_section("assumptions", "Which assumption makes the difference", _assumptions, log))
     if scaling:
         sections.append(_section("scaling", "Scaling curve", lambda: _scaling_figure(plan, sweep, simulate_point), log))
     if inputs.run is not None:
@@ -159,6 +171,8 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, simul
 
     t0 = time.perf_counter()
     paras = [summary.describe_plan(plan), summary.describe_prediction(pred), summary.describe_losses(plan, pred, led, price_what_if=what_if)]
+    if table:
+        paras.append(assumptions.describe(table, assumptions.PUBLISHED_GEM_E2E_MFU if assumptions.compare_with_gem(plan) else None))
     log.seconds["summary"] = time.perf_counter() - t0
     if inputs.run is not None:
         res = inputs.run.result

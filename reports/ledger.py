@@ -24,6 +24,8 @@ Accounting (all per optimizer step, on the critical rank, from the cost model's
   what it is (FSDP all-gather, embedding all-to-all...) and the tiers its group crosses.
 - Checkpointing: ``step · δ/τ`` (each interval ``τ`` of work pays a write ``δ``); failures: the rest of
   ``W − step``. Split with :func:`coplan.costmodel.goodput.useful_fraction` at zero failures.
+- Host-bound and data ingestion: when the host's time (a calibration's host costs) or the data loader's sets
+  the step, the device idles for the difference (``Prediction.device_s``, ``host_s``, ``loader_s``).
 - Other / unattributed: whatever of the step the items above do not explain (compute the cost model
   does not itemise per op). It is shown, never folded into another bar.
 
@@ -175,6 +177,7 @@ def build_ledger(plan: Plan, pred: Prediction, *, launch_s: dict[str, float] | N
     losses = _compute_losses(plan, pred, ct, T0, launch_s)
     comm, exposed_sum = _comm_losses(pred)
     losses += comm
+    losses += _host_losses(pred)
     if pred.comms and abs(exposed_sum - pred.exposed_comm_s) > 1e-9 + 1e-6 * pred.exposed_comm_s:
         checks.append(f"per-collective exposed times sum to {exposed_sum:.6g} s, the prediction says {pred.exposed_comm_s:.6g} s")
 
@@ -267,6 +270,27 @@ def _compute_losses(plan: Plan, pred: Prediction, ct: _ClassTimes, T0: float, la
         losses.append(Loss("optimizer", "dense optimizer step", "loss", "optimizer", ct.optimizer,
                            f"{plan.workload.optimizer.dense} step over this rank's shard of the dense parameters"))
     return losses
+
+
+def _host_losses(pred: Prediction) -> list[Loss]:
+    """When the host or the data loader sets the step (``pred.device_s`` > 0: the device's step is shorter),
+    the time the device idles for them: the host's excess over the device, then the loader's over both."""
+    dev = pred.device_s
+    if dev <= 0:
+        return []
+    step = pred.step_time_s
+    host = max(0.0, min(step, pred.host_s) - dev)
+    loader = max(0.0, step - max(dev, pred.host_s))
+    out: list[Loss] = []
+    if host > 0:
+        out.append(Loss("host", "host-bound: the device waits for the host", "loss", "host", host,
+                        f"the host's time per step {_ms(pred.host_s)} (kernel launches and per-sample work at the "
+                        f"calibration's host costs) against the device's {_ms(dev)}"))
+    if loader > 0:
+        out.append(Loss("loader", "data ingestion: the step waits for the loader", "loss", "loader", loader,
+                        f"the data loader's {_ms(pred.loader_s)} per step (its reader processes decoding and gathering "
+                        f"the batch) against the device's {_ms(dev)}" + (f" and the host's {_ms(pred.host_s)}" if pred.host_s else "")))
+    return out
 
 
 def _comm_losses(pred: Prediction) -> tuple[list[Loss], float]:

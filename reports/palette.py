@@ -37,6 +37,8 @@ LOSS_COLOURS: dict[str, str] = {
     "unpriced_device": "#6699CC",  # steel blue: device work no op prices (a calibration's device-step factor)
     "non_model_flops": "#CC6677",  # rose: hardware FLOPs that are not model FLOPs (flash recompute of QKᵀ)
     "jitter": "#AA4499",         # purple: stragglers and jitter (the slowest rank of a synchronous step)
+    "host": "#DDCC77",           # sand: the device waits for the host's launches
+    "loader": "#EE6677",         # bright red: the step waits for the data loader
     "checkpoint": "#44AA99",     # sea green
     "failures": "#555555",       # dark grey
     "idle": "#E0E0E0",           # very light grey: waiting for the slowest rank

@@ -108,6 +108,13 @@ def lever(loss: Loss, plan: Plan, pred: Prediction) -> str:
     if k == "jitter":
         return ("fewer stragglers: steadier per-rank step times (pinned host threads, no co-tenants, balanced jagged "
                 "batches), or fewer synchronous ranks per step; it grows with the log of the rank count")
+    if k == "host":
+        return ("less host work per step: CUDA graphs of the dense arch (one GPU, Triton attention, no FP8 layer), larger "
+                "micro-batches (fewer launches per sample), or fewer, larger embedding tables (TorchRec's host work grows with "
+                "the feature count)")
+    if k == "loader":
+        return ("a faster data path: more reader processes (more host cores per GPU: the topology's cpu_cores_per_node), "
+                "fewer values per sample (shorter histories, fewer pooled ids), or a larger step per sample")
     if k == "failures":
         return "faster restarts (in-memory checkpoints, hot spares): expected lost work and restarts grow with the GPU count"
     return "a closer look at the cost model's breakdown"

@@ -483,14 +483,18 @@ def loader_throughput(loop: Loop, measured: list[StepRecord]) -> LoaderThroughpu
     pf = getattr(loop, "prefetch", None)
     if pf is None or pf.busy_s <= 0 or not measured:
         return None
-    produced = pf.samples / pf.busy_s
-    consumed = sum(r.samples for r in measured) / loop.ranks.world / sum(r.step_time_s for r in measured)
     batches = max(1, pf.taken)
+    # per batch in the steady state: each reader's first batch (opening the files) and the first preparing
+    # (allocating pinned buffers) left out, as warm-up steps are from the step statistics
+    read = pf.steady_read_s / pf.steady_reads if pf.steady_reads else pf.read_s / batches
+    prep = pf.steady_prepare_s / pf.steady_prepared if pf.steady_prepared else pf.prepare_s / batches
+    per_batch = pf.samples / batches
+    produced = per_batch / max(read, prep) if max(read, prep) > 0 else pf.samples / pf.busy_s
+    consumed = sum(r.samples for r in measured) / loop.ranks.world / sum(r.step_time_s for r in measured)
     return LoaderThroughput(samples_per_s=produced, consumed_samples_per_s=consumed,
                             headroom=produced / consumed if consumed > 0 else 0.0,
                             waited_s_per_step=pf.waited_s / max(1, loop.steps - loop.start - 1),
-                            read_s_per_batch=pf.read_s / batches, prepare_s_per_batch=pf.prepare_s / batches,
-                            processes=pf.processes)
+                            read_s_per_batch=read, prepare_s_per_batch=prep, processes=pf.processes)
 
 
 def write_summary(loop: Loop, built: Built, device_name: str, started: str, warmup: int, traced: set[int],

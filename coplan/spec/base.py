@@ -84,6 +84,17 @@ class Spec(BaseModel):
     )
 
 
+def drop_added_defaults(out: object, defaults: dict[str, object]) -> object:
+    """A spec's serialised dict without the fields added after files of its kind were written, where they
+    hold their default: content hashes of files written before a field existed stay valid (a wrap
+    ``model_serializer`` of the spec calls this)."""
+    if isinstance(out, dict):
+        for k, d in defaults.items():
+            if k in out and out[k] == d:
+                out.pop(k)
+    return out
+
+
 def field_error(path: str, message: str) -> ValueError:
     """An error raised by a model validator that belongs to a field: the loader moves it there.
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_serializer
 
 from coplan.errors import MismatchError
-from coplan.spec.base import Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.spec.base import drop_added_defaults, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
 from coplan.spec.topology import Topology
 
 Fraction = Annotated[Float, Field(gt=0, le=1)]
@@ -110,11 +110,21 @@ class Calibration(Spec):
     the summary attention's, is mostly these), fitted on those ops' traced time. None: the default
     (``coplan.costmodel.efficiency.DEFAULT_LAUNCH_OVERHEAD_S['unfused']``)."""
 
+    loader_scale: Annotated[Float, Field(gt=0, le=100)] | None = None
+    """Measured data-loader time over the cost model's (``coplan.costmodel.loader``, its default coefficients):
+    the median over the fitted runs of a reader process's seconds per step (``summary.json``'s loader figures)
+    over the priced ones. It holds the host's CPU speed and the contention of a busy host. None: 1. Written
+    only when fitted (calibrations from before it keep their hashes)."""
+
     fit_error: FitError | None = None
     """Fit quality."""
 
     notes: str = ""
     """What was fitted and what was left at defaults."""
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler):
+        return drop_added_defaults(handler(self), {"loader_scale": None})
 
     @field_validator("schema_version")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
 
-from coplan.spec.base import FROM_FILE, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
+from coplan.spec.base import drop_added_defaults, FROM_FILE, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, OpClass, Spec, field_error
 from coplan.spec.calibration import Calibration
 from coplan.spec.hashing import spec_sha256
 from coplan.spec.topology import Topology
@@ -278,6 +278,18 @@ class Prediction(Spec):
     """Expected relative stretch of a step by its slowest rank (stragglers and jitter; in ``goodput``).
     Written only when not 0, so that plans from before it keep their hashes."""
 
+    host_s: NonNeg = 0.0
+    """The host's time per step when the host is priced (a calibration's host costs): the step is at least this.
+    Written only when not 0 (plans from before it keep their hashes)."""
+
+    loader_s: NonNeg = 0.0
+    """The data loader's time per step on the critical rank (``coplan.costmodel.loader``): the step is at least
+    this. Written only when not 0."""
+
+    device_s: NonNeg = 0.0
+    """The device's step when the host or the loader sets the step (longer than the device's); 0 when the device
+    sets it. Written only when not 0."""
+
     goodput_mfu: NonNeg = 0.0
     """E2E MFU × goodput."""
 
@@ -356,10 +368,7 @@ class Prediction(Spec):
 
     @model_serializer(mode="wrap")
     def _without_added_defaults(self, handler):
-        out = handler(self)
-        if isinstance(out, dict) and not out.get("step_jitter"):
-            out.pop("step_jitter", None)
-        return out
+        return drop_added_defaults(handler(self), {"step_jitter": 0.0, "host_s": 0.0, "loader_s": 0.0, "device_s": 0.0})
 
 
 class SolverReport(Spec):

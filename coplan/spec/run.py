@@ -96,10 +96,11 @@ class LoaderThroughput(Spec):
     """Time a step waited on the loader (queue empty), mean over the steps after the first."""
 
     read_s_per_batch: NonNeg = 0.0
-    """Seconds of reading per micro-batch (divided by the reader processes, which read in parallel)."""
+    """Seconds of reading per micro-batch (divided by the reader processes, which read in parallel), each reader's
+    first batch left out (it opens the files; runs before 2026-12-05 included it)."""
 
     prepare_s_per_batch: NonNeg = 0.0
-    """Seconds of preparing (pinning) per micro-batch, on the trainer's data thread."""
+    """Seconds of preparing (pinning) per micro-batch, on the trainer's data thread, the first left out."""
 
     processes: int = Field(default=0, ge=0)
     """Reader processes (0: a thread read)."""

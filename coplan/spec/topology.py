@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
-from coplan.spec.base import Bool, Float, Int, check_schema_version, COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
+from coplan.spec.base import drop_added_defaults, Bool, Float, Int, check_schema_version, COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
 
 MAX_GPUS = 1 << 20
 """Most GPUs a topology may hold (1,048,576; the largest clusters built hold ~10^5). The planner
@@ -141,11 +141,20 @@ class Topology(Spec):
     gpus_per_node: Int = Field(gt=0, le=MAX_GPUS)
     """GPUs in one host; must divide or be a multiple of the first tier's size."""
 
+    cpu_cores_per_node: Annotated[Int, Field(gt=0, le=4096)] | None = None
+    """CPU cores of one host (as ``os.cpu_count()`` counts them), when known: they set how many data-reader
+    processes each rank runs (``coplan.costmodel.loader.reader_processes``). None: the trainer's most, 8.
+    Written only when given (topologies from before it keep their hashes)."""
+
     tiers: tuple[Tier, ...] = Field(min_length=1)
     """Network tiers from the innermost (NVLink) out. Their sizes multiply to the GPU count."""
 
     reliability: Reliability
     """Failure rates and checkpoint bandwidth."""
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler):
+        return drop_added_defaults(handler(self), {"cpu_cores_per_node": None})
 
     @field_validator("schema_version")
     @classmethod

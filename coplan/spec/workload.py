@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import AfterValidator, Field, field_validator, model_serializer, model_validator
 
 from coplan.errors import BatchError
-from coplan.spec.base import Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Spec, field_error
+from coplan.spec.base import drop_added_defaults, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Spec, field_error
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
 PosInt = Annotated[Int, Field(gt=0)]
@@ -746,10 +746,7 @@ class Kernels(Spec):
 
     @model_serializer(mode="wrap")
     def _without_added_defaults(self, handler):
-        out = handler(self)
-        if isinstance(out, dict) and out.get("cuda_graphs") == "auto":
-            out.pop("cuda_graphs")
-        return out
+        return drop_added_defaults(handler(self), {"cuda_graphs": "auto"})
 
 
 class Workload(Spec):

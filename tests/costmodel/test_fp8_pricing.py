@@ -94,7 +94,9 @@ def test_fp8_layers_lower_the_priced_step_and_say_how():
     names = list(ctx.layer_names)
     bf16 = price(ctx, None, [LayerPlan(name=n) for n in names], detail=False)
     fp8 = price(ctx, None, [LayerPlan(name=n, precision="fp8") for n in names], detail=False)
-    assert fp8.step_time_s < bf16.step_time_s
+    # the device's step: 131,072 samples of 4,096 dense features are ~2 GB of input a step, which the data
+    # loader does not read in the GEMMs' time (the step is the loader's either way)
+    assert fp8.device_s < bf16.device_s
     assert any("quantisation passes" in n for n in fp8.notes) and not any("quantisation" in n for n in bf16.notes)
     assert fp8.memory.total == pytest.approx(bf16.memory.total)  # the recipe saves activations as given
 

@@ -4,7 +4,7 @@ op's forward and gradients against fp32, odd shapes and empty batches, Float8Lin
 
 On CPU the Triton kernels run in Triton's interpreter (set by tests/kernels/conftest.py). The
 interpreter rounds fp32 -> e4m3 wrongly when rounding carries into the exponent, so under it the
-quantisation kernels store fp32 and PyTorch rounds (see ``fp8_triton._store_dtype``); the GEMM's
+quantisation kernels store fp32 and PyTorch rounds (see ``fp8_triton.store_dtype``); the GEMM's
 ``tl.dot`` does take the e4m3 operands. Tolerances: e4m3 keeps 3 mantissa bits, a relative
 rounding error of at most 2^-4 per element (mean |error| ~ 2^-6 for random data); the relative
 Frobenius error of a product of two such operands is ~3-4% at random Gaussian inputs (measured:

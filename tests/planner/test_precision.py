@@ -18,12 +18,14 @@ H200 = load_topology("h200-1gpu")
 
 def workload(fp8: str, *, batch: int = 131072, min_dim: int = 1024) -> Workload:
     """131,072 rows by default: the per-call FP8 overhead measured on the H200 (~1 ms fwd+bwd) makes
-    fp8 pay only on GEMMs of several ms. dense_mlp.0: 4096 → 4096 (big); dense_mlp.1: 4096 → 64 (under the guard); dense_mlp.2: 64 → 4096
-    (under the guard); kunlun over 2 tokens of width 4096 (GEMMs of few rows: small); the heads."""
+    fp8 pay only on GEMMs of several ms. dense_mlp.0: 64 → 4096 (under the guard); dense_mlp.1: 4096 → 4096 (big);
+    dense_mlp.2: 4096 → 64 and dense_mlp.3: 64 → 4096 (under the guard); kunlun over 1 token of width 4096 (GEMMs of
+    few rows: small); the heads. 64 dense input features: with thousands per sample the data loader, not the GEMMs,
+    would set the step (``coplan.costmodel.loader``)."""
     return Workload.model_validate({
         "name": "mixed", "tables": [{"name": "t", "num_rows": 1000, "dim": 64, "pooling_factor": 1}],
         "blocks": [
-            {"type": "dense_mlp", "num_dense_features": 4096, "hidden_dims": [4096, 64], "out_tokens": 1},
+            {"type": "dense_mlp", "num_dense_features": 64, "hidden_dims": [4096, 4096, 64], "out_tokens": 1},
             {"type": "kunlun", "num_layers": 1, "num_tokens": 1, "model_dim": 4096, "num_heads": 32, "head_dim": 128},
             {"type": "heads", "tasks": ["ctr", "cvr"], "input_dim": 4096, "hidden_dims": [4096]},
         ],
@@ -42,8 +44,9 @@ def choose(w: Workload, recompute: frozenset[str] = frozenset()):
 def test_auto_puts_big_gemms_in_fp8_and_keeps_small_and_guarded_ones_in_bf16():
     prec, report = choose(workload("auto"))
     why = {c.name: c.reason for c in report.layers}
-    assert prec["dense_mlp.0"] == "fp8" and why["dense_mlp.0"] == "pays"
-    assert prec["dense_mlp.1"] == "bf16" and why["dense_mlp.1"].startswith("guard: GEMM dim 64")
+    assert prec["dense_mlp.1"] == "fp8" and why["dense_mlp.1"] == "pays"
+    for n in ("dense_mlp.0", "dense_mlp.2", "dense_mlp.3"):
+        assert prec[n] == "bf16" and why[n].startswith("guard: GEMM dim 64"), n
     assert prec["heads.0"] == "bf16" and why["heads.0"] == "guard: task head"
     # kunlun.0 runs its 4096-wide GEMMs on 1 token per sample; fewer rows than the big MLP but allowed
     assert why["kunlun.0"] in ("pays", "slower in fp8")
@@ -59,10 +62,10 @@ def test_auto_keeps_tiny_gemms_in_bf16_even_without_the_guard():
     """With the guard off (fp8_min_dim 1) the choice is the cost model's alone: on 16 rows per step,
     casting a 4096 × 4096 weight costs more than the fp8 GEMM saves."""
     prec, report = choose(workload("auto", batch=16, min_dim=1))
-    assert prec["dense_mlp.0"] == "bf16"
-    assert {c.name: c.reason for c in report.layers}["dense_mlp.0"] == "slower in fp8"
+    assert prec["dense_mlp.1"] == "bf16"
+    assert {c.name: c.reason for c in report.layers}["dense_mlp.1"] == "slower in fp8"
     prec_big, _ = choose(workload("auto", batch=131072, min_dim=1))
-    assert prec_big["dense_mlp.0"] == "fp8"
+    assert prec_big["dense_mlp.1"] == "fp8"
 
 
 def test_force_overrides_the_guard_and_off_writes_nothing():
@@ -75,9 +78,9 @@ def test_force_overrides_the_guard_and_off_writes_nothing():
 
 def test_recompute_counts_the_forward_twice():
     _, plain = choose(workload("auto"))
-    _, rc = choose(workload("auto"), frozenset({"dense_mlp.0"}))
-    a = {c.name: c for c in plain.layers}["dense_mlp.0"]
-    b = {c.name: c for c in rc.layers}["dense_mlp.0"]
+    _, rc = choose(workload("auto"), frozenset({"dense_mlp.1"}))
+    a = {c.name: c for c in plain.layers}["dense_mlp.1"]
+    b = {c.name: c for c in rc.layers}["dense_mlp.1"]
     assert b.bf16_s > a.bf16_s and b.fp8_s > a.fp8_s
     assert b.bf16_s - b.fp8_s > a.bf16_s - a.fp8_s  # the recomputed forward gains again
 
@@ -86,7 +89,7 @@ def test_make_plan_reports_the_choice_and_the_gain():
     plan, _ = make_plan(workload("auto"), H200, config=PlannerConfig(num_workers=1, max_solves=2))
     r = plan.precision_report
     assert r is not None and r.mode == "auto" and r.recipe == "rowwise"
-    assert {lp.name for lp in plan.layers if lp.precision == "fp8"} == set(r.fp8_layers) and "dense_mlp.0" in r.fp8_layers
+    assert {lp.name for lp in plan.layers if lp.precision == "fp8"} == set(r.fp8_layers) and "dense_mlp.1" in r.fp8_layers
     assert plan.predicted.step_time_s == pytest.approx(r.step_time_s, rel=1e-6)
     assert any(n.startswith("fp8 (auto, rowwise)") for n in plan.predicted.notes)
     s = summary(plan)

@@ -209,10 +209,15 @@ def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, proc
     from coplan.trainer.data import Prefetcher
 
     kw = dict(world_size=2, rank=1, policy="greedy", global_batch=32, micro_batches=2)
-    thread = _read_all(Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7), 12)
+    tpf = Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7)
+    thread = _read_all(tpf, 12)
+    assert tpf.steady_reads == 11
     pf = Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7, processes=processes, prepare=lambda hb: hb.size)
     procs = [next(pf) for _ in range(12)]
     assert pf.processes == processes and pf.samples == 12 * 8 and pf.busy_s > 0
+    # the steady state leaves out each reader's first batch (it opens the files) and the first preparing
+    assert pf.steady_reads == 12 - processes and pf.steady_prepared == 11
+    assert 0 < pf.steady_read_s <= pf.read_s
     pf.close()
     assert all(not p.is_alive() for p in pf._procs)
     for a, (b, n) in zip(thread, procs):

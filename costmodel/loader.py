@@ -1,0 +1,126 @@
+"""The data loader's time per step on one rank: the trainer's own reader (``coplan.trainer.data``), priced
+from the values it decodes and gathers.
+
+What the trainer's reader does per step, in each of its reader processes (steps go round-robin to them):
+
+- **read**: decode the columns of the rows its balance group shares (Parquet row groups → numpy), and
+  balance them over the group's ranks and micro-batches: ``step_s + G·b·V·value_s`` for a group of ``G``
+  ranks of ``b`` samples each, ``V`` values per sample (every id of every pooled feature and history, a
+  length per feature and sequence, labels, dense features);
+- **gather**: each micro-batch's rows into its arrays: ``M·micro_s + b·V·gather_s``.
+
+``P`` processes read in parallel, so the loader produces a step every ``(read + gather) / P`` seconds;
+the step can go no faster (:func:`loader_step_s`). The coefficients are fitted by
+``benchmarks/loader_fit.py`` on the trainer's reader (one process, sampler draws, several group sizes and
+micro-batch counts); a calibration of runs (``coplan calibrate``, from each run's measured read time per
+batch) replaces them.
+
+The trainer balances over the whole world today (``G`` = every rank: each rank decodes the global batch).
+On one node that is what runs; across nodes it grows with the world size, so this model prices the
+balance group at one node's ranks and says so (:func:`loader_note`): a multi-node run of today's
+trainer reads slower than priced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coplan.costmodel.jagged import length_moments
+from coplan.spec import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderCoefficients:
+    """Seconds per unit of the reader's work (see the module docstring)."""
+
+    step_s: float
+    """Per step read: opening the step's row groups, balancing."""
+    value_s: float
+    """Per value decoded from Parquet (the group's rows)."""
+    micro_s: float
+    """Per micro-batch gathered."""
+    gather_s: float
+    """Per value gathered into the rank's micro-batches."""
+    source: str
+
+
+DEFAULT_LOADER = LoaderCoefficients(
+    step_s=0.002286, value_s=1.178e-08, micro_s=8.006e-05, gather_s=3.016e-09,
+    source="benchmarks/loader_fit.py, 2026-12-04, commit ac26143: one reader process on a 2-core x86 CPU, "
+           "8 h200-1gpu draws (seed 20261204230841); fit median 12%, held out "
+           "on 10 other draws median 6% / max 56%",
+)
+"""Fitted by ``python benchmarks/loader_fit.py`` (see ``benchmarks/results/loader_fit.json`` for the draws, the
+fit error and the held-out check); the test ``tests/costmodel/test_loader.py`` keeps these equal to it."""
+
+DEFAULT_READER_PROCESSES = 8
+"""Reader processes per rank when the topology does not say how many CPU cores a node has: the trainer's
+maximum (``coplan.trainer.data.MAX_READER_PROCESSES``; a test keeps them equal), which it starts on any
+host with ten or more cores per GPU."""
+
+
+def values_per_sample(workload: Workload) -> float:
+    """Expected values the reader decodes per sample: every id (pooled features at their pooling factor,
+    history tables at the expected length), a length per pooled feature and per sequence, token ids,
+    labels and dense features."""
+    from coplan.spec.workload import DenseMLPBlock, TaskHeads, TransformerBlock
+
+    means = {s.name: length_moments(s.length).mean for s in workload.sequences}
+    v = 0.0
+    for t in workload.all_tables:
+        if t.feature_kind == "sequence":
+            v += means.get(t.sequence, 0.0) * t.num_features
+        else:
+            v += (t.pooling_factor + 1.0) * t.num_features
+    v += len(workload.sequences)
+    v += sum(means.get(b.sequence, 0.0) + 1.0 for b in workload.blocks if isinstance(b, TransformerBlock) and b.vocab_size)
+    v += sum(len(b.tasks) for b in workload.blocks if isinstance(b, TaskHeads))
+    v += sum(b.num_dense_features for b in workload.blocks if isinstance(b, DenseMLPBlock))
+    return float(v)
+
+
+def reader_processes(cores_per_node: int | None, ranks_per_node: int) -> int:
+    """The trainer's reader processes per rank (``coplan.trainer.data.default_reader_processes``) on a node of
+    ``cores_per_node`` cores (None: :data:`DEFAULT_READER_PROCESSES`)."""
+    if cores_per_node is None:
+        return DEFAULT_READER_PROCESSES
+    return max(1, min(DEFAULT_READER_PROCESSES, cores_per_node // max(1, ranks_per_node) - 2))
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderTime:
+    """One rank's loader per step."""
+
+    step_s: float
+    """Seconds per step the loader needs at its processes' parallelism: the step's floor."""
+    process_s: float
+    """Seconds one process spends on one step (read + gather)."""
+    processes: int
+    group_ranks: int
+    """Ranks whose rows each rank decodes (its balance group)."""
+    values_per_sample: float
+
+
+def loader_step_s(workload: Workload, local_batch: int, micro_batches: int, group_ranks: int, processes: int,
+                  coeff: LoaderCoefficients = DEFAULT_LOADER) -> LoaderTime:
+    """The loader's time per step for one rank (module docstring)."""
+    v = values_per_sample(workload)
+    b = max(0, int(local_batch))
+    read = coeff.step_s + max(1, group_ranks) * b * v * coeff.value_s
+    gather = max(1, micro_batches) * coeff.micro_s + b * v * coeff.gather_s
+    p = max(1, processes)
+    per = read + gather
+    return LoaderTime(per / p, per, p, max(1, group_ranks), v)
+
+
+def loader_note(world: int, group_ranks: int) -> str | None:
+    """What the price assumes of the balance group, when it differs from what today's trainer does."""
+    if world <= group_ranks:
+        return None
+    return (f"data loader priced with each rank decoding its node's {group_ranks} ranks' rows (balance within a node); "
+            f"today's trainer balances over all {world:,} ranks and decodes the whole global batch on every rank, "
+            f"{world // group_ranks:,}x the rows priced")
+
+
+__all__ = ["DEFAULT_LOADER", "DEFAULT_READER_PROCESSES", "LoaderCoefficients", "LoaderTime", "loader_note", "loader_step_s",
+           "reader_processes", "values_per_sample"]
