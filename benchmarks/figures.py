@@ -227,6 +227,8 @@ LOADER = Result("loader_throughput.json", "python benchmarks/loader_throughput.p
 LOADER_FIT = Result("loader_fit.json", "python benchmarks/loader_fit.py (fit seed: the run's date and time)",
                     SPEC + ("trainer/data.py", "trainer/features.py", "costmodel/jagged.py", "costmodel/flops.py",
                             "costmodel/loader.py", "coplan/sample.py"), script="loader_fit.py")
+GEMM_SHAPE = Result("gemm_shape_fit.json", "python benchmarks/gemm_shape_fit.py", ("benchmarks/results/fp8_h200.json",),
+                    script="gemm_shape_fit.py")
 FRESH = Result("fresh_draws_h200.json",
                "python benchmarks/fresh_draws_h200.py --plan-only --n 10 (seed: the run's date and time), then on the "
                "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
@@ -358,6 +360,13 @@ FIGURES: tuple[Figure, ...] = (
                 "including each reader's first batch (file opening), left out since"),
     Figure(COST, "Data-loader price: held-out worst |priced / measured - 1|", LOADER_FIT,
            at("held_out.max_abs_rel_error"), "%"),
+    Figure(COST, "H200 bf16 GEMMs (10 shapes, 20 timings): median error, constant efficiency + per-kernel floor", GEMM_SHAPE,
+           at("constant.median_abs_rel_error"), "%",
+           note="the cost model's form (max of compute and memory roofs, plus a floor per kernel)"),
+    Figure(COST, "H200 bf16 GEMMs: median error, 128x128 tile + wave quantisation + K ramp", GEMM_SHAPE,
+           at("tiles_waves.median_abs_rel_error"), "%",
+           note="the shape model fits these measured shapes worse than the constant form, so the cost model keeps it; "
+                "the small-M forward timings are partly host time (do_bench), which neither model prices"),
     Figure(TRAINING, "Loader alone, one process on this CPU, over the H200 runs' consumption: lowest", LOADER,
            at("summary.min_headroom_one_process"), "x", Goal(">=", 3.0),
            note="a floor: the trainer reads with up to 8 processes per rank on CUDA hosts; 7 draws had H200 runs"),

@@ -113,8 +113,8 @@ def fit_loader_scale(runs: Sequence[RunSamples]) -> tuple[float, list[float]] | 
     """The data loader's measured time over its priced time (``coplan.costmodel.loader``, default coefficients):
     the median over the runs whose summary records the loader, each the seconds a reader process (or the data
     thread, without processes) spent reading one step, over the priced seconds for the run's workload, local
-    batch, micro-batches and world (today's trainer decodes every rank's rows: the balance group is the
-    world). None when no run recorded it."""
+    batch, micro-batches and balance group (the plan's, else a node's ranks, as the trainer reads). None when no
+    run recorded it."""
     ratios: list[float] = []
     for r in runs:
         ld = r.result.loader if r.result is not None else None
@@ -123,7 +123,8 @@ def fit_loader_scale(runs: Sequence[RunSamples]) -> tuple[float, list[float]] | 
         plan = r.plan
         M = micro_batches_of(plan.workload, plan.mesh)
         measured = ld.read_s_per_batch * max(1, ld.processes) * M
-        priced = loader_step_s(plan.workload, local_batch_of(plan.workload, plan.world_size), M, plan.world_size, 1).process_s
+        group = plan.balancing.group_ranks or min(plan.world_size, plan.topology.gpus_per_node)
+        priced = loader_step_s(plan.workload, local_batch_of(plan.workload, plan.world_size), M, group, 1).process_s
         if priced > 0:
             ratios.append(measured / priced)
     if not ratios:

@@ -292,8 +292,9 @@ def _normalised(sc, moments: tuple[float, float]):
 
 
 def imbalance(ctx: Context, policy: str, kernels: Kernels | None = None) -> float:
-    """Expected max/mean per-rank jagged work under ``policy`` (1 when no sequence varies in length)."""
-    key = ("imb", policy, (kernels or ctx.workload.kernels).attention)
+    """Expected max/mean per-rank jagged work under ``policy`` (1 when no sequence varies in length), the ranks
+    balancing within their balance groups (:attr:`Context.balance_group`: a node's, as the trainer does)."""
+    key = ("imb", policy, (kernels or ctx.workload.kernels).attention, ctx.balance_group)
     hit = ctx.cache.get(key)
     if hit is not None:
         return hit
@@ -305,6 +306,7 @@ def imbalance(ctx: Context, policy: str, kernels: Kernels | None = None) -> floa
         rho = expected_imbalance(
             dist, _normalised(seq_cost(ctx, kernels), ctx.moments[prim]), ctx.local_batch, ctx.world, policy,
             seed=ctx.options.balance_seed, trials=ctx.options.balance_trials, num_micro_batches=ctx.micro_batches,
+            group_size=ctx.balance_group,
         )
     ctx.cache[key] = rho
     return rho

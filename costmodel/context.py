@@ -95,9 +95,11 @@ class Options:
     """Coefficient of variation of one rank's step time (stragglers and jitter in the goodput); None: the
     default, ``coplan.costmodel.goodput.DEFAULT_STEP_JITTER_CV``."""
 
-    loader_group_ranks: int | None = None
-    """Ranks whose rows each rank's data loader decodes (its balance group); None: one node's ranks
-    (``coplan.costmodel.loader``). The world size prices today's trainer, which balances over every rank."""
+    balance_group_ranks: int | None = None
+    """Ranks that balance a slice of the global batch together, whose rows each of them decodes (the trainer's
+    balance group, ``coplan.trainer.data.BatchReader``); None: one node's ranks (at most the world), as the
+    trainer does. The jagged imbalance prices the spread between the groups (``expected_imbalance(group_size=)``)
+    and the data loader the group's rows (``coplan.costmodel.loader``)."""
 
     seq_chunk: int = 32
     """Ids per bag of the sequence lookups' KeyedJaggedTensors, as the trainer feeds them (its
@@ -207,6 +209,11 @@ class Context:
     def dense_graphs(self) -> bool:
         """Whether the trainer runs this plan's dense arch as CUDA graphs (:func:`coplan.costmodel.flops.dense_graphs_apply`)."""
         return F.dense_graphs_apply(self.workload, self.world)
+
+    @property
+    def balance_group(self) -> int:
+        """Ranks that balance together (:attr:`Options.balance_group_ranks`; default a node's, at most the world)."""
+        return max(1, min(self.world, self.options.balance_group_ranks or self.topology.gpus_per_node))
 
     @property
     def sm_contention(self) -> float:

@@ -15,10 +15,8 @@ the step can go no faster (:func:`loader_step_s`). The coefficients are fitted b
 micro-batch counts); a calibration of runs (``coplan calibrate``, from each run's measured read time per
 batch) replaces them.
 
-The trainer balances over the whole world today (``G`` = every rank: each rank decodes the global batch).
-On one node that is what runs; across nodes it grows with the world size, so this model prices the
-balance group at one node's ranks and says so (:func:`loader_note`): a multi-node run of today's
-trainer reads slower than priced.
+The trainer balances within a node (``coplan.trainer.data.BatchReader``'s balance groups): each rank decodes
+its node's share of the global batch, whatever the world size.
 """
 
 from __future__ import annotations
@@ -113,14 +111,5 @@ def loader_step_s(workload: Workload, local_batch: int, micro_batches: int, grou
     return LoaderTime(per / p, per, p, max(1, group_ranks), v)
 
 
-def loader_note(world: int, group_ranks: int) -> str | None:
-    """What the price assumes of the balance group, when it differs from what today's trainer does."""
-    if world <= group_ranks:
-        return None
-    return (f"data loader priced with each rank decoding its node's {group_ranks} ranks' rows (balance within a node); "
-            f"today's trainer balances over all {world:,} ranks and decodes the whole global batch on every rank, "
-            f"{world // group_ranks:,}x the rows priced")
-
-
-__all__ = ["DEFAULT_LOADER", "DEFAULT_READER_PROCESSES", "LoaderCoefficients", "LoaderTime", "loader_note", "loader_step_s",
+__all__ = ["DEFAULT_LOADER", "DEFAULT_READER_PROCESSES", "LoaderCoefficients", "LoaderTime", "loader_step_s",
            "reader_processes", "values_per_sample"]

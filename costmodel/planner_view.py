@@ -23,7 +23,7 @@ from coplan.costmodel.compute import imbalance
 from coplan.costmodel.context import Context, Options, build_context
 from coplan.costmodel.decomposed import dense_fixed_costs, layer_costs, table_option_costs
 from coplan.costmodel.memory import communicator_bytes, table_state_bytes
-from coplan.costmodel.pricer import price
+from coplan.costmodel.pricer import loader_time, price, with_balance_group
 from coplan.costmodel.results import SparseAggregates, StepCost
 from coplan.spec import BalancingPlan, Calibration, MeshPlan, Topology, Workload
 
@@ -82,11 +82,21 @@ class ShardOptionCosts:
 class CostModel:
     """The cost model's calls the planner makes (see the module docstring)."""
 
-    def build_context(self, workload: Workload, topology: Topology, mesh: MeshPlan, calibration: Calibration | None = None) -> Context:
-        return build_context(workload, topology, mesh, calibration)
+    def build_context(self, workload: Workload, topology: Topology, mesh: MeshPlan, calibration: Calibration | None = None,
+                      *, balance_group: int | None = None) -> Context:
+        return build_context(workload, topology, mesh, calibration,
+                             options=Options(balance_group_ranks=balance_group) if balance_group is not None else None)
 
     def imbalance(self, ctx: Context, policy: str) -> float:
         return float(imbalance(ctx, policy))
+
+    def with_balance_group(self, ctx: Context, group: int) -> Context:
+        """``ctx`` balancing in groups of ``group`` ranks (sharing its caches)."""
+        return with_balance_group(ctx, group)
+
+    def loader_s(self, ctx: Context) -> float:
+        """The data loader's seconds per step (its balance group's rows, the trainer's reader processes)."""
+        return loader_time(ctx).step_s
 
     def price(self, ctx: Context, tables=None, layers=None, balancing: BalancingPlan | None = None, kernels=None, **kw) -> StepCost:
         return price(ctx, tables, layers, balancing, kernels, **kw)

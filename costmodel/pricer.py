@@ -26,6 +26,7 @@ slowest embedding shard at each all-to-all, because every collective synchronise
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -39,7 +40,7 @@ from coplan.costmodel.context import Context
 from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs, table_option_costs
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
 from coplan.costmodel.goodput import goodput as goodput_of
-from coplan.costmodel.loader import LoaderTime, loader_note, loader_step_s, reader_processes
+from coplan.costmodel.loader import LoaderTime, loader_step_s, reader_processes
 from coplan.costmodel.memory import fsdp_copy_bytes, state_bytes, step_memory
 from coplan.costmodel.results import CommCost, DenseFixedCosts, EmbeddingRanks, Memory, OpCost, Perf, SparseAggregates, StepCost, StepCut
 from coplan.costmodel.schedule import Schedule
@@ -339,6 +340,7 @@ def price(
     (:func:`~coplan.costmodel.memory.step_memory`) and the sampled ranks (:func:`_sampled_ranks`)."""
     kernels = kernels or ctx.workload.kernels
     balancing = balancing or BalancingPlan()
+    ctx = with_balance_group(ctx, balancing.group_ranks)
     recomputed, fp8_layers = layer_sets(ctx, layers)
     notes = _notes(ctx, kernels, fp8_layers)
     rho = imbalance(ctx, balancing.policy, kernels)
@@ -522,20 +524,25 @@ def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, 
         notes.append(f"loader-bound: the data loader needs {lt.step_s * 1e3:.2f} ms per step ({lt.processes} reader processes, "
                      f"{lt.values_per_sample:,.0f} values per sample, {lt.group_ranks} rank(s)' rows decoded by each) against "
                      f"{step * 1e3:.2f} ms of {'host' if host_s >= device_step and host_s > 0 else 'device'} time; step priced at the loader's")
-    if (n := loader_note(ctx.world, lt.group_ranks)) is not None:
-        notes.append(n)
     step = max(step, lt.step_s)
     return _StepTime(step, device_step, factor, host_s, seg_out, lt.step_s)
 
 
+def with_balance_group(ctx: Context, group: int | None) -> Context:
+    """``ctx`` with the plan's balance group (:attr:`~coplan.spec.BalancingPlan.group_ranks`) when it differs from
+    the context's: a shallow copy sharing its caches (the imbalance's cache key holds the group)."""
+    if group is None or min(ctx.world, max(1, group)) == ctx.balance_group:
+        return ctx
+    return dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, balance_group_ranks=int(group)))
+
+
 def loader_time(ctx: Context) -> LoaderTime:
-    """One rank's data loader per step (:mod:`coplan.costmodel.loader`): its balance group is the node's ranks
-    (at most the world), its processes what the trainer starts on the topology's hosts, scaled by a
-    calibration's ``loader_scale``."""
+    """One rank's data loader per step (:mod:`coplan.costmodel.loader`): it decodes its balance group's rows
+    (:attr:`Context.balance_group`), with the processes the trainer starts on the topology's hosts, scaled by
+    a calibration's ``loader_scale``."""
     topo = ctx.topology
-    group = max(1, min(ctx.world, ctx.options.loader_group_ranks or topo.gpus_per_node))
     procs = reader_processes(topo.cpu_cores_per_node, min(ctx.world, topo.gpus_per_node))
-    lt = loader_step_s(ctx.workload, ctx.local_batch, ctx.micro_batches, group, procs)
+    lt = loader_step_s(ctx.workload, ctx.local_batch, ctx.micro_batches, ctx.balance_group, procs)
     k = ctx.eff.loader_scale
     return LoaderTime(lt.step_s * k, lt.process_s * k, lt.processes, lt.group_ranks, lt.values_per_sample) if k != 1.0 else lt
 

@@ -83,7 +83,9 @@ def print_summary(plan: Plan, out=None) -> None:
     rc = s["recompute_layers"]
     w(f"recompute: {len(rc)} of {len(plan.layers)} layers" + (f" ({', '.join(rc[:8])}{', ...' if len(rc) > 8 else ''})" if rc else ""))
     b = plan.balancing
-    w(f"jagged balancing: {b.policy} (expected max/mean rank work {b.expected_imbalance:.4f})")
+    grp = (f" within groups of {b.group_ranks:,} ranks ({b.group_ranks // plan.topology.gpus_per_node:,} node(s); each rank reads "
+           f"its group's rows: loader {plan.predicted.loader_s:.3g} s per step)" if b.group_ranks and plan.predicted is not None else "")
+    w(f"jagged balancing: {b.policy}{grp} (expected max/mean rank work {b.expected_imbalance:.4f})")
     if plan.precision_report is not None:
         w(precision_line(plan.precision_report))
     if p is not None:

@@ -73,6 +73,13 @@ class Floor:
     """Least bytes every rank receives."""
 
 
+LOADER_MARGIN = 2.0
+"""The balance group is chosen as if the data loader took this many times its price: the loader's coefficients come
+from one CPU (``coplan.costmodel.loader``), and the trainer's reads inside runs on the H200's host were several times
+slower than that CPU's alone (``benchmarks/results/fresh_draws_h200.json``), so a group that keeps the loader within
+half the step stays hidden where the price is off by that much."""
+
+
 @dataclass(slots=True)
 class Pricer:
     """Builds and caches candidate pricings for one (workload, topology, world size, calibration), and
@@ -92,6 +99,8 @@ class Pricer:
     """Table name -> the sharding it must take (``--pin-table``): a sharding type, or
     ``column_wise/N`` for N column shards."""
     rho: float = 1.0
+    group: int | None = None
+    """Ranks that balance together (:meth:`_choose_group`; None: the world, on one node)."""
     model: CostModel = field(default=COST_MODEL, repr=False)
     """The cost model every figure comes from."""
     _dense: dict = field(default_factory=dict)
@@ -105,6 +114,38 @@ class Pricer:
             self.policy, self.rho = self._choose_policy()
         else:
             self.rho = self._rho(self.policy)
+        self.group, self.rho = self._choose_group()
+        self._ctx.clear()  # contexts from here on balance in the chosen groups
+
+    def _choose_group(self) -> tuple[int | None, float]:
+        """The balance group: ranks that balance a slice of the global batch together, each decoding the slice's rows.
+        Candidates: a node's ranks, doubled up to the world. A larger group balances the jagged work better (less
+        spread between the groups' shares) and reads more rows per rank; each is priced (the imbalance, and the data
+        loader's time per step, with :data:`LOADER_MARGIN`) against the dense compute of one rank, and the fastest
+        kept (the smallest on a tie).
+        None on one node (the group is the world)."""
+        node = self.topology.gpus_per_node
+        if self.world_size <= node or self.policy == "none":
+            return None, self.rho
+        ctx = self.context(MeshCandidate(self.world_size, self.world_size, 1, self.world_size, self._mb0))
+        groups, g = [], node
+        while g < self.world_size:
+            if self.world_size % g == 0:
+                groups.append(g)
+            g *= 2
+        groups.append(self.world_size)
+        world_ctx = self.model.with_balance_group(ctx, self.world_size)
+        compute = self.model.dense_base(world_ctx, BalancingPlan(policy=self.policy, group_ranks=self.world_size)).compute_s
+        rho_world = self.model.imbalance(world_ctx, self.policy)
+        best: tuple[float, int, float] | None = None
+        for g in groups:
+            c = self.model.with_balance_group(ctx, g)
+            rho = self.model.imbalance(c, self.policy)
+            est = max(LOADER_MARGIN * self.model.loader_s(c), compute * rho / max(rho_world, 1e-12))
+            if best is None or est < best[0] * (1 - 1e-6):
+                best = (est, g, rho)
+        assert best is not None
+        return best[1], best[2]
 
     # ------------------------------------------------------------------ contexts
     def mesh_plan(self, c: MeshCandidate) -> MeshPlan:
@@ -115,7 +156,8 @@ class Pricer:
     def context(self, c: MeshCandidate) -> Context:
         ctx = self._ctx.get(c)
         if ctx is None:
-            ctx = self.model.build_context(self.workload, self.topology, self.mesh_plan(c), self.calibration)
+            ctx = self.model.build_context(self.workload, self.topology, self.mesh_plan(c), self.calibration,
+                                           balance_group=getattr(self, "group", None))
             if len(self._ctx) > 256:
                 self._ctx.clear()
             self._ctx[c] = ctx
@@ -138,7 +180,7 @@ class Pricer:
 
     @property
     def balancing(self) -> BalancingPlan:
-        return BalancingPlan(policy=self.policy, expected_imbalance=max(1.0, self.rho))  # type: ignore[arg-type]
+        return BalancingPlan(policy=self.policy, expected_imbalance=max(1.0, self.rho), group_ranks=self.group)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ dense
     def dense(self, c: MeshCandidate) -> DenseInfo:

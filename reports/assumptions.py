@@ -91,10 +91,6 @@ def _failures(ctx: Context) -> None:
         "gpu_mtbf_hours": r.gpu_mtbf_hours / 2.0, "restart_s": 2.0 * r.restart_s})})
 
 
-def _trainer_loader(ctx: Context) -> None:
-    ctx.options = dataclasses.replace(ctx.options, loader_group_ranks=ctx.world)
-
-
 ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("kernels", "kernels at the calibration's (or default) efficiencies on every shape",
                "every op class 20% slower (compute and memory efficiency x0.8; the shipped H200 calibration's worst "
@@ -116,12 +112,6 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
                _failures),
 )
 
-TRAINER_LOADER = Assumption(
-    "trainer_loader", "each rank's data loader decodes its node's rows (balance within a node)",
-    "today's trainer: every rank decodes the whole global batch to balance it over all ranks", _trainer_loader)
-"""Not a figure but a trainer limitation, shown apart (and left out of 'all together') when the plan spans nodes."""
-
-
 def compare_with_gem(plan: Plan) -> bool:
     """Whether Meta's published GEM figure is a fair yardstick: a GEM-shaped workload (InterFormer blocks over
     histories) on more than one node."""
@@ -137,8 +127,7 @@ def _price(plan: Plan, change: Callable[[Context], None] | None) -> AssumptionRo
 
 
 def assumption_table(plan: Plan) -> list[AssumptionRow]:
-    """The plan as priced, each assumption moved alone, all of them together, and (across nodes) today's
-    trainer's data loader."""
+    """The plan as priced, each assumption moved alone, and all of them together."""
     rows = [AssumptionRow("planned", "as planned", "", *_price(plan, None))]
     for a in ASSUMPTIONS:
         rows.append(AssumptionRow(a.key, a.what, a.alternative, *_price(plan, a.apply)))
@@ -148,16 +137,13 @@ def assumption_table(plan: Plan) -> list[AssumptionRow]:
             a.apply(ctx)
 
     rows.append(AssumptionRow("all", "all of the above together", "every alternative above at once", *_price(plan, everything)))
-    if plan.world_size > plan.topology.gpus_per_node:
-        rows.append(AssumptionRow(TRAINER_LOADER.key, TRAINER_LOADER.what, TRAINER_LOADER.alternative,
-                                  *_price(plan, TRAINER_LOADER.apply)))
     return rows
 
 
 def describe(rows: list[AssumptionRow], published: tuple[float, float] | None = None) -> str:
     """One paragraph: the biggest single assumption, all together, against a published range when given."""
     base = rows[0]
-    singles = [r for r in rows if r.key not in ("planned", "all", TRAINER_LOADER.key)]
+    singles = [r for r in rows if r.key not in ("planned", "all")]
     if not singles:
         return ""
     worst = min(singles, key=lambda r: r.e2e_mfu)
@@ -171,10 +157,6 @@ def describe(rows: list[AssumptionRow], published: tuple[float, float] | None = 
         s += (f" Meta reports {100 * lo:.0f}-{100 * hi:.0f}% E2E MFU for GEM at this scale: the pessimistic corner is {where} that range"
               + ("; the rest of the gap is in what the cost model does not price (kernels on shapes it never measured, the "
                  "network's behaviour under GEM's traffic) or in GEM's own heavier work per sample." if together.e2e_mfu > hi else "."))
-    loader = next((r for r in rows if r.key == TRAINER_LOADER.key), None)
-    if loader is not None and loader.e2e_mfu < base.e2e_mfu * 0.99:
-        s += (f" With today's trainer's data loader (every rank decoding the global batch) the step would be "
-              f"{loader.step_time_s:.3g} s ({100 * loader.e2e_mfu:.1f}% E2E): the plan assumes balancing within a node.")
     return s
 
 
@@ -186,7 +168,7 @@ def assumptions_figure(plan: Plan, rows: list[AssumptionRow]):
     from coplan.reports.layout import base_layout
     from coplan.reports.palette import LOSS_COLOURS
 
-    labels = [("as planned" if r.key == "planned" else r.what if r.key in ("all", TRAINER_LOADER.key) else r.key) for r in rows]
+    labels = [("as planned" if r.key == "planned" else r.what if r.key == "all" else r.key) for r in rows]
     hover = [f"{r.what}<br>{'moved to: ' + r.alternative if r.alternative else ''}<br>step {r.step_time_s:.4g} s; "
              f"E2E {100 * r.e2e_mfu:.1f}%, goodput {100 * r.goodput_mfu:.1f}%" for r in rows]
     fig = go.Figure()
@@ -206,4 +188,4 @@ def assumptions_figure(plan: Plan, rows: list[AssumptionRow]):
     return fig
 
 
-__all__ = ["ASSUMPTIONS", "assumptions_figure", "Assumption", "AssumptionRow", "PUBLISHED_GEM_E2E_MFU", "TRAINER_LOADER", "assumption_table", "compare_with_gem", "describe"]
+__all__ = ["ASSUMPTIONS", "assumptions_figure", "Assumption", "AssumptionRow", "PUBLISHED_GEM_E2E_MFU", "assumption_table", "compare_with_gem", "describe"]

@@ -66,8 +66,7 @@ CAPTIONS = {
     "assumptions": (
         "The plan as priced against the same plan re-priced with one of the cost model's unmeasured assumptions moved to the far end "
         "of its own source's range (kernel efficiency, network efficiency beyond the first tier, SM contention, step jitter, host and "
-        "loader speed, embedding bandwidth, failures), then all together; across nodes also today's trainer's data loader, which "
-        "decodes the whole global batch on every rank. Nothing is re-planned. The shaded band is Meta's reported E2E MFU for GEM."
+        "loader speed, embedding bandwidth, failures), then all together. Nothing is re-planned. The shaded band is Meta's reported E2E MFU for GEM."
     ),
     "scaling": (
         "coplan simulate's sweep of the same workload on the same topology, one heuristic plan per GPU count; the star is this plan. "

@@ -76,7 +76,8 @@ def lever(loss: Loss, plan: Plan, pred: Prediction) -> str:
             "elementwise": "fusing norms, activations and residual adds (torch.compile) and fewer kernel launches",
         }.get(c, "faster kernels")
     if k == "imbalance":
-        return "a balancer that equalises per-rank cost (Karmarkar-Karp) or more samples per rank"
+        return ("a balancer that equalises per-rank cost (Karmarkar-Karp), more samples per rank, or larger balance groups "
+                "(less spread between the groups' shares, more rows for each rank's data loader to read)")
     if k == "recompute":
         return "recomputing fewer layers, which needs the activation memory it saves"
     if k == "optimizer":
@@ -140,7 +141,8 @@ def describe_plan(plan: Plan) -> str:
     n_fp8 = sum(1 for lp in plan.layers if lp.precision == "fp8")
     n_layers = len(layer_names(plan.workload))
     parts.append(f"{n_rec} of {n_layers} layers recomputed" + (f", {n_fp8} in fp8" if n_fp8 else ""))
-    parts.append(f"'{plan.balancing.policy}' jagged balancing, {plan.kernels.attention} attention, {plan.kernels.embedding} embeddings")
+    grp = f" within groups of {plan.balancing.group_ranks:,} ranks" if plan.balancing.group_ranks else ""
+    parts.append(f"'{plan.balancing.policy}' jagged balancing{grp}, {plan.kernels.attention} attention, {plan.kernels.embedding} embeddings")
     s = plan.solver
     if s is not None:
         if s.status == "GIVEN":

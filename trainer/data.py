@@ -299,26 +299,28 @@ class ParquetSource:
                 start += f.metadata.row_group(g).num_rows
         self.num_rows = start
         self._starts = np.array([g[2] for g in self._groups], dtype=np.int64)
-        self._cache: dict[int, pa.Table] = {}
+        self._cache: dict[tuple, pa.Table] = {}
 
-    def _group(self, i: int) -> pa.Table:
-        t = self._cache.get(i)
+    def _group(self, i: int, columns: tuple[str, ...] | None = None) -> pa.Table:
+        key = (i, columns)
+        t = self._cache.get(key)
         if t is None:
             fi, g, _ = self._groups[i]
-            t = self.files[fi].read_row_group(g, columns=self.columns)
-            if len(self._cache) > 4:
+            t = self.files[fi].read_row_group(g, columns=list(columns) if columns is not None else self.columns)
+            if len(self._cache) > 8:
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[i] = t
+            self._cache[key] = t
         return t
 
-    def rows(self, start: int, count: int) -> pa.Table:
-        """``count`` rows from global row ``start`` (mod the dataset size)."""
+    def rows(self, start: int, count: int, columns: tuple[str, ...] | None = None) -> pa.Table:
+        """``count`` rows from global row ``start`` (mod the dataset size): every column the layout reads, or
+        ``columns`` alone (Parquet decodes only the columns asked for)."""
         if count > self.num_rows:
             raise DataError(f"{self.path}: a batch of {count} samples needs at least that many rows; the dataset has {self.num_rows}")
         parts, pos, left = [], start % self.num_rows, count
         while left:
             gi = int(np.searchsorted(self._starts, pos, side="right") - 1)
-            t = self._group(gi)
+            t = self._group(gi, columns)
             off = pos - int(self._starts[gi])
             take = min(left, t.num_rows - off)
             parts.append(t.slice(off, take))
@@ -409,7 +411,8 @@ class HostBatch:
     global_lengths: dict[str, np.ndarray] = field(default_factory=dict)
     """Sequence -> lengths of the whole global batch (for FLOPs and token counts)."""
     rank_costs: np.ndarray | None = None
-    """Cost (model FLOPs) of every rank's share of this micro-batch, for the imbalance metric."""
+    """Cost (model FLOPs) of the share of this micro-batch of every rank of this rank's balance group (the world,
+    on one node), for the imbalance metric."""
     token_ids: dict[str, np.ndarray] = field(default_factory=dict)
     """Token sequence -> its ids, ``L + 1`` per sample, concatenated over this rank's samples."""
     micro_batch: int = 0
@@ -488,20 +491,36 @@ def _contiguous(rows: np.ndarray) -> bool:
 
 
 class BatchReader:
-    """Global batch ``step`` → this rank's :class:`HostBatch` of each micro-batch (deterministic on every rank)."""
+    """Global batch ``step`` → this rank's :class:`HostBatch` of each micro-batch (deterministic on every rank).
+
+    The global batch is cut in order into one slice per balance group of ``balance_ranks`` ranks (the trainer
+    passes a node's ranks; default every rank): each rank decodes its group's slice only, and the group's
+    balancer splits it over the group's ranks and micro-batches. Reading then costs a rank its group's rows,
+    not the world's; the groups do not exchange samples, so the spread between the groups' totals is jagged
+    imbalance the balancer cannot remove (the cost model prices it: ``expected_imbalance(group_size=...)``).
+    The whole batch's lengths (model FLOPs, token counts, the loss's normaliser) are read from their
+    columns alone."""
 
     def __init__(self, workload: Workload, path: str | Path, *, world_size: int, rank: int, policy: str,
-                 global_batch: int, micro_batches: int = 1) -> None:
+                 global_batch: int, micro_batches: int = 1, balance_ranks: int | None = None) -> None:
         if micro_batches < 1 or global_batch % (world_size * micro_batches):
             raise DataError(f"a global batch of {global_batch} does not split into {world_size} ranks x {micro_batches} "
                             "micro-batches of equal size")
+        group = world_size if balance_ranks is None else max(1, min(int(balance_ranks), world_size))
+        if world_size % group:
+            raise DataError(f"{world_size} ranks do not split into balance groups of {group}: give a divisor of the world size")
         self.workload = workload
-        self.args = (workload, str(path), world_size, rank, policy, global_batch, micro_batches)
+        self.args = (workload, str(path), world_size, rank, policy, global_batch, micro_batches, group)
         """Everything a reader in another process needs to read the same batches (see :class:`Prefetcher`)."""
         self.layout = feature_layout(workload)
         self.source = ParquetSource(path, self.layout)
         self.world_size, self.rank, self.policy, self.global_batch = world_size, rank, policy, global_batch
         self.micro_batches = micro_batches
+        self.group_ranks = group
+        """Ranks that balance one slice of the global batch together (:meth:`_step`)."""
+        self.group, self.group_rank = divmod(rank, group)
+        self.group_batch = global_batch // (world_size // group)
+        """Samples of the global batch this rank's group shares."""
         self._split: tuple[int, _StepColumns, dict[str, np.ndarray], list[np.ndarray], np.ndarray] | None = None
 
     def _step(self, step: int):
@@ -509,10 +528,17 @@ class BatchReader:
         kept for its micro-batches."""
         if self._split is None or self._split[0] != step:
             lay = self.layout
-            table = self.source.rows(step * self.global_batch, self.global_batch)
-            g_lengths = {s: table.column(f"len_{s}").to_numpy().astype(np.int64) for s in lay.sequences}
-            costs = sample_costs(self.workload, g_lengths, self.global_batch)
-            shares = split_global_batch(costs, self.world_size, self.policy, self.micro_batches)
+            first = step * self.global_batch + self.group * self.group_batch
+            table = self.source.rows(first, self.group_batch)
+            lengths = {s: table.column(f"len_{s}").to_numpy().astype(np.int64) for s in lay.sequences}
+            if self.group_ranks == self.world_size:
+                g_lengths = lengths
+            else:  # the whole batch's lengths (FLOPs, tokens, the loss's token count): their columns alone
+                cols = tuple(f"len_{s}" for s in lay.sequences)
+                whole = self.source.rows(step * self.global_batch, self.global_batch, cols) if cols else None
+                g_lengths = {s: whole.column(f"len_{s}").to_numpy().astype(np.int64) for s in lay.sequences}
+            costs = sample_costs(self.workload, lengths, self.group_batch)
+            shares = split_global_batch(costs, self.group_ranks, self.policy, self.micro_batches)
             self._split = (step, _StepColumns(table, lay, self.source.path), g_lengths, shares,
                            np.array([costs[s].sum() for s in shares]))
         return self._split
@@ -521,8 +547,8 @@ class BatchReader:
         lay = self.layout
         M = self.micro_batches
         _, cols, g_lengths, shares, bin_costs = self._step(step)
-        mine = shares[self.rank * M + micro_batch]
-        rank_costs = bin_costs.reshape(self.world_size, M)[:, micro_batch]
+        mine = shares[self.group_rank * M + micro_batch]
+        rank_costs = bin_costs.reshape(self.group_ranks, M)[:, micro_batch]
         if lay.pooled:  # stored sample-major; TorchRec's KJT wants them table-major
             lengths_bt = cols.pooled_lengths[mine]
             off, vals = cols.lists[POOLED_IDS]
@@ -538,7 +564,7 @@ class BatchReader:
         dense = cols.dense[mine] if cols.dense is not None else None
         labels = cols.labels[mine]
         return HostBatch(
-            step=step, indices=mine, pooled_lengths=pooled_lengths, pooled_values=pooled_values, seq_lengths=seq_lengths,
+            step=step, indices=mine + self.group * self.group_batch, pooled_lengths=pooled_lengths, pooled_values=pooled_values, seq_lengths=seq_lengths,
             seq_values=seq_values, dense=dense, labels=labels, global_lengths=g_lengths, rank_costs=rank_costs,
             token_ids=token_ids, micro_batch=micro_batch, num_micro_batches=M,
         )
@@ -557,11 +583,11 @@ def _reader_process(args: tuple, steps: list[int], out, stop, threads: int = 1) 
     """A reader process: reads every micro-batch of ``steps`` in order into ``out`` as
     ``(host batch, seconds it took)``; an exception is sent as its message and ends the process.
     ``threads``: Arrow's CPU pool size in this process (:func:`reader_threads`)."""
-    workload, path, world_size, rank, policy, global_batch, micro_batches = args
+    workload, path, world_size, rank, policy, global_batch, micro_batches, group = args
     try:
         pa.set_cpu_count(max(1, threads))
         reader = BatchReader(workload, path, world_size=world_size, rank=rank, policy=policy,
-                             global_batch=global_batch, micro_batches=micro_batches)
+                             global_batch=global_batch, micro_batches=micro_batches, balance_ranks=group)
         for step in steps:
             for micro in range(micro_batches):
                 t0 = time.perf_counter()

@@ -323,7 +323,8 @@ class Loop:
         self.layout = built.model.layout.with_seq_chunk(cfg.seq_chunk)
         self.reader = BatchReader(plan.workload, data_dir, world_size=ranks.world, rank=ranks.rank,
                                   policy=plan.balancing.policy, global_batch=self.global_batch,
-                                  micro_batches=plan.micro_batches)
+                                  micro_batches=plan.micro_batches,
+                                  balance_ranks=plan.balancing.group_ranks or ranks.local_world)
         self.timer = StepTimer(device)
         self.peak = plan.topology.gpu.peak_flops_per_s.get("bf16", 0.0)
         # loss_parts' names, in its order
@@ -518,7 +519,9 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
     optims, pm, pipe = built.optims, built.pm, loop.pipe
     total_t = sum(times)
     flops_mean = float(np.mean([r.model_flops for r in measured])) if measured else 0.0
-    notes = [f"attention backend '{built.backend}'", f"balancing '{plan.balancing.policy}' with equal per-rank counts",
+    notes = [f"attention backend '{built.backend}'", f"balancing '{plan.balancing.policy}' with equal per-rank counts"
+             + (f", within groups of {loop.reader.group_ranks} ranks (a node; the imbalance metric is the group's)"
+                if loop.reader.group_ranks < ranks.world else ""),
              f"statistics over {len(measured)} steps (warm-up and profiled steps left out)", *built.notes,
              f"dense optimizer {'fused' if optims.fused_dense else 'foreach'}"
              + (f" (fused refused: {optims.fused_error})" if optims.fused_error else ""),

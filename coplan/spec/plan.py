@@ -185,6 +185,16 @@ class BalancingPlan(Spec):
     expected_imbalance: Annotated[Float, Field(ge=1)] = 1.0
     """Expected max/mean per-rank cost of the jagged work under this policy (priced by the cost model)."""
 
+    group_ranks: Annotated[Int, Field(gt=0)] | None = None
+    """Ranks that balance one slice of the global batch together; each of them decodes that slice's rows
+    (``coplan.trainer.data.BatchReader``). Larger groups balance better and read more: the planner prices both
+    (the jagged imbalance between groups, the data loader's rows) and picks. None: the ranks of one node (at
+    most the world). Written only when given (plans from before it keep their hashes)."""
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler):
+        return drop_added_defaults(handler(self), {"group_ranks": None})
+
 
 class OpPrediction(Spec):
     """Predicted time of one op on the critical (slowest) rank."""
@@ -544,6 +554,10 @@ class Plan(Spec):
                               f"of {MAX_LOCAL_BATCH:,}; re-plan on more GPUs")
         if local % self.micro_batches:
             raise field_error("mesh.micro_batches", f"{self.micro_batches} micro-batches do not split the local batch of {local} evenly")
+        g = self.balancing.group_ranks
+        if g is not None and (g > self.world_size or self.world_size % g):
+            raise field_error("balancing.group_ranks", f"{g} does not divide the {self.world_size:,} ranks into balance groups; "
+                              "give a divisor of world_size (or leave it out: a node's ranks)")
         _check_tables(self, from_file=bool(info.context and info.context.get(FROM_FILE)))
         _check_mesh_axes(self)
         _check_prediction(self)

@@ -17,7 +17,6 @@ from coplan.costmodel.loader import (
     DEFAULT_LOADER,
     DEFAULT_READER_PROCESSES,
     LoaderCoefficients,
-    loader_note,
     loader_step_s,
     reader_processes,
     values_per_sample,
@@ -90,9 +89,23 @@ def test_reader_processes_are_the_trainer_s(monkeypatch):
         assert reader_processes(cores, ranks) == data.default_reader_processes("cuda", ranks), (cores, ranks)
 
 
-def test_loader_note_only_across_nodes():
-    assert loader_note(8, 8) is None
-    assert "decodes the whole global batch" in loader_note(64, 8)
+def test_the_balance_group_is_a_node_and_prices_both_the_loader_and_the_imbalance():
+    """Across nodes each rank decodes its node's rows (not the world's) and the jagged imbalance includes the
+    spread between the nodes' shares; on one node both are the global balancer's."""
+    from coplan.costmodel.compute import imbalance
+    from coplan.costmodel.context import Options
+    from coplan.spec import load_workload
+
+    topo = load_topology("h200-superpod-1k")
+    w = load_workload("gem-tiny")
+    mesh = MeshPlan(dense_shard=8, dense_replicate=8, sparse_shard=64)
+    node = build_context(w, topo, mesh)
+    world = build_context(w, topo, mesh, options=Options(balance_group_ranks=64))
+    assert node.balance_group == topo.gpus_per_node == 8 and world.balance_group == 64
+    assert price(node).loader_s < price(world).loader_s
+    assert imbalance(node, "greedy") >= imbalance(world, "greedy")
+    one = build_context(w, topo, MeshPlan(dense_shard=4, sparse_shard=4))
+    assert one.balance_group == 4
 
 
 def test_a_loader_bound_step_is_priced_at_the_loader_and_the_ledger_names_it():

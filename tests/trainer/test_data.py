@@ -13,6 +13,7 @@ from coplan.errors import CoplanError
 from coplan.spec import load_workload
 from coplan.trainer.data import (
     BatchReader,
+    DataError,
     check_dataset,
     data_sha256,
     equalize_counts,
@@ -324,3 +325,35 @@ def test_gather_index_is_arrow_take_of_a_sliced_list_column():
         want = sliced.take(pa.array(rows, type=pa.int64())).combine_chunks()
         assert np.array_equal(got_len, want.value_lengths().to_numpy(zero_copy_only=False))
         assert np.array_equal(vals[idx], want.flatten().to_numpy(zero_copy_only=False))
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_balance_groups_read_their_slice_and_cover_the_batch_once(tiny, dataset, micro):
+    """Four ranks in two balance groups: every sample of the global batch goes to exactly one (rank, micro-batch),
+    each group's ranks take their samples from the group's slice of the batch only, every rank sees the whole
+    batch's lengths, and a group of the world is the global balancer (the same batches as without groups)."""
+    gb, world, group = 64, 4, 2
+    kw = dict(world_size=world, policy="greedy", global_batch=gb, micro_batches=micro)
+    for step in (0, 3):
+        seen: list[int] = []
+        full = BatchReader(tiny, dataset, rank=0, **kw).read(step, 0).global_lengths
+        for rank in range(world):
+            r = BatchReader(tiny, dataset, rank=rank, balance_ranks=group, **kw)
+            assert (r.group, r.group_rank, r.group_batch) == (rank // group, rank % group, gb // 2)
+            for m in range(micro):
+                hb = r.read(step, m)
+                lo = (rank // group) * (gb // 2)
+                assert np.all((hb.indices >= lo) & (hb.indices < lo + gb // 2))
+                assert hb.rank_costs.shape == (group,)
+                assert all(np.array_equal(hb.global_lengths[s], full[s]) for s in full)
+                # the samples' own lengths are the whole batch's at their positions
+                for s, v in hb.seq_lengths.items():
+                    assert np.array_equal(v, full[s][hb.indices])
+                seen += hb.indices.tolist()
+        assert sorted(seen) == list(range(gb))
+    # a group of every rank is the global balancer
+    a = BatchReader(tiny, dataset, rank=1, **kw).read(2, 0)
+    b = BatchReader(tiny, dataset, rank=1, balance_ranks=world, **kw).read(2, 0)
+    _same(a, b)
+    with pytest.raises(DataError, match="balance groups"):
+        BatchReader(tiny, dataset, rank=0, balance_ranks=3, **kw)
