@@ -43,10 +43,10 @@ class LoaderCoefficients:
 
 
 DEFAULT_LOADER = LoaderCoefficients(
-    step_s=0.002286, value_s=1.178e-08, micro_s=8.006e-05, gather_s=3.016e-09,
-    source="benchmarks/loader_fit.py, 2026-12-04, commit ac26143: one reader process on a 2-core x86 CPU, "
-           "8 h200-1gpu draws (seed 20261204230841); fit median 12%, held out "
-           "on 10 other draws median 6% / max 56%",
+    step_s=0.001469, value_s=1.084e-08, micro_s=0.0001695, gather_s=2.436e-09,
+    source="benchmarks/loader_fit.py, 2026-12-04, commit 7d2159b: one reader process on a 2-core x86 CPU, "
+           "8 h200-1gpu draws (seed 20261204235040); fit median 13%, held out "
+           "on 10 other draws median 11% / max 15%",
 )
 """Fitted by ``python benchmarks/loader_fit.py`` (see ``benchmarks/results/loader_fit.json`` for the draws, the
 fit error and the held-out check); the test ``tests/costmodel/test_loader.py`` keeps these equal to it."""
