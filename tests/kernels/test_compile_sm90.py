@@ -222,6 +222,31 @@ def _fp8(rec, gpu: bool):
                 ft.block_scaled_mm(qa.q, qa.s, qb.q, qb.s, n=n, b_square=b_square, bias=bias, out_dtype=out_dtype)
 
 
+def _fp8_fused(rec, gpu: bool):
+    """The producers that write fp8 operands (``kernels/fp8_fused.py``): LayerNorm and the activations, forward and
+    backward, with and without the transposed tiles, e4m3 and e5m2."""
+    import torch
+
+    from coplan.kernels import fp8_fused as ff
+
+    g = torch.Generator().manual_seed(1)
+    m, d = (256, 256) if gpu else (40, 200)
+    dt = torch.bfloat16 if gpu else torch.float32
+    x = torch.randn(m, d, generator=g).to(dt)
+    w, b = torch.randn(d, generator=g).to(dt), torch.randn(d, generator=g).to(dt)
+    with rec.calling("layernorm_quant (with and without the transposed tiles)"):
+        for with_t in (False, True):
+            ln = ff.layernorm_quant(x, w, b, with_t=with_t, return_y=with_t)
+    with rec.calling("layernorm_backward_quant (e4m3 and e5m2, residual gradient)"):
+        for fp8_dtype, res in ((ff.E4M3, None), (torch.float8_e5m2, x)):
+            ff.layernorm_backward_quant(x, x, w, ln.mean, ln.rstd, residual_grad=res, with_t=res is not None, fp8_dtype=fp8_dtype)
+    for kind in ("silu", "gelu_tanh", "swiglu"):
+        h = torch.randn(m, 2 * d if kind == "swiglu" else d, generator=g).to(dt)
+        with rec.calling(f"act_quant / act_backward_quant {kind}"):
+            ff.act_quant(h, kind, with_t=True, return_a=True)
+            ff.act_backward_quant(torch.randn(m, d, generator=g).to(dt), h, kind, return_dh=True, with_t=True)
+
+
 _OPS = ("softmax", "silu", "gelu_tanh", "relu", "relu_squared", "identity")
 
 
@@ -233,6 +258,7 @@ def _interpreter_calls(rec):
         _attention(rec, op, causal, torch.float32, 16)
     _block_counts(rec, 1025)  # unsorted (over the 1,024 samples one sort handles)
     _fp8(rec, gpu=False)
+    _fp8_fused(rec, gpu=False)
 
 
 def _gpu_calls(rec):
@@ -253,6 +279,7 @@ def _gpu_calls(rec):
     for batch in (3, 1024, 1025):  # sorted (one CHUNK of the next power of two), sorted at 1,024, unsorted
         _block_counts(rec, batch)
     _fp8(rec, gpu=True)
+    _fp8_fused(rec, gpu=True)
 
 
 def record_launches() -> list[dict]:
@@ -284,6 +311,9 @@ def record_launches() -> list[dict]:
         mp.setattr(ta, "UNTUNED_CONFIGS", {})
         mp.setattr(ta, "_CONSTS", {})
         mp.setattr(ft, "_INTERPRETING", False)
+        from coplan.kernels import fp8_fused as ff
+
+        mp.setattr(ff, "_check_runnable", lambda t, name: None)  # CPU tensors stand in for the GPU's here
         _gpu_calls(rec)
     return list(rec.launches.values())
 

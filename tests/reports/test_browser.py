@@ -36,7 +36,7 @@ def test_every_figure_renders_without_errors(pw, report_html, width):
     r = load_report(pw, out, width_px=width, timeout_s=TIMEOUT_S)
     assert not r.timed_out, f"the page did not finish drawing in {TIMEOUT_S:.0f} s"
     assert r.errors == []
-    assert r.expected == len([s for s in report.sections if s.figure is not None]) == 8
+    assert r.expected == len([s for s in report.sections if s.figure is not None]) == 9
     assert r.rendered == r.expected
     assert r.overflow_px == 0, f"page is {r.overflow_px}px wider than a {width}px window"
 
@@ -94,7 +94,7 @@ def test_basic_bundle_draws_what_the_full_bundle_draws(pw, tmp_path, report_html
     full.write_text(render(report, plotlyjs="full"), encoding="utf-8")
     assert "coplan-plotlyjs\" content=\"basic" in out.read_text() and "coplan-plotlyjs\" content=\"full" in full.read_text()
     basic_svg, full_svg = _svg_census(pw, out, 1280), _svg_census(pw, full, 1280)
-    assert set(basic_svg) == set(full_svg) and len(basic_svg) == 8
+    assert set(basic_svg) == set(full_svg) and len(basic_svg) == 9
     for fid in basic_svg:
         assert basic_svg[fid] == full_svg[fid], fid
 
@@ -146,4 +146,4 @@ def test_gem_1t_at_16k_report_renders(pw, tmp_path):
     assert out.stat().st_size < 8_000_000, "the page stays small: plotly.js (~4.8 MB) and a few hundred KB of figures"
     r = load_report(pw, out, timeout_s=TIMEOUT_S)
     assert r.errors == [] and not r.timed_out
-    assert r.rendered == r.expected == 8
+    assert r.rendered == r.expected == 9

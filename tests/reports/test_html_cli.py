@@ -47,7 +47,7 @@ def test_json_blocks_cannot_close_the_script():
 def test_write_report_has_summary_and_every_figure(tmp_path, plan_file):
     out, report, log = write_report(plan_file, tmp_path / "r.html", simulate_point=simulate_point)
     keys = [s.key for s in report.sections]
-    assert keys == ["waterfall", "timeline", "ranks", "memory", "alternatives", "sharding", "balance", "scaling"]
+    assert keys == ["waterfall", "timeline", "ranks", "memory", "alternatives", "sharding", "balance", "assumptions", "scaling"]
     missing = {s.key: s.note for s in report.sections if s.figure is None}
     assert not missing, missing
     assert report.summary[0].startswith("Plan: ")
