@@ -435,6 +435,8 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 PENDING: tuple[Pending, ...] = (
+    Pending(FP8, "InterFormer layers of gem-h200 with fp8 written by the producing kernels, forward + backward, against bf16",
+            "fp8_fused_h200.json", "python benchmarks/fp8_fused_h200.py", goal="≥ 1.25x bf16 (issue 26); the fp8_bound beside it"),
     Pending(MULTI, "Collective sweep on 2 H200s and the NVLink tier's fit", "collectives_h200.json",
             "python benchmarks/collectives_h200.py"),
     Pending(MULTI, "gem-h200 on 1 and 2 GPUs: scaling ratio, step time against the cost model", "multigpu_h200.json",
