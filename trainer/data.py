@@ -652,6 +652,8 @@ class Prefetcher:
         self.steady_prepare_s = 0.0
         """Preparing seconds of every batch but the first (which allocates the pinned buffers)."""
         self.steady_prepared = 0
+        self.produced = 0
+        """Items produced (read and prepared), ahead of those taken."""
         self._procs: list = []
         micro = getattr(reader, "micro_batches", 1)
         steps = list(range(start, stop))
@@ -716,6 +718,7 @@ class Prefetcher:
                         dt_prep = time.perf_counter() - t0
                         self.prepare_s += dt_prep
                         self.samples += n
+                        self.produced += 1
                         if i or m:  # the first batch's preparing allocates the pinned buffers
                             self.steady_prepare_s += dt_prep
                             self.steady_prepared += 1

@@ -489,7 +489,7 @@ def loader_throughput(loop: Loop, measured: list[StepRecord]) -> LoaderThroughpu
     # (allocating pinned buffers) left out, as warm-up steps are from the step statistics
     read = pf.steady_read_s / pf.steady_reads if pf.steady_reads else pf.read_s / batches
     prep = pf.steady_prepare_s / pf.steady_prepared if pf.steady_prepared else pf.prepare_s / batches
-    per_batch = pf.samples / batches
+    per_batch = pf.samples / max(1, pf.produced)
     produced = per_batch / max(read, prep) if max(read, prep) > 0 else pf.samples / pf.busy_s
     consumed = sum(r.samples for r in measured) / loop.ranks.world / sum(r.step_time_s for r in measured)
     return LoaderThroughput(samples_per_s=produced, consumed_samples_per_s=consumed,

@@ -217,7 +217,7 @@ def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, proc
     procs = [next(pf) for _ in range(12)]
     assert pf.processes == processes and pf.samples == 12 * 8 and pf.busy_s > 0
     # the steady state leaves out each reader's first batch (it opens the files) and the first preparing
-    assert pf.steady_reads == 12 - processes and pf.steady_prepared == 11
+    assert pf.steady_reads == 12 - processes and pf.steady_prepared == 11 and pf.produced == 12
     assert 0 < pf.steady_read_s <= pf.read_s
     pf.close()
     assert all(not p.is_alive() for p in pf._procs)
