@@ -18,7 +18,7 @@ from coplan.calibration.step_price import unfused_memory
 from coplan.calibration.terms import CLASSES
 from coplan.costmodel.context import local_batch_of, micro_batches_of
 from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
-from coplan.costmodel.loader import loader_step_s
+from coplan.costmodel.loader import balance_group, loader_step_s
 from coplan.spec import Calibration, FitError, OpClassCalibration
 from coplan.spec.calibration import ComputeOpClass
 
@@ -123,7 +123,7 @@ def fit_loader_scale(runs: Sequence[RunSamples]) -> tuple[float, list[float]] | 
         plan = r.plan
         M = micro_batches_of(plan.workload, plan.mesh)
         measured = ld.read_s_per_batch * max(1, ld.processes) * M
-        group = plan.balancing.group_ranks or min(plan.world_size, plan.topology.gpus_per_node)
+        group = balance_group(plan.world_size, plan.topology.gpus_per_node, plan.balancing.group_ranks)
         priced = loader_step_s(plan.workload, local_batch_of(plan.workload, plan.world_size), M, group, 1).process_s
         if priced > 0:
             ratios.append(measured / priced)

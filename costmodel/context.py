@@ -21,6 +21,7 @@ from coplan.costmodel.comm import CollectiveModel, GroupPlacement, PlacementErro
 from coplan.costmodel.efficiency import Efficiencies, resolve_efficiencies
 from coplan.costmodel.embedding import TableArrays, table_arrays
 from coplan.costmodel.jagged import length_moments
+from coplan.costmodel.loader import balance_group
 from coplan.errors import BatchError
 from coplan.spec.calibration import Calibration
 from coplan.spec.plan import MeshPlan
@@ -213,7 +214,7 @@ class Context:
     @property
     def balance_group(self) -> int:
         """Ranks that balance together (:attr:`Options.balance_group_ranks`; default a node's, at most the world)."""
-        return max(1, min(self.world, self.options.balance_group_ranks or self.topology.gpus_per_node))
+        return balance_group(self.world, self.topology.gpus_per_node, self.options.balance_group_ranks)
 
     @property
     def sm_contention(self) -> float:

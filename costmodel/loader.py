@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from coplan.costmodel.jagged import length_moments
 from coplan.spec import Workload
+from coplan.spec.workload import DenseMLPBlock, TaskHeads, TransformerBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +62,6 @@ def values_per_sample(workload: Workload) -> float:
     """Expected values the reader decodes per sample: every id (pooled features at their pooling factor,
     history tables at the expected length), a length per pooled feature and per sequence, token ids,
     labels and dense features."""
-    from coplan.spec.workload import DenseMLPBlock, TaskHeads, TransformerBlock
-
     means = {s.name: length_moments(s.length).mean for s in workload.sequences}
     v = 0.0
     for t in workload.all_tables:
@@ -75,6 +74,12 @@ def values_per_sample(workload: Workload) -> float:
     v += sum(len(b.tasks) for b in workload.blocks if isinstance(b, TaskHeads))
     v += sum(b.num_dense_features for b in workload.blocks if isinstance(b, DenseMLPBlock))
     return float(v)
+
+
+def balance_group(world: int, gpus_per_node: int, group_ranks: int | None = None) -> int:
+    """Ranks that balance together: a plan's ``balancing.group_ranks``, else a node's ranks, at most the world (the
+    trainer's rule, ``coplan.trainer.data.BatchReader``)."""
+    return max(1, min(world, group_ranks or gpus_per_node))
 
 
 def reader_processes(cores_per_node: int | None, ranks_per_node: int) -> int:
@@ -111,5 +116,5 @@ def loader_step_s(workload: Workload, local_batch: int, micro_batches: int, grou
     return LoaderTime(per / p, per, p, max(1, group_ranks), v)
 
 
-__all__ = ["DEFAULT_LOADER", "DEFAULT_READER_PROCESSES", "LoaderCoefficients", "LoaderTime", "loader_step_s",
+__all__ = ["DEFAULT_LOADER", "DEFAULT_READER_PROCESSES", "LoaderCoefficients", "LoaderTime", "balance_group", "loader_step_s",
            "reader_processes", "values_per_sample"]

@@ -118,7 +118,8 @@ def compare_with_gem(plan: Plan) -> bool:
     return plan.world_size > plan.topology.gpus_per_node and any(b.type == "interformer" for b in plan.workload.blocks)
 
 
-def _price(plan: Plan, change: Callable[[Context], None] | None) -> AssumptionRow | tuple[float, float, float]:
+def _price(plan: Plan, change: Callable[[Context], None] | None) -> tuple[float, float, float]:
+    """(step, E2E MFU, goodput MFU) of ``plan`` priced after ``change`` to its context."""
     ctx = build_context(plan.workload, plan.topology, plan.mesh, plan.calibration, force_calibration=True)
     if change is not None:
         change(ctx)
