@@ -24,11 +24,19 @@ def device_busy(trace: dict[str, Any]) -> tuple[float, float, int]:
     """(seconds per step the device ran anything, seconds per step of the device-side step windows, kernels
     per step), over the ``ProfilerStep#N`` ranges on the GPU's timeline (or the host's when none)."""
     ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    windows = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev
-               if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")]
-    if not windows:
-        windows = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev
-                   if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    def steps(cat: str) -> list[tuple[float, float]]:
+        # one window per step: a step's annotation can stand on several streams (a short range on the side
+        # stream of the input dist, the step's own on the compute stream), so each name keeps its longest range
+        by: dict[str, tuple[float, float]] = {}
+        for e in ev:
+            name = str(e.get("name", ""))
+            if e.get("cat") == cat and name.startswith("ProfilerStep#"):
+                a, b = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+                if name not in by or b - a > by[name][1] - by[name][0]:
+                    by[name] = (a, b)
+        return sorted(by.values())
+
+    windows = steps("gpu_user_annotation") or steps("user_annotation")
     if not windows:
         return 0.0, 0.0, 0
     work = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev if e.get("cat") in _DEVICE_CATS]
@@ -67,14 +75,20 @@ def step_anatomy(run_dir: str | Path) -> dict[str, Any] | None:
     return out
 
 
-def verdict(anatomy: dict[str, Any] | None) -> str:
-    """One line: where the step goes."""
+def verdict(anatomy: dict[str, Any] | None, measured_step_s: float | None = None) -> str:
+    """One line: where the step goes. With ``measured_step_s`` (the run's p50 over its replayed steps) the
+    device's idle share is of that step: the profiled steps run the dense arch eagerly when the run replays
+    CUDA graphs (so that the trace names each op), and their host times are the eager ones."""
     if not anatomy or not anatomy.get("device_window_s"):
         return "no trace"
     idle = anatomy.get("gpu_idle_share") or 0.0
+    if measured_step_s:
+        idle = max(0.0, 1.0 - anatomy["gpu_busy_s"] / measured_step_s)
+        anatomy["gpu_idle_share_of_measured"] = idle
     h = anatomy.get("host", {})
     host = (f"; host fwd {h['fwd_s'] * 1e3:.1f} ms, bwd {h['bwd_s'] * 1e3:.1f} ms, rest {h['post_s'] * 1e3:.1f} ms, "
             f"{h['launches']:.0f} launches") if h else ""
     kind = "host-bound" if idle > 0.3 else "device-bound"
-    return (f"{kind}: GPU busy {anatomy['gpu_busy_s'] * 1e3:.1f} of {anatomy['device_window_s'] * 1e3:.1f} ms "
+    of = measured_step_s if measured_step_s else anatomy["device_window_s"]
+    return (f"{kind}: GPU busy {anatomy['gpu_busy_s'] * 1e3:.1f} of {of * 1e3:.1f} ms "
             f"({idle:.0%} idle), {anatomy['kernels']} kernels{host}")

@@ -133,6 +133,8 @@ class GraphStats:
     """Of the captured buckets, those captured at the first step for lengths the workload makes likely."""
     replayed: int = 0
     eager: int = 0
+    traced: int = 0
+    """Micro-batches run eagerly because their step was profiled (their kernels then carry op names)."""
     padded_rows: int = 0
     rows: int = 0
     capture_s: float = 0.0
@@ -147,6 +149,8 @@ class GraphStats:
              f"({self.ahead} ahead, for likely lengths) in {self.capture_s:.1f} s; padding {pad:.1%} of history rows")
         if self.eager:
             s += f"; {self.eager} micro-batch(es) eager"
+        if self.traced:
+            s += f"; the {self.traced} profiled micro-batch(es) ran eagerly (so that the trace names each op)"
         if self.disabled:
             s += f"; turned off after: {self.disabled}"
         return s
@@ -185,6 +189,8 @@ class DenseGraphs:
         """``likely_rows``: per sequence, row counts of a micro-batch worth capturing at the first step
         (:func:`likely_rows`)."""
         self.likely_rows = likely_rows or {}
+        self.trace_eager = False
+        """Set by the loop for profiled steps: run eagerly (no capture, no replay), so the trace names each op."""
         self.last_offsets: dict[str, torch.Tensor] = {}
         self.dense, self.dtype, self.device = dense, dtype, device
         self.named = [(n, p) for n, p in dense.named_parameters() if p.requires_grad]
@@ -237,6 +243,9 @@ class DenseGraphs:
                  offsets: dict[str, torch.Tensor], dense_x: torch.Tensor | None, batch: int) -> torch.Tensor:
         rows = {s: int(next(iter(seq[f] for f in fs)).shape[0]) for s, fs in self.features.items() if fs and fs[0] in seq}
         key = self._key(rows, keys, widths, batch, pooled, seq)
+        if self.trace_eager:
+            self.stats.traced += 1
+            return self._forward(pooled, keys, widths, seq, offsets, dense_x, batch, None)
         graphable = self.use_graphs and all(f in self.seq_of for f in seq)  # (a feature no block pads: eager)
         b = self.buckets.get(key) if graphable else None
         if b is None and graphable and len(self.buckets) < self.max_graphs:

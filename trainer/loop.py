@@ -355,6 +355,11 @@ class Loop:
                     self.timer.mark(step)  # a step runs from its start to the next step's start: data stalls count
                     if step > self.start and step % log_every == 0:
                         self.flush()
+                    if self.graphs is not None:
+                        # profiled steps run the dense arch eagerly, so that the trace names each op's kernels
+                        # (a graph's replay carries no op ranges) and calibration can attribute them; they are
+                        # left out of the step statistics, which stay those of the replayed steps
+                        self.graphs.trace_eager = tw.profiles(step)
                     self.step(step)
                     if step == self.start and self.clock is not None:
                         self.clock.first_step(self.device)

@@ -49,6 +49,10 @@ class TraceWindow(AbstractContextManager):
             self._prof.__enter__()
         return self
 
+    def profiles(self, step: int) -> bool:
+        """Whether ``step`` is one the trace records."""
+        return self.enabled and step in self.steps
+
     def step(self) -> None:
         if self._prof is not None:
             self._prof.step()
