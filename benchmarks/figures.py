@@ -445,7 +445,7 @@ PENDING: tuple[Pending, ...] = (
             goal="scaling ratio ≥ 0.9; predicted step within 10%"),
 )
 
-INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans")
+INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans", "calib_plans_graphs")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))

@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from coplan import __version__
-from coplan.calibration.device_fit import FitResult, fit
+from coplan.calibration.device_fit import FitResult, fit, predict
 from coplan.calibration.host_fit import fit_host_launch_cost
 from coplan.calibration.host_profile import host_reference_us
 from coplan.calibration.runs import CalibrationError, RunSamples, run_samples
@@ -23,8 +23,23 @@ from coplan.spec import Calibration, FitError, OpClassCalibration
 from coplan.spec.calibration import ComputeOpClass
 
 
+MIN_ATTRIBUTED_SHARE = 0.5
+"""Below this share of a run's traced device time attributed to the cost model's ops (the worst run's), its
+per-op samples do not stand for the step (e.g. a trace of replayed CUDA graphs, whose kernels carry no op
+names), and a calibration made ``on top of`` a base keeps the base's device terms."""
+
+
+def base_result(samples: Sequence, compute: dict, memory: dict, launch_s: dict, lookup_id_s: float | None) -> FitResult:
+    """A :class:`FitResult` of given efficiencies (no fit): what a base calibration predicts for the samples."""
+    samples = tuple(samples)
+    return FitResult(compute=dict(compute), memory=dict(memory), launch_s=dict(launch_s),
+                     predicted_s=predict(samples, compute, memory, launch_s, lookup_id_s),
+                     measured_s=np.array([s.measured_s for s in samples]), samples=samples, lookup_id_s=lookup_id_s)
+
+
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host: bool = False, prepared: Sequence[RunSamples] | None = None,
-              host_speed: bool = False) -> tuple[Calibration, FitResult, list[RunSamples]]:
+              host_speed: bool = False, base: Calibration | None = None, base_name: str = "the base"
+              ) -> tuple[Calibration, FitResult, list[RunSamples]]:
     """Fit a Calibration to the runs; all must come from one device unless ``force``.
 
     ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times
@@ -33,6 +48,10 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     read (same order as ``run_dirs``), to save parsing their traces again. ``host_speed`` (with ``host``):
     fit the host costs to the runs' steps each scaled by its host's speed (``fit_host_launch_cost``);
     either way the fitted runs' host speed is recorded (``host_op_median_us``) when their traces have it.
+    ``base``: a calibration to start from (``coplan calibrate --base``): its device terms are the fit's
+    starting point and stay for the op classes the runs do not measure; when the worst run's trace attributes
+    under :data:`MIN_ATTRIBUTED_SHARE` of its device time, all its device terms stay and only the step-level
+    terms (host costs, device-step factor, loader) are fitted to the runs.
     """
     if not run_dirs:
         raise CalibrationError("give at least one run directory")
@@ -41,9 +60,15 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     if len(devices) > 1 and not force:
         raise CalibrationError(f"the runs come from different devices {devices}; calibrate each device separately (or --force)")
     topo = runs[0].plan.topology
-    eff = resolve_efficiencies(topo)
+    eff = resolve_efficiencies(topo, base, force=force) if base is not None else resolve_efficiencies(topo)
     samples = [s for r in runs for s in r.samples]
-    res = fit(samples, eff.compute, eff.memory, eff.launch_s)
+    worst = min(r.attributed_share for r in runs)
+    keep_base = base is not None and worst < MIN_ATTRIBUTED_SHARE
+    if keep_base:
+        res = base_result(samples, eff.compute, eff.memory, eff.launch_s, base.lookup_id_latency_s)
+    else:
+        res = fit(samples, eff.compute, eff.memory, eff.launch_s,
+                  default_lookup_id_s=base.lookup_id_latency_s if base is not None else None)
     rel = res.rel_errors()
     host_fit = fit_host_launch_cost(runs, res, per_sample=True, host_speed=host_speed, fit_device_factor=True) if host else None
     profiles = [r.host for r in runs if r.host is not None and r.host.op_median_us]
@@ -63,6 +88,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             op_classes[c] = OpClassCalibration(
                 compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me), launch_overhead_s=la
             )
+    if base is not None:  # the base's classes where these runs fit none (all of them when its terms are kept)
+        op_classes = dict(base.op_classes) if keep_base else {**base.op_classes, **op_classes}
     loader = fit_loader_scale(runs)
     versions = dict(runs[0].result.versions) if runs[0].result else {}
     versions.setdefault("coplan", __version__)
@@ -76,9 +103,12 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         host_sample_s=min(1.0, hs) if hs > 0 else None,
         device_step_factor=f if host_fit else None,
         host_op_median_us=host_ref,
-        lookup_id_latency_s=res.lookup_id_s,
-        unfused_memory_efficiency=unfused_memory(res),
-        unfused_kernel_s=res.launch_s.get(UNFUSED_CLASS),
+        lookup_id_latency_s=base.lookup_id_latency_s if keep_base else (
+            res.lookup_id_s if res.lookup_id_s is not None or base is None else base.lookup_id_latency_s),
+        unfused_memory_efficiency=base.unfused_memory_efficiency if keep_base else (
+            unfused_memory(res) if unfused_memory(res) is not None or base is None else base.unfused_memory_efficiency),
+        unfused_kernel_s=base.unfused_kernel_s if keep_base else res.launch_s.get(
+            UNFUSED_CLASS, base.unfused_kernel_s if base is not None else None),
         loader_scale=loader[0] if loader else None,
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),
@@ -87,8 +117,14 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             num_samples=len(samples),
         ),
         notes=(
-            f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; "
-            f"trace time attributed: {min(r.attributed_share for r in runs):.1%} (worst run); "
+            (f"on top of {base_name} ({base.device}, {base.created_utc or 'undated'}): " + (
+                f"its device terms kept whole, since the runs' traces attribute only {worst:.1%} of their device time "
+                f"(worst run; under {MIN_ATTRIBUTED_SHARE:.0%}); " if keep_base else
+                "its device terms the fit's starting point, and kept for the op classes these runs do not measure; ")
+             if base is not None else "")
+            + (f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; " if not keep_base else
+               f"{len(runs)} run(s) of rank {rank}; ")
+            + f"trace time attributed: {worst:.1%} (worst run); "
             + (f"host cost {h * 1e6:.2f} us per priced launch (host_launch_s) and {hs * 1e6:.1f} us per local sample "
                f"(host_sample_s), and device step factor {f:.3f} (device_step_factor: device work the ops do not price), "
                f"fitted to {len(host_fit.runs)} measured step time(s) (step = max(factor x device step, launches x "
@@ -132,4 +168,4 @@ def fit_loader_scale(runs: Sequence[RunSamples]) -> tuple[float, list[float]] | 
     return float(min(100.0, max(1e-3, np.median(ratios)))), ratios
 
 
-__all__ = ["calibrate", "fit_loader_scale"]
+__all__ = ["MIN_ATTRIBUTED_SHARE", "base_result", "calibrate", "fit_loader_scale"]

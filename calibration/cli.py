@@ -34,8 +34,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     cal = None
     report: dict = {"output": args.output}
     if args.runs:
+        base = load_calibration(args.base) if args.base else None
         cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force, host=args.host_cost or args.host_speed,
-                                    host_speed=args.host_speed)
+                                    host_speed=args.host_speed, base=base, base_name=str(args.base) if args.base else "the base")
         report["runs"] = [{"run": r.run, "attributed_share": r.attributed_share, "unattributed_s": r.unattributed_s,
                            "samples": len(r.samples)} for r in runs]
         if not args.json:
@@ -140,7 +141,10 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="topology the sweep ran on (preset or path; default: h200-hgx-2gpu)")
     g.add_argument("--tier", default=None, help="tier to calibrate (default: the one the sweep's group crosses)")
     g.add_argument("--dtypes", default=None, help="comma list of dtypes to fit (default: all in the sweep)")
-    g.add_argument("--base", default=None, help="calibration to merge the collective fit into (when no runs are given)")
+    g.add_argument("--base", default=None, help="calibration to start from: with runs, its device terms are the fit's starting "
+                   "point and stay for op classes the runs do not measure (all of them when the runs' traces attribute under "
+                   "half their device time, e.g. traces of replayed CUDA graphs: then only the step-level terms are fitted); "
+                   "without runs, the calibration the collective fit merges into")
     g.add_argument("--apply-to", default=None, metavar="TOPOLOGY",
                    help="also write this topology (e.g. h200-superpod-4k) with the fitted tier's latency and efficiencies")
     g.add_argument("--topology-out", default=None, help="where --apply-to writes (default: <name>-calibrated.yaml)")
