@@ -29,12 +29,14 @@ per-op samples do not stand for the step (e.g. a trace of replayed CUDA graphs, 
 names), and a calibration made ``on top of`` a base keeps the base's device terms."""
 
 
-def base_result(samples: Sequence, compute: dict, memory: dict, launch_s: dict, lookup_id_s: float | None) -> FitResult:
-    """A :class:`FitResult` of given efficiencies (no fit): what a base calibration predicts for the samples."""
+def base_result(samples: Sequence, base: Calibration, compute: dict, memory: dict, launch_s: dict) -> FitResult:
+    """A :class:`FitResult` that is ``base`` kept whole (no fit; ``compute`` / ``memory`` / ``launch_s``: its
+    resolved efficiencies): what it predicts for the samples, and the step priced with it."""
     samples = tuple(samples)
     return FitResult(compute=dict(compute), memory=dict(memory), launch_s=dict(launch_s),
-                     predicted_s=predict(samples, compute, memory, launch_s, lookup_id_s),
-                     measured_s=np.array([s.measured_s for s in samples]), samples=samples, lookup_id_s=lookup_id_s)
+                     predicted_s=predict(samples, compute, memory, launch_s, base.lookup_id_latency_s),
+                     measured_s=np.array([s.measured_s for s in samples]), samples=samples,
+                     lookup_id_s=base.lookup_id_latency_s, base=base)
 
 
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host: bool = False, prepared: Sequence[RunSamples] | None = None,
@@ -65,7 +67,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     worst = min(r.attributed_share for r in runs)
     keep_base = base is not None and worst < MIN_ATTRIBUTED_SHARE
     if keep_base:
-        res = base_result(samples, eff.compute, eff.memory, eff.launch_s, base.lookup_id_latency_s)
+        res = base_result(samples, base, eff.compute, eff.memory, eff.launch_s)
     else:
         res = fit(samples, eff.compute, eff.memory, eff.launch_s,
                   default_lookup_id_s=base.lookup_id_latency_s if base is not None else None)

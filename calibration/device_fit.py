@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -60,6 +60,9 @@ class FitResult:
     lookup_id_s: float | None = None
     """Fitted seconds per id of the sequence lookups' serial bag walk (None: not identified, no sample
     has a sequence lookup)."""
+    base: Any = None
+    """A Calibration whose device terms these are, kept whole (``coplan calibrate --base`` on runs whose
+    traces do not attribute): the step is then priced with it, not with the dicts above."""
 
     def rel_errors(self) -> np.ndarray:
         return np.abs(self.predicted_s - self.measured_s) / self.measured_s

@@ -66,9 +66,20 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
 
 
 def device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0) -> Calibration:
-    """The device fit alone (no host cost) as a Calibration, every class's launch cost raised by ``extra_launch_s``."""
+    """The device fit alone (no host cost) as a Calibration, every class's launch cost raised by ``extra_launch_s``
+    (a kept base calibration, :attr:`FitResult.base`: its device terms as they are)."""
     cls: dict[ComputeOpClass, OpClassCalibration] = {}
     eff = resolve_efficiencies(plan.topology)
+    if res.base is not None:
+        b = res.base
+        for c in CLASSES:
+            oc = b.op_classes.get(c)
+            la = (oc.launch_overhead_s if oc is not None and oc.launch_overhead_s is not None else eff.launch_s.get(c, 0.0))
+            cls[c] = (oc or OpClassCalibration()).model_copy(update={"launch_overhead_s": min(1.0, la + extra_launch_s)})
+        un = b.unfused_kernel_s
+        return b.model_copy(update={"op_classes": cls, "host_launch_s": None, "host_sample_s": None, "device_step_factor": None,
+                                    "loader_scale": None,
+                                    "unfused_kernel_s": None if un is None else min(1.0, un + extra_launch_s)})
     for c in CLASSES:
         ce = {dt: min(1.0, v) for (cc, dt), v in res.compute.items() if cc == c}
         me = res.memory.get(c)

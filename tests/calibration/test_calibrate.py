@@ -9,14 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coplan.calibration.runs import CalibrationError
+from coplan.calibration.runs import CalibrationError, run_samples
+from coplan.calibration.step_price import predict_step_time
 from coplan.calibration.assemble import calibrate
 from coplan.calibration.device_fit import predict
 from coplan.calibration.terms import unit_terms
 from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.calibration.attribution import attribute, classify_kernel
 from coplan.errors import MismatchError
-from coplan.spec import MeshPlan, Plan, TableShard, dump_spec, load_topology, load_workload, spec_sha256
+from coplan.spec import Calibration, MeshPlan, Plan, TableShard, dump_spec, load_topology, load_workload, spec_sha256
 
 TRUE_COMPUTE = {("gemm", "bf16"): 0.62, ("attention", "bf16"): 0.41, ("elementwise", "bf16"): 0.5}
 TRUE_MEMORY = {"gemm": 0.8, "attention": 0.7, "elementwise": 0.72, "embedding": 0.55}
@@ -408,3 +409,53 @@ def test_padded_reference_priced_at_the_batches_longest_lengths_when_known():
     before = op_arrays(plain, w.kernels).fwd_flops[g]
     apply_moments(plain, {"history" + PADDED_SUFFIX: (4000.0, 4000.0**2)})
     assert op_arrays(plain, w.kernels).fwd_flops[g] == pytest.approx(before)
+
+
+def _base_calibration(tmp_path) -> Calibration:
+    rng = np.random.default_rng(5)
+    runs = [_synth_run(tmp_path / "base", f"b{i}", _plan(b, L), rng, noise=0.0) for i, (b, L) in enumerate([(8, 256), (64, 1024)])]
+    return calibrate(runs)[0]
+
+
+def _strip_op_names(run_dir: Path) -> None:
+    """The trace as a replayed CUDA graph of the dense arch leaves it: its kernels run, no op range names them
+    (the sparse lookups, outside the graphs, keep theirs)."""
+    path = run_dir / "traces" / "rank0.json"
+    trace = json.loads(path.read_text())
+    trace["traceEvents"] = [e for e in trace["traceEvents"]
+                            if e.get("cat") != "user_annotation" or e["name"].startswith(("ProfilerStep#", "sparse"))]
+    path.write_text(json.dumps(trace))
+
+
+def test_base_keeps_its_device_terms_when_the_traces_do_not_attribute(tmp_path):
+    """coplan calibrate --base: runs whose traces name no op (replayed graphs) refit only the step-level terms;
+    every device term is the base's, and the notes say why."""
+    from coplan.calibration.assemble import MIN_ATTRIBUTED_SHARE
+
+    base = _base_calibration(tmp_path)
+    rng = np.random.default_rng(6)
+    dirs = []
+    for i, (b, L) in enumerate([(32, 256), (32, 512), (32, 1024)]):  # one batch: host terms cannot tell them apart
+        d = _synth_run(tmp_path, f"g{i}", _plan(b, L), rng, noise=0.0)
+        _strip_op_names(d)
+        dirs.append(d)
+    runs = [run_samples(d) for d in dirs]
+    assert max(r.attributed_share for r in runs) < MIN_ATTRIBUTED_SHARE
+    # measured steps 1.3x the base's device price: the device-step factor takes it
+    for d, r in zip(dirs, runs):
+        _write_step(d, 1.3 * predict_step_time(r.plan, base, seq_chunk=0))  # (seq_chunk as calibrate reads these runs)
+    cal, _, _ = calibrate(dirs, host=True, base=base, base_name="base.json")
+    assert cal.op_classes == base.op_classes
+    assert cal.lookup_id_latency_s == base.lookup_id_latency_s
+    assert cal.device_step_factor == pytest.approx(1.3, rel=0.03)
+    assert "base.json" in cal.notes and "kept whole" in cal.notes
+
+
+def test_base_is_the_starting_point_and_fills_classes_the_runs_do_not_measure(tmp_path):
+    base = _base_calibration(tmp_path)
+    rng = np.random.default_rng(7)
+    dirs = [_synth_run(tmp_path, f"r{i}", _plan(b, L), rng, noise=0.02) for i, (b, L) in enumerate([(8, 256), (64, 1024), (32, 512)])]
+    cal, _, _ = calibrate(dirs, base=base, base_name="base.json")
+    assert cal.op_classes["gemm"].compute_efficiency["bf16"] == pytest.approx(TRUE_COMPUTE[("gemm", "bf16")], rel=0.05)
+    assert set(base.op_classes) <= set(cal.op_classes)
+    assert "starting point" in cal.notes
