@@ -234,6 +234,12 @@ FRESH = Result("fresh_draws_h200.json",
                "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
                SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py")
 
+CALIB_RUNS = Result("calib_runs_h200.json",
+                    "python benchmarks/fresh_draws_h200.py --plan-only --n 3 --seed 20261204172430 --plans "
+                    "benchmarks/results/calib_plans, then on the H200: python benchmarks/fresh_draws_h200.py --plans "
+                    "benchmarks/results/calib_plans --budget-s 420",
+                    SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py")
+
 COST, PLAN, KERN, TRAINING, CAL, FP8, REP, MULTI = (
     "Cost model", "Planner", "Kernels: jagged attention", "Trainer", "Calibration", "FP8", "Reports and load",
     "Multi-GPU and collectives")
@@ -321,33 +327,43 @@ FIGURES: tuple[Figure, ...] = (
     # trainer
     Figure(TRAINING, "Fresh draws (one-H200 family, seed in the JSON): draws that ran of those drawn", FRESH,
            lambda d: d["summary"]["ran"] / d["summary"]["draws"], "%", Goal(">=", 1.0),
-           note="2026-12-04 20:46, seed 20261204202152, dense arch as CUDA graphs (trainer/graphs.py): 7 of 10 ran; the "
-                "last 3 failed when the lent machine's 64 GiB disk filled with the earlier draws' checkpoints and datasets "
-                "(the benchmark now removes them after each draw; not re-run: the session's device time was spent). The "
-                "eager set before the graphs (seed 20261204172407, commit 905f3c5): 2 of 10 ran, local MFU 0.7% and 1.7% "
-                "(docs/benchmarks-log/results/fresh_draws_h200_905f3c5_eager.json)"),
+           note="2026-12-05 02:4x, seed 20261205022502 (taken at run time), commit a452902: 7 of 10 ran and none failed; "
+                "draw 20261205022509 was stopped by the benchmark's own budget 39 s in, 20261205022510-11 were not started "
+                "(the lease that was to run them was taken back, and no device time was left). The set before "
+                "(seed 20261204202152, commit 1c695dd): 7 of 10, 3 failed on a full disk; the eager set before the graphs "
+                "(seed 20261204172407, commit 905f3c5): 2 of 10 ran (docs/benchmarks-log/results/fresh_draws_h200_905f3c5_eager.json)"),
     Figure(TRAINING, "Fresh draws: median local MFU, `coplan train` at defaults", FRESH,
            at("summary.median_local_mfu"), "%", Goal(">=", 0.40),
-           note="the 3 device-bound draws (GPU busy 99% of the step) reach 21.0%, 41.6% and 43.2%; the 4 small ones are "
-                "host-bound at 17-26 ms a step for 3-10 ms of GPU work: what stays eager under the graphs (TorchRec's "
-                "lookups and their backward, the input distribution, the loss, pinning) takes 15-20 ms of host time"),
+           note="per draw 35.7, 24.0, 23.9, 25.9, 5.6, 4.7, 42.8%: the five larger draws are device-bound (GPU busy about "
+                "the whole step), with elementwise kernels beside the GEMMs and attention (on calibration draw 20261204172430, "
+                "elementwise 26 of 46 ms, of it 6.3 ms a masked select (torch.where) over the padded q/k/v and attention "
+                "output, fwd and bwd); the two small ones (5-9 ms of GPU work) run 9.6 and 16.5 ms steps, the eager "
+                "TorchRec lookups, input dist, loss and optimizer taking the host 10-26 ms a step (profiled)"),
     Figure(TRAINING, "Fresh draws: lowest local MFU", FRESH, at("summary.min_local_mfu"), "%", Goal(">=", 0.30)),
     Figure(CAL, "Fresh draws: median |predicted / measured step - 1|, `coplan plan` at its defaults (shipped calibration)", FRESH,
            at("summary.median_abs_step_error"), "%",
-           note="device-bound draws within 1-13%; the host-bound ones 39-77% too fast: the shipped calibration's host "
-                "terms were fitted on eager runs, and the graphed step's eager host work (TorchRec, input distribution, "
-                "loss) is priced only through the embedding kernels' launches and the per-sample term; issue 23"),
+           note="per draw +15, -1, -18, -34, -44, -67, -12%: under CUDA graphs the host is priced as a constant 26 "
+                "priced launches (5.4 ms at the shipped 207 us each, fitted on eager runs), so the two small draws come out "
+                "5.4 ms against 9.6 and 16.5 measured; the device-bound ones spread both ways (elementwise work the "
+                "shipped device terms underprice). A refit on the 3 graphed calibration runs (coplan calibrate --base) "
+                "identifies no host cost (one of them host-bound) and a device factor of 1.45 with 24% median error on its "
+                "own runs: not shipped; issue 23"),
+    Figure(CAL, "Calibration draws under CUDA graphs (the shipped calibration's own seeds, re-run at defaults): median "
+                "|predicted / measured step - 1|", CALIB_RUNS, at("summary.median_abs_step_error"), "%",
+           note="not held out: the shipped calibration was fitted on eager runs of seeds 20261204172430-31; under the "
+                "graphs they measure 43.7, 15.6 and 14.2 ms against 33.4, 13.1 and 7.2 priced. Their traces (replayed "
+                "graphs) attribute 1-18% of the device time to ops, which is why profiled steps now run eagerly (88f42a0)"),
     Figure(TRAINING, "Fresh draws: time to the first step, median (`summary.json` startup)", FRESH,
            lambda d: _median([r["startup"]["to_first_step_s"] for r in d["rows"] if r.get("startup")]), "s",
-           note="split in the JSON: launch and imports 16-22 s, data generation 2-14 s, a first step of 29-64 s that "
-                "holds Triton autotuning on a fresh machine (22-57 s; cached on disk for a repeat) and the CUDA graphs' "
-                "captures (3-9 buckets, all but one ahead of need: no later step captured)"),
+           note="split in the JSON: launch and imports 12-16 s, data generation 1-23 s, a first step of 5-42 s that "
+                "holds Triton autotuning (1-38 s: 1 s where an earlier draw of the session had tuned the same attention "
+                "shapes, cached on disk) and the CUDA graphs' captures"),
     Figure(TRAINING, "Fresh draws: loader throughput / consumption, lowest", FRESH,
            lambda d: min(r["loader"]["headroom"] for r in d["rows"] if r.get("loader")), "x", Goal(">=", 3.0),
-           note="4 reader processes at commit 1c695dd: under the CUDA graphs the small draws' steps consume faster than "
-                "they read (90-160 ms a batch per process on that host), yet no step waited within these 30-step runs "
-                "(the queues filled during the first step); reading by offsets and up to 8 processes since, not "
-                "re-measured on the H200"),
+           note="8 reader processes at a452902 read a batch in 0.6-7.9 ms each (1c695dd: 23-40 ms with 4); the rate is "
+                "now set by the data thread's pinning (prepare 3.4-43.6 ms a batch, contending with the training thread "
+                "for the interpreter lock): 2.9x, 1.45x and 1.4x (a calibration draw) on three small draws, 6-20x on "
+                "the rest; draw 20261205022507 waited 1.8 ms a step"),
     Figure(TRAINING, "Loader alone, one reader process on this CPU: median samples/s over the held-out draws", LOADER,
            at("summary.median_samples_per_s"), "samples/s",
            note="generator v1 (one column per table) on the same draws and machine: 403 samples/s "
@@ -385,9 +401,10 @@ FIGURES: tuple[Figure, ...] = (
            "Engine fuses them) and FSDP for Megatron's data parallelism. A miss"))],
     Figure(CAL, "Fresh draws: held-out draws priced with the shipped calibration (no refit)", FRESH_CAL,
            at("summary.draws_compared"), "draws", Goal(">=", 10),
-           note="the 7 draws that ran; the shipped calibration was fitted on eager runs before the CUDA graphs, and the "
-                "refit on graphed calibration draws did not run (their plans were refused by a hash change of this "
-                "session, since fixed)"),
+           note="the 7 draws of seed 20261205022502 that ran (a452902); the shipped calibration was fitted on eager runs "
+                "before the CUDA graphs. Its refit on graphed runs waits for calibration runs whose traces attribute "
+                "(profiled steps eager since 88f42a0) and for more than one host-bound run: 4 such draws are planned in "
+                "benchmarks/results/calib_plans_graphs, and their lease was taken back before they ran"),
     Figure(CAL, "Fresh draws: median |predicted / measured step - 1|, shipped calibration", FRESH_CAL,
            at("summary.median_abs_error_calibrated"), "%", Goal("<=", 0.08)),
     Figure(CAL, "Fresh draws: worst |predicted / measured step - 1|, shipped calibration", FRESH_CAL,
