@@ -189,14 +189,51 @@ def segment_ids(offsets: torch.Tensor, total: int, *, padded: bool = False) -> t
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
 
 
-def mask_rows(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def _select(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid.view(-1, *([1] * (x.dim() - 1))), x, x.new_zeros(()))
+
+
+class _MaskForward(torch.autograd.Function):
+    """Forward: the left-out rows zeroed. Backward: the gradient as it comes (its producer reads none of them)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _select(x, valid)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g, None
+
+
+class _MaskBackward(torch.autograd.Function):
+    """Forward: ``x`` itself (its consumer reads none of the left-out rows). Backward: their gradient zeroed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(valid)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        (valid,) = ctx.saved_tensors
+        return _select(g, valid), None
+
+
+def mask_rows(x: torch.Tensor, valid: torch.Tensor | None, *, forward: bool = True, backward: bool = True) -> torch.Tensor:
     """``x`` with the rows that ``valid`` (bool ``[T]``) leaves out set to zero, forward and backward (``None``:
     ``x``). A padded jagged tensor's extra rows are in no sample: the attention kernels neither read nor write
     them (their outputs and input gradients there are whatever memory held), so every path from those rows
-    towards the loss goes through this select, which drops them, NaNs included, both ways."""
-    if valid is None:
+    towards the loss goes through this select, which drops them, NaNs included.
+
+    Each direction costs a pass over ``x``; a direction may be left out where the tensor's other side never
+    reads those rows: ``forward=False`` for an attention kernel's inputs (the kernel reads only its samples'
+    rows, and its input gradients' extra rows are zeroed here on the way back), ``backward=False`` for its
+    output (zeroed on the way forward; the kernel's backward reads only its samples' rows of the gradient)."""
+    if valid is None or not (forward or backward):
         return x
-    return torch.where(valid.view(-1, *([1] * (x.dim() - 1))), x, x.new_zeros(()))
+    if forward and backward:
+        return _select(x, valid)
+    return (_MaskForward if forward else _MaskBackward).apply(x, valid)
 
 
 def op_range(module: nn.Module, op: str):
@@ -294,11 +331,12 @@ class InterFormerLayer(nn.Module):
             gamma, beta = self.film(ctx).chunk(2, dim=-1)
             x = torch.addcmul(expand_segments(beta, seg, offsets), self.norm1(h), expand_segments(1.0 + gamma, seg, offsets))
         with op_range(self, "qkv"):
-            q, k, v = mask_rows(self.qkv(x), valid).view(total, 3, self.heads, self.head_dim).unbind(1)
+            # (the attention kernels read only the samples' rows of q, k and v; their gradients' extra rows are zeroed)
+            q, k, v = mask_rows(self.qkv(x), valid, forward=False).view(total, 3, self.heads, self.head_dim).unbind(1)
         with op_range(self, "gdpa"):
             a = mask_rows(jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal,
                                            max_len=self.max_len, scale=self.scale, out_scale=self.out_scale,
-                                           backend=self.backend), valid)
+                                           backend=self.backend), valid, backward=False)
         with op_range(self, "attn_out"):
             h = h + self.out(a.reshape(total, self.inner))
         with op_range(self, "norm_act"):
