@@ -321,10 +321,39 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe = 
     return out if x.dim() == 2 else out.reshape(*lead, weight.shape[0])
 
 
+GUARD_ROWS = 256
+"""Rows of a checked call's input whose output is recomputed in the compute dtype to measure the FP8 error."""
+
+
+class _GradProbe(torch.autograd.Function):
+    """Identity; backward records the incoming gradient's largest magnitude and non-finite count in ``stats``."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, stats: dict) -> Tensor:  # type: ignore[override]
+        ctx.stats = stats
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        with torch.no_grad():
+            finite = torch.isfinite(g)
+            ctx.stats["grad_amax"] = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device)).abs().amax().float()
+            ctx.stats["grad_nonfinite"] = (~finite).sum().float()
+        return g, None
+
+
 class Float8Linear(nn.Linear):
-    """``nn.Linear`` whose GEMMs run in FP8 by ``recipe``; same parameters and ``state_dict``."""
+    """``nn.Linear`` whose GEMMs run in FP8 by ``recipe``; same parameters and ``state_dict``.
+
+    Numerics guard hooks (driven by the trainer's ``coplan.trainer.fp8_guard``): ``fp8_enabled`` False runs
+    the layer as the plain ``nn.Linear`` (its fallback to the compute dtype); ``check`` True makes the next
+    calls record, as device tensors (no host sync), the input's largest magnitude, the output's and the
+    output gradient's non-finite counts, the gradient's largest magnitude, and the FP8 output's relative
+    error against the same product in the compute dtype on the first :data:`GUARD_ROWS` rows."""
 
     recipe: Recipe
+    fp8_enabled: bool = True
+    check: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: Recipe = "rowwise") -> None:
@@ -332,6 +361,7 @@ class Float8Linear(nn.Linear):
             raise Fp8InputError(f"recipe={recipe!r} is not an FP8 recipe; choose one of {', '.join(map(repr, RECIPES))}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = recipe
+        self.stats: list[dict] = []
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe = "rowwise") -> "Float8Linear":
@@ -349,10 +379,30 @@ class Float8Linear(nn.Linear):
         new.register_parameter("bias", linear.bias)
         new.recipe = recipe
         new.train(linear.training)
+        new.stats = []
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.recipe)
+        if not self.fp8_enabled:
+            return super().forward(x)
+        out = fp8_linear(x, self.weight, self.bias, self.recipe)
+        if self.check:
+            out = self._record(x, out)
+        return out
+
+    def _record(self, x: Tensor, out: Tensor) -> Tensor:
+        stats: dict = {}
+        with torch.no_grad():
+            x2d, o2d = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+            n = min(GUARD_ROWS, x2d.shape[0])
+            ref_out = nn.functional.linear(x2d[:n], self.weight.to(x2d.dtype),
+                                           None if self.bias is None else self.bias.to(x2d.dtype)).float()
+            err = (o2d[:n].float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)
+            stats["x_amax"] = x2d.abs().amax().float() if x2d.numel() else torch.zeros((), device=x.device)
+            stats["out_nonfinite"] = (~torch.isfinite(o2d)).sum().float()
+            stats["rel_error"] = err.float()
+        self.stats.append(stats)
+        return _GradProbe.apply(out, stats) if out.requires_grad else out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

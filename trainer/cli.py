@@ -44,7 +44,8 @@ LAUNCH_T = time.time()
 """When this command started (imported as ``coplan train`` dispatches to it)."""
 
 _PASS = ("steps", "warmup", "runs_root", "run_id", "resume", "data", "data_samples", "seed", "device", "attention",
-         "trace", "checkpoint_every", "keep_last_n", "log_every", "seq_chunk", "compile", "cuda_graphs")
+         "trace", "checkpoint_every", "keep_last_n", "log_every", "seq_chunk", "compile", "cuda_graphs",
+         "fp8_guard_every")
 _FLAGS = ("allow_device_mismatch", "no_progress")
 
 
@@ -290,6 +291,9 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--cuda-graphs", choices=["auto", "off"], default=None,
                    help="the dense forward+backward as CUDA graphs per padded history length where they apply "
                         "(one GPU, no --compile; default auto)")
+    p.add_argument("--fp8-guard-every", type=non_negative_int, default=None, metavar="N",
+                   help="the FP8 layers' numerics guard checks every N steps and the first; a layer whose FP8 output "
+                        "overflows or strays from the compute dtype's falls back to it (default 50; 0: off)")
     p.add_argument("--allow-device-mismatch", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--master", type=host_port, default="MASTER_HOST:29500", help="rendezvous host:port printed for multi-node plans")

@@ -62,6 +62,8 @@ class TrainConfig:
     (:mod:`coplan.trainer.graphs`); ``off``: eager."""
     seq_chunk: int = 32
     """Sequence lookups' bags of at most N ids per sample's history (0: one bag per sample)."""
+    fp8_guard_every: int = 50
+    """The FP8 numerics guard checks every N steps and the first (:mod:`coplan.trainer.fp8_guard`; 0: off)."""
     allow_device_mismatch: bool = False
     """Run a plan on GPUs other than its topology's."""
     progress: bool = True

@@ -41,6 +41,7 @@ from coplan.trainer.model.moe import MoELayer, grouped_mm_works
 from coplan.trainer.optim import Optimizers, local
 from coplan.trainer.parallelize import ParallelModel, parallelize
 from coplan.trainer.pipeline import SparseDistPipeline
+from coplan.trainer.fp8_guard import Fp8Guard
 from coplan.trainer.profiling import TraceWindow
 from coplan.trainer.startup import StartupClock
 
@@ -338,6 +339,7 @@ class Loop:
         self.bar: Progress | None = None
         self._ahead = None  # (host batch, its prepared Batch) of the next micro-batch
         self.clock: StartupClock | None = None
+        self.fp8_guard = Fp8Guard(built.model.dense, every=cfg.fp8_guard_every, world=ranks.world)
 
     def run(self, trace_first: int, trace_count: int) -> None:
         cfg = self.cfg
@@ -391,6 +393,7 @@ class Loop:
         step_parts, hbs = None, []
         if self.graphs is not None:
             self.graphs.begin_step()
+        self.fp8_guard.begin_step(step)
         for micro in range(micro_batches):
             if self._ahead is None:
                 hb, ht = next(self.prefetch)
@@ -408,6 +411,10 @@ class Loop:
             mb_parts = torch.cat([loss.detach().reshape(1), mb_parts])
             step_parts = mb_parts if step_parts is None else step_parts + mb_parts
         assert step_parts is not None
+        for trip in self.fp8_guard.end_step(step):
+            if self.ranks.rank == 0:
+                print(f"fp8 guard: {trip.describe()}; it runs in {self.plan.precision.compute_dtype} from the next step",
+                      flush=True)
         grads = self.dense_grads()
         # squared norm of the dense gradients, summed over ranks with the loss below: NaN/Inf when any
         # element is (no host sync here; checked when metrics are read back, and always before a
@@ -537,7 +544,8 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
               f"FSDP2 units: {'one per layer' if pm.fsdp_per_layer else 'the dense root only'}"),
              *([built.graphs.stats.note()] if built.graphs is not None else []),
              f"compile {loop.cfg.compile}",
-             seq_chunk_note(loop.layout)]
+             seq_chunk_note(loop.layout),
+             *([loop.fp8_guard.note()] if loop.fp8_guard.modules else [])]
     if device.type == "cpu":
         notes.append("CPU functional run on gloo: step times, MFU and memory (host RSS) say nothing about GPUs")
     result = RunResult(

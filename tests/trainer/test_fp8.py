@@ -156,5 +156,7 @@ def test_gem_tiny_trains_in_fp8_close_to_the_high_precision_run(tmp_path):
     assert rel[ep1].mean() <= EPOCH1_MEAN_REL and rel[ep1].max() <= EPOCH1_MAX_REL, rel[ep1]
     assert abs(f8[ep2].mean() - hp[ep2].mean()) / hp[ep2].mean() <= EPOCH2_WINDOW_REL, (f8[ep2].mean(), hp[ep2].mean())
     assert np.abs(f8 - hp).max() > 1e-4
+    notes = json.loads((tmp_path / "runs" / "fp8" / "summary.json").read_text())["notes"]
+    assert "FP8 guard:" in notes and "no layer fell back" in notes, notes  # checked at step 0 (and every 50)
     for c in (hp, f8):
         assert c[ep2].mean() < c[ep1].mean() - 0.03, c
