@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from coplan.cli_args import MAX_SEED, check_output, fraction, gpu_count, int_range, removed_on_failure, seconds, seed
 from coplan.costmodel import resolve_efficiencies
-from coplan.errors import CoplanError
+from coplan.errors import CoplanError, SpecError
 from coplan.planner.precision import precision_line
 from coplan.planner.search import PlannerConfig, make_plan
 from coplan.planner.torchrec_export import write_torchrec
@@ -182,6 +182,9 @@ def run_plan(args: argparse.Namespace) -> int:
 def _make_plan(args: argparse.Namespace, progress: PlanProgress | None) -> tuple[Plan, str]:
     topology = load_topology(args.topology)
     workload = load_workload(args.workload)
+    issues = workload.triton_attention_issues()
+    if issues:  # a GPU plan: the trainer would stop at its first attention call
+        raise SpecError(str(args.workload), issues)
     calibration, line = choose(args.calibration, topology)
     if calibration is not None:
         if args.force:

@@ -217,6 +217,9 @@ class Built:
 def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, clock: StartupClock | None = None) -> Built:
     """Model, parallelisms (:func:`~coplan.trainer.parallelize.parallelize`) and optimizers."""
     backend = resolve_backend(cfg.attention or plan.kernels.attention, device)
+    if backend == "triton" and (issues := plan.workload.triton_attention_issues("triton")):
+        raise MismatchError(f"workload '{plan.workload.name}': " + "; ".join(f"{p}: {r}" for p, r in issues)
+                            + "; or pass --attention reference to this run")
     dims = ParallelDims.from_plan(plan)
     meshes = build_meshes(dims, device.type)
     model = GEMModel(plan.workload, attention_backend=backend, seed=cfg.seed, device=device)

@@ -31,6 +31,8 @@ recommenders run ~1,000-10,000 tables; beyond 100,000 the table generator alone 
 planner's per-table model grows past what it solves in useful time, so the load refuses instead."""
 
 MAX_LOCAL_BATCH = 1 << 20
+MAX_TRITON_HEAD_DIM = 256
+"""The largest head dim coplan's Triton attention kernels take (``coplan.kernels.api``; a test keeps the two equal)."""
 """Most samples one GPU may take per step (1,048,576). The cost model simulates jagged batches by
 sampling every sample's length; a larger local batch is no real run and would exhaust memory."""
 
@@ -843,9 +845,22 @@ class Workload(Spec):
     def sparse_params(self) -> int:
         return sum(t.num_params for t in self.all_tables)
 
+    def triton_attention_issues(self, attention: str | None = None) -> list[tuple[str, str]]:
+        """``(field path, reason with the fix)`` for each block whose attention the Triton kernels cannot run
+        (a head dim above :data:`MAX_TRITON_HEAD_DIM`), when the attention backend (``attention``, default
+        ``kernels.attention``) is ``triton``; empty otherwise."""
+        if (attention or self.kernels.attention) != "triton":
+            return []
+        return [(f"blocks[{i}].head_dim",
+                 f"block '{b.name}' has head_dim {b.head_dim}, above the {MAX_TRITON_HEAD_DIM} that coplan's Triton "
+                 f"attention kernels take (kernels.attention: triton); use head_dim <= {MAX_TRITON_HEAD_DIM} (more heads of "
+                 "a smaller dim), or set kernels.attention to 'reference' (the padded PyTorch attention, slower; priced so)")
+                for i, b in enumerate(self.blocks)
+                if isinstance(b, (InterFormerBlock, TransformerBlock)) and b.head_dim > MAX_TRITON_HEAD_DIM]
+
 
 __all__ = [
-    "MAX_LOCAL_BATCH", "MAX_TABLES", "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
+    "MAX_LOCAL_BATCH", "MAX_TABLES", "MAX_TRITON_HEAD_DIM", "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
     "InterFormerBlock", "Kernels", "KunlunBlock", "LengthDistribution", "LognormalLength", "MoEBlock",
     "Optimizer", "Precision", "SequenceFeature", "TableSetGenerator", "TaskHeads", "TransformerBlock",
     "UniformLength", "Workload", "batch_split_error", "divisors", "nearest_multiples", "sample_lengths",
