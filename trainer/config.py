@@ -153,6 +153,7 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
             trace=args.trace, checkpoint_every=args.checkpoint_every, keep_last_n=args.keep_last_n,
             log_every=args.log_every, compile=args.compile, seq_chunk=args.seq_chunk,
             cuda_graphs=getattr(args, "cuda_graphs", None) or "auto",
+            fp8_guard_every=50 if getattr(args, "fp8_guard_every", None) is None else args.fp8_guard_every,
             allow_device_mismatch=args.allow_device_mismatch, progress=not args.no_progress,
             last_plan=i == len(plans) - 1))
     return out

@@ -620,6 +620,10 @@ def default_reader_processes(device_type: str, local_world: int) -> int:
     return max(1, min(MAX_READER_PROCESSES, cores // max(1, local_world) - 2))
 
 
+CLOSE_TIMEOUT_S = 10.0
+"""How long closing a :class:`Prefetcher` waits for its data thread (one batch's reading and pinning)."""
+
+
 class Prefetcher:
     """Reads the next host batches ahead of the step: every micro-batch of every step from ``start`` to
     ``stop``, in order.
@@ -696,12 +700,22 @@ class Prefetcher:
             self._read(secs / processes, first)
             return item
 
+        def put(item) -> bool:
+            """Into the queue, unless the prefetcher is closing (a full queue then blocks no one)."""
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def work() -> None:
             try:
                 if setup is not None:
                     setup()
             except BaseException as e:
-                self._q.put(e)
+                put(e)
                 return
             for i, step in enumerate(steps):
                 for m in range(micro):
@@ -723,9 +737,10 @@ class Prefetcher:
                             self.steady_prepare_s += dt_prep
                             self.steady_prepared += 1
                     except BaseException as e:  # surfaced on the consumer side
-                        self._q.put(e)
+                        put(e)
                         return
-                    self._q.put(item)
+                    if not put(item):
+                        return
 
         self._thread = threading.Thread(target=work, name="coplan-data", daemon=True)
         self._thread.start()
@@ -758,14 +773,21 @@ class Prefetcher:
         return item
 
     def close(self) -> None:
+        """Stop the reading and wait for it: the data thread is joined (a daemon thread still inside torch's
+        pinning when the interpreter exits can abort the process at its end), then the reader processes."""
         self._stop.set()
         if self._procs:
             self._mp_stop.set()
-        try:
-            while True:
-                self._q.get_nowait()
-        except queue.Empty:
-            pass
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while True:
+            try:
+                while True:
+                    self._q.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                break
         for p in self._procs:
             p.join(timeout=2)
             if p.is_alive():

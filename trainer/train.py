@@ -67,6 +67,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: the dense arch's forward and backward as CUDA graphs, one per padded history length "
                         "bucket, where they apply (one GPU, no --compile, Triton attention; the summary says why "
                         "not otherwise); off: eager")
+    p.add_argument("--fp8-guard-every", type=non_negative_int, default=50, metavar="N",
+                   help="the FP8 layers' numerics guard checks every N steps and the first (coplan.trainer.fp8_guard); "
+                        "0: off")
     p.add_argument("--allow-device-mismatch", action="store_true", help="run a plan on GPUs other than its topology's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)

@@ -68,7 +68,7 @@ def test_every_launcher_option_reaches_the_trainer(plan4, tmp_path):
     values = {"steps": 7, "warmup": 2, "runs_root": str(tmp_path), "run_id": "r", "resume": "auto", "data": str(tmp_path),
               "data_samples": 64, "seed": 3, "device": "cpu", "attention": "reference", "trace": "none",
               "checkpoint_every": 5, "keep_last_n": 1, "log_every": 2, "seq_chunk": 16, "compile": "layers",
-              "cuda_graphs": "off"}
+              "cuda_graphs": "off", "fp8_guard_every": 7}
     assert set(values) == set(_PASS), "a forwarded option without a value in this test"
     args = argparse.Namespace(plan=str(tmp_path / "plan.json"), **values, **{k: True for k in _FLAGS})
     parsed = _parse(_trainer_args(args))
