@@ -93,6 +93,12 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     if base is not None:  # the base's classes where these runs fit none (all of them when its terms are kept)
         op_classes = dict(base.op_classes) if keep_base else {**base.op_classes, **op_classes}
     loader = fit_loader_scale(runs)
+
+    def kept(name: str, fitted):
+        """A device term: the base's when its terms are kept whole, else the fitted one, else the base's (if any)."""
+        if base is None:
+            return fitted
+        return getattr(base, name) if keep_base or fitted is None else fitted
     versions = dict(runs[0].result.versions) if runs[0].result else {}
     versions.setdefault("coplan", __version__)
     cal = Calibration(
@@ -105,12 +111,9 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         host_sample_s=min(1.0, hs) if hs > 0 else None,
         device_step_factor=f if host_fit else None,
         host_op_median_us=host_ref,
-        lookup_id_latency_s=base.lookup_id_latency_s if keep_base else (
-            res.lookup_id_s if res.lookup_id_s is not None or base is None else base.lookup_id_latency_s),
-        unfused_memory_efficiency=base.unfused_memory_efficiency if keep_base else (
-            unfused_memory(res) if unfused_memory(res) is not None or base is None else base.unfused_memory_efficiency),
-        unfused_kernel_s=base.unfused_kernel_s if keep_base else res.launch_s.get(
-            UNFUSED_CLASS, base.unfused_kernel_s if base is not None else None),
+        lookup_id_latency_s=kept("lookup_id_latency_s", res.lookup_id_s),
+        unfused_memory_efficiency=kept("unfused_memory_efficiency", unfused_memory(res)),
+        unfused_kernel_s=kept("unfused_kernel_s", res.launch_s.get(UNFUSED_CLASS)),
         loader_scale=loader[0] if loader else None,
         fit_error=FitError(
             median_abs_rel_error=float(np.median(rel)),

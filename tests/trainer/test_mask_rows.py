@@ -12,22 +12,7 @@ from coplan.spec.workload import Attention, InterFormerBlock
 from coplan.trainer.model import layers
 from coplan.trainer.model.layers import InterFormerLayer, mask_rows
 
-
-class _Garbage(torch.autograd.Function):
-    """Identity on the samples' rows; NaN in the padded rows of the output forward and of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, real):  # type: ignore[override]
-        ctx.real = real
-        y = x.clone()
-        y[real:] = float("nan")
-        return y
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        g = g.clone()
-        g[ctx.real:] = float("nan")
-        return g, None
+from .test_graphs import _Poison  # NaN in the rows past an end, forward and backward
 
 
 def _garbage_attention(real: int):
@@ -36,12 +21,12 @@ def _garbage_attention(real: int):
     def attention(q, k, v, q_offsets, k_offsets, **kw):
         nq = real if k_offsets is None else q.shape[0]
         # the kernel sees q, k, v as they come, and runs on the samples' rows only
-        q_ = _Garbage.apply(q, nq)
-        k_, v_ = _Garbage.apply(k, real), _Garbage.apply(v, real)
+        q_ = _Poison.apply(q, nq)
+        k_, v_ = _Poison.apply(k, real), _Poison.apply(v, real)
         out = inner(q_[:nq] if k_offsets is None else q_, k_[:real], v_[:real], q_offsets, k_offsets, **kw)
         if k_offsets is None:  # self-attention: the output has the padded rows too, left as garbage
             out = torch.cat([out, torch.full((q.shape[0] - nq, *out.shape[1:]), float("nan"), dtype=out.dtype)])
-        return _Garbage.apply(out, nq) if k_offsets is None else out
+        return _Poison.apply(out, nq) if k_offsets is None else out
 
     return attention
 
