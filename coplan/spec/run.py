@@ -145,6 +145,11 @@ class RunResult(Spec):
     step_time: StepTimeStats | None = None
     """Measured step-time distribution (None when no step was measured)."""
 
+    host_step: StepTimeStats | None = None
+    """Over the same steps, the host's time issuing each step (its batch's wait included) up to its last
+    launch, with no read-back in it: the host's own share of a step, which bounds a host-bound step and
+    hides under a device-bound one (None: a summary written before it was recorded)."""
+
     model_flops_per_step: NonNeg = 0.0
     """Model FLOPs of one global step, counted on real lengths (costmodel.flops)."""
 

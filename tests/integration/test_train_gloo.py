@@ -197,6 +197,10 @@ def test_run_directory_is_complete(case, ranks, request):
     summary = load_run_result(d / "summary.json")
     assert summary.world_size == ranks and summary.steps == STEPS and summary.device == "cpu"
     assert summary.step_time is not None and summary.model_flops_per_step > 0 and summary.tokens_per_s > 0
+    # the host's share of each measured step: on CPU every op runs as it is issued, so it is nearly the whole
+    # step (the step also holds the next step's start: it cannot be shorter than the host's part)
+    hs = summary.host_step
+    assert hs is not None and 0 < hs.p50_s <= summary.step_time.max_s and hs.p50_s > 0.5 * summary.step_time.p50_s
     assert len(summary.peak_memory_bytes) == ranks
     st = summary.startup  # time to the first step, split (rank 0's clock)
     assert st is not None and st.to_first_step_s > 0 and st.first_step_s > 0
