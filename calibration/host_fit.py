@@ -94,6 +94,8 @@ class HostFit:
     segments: tuple = ()
     """Per run, (N, E, D) per step and segment (:data:`Segments`): what the fit priced; empty: one step of one
     segment per run (``device_s``, ``launches``)."""
+    host_measured: tuple = ()
+    """Per run, its measured host time per step that the fit used (:func:`run_host_time`), or None."""
 
     def host_s(self) -> np.ndarray:
         """Each run's host time under the fit."""
@@ -160,8 +162,16 @@ class _StepSet:
     one step of one segment (no sync) in one vectorised max form, the others one by one."""
 
     def __init__(self, segs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: np.ndarray, bt: np.ndarray,
-                 step_measured: Sequence[Sequence[float] | None] | None = None):
+                 step_measured: Sequence[Sequence[float] | None] | None = None,
+                 host_measured: Sequence[float | None] | None = None):
         self.n_runs = len(segs)
+        # a run's measured host time per step (summary.json's host_step), where it is the host's own: fitted
+        # beside its step (see sq_err); only for a run that does not sync (one segment)
+        hm = [float("nan")] * len(segs) if host_measured is None else [
+            float(x) if x is not None and x > 0 and segs[i][0].shape[1] == 1 else float("nan") for i, x in enumerate(host_measured)]
+        self.hm = np.asarray(hm, float)
+        self.hk, self.hb = k, bt
+        self.hn = np.array([float(np.median(N.sum(axis=1))) for N, _, _ in segs])
         # a syncing run's steps, each with its own measured time: fitted step by step (see sq_err)
         self.per_step = {i: np.asarray(t, float) for i, t in enumerate(step_measured or ())
                          if t is not None and len(t) == segs[i][0].shape[0] and segs[i][0].shape[0] > 1 and np.all(np.asarray(t) > 0)}
@@ -206,6 +216,12 @@ class _StepSet:
         between clusters; fitted step by step, its host time is read off all of them."""
         out = np.log(self.median(h, s, f, form) / m) ** 2
         h = np.atleast_1d(np.asarray(h, float))
+        has = np.isfinite(self.hm)
+        if has.any():
+            # the host's own time, measured: k · (launches · h + batch · s) against it, so that a device-bound
+            # run (whose step hides its host) still tells the host's cost
+            host = self.hk[has] * (h[:, None] * self.hn[has] + s * self.hb[has])
+            out[:, has] += np.log(np.maximum(host, 1e-12) / self.hm[has]) ** 2
         for i, N, E, D, kr, b in self.many:
             t = self.per_step.get(i)
             if t is not None:
@@ -217,7 +233,8 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
                    batch: Sequence[float] | None = None, *, form: str = "max", per_sample: bool = False,
                    speed: Sequence[float] | None = None, device_factor: float = 1.0,
                    segments: Segments | None = None,
-                   step_measured: Sequence[Sequence[float] | None] | None = None) -> tuple[float, float]:
+                   step_measured: Sequence[Sequence[float] | None] | None = None,
+                   host_measured: Sequence[float | None] | None = None) -> tuple[float, float]:
     """(h, s): host seconds per priced launch and per local sample fitted to measured steps, step =
     max(device, k · (launches · h + batch · s)) (``form="max"``) or device + that (``"additive"``), where
     ``k`` is each run's host speed (``speed``: how much slower its host ran the same calls than the
@@ -234,7 +251,10 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     reference) fit ``h`` with the others. Without it, each run is one step of one segment
     (``device_s``, ``launches``). ``step_measured``: per run, its steps' measured times (in the order of
     its ``segments`` rows) or None; a syncing run that has them is fitted step by step
-    (:meth:`_StepSet.sq_err`), the others at their p50."""
+    (:meth:`_StepSet.sq_err`), the others at their p50. ``host_measured``: per run, the host's own measured
+    time per step (``summary.json``'s ``host_step`` p50, where it is the host's: see
+    :func:`fit_host_launch_cost`) or None; a run that has it is also fitted on it, which identifies the host
+    terms from device-bound runs too."""
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
     m, d, n = np.asarray(measured_s, float), np.asarray(device_s, float), np.asarray(launches, float)
@@ -248,7 +268,7 @@ def fit_host_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     n_tot = np.array([float(np.median(N.sum(axis=1))) for N, _, _ in segs])
     d_tot = np.array([float(np.median(D.sum(axis=1))) for _, _, D in segs]) * device_factor
     f = device_factor
-    steps = _StepSet(segs, k, bt, step_measured)
+    steps = _StepSet(segs, k, bt, step_measured, host_measured)
 
     def fit_h(sv: float) -> tuple[float, float]:
         def loss(h: float) -> float:
@@ -284,7 +304,8 @@ DEVICE_FACTOR_PRIOR = 1e-4
 def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
                    batch: Sequence[float] | None = None, *, per_sample: bool = False,
                    speed: Sequence[float] | None = None, segments: Segments | None = None,
-                   step_measured: Sequence[Sequence[float] | None] | None = None) -> tuple[float, float, float]:
+                   step_measured: Sequence[Sequence[float] | None] | None = None,
+                   host_measured: Sequence[float | None] | None = None) -> tuple[float, float, float]:
     """(h, s, f): :func:`fit_host_terms`' host costs and a device-step factor ``f``, fitted together to
     measured steps, step = max(f · device, k · (launches · h + batch · s)) (with ``segments``: per step
     the sum over the segments between the host's syncs of that max, the median over the steps). ``f``
@@ -298,20 +319,22 @@ def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     longer than with no host cost) than it has parameters (two for ``h``, three for ``h`` and ``s``):
     one run above the others' device factor, by its noise, is fitted exactly by any host cost that
     makes it host-bound alone, which says nothing of the host. Otherwise the term is dropped (``s``,
-    then ``h``) and the rest refitted."""
+    then ``h``) and the rest refitted. A run whose host time was measured (``host_measured``, see
+    :func:`fit_host_terms`) counts as one that tells the host terms, host-bound or not."""
     m = np.asarray(measured_s, float)
     d = np.asarray(device_s, float)
     n = np.asarray(launches, float)
     bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
     k = np.ones_like(m) if speed is None else np.asarray(speed, float)
-    steps = _StepSet(_segment_arrays(d, n, segments), k, bt, step_measured)
+    steps = _StepSet(_segment_arrays(d, n, segments), k, bt, step_measured, host_measured)
+    told = int(np.isfinite(steps.hm).sum())  # runs whose measured host time tells the host terms
 
     def pred(h: float, s: float, f: float) -> np.ndarray:
         return steps.median(h, s, f, "max")[0]
 
     def terms(f: float, host: bool, samples: bool) -> tuple[float, float, float]:
         h, s = (fit_host_terms(m, d, n, bt, form="max", per_sample=samples, speed=k, device_factor=f, segments=segments,
-                               step_measured=step_measured)
+                               step_measured=step_measured, host_measured=host_measured)
                 if host else (0.0, 0.0))
         return h, s, float(np.sum(steps.sq_err(h, s, f, "max", m)[0]) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
 
@@ -326,9 +349,9 @@ def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
         return int(np.sum(pred(h, s, f) > pred(0.0, 0.0, f) * (1 + 1e-9)))
 
     h, s, f = solve(True, per_sample)
-    if s > 0 and host_bound(h, s, f) < 3:
+    if s > 0 and host_bound(h, s, f) + told < 3:
         h, s, f = solve(True, False)
-    if h > 0 and host_bound(h, s, f) < 2:
+    if h > 0 and host_bound(h, s, f) + told < 2:
         h, s, f = solve(False, False)
     return h, s, f
 
@@ -357,11 +380,14 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     ``fit_device_factor`` (max form): also fit ``f``, step = max(f · device step, host), the device work no
     priced op accounts for as a share of the priced device step (:func:`fit_step_terms`). Host-syncing
     runs are left out of it as they are of ``h``.
+
+    A run whose summary records the host's own time per step (``host_step``) is fitted on it too
+    (:func:`run_host_time` says which runs' host times count).
     """
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
-    names, meas, dev, nl, bs, prof, segments, per_step = [], [], [], [], [], [], [], []
+    names, meas, dev, nl, bs, prof, segments, per_step, hosts = [], [], [], [], [], [], [], [], []
     # every run, a host-syncing one too: each is priced per measured step as the pricer cuts it at the
     # host's syncs (one segment without any), and its median step is compared with its measured p50
     for r in runs:
@@ -382,6 +408,7 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         per_step.append(r.step_times_each if r.step_moments_each and len(r.step_times_each) == len(cut) else None)
         bs.append(float(r.plan.workload.batch.local(r.plan.mesh.world_size)))
         prof.append(r.host)
+        hosts.append(run_host_time(r) if N.shape[1] == 1 else None)
     if not names:
         return None
     speed: tuple[float, ...] = ()
@@ -393,13 +420,33 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
             speed = tuple(float(x) for x in ks)
     if fit_device_factor and form == "max":
         h, s, f = fit_step_terms(meas, dev, nl, bs, per_sample=per_sample, speed=speed or None, segments=segments,
-                                 step_measured=per_step)
+                                 step_measured=per_step, host_measured=hosts)
     else:
         (h, s), f = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None,
-                                   segments=segments, step_measured=per_step), 1.0
+                                   segments=segments, step_measured=per_step, host_measured=hosts), 1.0
     return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference, f,
-                   tuple(segments))
+                   tuple(segments), tuple(hosts))
 
 
-__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "HOST_FORMS", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
+HOST_UNBLOCKED = 0.9
+"""A run issued without CUDA graphs counts its measured host time as the host's own only below this share of
+its step: above it the host may have waited on the device (a full launch queue blocks the launching call), so
+that time bounds the host's cost without measuring it."""
+
+
+def run_host_time(r: RunSamples) -> float | None:
+    """The host's own seconds per step of run ``r`` (``summary.json``'s ``host_step`` p50, over the steps its
+    step time is over), or None where it is not known to be the host's. A run replayed as CUDA graphs issues
+    a handful of launches per step and never fills the launch queue: its host time is the host's own whether
+    the step is host- or device-bound. An eager run's counts below :data:`HOST_UNBLOCKED` of its step."""
+    res = r.result
+    if res is None or res.host_step is None or res.step_time is None or res.host_step.p50_s <= 0:
+        return None
+    graphed = res.options is not None and res.options.cuda_graphs
+    if graphed or res.host_step.p50_s < HOST_UNBLOCKED * res.step_time.p50_s:
+        return float(res.host_step.p50_s)
+    return None
+
+
+__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "HOST_FORMS", "HOST_UNBLOCKED", "run_host_time", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
            "fit_host_launch_cost", "fit_host_terms", "fit_step_terms", "refine_on_grid"]

@@ -215,3 +215,40 @@ def test_calibration_files_without_the_new_fields_still_load(tmp_path):
     assert eff.host_sample_s == 0.0 and eff.lookup_id_s == DEFAULT_LOOKUP_ID_LATENCY_S and eff.host_launch_s == 2.16e-4
     with pytest.raises(Exception, match="host_sample_s"):
         Calibration.model_validate({**old, "host_sample_s": -1.0})
+
+
+def test_measured_host_time_identifies_the_host_cost_of_device_bound_runs():
+    """Device-bound runs hide their host time in the step: from steps alone the host cost is not told (kept
+    at the smallest that fits, none). With each run's own measured host time (summary.json's host_step) the
+    fit recovers the host's cost per launch and per sample, and keeps the device factor of the steps."""
+    from coplan.calibration.host_fit import fit_step_terms
+
+    launches = np.array([30.0, 60.0, 90.0, 45.0])
+    batch = np.array([64.0, 128.0, 256.0, 96.0])
+    h_true, s_true, f_true = 40e-6, 5e-6, 1.2
+    device = np.array([0.010, 0.030, 0.020, 0.025])
+    host = launches * h_true + batch * s_true  # 1.5-4.9 ms: every run device-bound
+    measured = f_true * device
+    assert np.all(host < measured)
+    h0, s0, f0 = fit_step_terms(measured, device, launches, batch, per_sample=True)
+    assert h0 == 0.0 and s0 == 0.0 and f0 == pytest.approx(f_true, rel=1e-3)
+    h, s, f = fit_step_terms(measured, device, launches, batch, per_sample=True, host_measured=list(host))
+    assert h == pytest.approx(h_true, rel=0.02) and s == pytest.approx(s_true, rel=0.05)
+    assert f == pytest.approx(f_true, rel=1e-3)
+    # a run without a measured host time (None) leaves the others to tell it
+    h2, s2, _ = fit_step_terms(measured, device, launches, batch, per_sample=True, host_measured=[None, *host[1:]])
+    assert h2 == pytest.approx(h_true, rel=0.05) and s2 == pytest.approx(s_true, rel=0.1)
+
+
+def test_run_host_time_trusts_graphed_runs_and_unblocked_eager_ones():
+    from types import SimpleNamespace as NS
+
+    from coplan.calibration.host_fit import HOST_UNBLOCKED, run_host_time
+
+    def run(host, step, graphed):
+        return NS(result=NS(host_step=NS(p50_s=host), step_time=NS(p50_s=step), options=NS(cuda_graphs=graphed)))
+
+    assert run_host_time(run(0.009, 0.010, True)) == 0.009  # graphed: never blocked on the launch queue
+    assert run_host_time(run(0.0095, 0.010, False)) is None  # eager, near the step: may have waited on the device
+    assert run_host_time(run(HOST_UNBLOCKED * 0.01 * 0.99, 0.010, False)) == pytest.approx(HOST_UNBLOCKED * 0.01 * 0.99)
+    assert run_host_time(NS(result=NS(host_step=None, step_time=NS(p50_s=0.01), options=None))) is None
