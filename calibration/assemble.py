@@ -134,8 +134,12 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
                f"(host_sample_s), and device step factor {f:.3f} (device_step_factor: device work the ops do not price), "
                f"fitted to {len(host_fit.runs)} measured step time(s) (step = max(factor x device step, launches x "
                f"host cost + samples x per-sample host cost): host and device run concurrently; "
+               + (f"{sum(x is not None for x in host_fit.host_measured)} of those runs' own measured host times "
+                  "(summary.json host_step) fitted beside their steps; " if any(x is not None for x in host_fit.host_measured)
+                  else "")
                + ("no fitted run is host-bound under the fit, so the host costs are not identified by these runs (the "
-                  "smallest that fits is kept); " if not host_fit.host_bound().any() else "")
+                  "smallest that fits is kept); " if not host_fit.host_bound().any()
+                  and not any(x is not None for x in host_fit.host_measured) else "")
                + f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
                f"fit_error is of device time, without it); "
                + (f"each run's host time scaled by its host's speed (index {min(host_fit.speed):.2f}-{max(host_fit.speed):.2f} "
