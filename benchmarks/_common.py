@@ -10,7 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
+
+
+def coplan_cmd(*args: str) -> list[str]:
+    """The ``coplan`` CLI as this interpreter runs it (``python -m coplan.cli ARGS``)."""
+    return [sys.executable, "-m", "coplan.cli", *args]
 
 
 def git_commit() -> str:

@@ -30,15 +30,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import coplan_cmd as _coplan  # noqa: E402
 from _common import git_commit, wait_or_kill  # noqa: E402
 from _step_anatomy import step_anatomy, verdict  # noqa: E402
 
 FAMILY = "h200-1gpu"
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _coplan(*args: str) -> list[str]:
-    return [sys.executable, "-m", "coplan.cli", *args]
 
 
 def make_plans(n: int, seed: int, plans: Path) -> dict:

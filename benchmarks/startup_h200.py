@@ -27,13 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import coplan_cmd as _coplan  # noqa: E402
 from _common import git_commit, wait_or_kill  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _coplan(*args: str) -> list[str]:
-    return [sys.executable, "-m", "coplan.cli", *args]
 
 
 def run(plan: Path, runs_root: Path, run_id: str, steps: int, timeout_s: float) -> dict:

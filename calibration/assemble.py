@@ -99,6 +99,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         if base is None:
             return fitted
         return getattr(base, name) if keep_base or fitted is None else fitted
+    n_host = sum(x is not None for x in host_fit.host_measured) if host_fit else 0  # runs fitted on their host time
     versions = dict(runs[0].result.versions) if runs[0].result else {}
     versions.setdefault("coplan", __version__)
     cal = Calibration(
@@ -134,12 +135,10 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
                f"(host_sample_s), and device step factor {f:.3f} (device_step_factor: device work the ops do not price), "
                f"fitted to {len(host_fit.runs)} measured step time(s) (step = max(factor x device step, launches x "
                f"host cost + samples x per-sample host cost): host and device run concurrently; "
-               + (f"{sum(x is not None for x in host_fit.host_measured)} of those runs' own measured host times "
-                  "(summary.json host_step) fitted beside their steps; " if any(x is not None for x in host_fit.host_measured)
-                  else "")
+               + (f"{n_host} of those runs' own measured host times (summary.json host_step) fitted beside their "
+                  "steps; " if n_host else "")
                + ("no fitted run is host-bound under the fit, so the host costs are not identified by these runs (the "
-                  "smallest that fits is kept); " if not host_fit.host_bound().any()
-                  and not any(x is not None for x in host_fit.host_measured) else "")
+                  "smallest that fits is kept); " if not host_fit.host_bound().any() and not n_host else "")
                + f"step-time error on those runs: median {host_fit.median_abs_error:.1%}, max {host_fit.max_abs_error:.1%}; "
                f"fit_error is of device time, without it); "
                + (f"each run's host time scaled by its host's speed (index {min(host_fit.speed):.2f}-{max(host_fit.speed):.2f} "
