@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from coplan.spec.topology import MAX_GPUS
+
 COLLS = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
 names = st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True)
 pos_float = st.floats(min_value=1e-3, max_value=1e16, allow_nan=False, allow_infinity=False)
@@ -14,7 +16,11 @@ frac = st.floats(min_value=0.01, max_value=1.0, allow_nan=False)
 def topology_docs(draw) -> dict:
     n_tiers = draw(st.integers(1, 4))
     tier_names = draw(st.lists(names, min_size=n_tiers, max_size=n_tiers, unique=True))
-    sizes = [draw(st.sampled_from([1, 2, 4, 8, 16, 72])) for _ in range(n_tiers)]
+    sizes, total = [], 1
+    for _ in range(n_tiers):  # valid documents stay within MAX_GPUS (a larger cluster is a typed error)
+        size = draw(st.sampled_from([s for s in (1, 2, 4, 8, 16, 72) if total * s <= MAX_GPUS]))
+        sizes.append(size)
+        total *= size
     tiers = []
     below = 1
     for name, size in zip(tier_names, sizes):

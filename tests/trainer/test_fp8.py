@@ -105,7 +105,8 @@ BATCHES = 16
 TIMEOUT_S = 300
 EPOCH1_MEAN_REL = 0.03
 EPOCH1_MAX_REL = 0.08
-EPOCH2_WINDOW_REL = 0.03
+EPOCH1_BIAS_REL = 0.01
+EPOCH2_WINDOW_REL = 0.05
 
 
 def _launch(plan, root, rid, data):
@@ -122,14 +123,25 @@ def test_gem_tiny_trains_in_fp8_close_to_the_high_precision_run(tmp_path):
 
     Tolerances, and why: e4m3 keeps 3 mantissa bits, so each quantised operand carries up to 2⁻⁴
     (6%) relative rounding, and gem-tiny's GEMMs sum only 32-96 products, which averages little of it
-    away. In the first pass over the data (every batch new) the per-step loss gap measured 1.2% on
-    average and 4% at most (torch 2.13 CPU): bounds 3% and 8%. In the second pass Adam amplifies small
-    differences as the model starts to fit the batches it has seen (per-step gaps up to 11%), so
-    only the pass's mean is bounded: measured 1.5%, bound 3%. A broken backward (weights not learning
-    in fp8) leaves the second pass ~7% above the other run, outside it. Both runs must learn (the
-    second pass at least 0.03 lower than the first), and the fp8 run must differ at all (the CPU runs
-    are deterministic: identical curves would mean fp8 was not applied). The 0.5% bound of issue 10 is
-    for gem-h200 over 500+ steps (``benchmarks/fp8_train_h200.py``), not for this functional check.
+    away. Measured (torch 2.13 CPU, this seed; the runs are deterministic, identical on the CI machine):
+
+    ==========================  ==============  ================  ===============  ===========
+    run                          pass 1 mean |gap|  pass 1 max |gap|  pass 1 mean gap  pass 2 gap
+    ==========================  ==============  ================  ===============  ===========
+    fp8                          1.2%            4.2%              +0.05%           +3.2%
+    fp8, dW zeroed (broken)      2.9%            11.8%             +2.3%            +3.7%
+    bound                        3%              8%                ±1%              5%
+    ==========================  ==============  ================  ===============  ===========
+
+    The first pass (every batch new) is where a broken backward shows: its loss sits above the other
+    run's step after step (the signed mean), and spikes past the max. The second pass is not a
+    discriminator: Adam amplifies small differences as the model starts to fit batches it has seen
+    (per-step gaps up to 14%), and the pass's mean gap moved from 1.5% to 3.2% with the installed
+    packages alone, between two CI runs of the same commit, so it is only bounded loosely (5%) against a
+    run that diverges. Both runs must learn (the second pass at least 0.03 lower than the first), and the
+    fp8 run must differ at all (identical curves would mean fp8 was not applied). The gradients
+    themselves are checked against fp32 in ``tests/kernels/test_fp8.py``. The 0.5% bound of issue 10
+    is for gem-h200 over 500+ steps (``benchmarks/fp8_train_h200.py``), not for this functional check.
     """
     w = tiny("force")
     data = generate_dataset(w, tmp_path / "data", 64 * BATCHES, seed=0)
@@ -154,6 +166,7 @@ def test_gem_tiny_trains_in_fp8_close_to_the_high_precision_run(tmp_path):
     ep1, ep2 = slice(0, BATCHES), slice(BATCHES, 2 * BATCHES)
     rel = np.abs(f8 - hp) / hp
     assert rel[ep1].mean() <= EPOCH1_MEAN_REL and rel[ep1].max() <= EPOCH1_MAX_REL, rel[ep1]
+    assert abs(((f8 - hp) / hp)[ep1].mean()) <= EPOCH1_BIAS_REL, (f8 - hp)[ep1] / hp[ep1]
     assert abs(f8[ep2].mean() - hp[ep2].mean()) / hp[ep2].mean() <= EPOCH2_WINDOW_REL, (f8[ep2].mean(), hp[ep2].mean())
     assert np.abs(f8 - hp).max() > 1e-4
     notes = json.loads((tmp_path / "runs" / "fp8" / "summary.json").read_text())["notes"]
