@@ -153,7 +153,7 @@ class PrecisionReport(Spec):
     mode: Literal["off", "auto", "force"]
     """The workload's ``precision.fp8``."""
 
-    recipe: Literal["rowwise", "blockwise", "torchao-tensorwise", "torchao-rowwise"]
+    recipe: Literal["rowwise", "blockwise", "blockwise-fused", "torchao-tensorwise", "torchao-rowwise"]
     """The FP8 scaling recipe."""
 
     layers: tuple[LayerPrecisionChoice, ...] = ()

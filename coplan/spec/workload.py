@@ -685,12 +685,16 @@ class Precision(Spec):
     fp8_min_dim: PosInt = 1024
     """Numerics guard: linear layers with a dimension under this stay in bf16 unless forced."""
 
-    fp8_recipe: Literal["rowwise", "blockwise", "torchao-tensorwise", "torchao-rowwise"] = "rowwise"
+    fp8_recipe: Literal["rowwise", "blockwise", "blockwise-fused", "torchao-tensorwise", "torchao-rowwise"] = "rowwise"
     """Scaling of the FP8 GEMMs: one scale per row of each operand (e4m3, ``torch._scaled_mm``), or
     per 1×128 activation tile and 128×128 weight block (DeepSeek-V3 style, a Triton GEMM); or
     torchao's float8 training (``torchao==0.18.0``, optional) with one scale per tensor or per row,
     meant for ``--compile layers`` (Inductor fuses its casts). The cost model prices the torchao
-    recipes as ``rowwise``."""
+    recipes as ``rowwise``. ``blockwise-fused`` is the block-wise recipe with the FFN of InterFormer and
+    Kunlun layers run by fused kernels (``kernels/fp8_fused.py``, issue 26): the FFN's LayerNorm and its
+    SiLU write the GEMMs' fp8 operands (and their transposed copies) themselves, and their backward
+    kernels write the gradients the backward GEMMs take, so those operands need no quantisation pass of
+    their own; every other fp8 linear layer runs as ``blockwise``."""
 
 
 class Optimizer(Spec):
