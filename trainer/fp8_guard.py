@@ -20,6 +20,11 @@ trips the same layers at the same step.
 
 A run restarted from a checkpoint starts with every planned layer in FP8 again and re-checks at its
 first step.
+
+A fused FP8 FFN (the ``blockwise-fused`` recipe's :class:`~coplan.trainer.model.layers.FusedFp8FFN`: a
+layer's ``norm2`` and FFN as one op) is watched as one unit with the same hooks and figures (its error is
+the FFN output's, two FP8 GEMMs in series, against the compute dtype's) and falls back as a unit: its
+layer then runs ``norm2`` and the FFN unfused in the compute dtype.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import torch.distributed as dist
 from torch import nn
 
 from coplan.kernels.fp8 import Float8Linear
+from coplan.trainer.model.layers import FusedFp8FFN
 
 FIELDS = ("x_amax", "out_nonfinite", "rel_error", "grad_amax", "grad_nonfinite")
-"""What each checked call records (``Float8Linear._record``), in the order they are reduced."""
+"""What each checked call records (``Float8Linear._record``, ``FusedFp8FFN._record``), in the order they are reduced."""
 
 
 @dataclass
@@ -62,14 +68,35 @@ class LayerHistory:
     checks: int = 0
 
 
+FUSED_SUFFIX = ".norm2+ffn"
+"""A fused FFN's name in the guard: its layer's module path and this."""
+
+
+def watched(model: nn.Module) -> dict[str, Float8Linear | FusedFp8FFN]:
+    """The guard's units by name: every :class:`Float8Linear` (its module path) and every layer's fused FFN
+    (the layer's path + :data:`FUSED_SUFFIX`), in module order."""
+    out: dict[str, Float8Linear | FusedFp8FFN] = {}
+    for n, m in model.named_modules():
+        if isinstance(m, Float8Linear):
+            out[n] = m
+        fused = m.__dict__.get("fused_ffn")  # (an instance attribute: no nn.Module lookup per module)
+        if isinstance(fused, FusedFp8FFN):
+            out[n + FUSED_SUFFIX] = fused
+    return out
+
+
+def _device(m: Float8Linear | FusedFp8FFN) -> torch.device:
+    return m.device if isinstance(m, FusedFp8FFN) else m.weight.device
+
+
 class Fp8Guard:
-    """Watches the model's :class:`Float8Linear` modules (see the module docstring)."""
+    """Watches the model's :class:`Float8Linear` modules and fused FP8 FFNs (see the module docstring)."""
 
     def __init__(self, model: nn.Module, *, every: int = 50, tol: float = 0.15, spike: float = 256.0,
                  min_history: int = 4, world: int = 1) -> None:
         if every < 0 or not tol > 0 or not spike > 1:
             raise ValueError(f"Fp8Guard: every >= 0, tol > 0 and spike > 1 (got {every}, {tol}, {spike})")
-        self.modules: dict[str, Float8Linear] = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+        self.modules: dict[str, Float8Linear | FusedFp8FFN] = watched(model)
         self.every, self.tol, self.spike, self.min_history, self.world = every, tol, spike, min_history, world
         self.history = {n: LayerHistory() for n in self.modules}
         self.trips: list[Fp8Trip] = []
@@ -99,7 +126,7 @@ class Fp8Guard:
         rows = []
         for n in names:
             m = self.modules[n]
-            dev = m.weight.device
+            dev = _device(m)
             cell = []
             for f in FIELDS:
                 vals = [s[f].float() for s in m.stats if f in s]
@@ -149,13 +176,17 @@ class Fp8Guard:
         """For the run's summary."""
         if not self.modules:
             return ""
+        fused = sum(isinstance(m, FusedFp8FFN) for m in self.modules.values())
+        what = f"{len(self.modules) - fused} FP8 linear layer(s)"
+        if fused:
+            what += f" and {fused} fused FP8 FFN(s) ({', '.join(m.name for m in self.modules.values() if isinstance(m, FusedFp8FFN))})"
         if not self.active:
-            return f"FP8 guard off ({len(self.modules)} FP8 linear layer(s) unchecked)"
+            return f"FP8 guard off ({what} unchecked)"
         checks = max((h.checks for h in self.history.values()), default=0)
         errs = [e for h in self.history.values() for e in h.errors]
-        s = (f"FP8 guard: {len(self.modules)} FP8 linear layer(s) checked {checks} time(s) (every {self.every} steps), "
+        s = (f"FP8 guard: {what} checked {checks} time(s) (every {self.every} steps), "
              f"FP8 error median {statistics.median(errs):.1%} max {max(errs):.1%}" if errs else
-             f"FP8 guard: {len(self.modules)} FP8 linear layer(s), {checks} check(s)")
+             f"FP8 guard: {what}, {checks} check(s)")
         overflows = sum(h.overflows for h in self.history.values())
         s += f"; {overflows} non-finite value(s)"
         if self.trips:
@@ -165,4 +196,4 @@ class Fp8Guard:
         return s
 
 
-__all__ = ["FIELDS", "Fp8Guard", "Fp8Trip", "LayerHistory"]
+__all__ = ["FIELDS", "FUSED_SUFFIX", "Fp8Guard", "Fp8Trip", "LayerHistory", "watched"]

@@ -30,6 +30,7 @@ from coplan.spec import LoaderThroughput, Plan, Startup, RunDir, RunOptions, Run
 from coplan.trainer import checkpoint as ckpt
 from coplan.trainer.config import Ranks, TrainConfig, check_launch
 from coplan.trainer.data import BatchReader, Prefetcher, check_dataset, data_sha256, default_reader_processes, generate_dataset
+from coplan.trainer.distributed.fp8 import fp8_notes
 from coplan.trainer.distributed.fsdp import DTYPES
 from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
 from coplan.trainer.features import FeatureLayout
@@ -238,6 +239,7 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
                                                   likely_rows=micro_batch_rows(plan, ranks.world))
     elif device.type == "cuda":
         notes.append(f"CUDA graphs off ({why_not})")
+    notes += fp8_notes(list(pm.fp8))
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda")
     if clock is not None:
         clock.mark("sharding")

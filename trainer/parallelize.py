@@ -9,7 +9,8 @@ Order, and why:
 2. **Expert parallelism** next: it changes which expert weights a rank holds, and FSDP shards
    whatever parameters exist when it is applied.
 2b. **FP8** (the plan's fp8 layers): swaps their ``nn.Linear`` modules for ``Float8Linear`` (same
-   parameters) before checkpointing and FSDP wrap or shard the modules they find.
+   parameters), and with ``blockwise-fused`` gives InterFormer and Kunlun layers their fused FFN (same
+   modules), before checkpointing and FSDP wrap or shard the modules they find.
 3. **Activation checkpointing** before FSDP: the checkpoint wrapper must sit *inside* the FSDP unit,
    so that FSDP's all-gather is outside the recomputed region (recompute then runs on the
    parameters FSDP has already gathered for backward), as in torchtitan.
@@ -67,6 +68,10 @@ class ParallelModel:
     sparse_shard: int = 1
     """Ranks one copy of the tables spans (checkpoints keep one copy: the first sparse group's)."""
 
+    fp8: tuple[str, ...] = ()
+    """What :func:`~coplan.trainer.distributed.fp8.apply_fp8` swapped or fused ('<layer>:<in>x<out>',
+    '<layer>:ffn fused <d>x<hidden>x<d>', '<layer>:ffn not fused (<why>)')."""
+
 
 class _NoFusedOptimizer:
     """DMP's ``fused_optimizer`` where the model has no table: no state, nothing to step."""
@@ -99,13 +104,13 @@ def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes
     dense = model.dense
     apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
     # FP8 swaps nn.Linear modules in place: before activation checkpointing (which wraps the layers) and FSDP2 (which shards the params it finds).
-    apply_fp8(dense, plan)
+    fp8 = apply_fp8(dense, plan, device=device)
     recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
     apply_compile(dense, compile_layers)
     per_layer = apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision, per_layer=fsdp_per_layer) if fsdp else False
     return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed,
                          ep_mesh=meshes.ep_mesh if dims.ep_enabled else None, fsdp_per_layer=per_layer,
-                         replica_sync=sync, sparse_shard=dims.sparse_shard)
+                         replica_sync=sync, sparse_shard=dims.sparse_shard, fp8=tuple(fp8))
 
 
 __all__ = ["ParallelModel", "parallelize"]
