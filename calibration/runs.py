@@ -124,6 +124,22 @@ def measured_moments(metrics: Sequence[dict], steps: Iterable[int] | None = None
     return out
 
 
+FUSED_FFN_RANGE = "ffn_fused"
+"""The op range the trainer gives a layer's fused FP8 FFN (``fp8_recipe: blockwise-fused``,
+:class:`coplan.trainer.model.layers.FusedFp8FFN`): one kernel chain doing the work the cost model prices
+as three ops (``ffn_up``, ``ffn_down`` and, with the layer's other norms, ``norm_act``)."""
+
+
+def fused_ffn_ops(per_step: dict[tuple[str, str], float]) -> set[str]:
+    """The cost-model ops whose measured time a fused FP8 FFN took over, from the layers that have an
+    ``<layer>.ffn_fused`` range in the trace: those layers' ``ffn_up`` and ``ffn_down`` (measured at 0)
+    and ``norm_act`` (measured without norm2 and the SiLU). They give no sample: fitted, they would read as
+    free GEMMs and fast elementwise work. The fused time itself stays listed as unpriced
+    (``<layer>.ffn_fused:<phase>``), so what the fit leaves out is visible."""
+    layers = {n.rsplit(".", 1)[0] for n, _ in per_step if n.rsplit(".", 1)[-1] == FUSED_FFN_RANGE}
+    return {f"{layer}.{op}" for layer in layers for op in ("ffn_up", "ffn_down", "norm_act")}
+
+
 def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
                 longest: dict[int, dict[str, list[int]]] | None = None) -> RunSamples:
     """Attribute one run's trace (of ``rank``) and pair each measured op with its roofline terms.
@@ -170,9 +186,12 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
     per_step = att.per_step()
     out: list[Sample] = []
     priced: set[tuple[str, str]] = set()
+    fused = fused_ffn_ops(per_step)
     for t in unit_terms(plan, moments, rank=rank, seq_chunk=seq_chunk):
         members = t.members or (t.name,)
         priced.update((n, t.phase) for n in members)
+        if fused & set(members):
+            continue
         meas = sum(per_step.get((n, t.phase), 0.0) for n in members) / t.micro_batches
         if meas > 0:
             out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches,
@@ -197,4 +216,4 @@ def run_step_moments(r: RunSamples) -> tuple[dict[str, tuple[float, float]] | No
     return r.step_moments_each or (r.step_moments or r.moments or None,)
 
 
-__all__ = ["CalibrationError", "RunSamples", "Sample", "measured_moments", "run_samples", "run_seq_chunk", "run_step_moments"]
+__all__ = ["CalibrationError", "FUSED_FFN_RANGE", "RunSamples", "Sample", "fused_ffn_ops", "measured_moments", "run_samples", "run_seq_chunk", "run_step_moments"]

@@ -459,3 +459,25 @@ def test_base_is_the_starting_point_and_fills_classes_the_runs_do_not_measure(tm
     assert cal.op_classes["gemm"].compute_efficiency["bf16"] == pytest.approx(TRUE_COMPUTE[("gemm", "bf16")], rel=0.05)
     assert set(base.op_classes) <= set(cal.op_classes)
     assert "starting point" in cal.notes
+
+
+def test_a_fused_ffn_gives_no_samples_for_the_ops_it_took_over(tmp_path):
+    """A layer whose FFN ran fused (one ``<layer>.ffn_fused`` range, fp8_recipe blockwise-fused) measures 0 for its
+    ``ffn_up``/``ffn_down`` and a short ``norm_act``: none of the three is fitted, the fused time is listed as
+    unpriced, and the other layers' samples are untouched."""
+    rng = np.random.default_rng(0)
+    d = _synth_run(tmp_path, "fused", _plan(64, 256), rng, noise=0.0)
+    trace = d / "traces" / "rank0.json"
+    doc = json.loads(trace.read_text())
+    for e in doc["traceEvents"]:
+        if e.get("name") in ("interformer.0.ffn_up", "interformer.0.ffn_down"):
+            e["name"] = "interformer.0.ffn_fused"
+    trace.write_text(json.dumps(doc))
+    r = run_samples(d)
+    names = {s.name for s in r.samples}
+    for op in ("ffn_up", "ffn_down", "norm_act"):
+        assert f"interformer.0.{op}" not in names
+        assert f"interformer.1.{op}" in names
+    assert r.unpriced_s.get("interformer.0.ffn_fused:fwd", 0) > 0
+    plain = run_samples(_synth_run(tmp_path, "plain", _plan(64, 256), np.random.default_rng(0), noise=0.0))
+    assert {s.name for s in plain.samples} - names == {f"interformer.0.{op}" for op in ("ffn_up", "ffn_down", "norm_act")}
