@@ -245,6 +245,10 @@ def data_sha256(workload: Workload) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+PARQUET_COMPRESSION = "lz4"
+"""Codec of generated datasets (any Parquet file pyarrow reads is read, whatever its codec)."""
+
+
 def generate_dataset(
     workload: Workload, out_dir: str | Path, num_samples: int, *, seed: int = 0, rows_per_file: int = 65_536,
     row_group_size: int | None = None, progress: bool = False,
@@ -267,7 +271,9 @@ def generate_dataset(
         n = min(rows_per_file, num_samples - c * rows_per_file)
         table = _generate_chunk(workload, layout, n, seed, c)
         path = out / f"part-{c:05d}.parquet"
-        pq.write_table(table, path, row_group_size=row_group_size, compression="zstd")
+        # LZ4: the reader decodes a row group 1.7x faster than zstd's (a 111-table draw, 176 samples: 13.9 vs 23.8 ms,
+        # pyarrow, 2 cores) for files 25% larger; decoding is most of a batch's read
+        pq.write_table(table, path, row_group_size=row_group_size, compression=PARQUET_COMPRESSION)
         files.append(path.name)
     meta = {
         "generator_version": GENERATOR_VERSION, "workload": workload.name, "data_sha256": data_sha256(workload),
