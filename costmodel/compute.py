@@ -3,7 +3,8 @@ padded reference's lengths, the per-sample cost of the primary sequence (:func:`
 expected jagged imbalance it gives under a balancing policy (:func:`imbalance`).
 
 Each op is a roofline, ``max(flops / (peak × eff), bytes / (hbm_bw × eff))`` plus its launches; FP8
-GEMMs add their quantisation passes (:mod:`.fp8`).
+GEMMs add their quantisation passes (:mod:`.fp8`), which the ``blockwise-fused`` recipe moves into the
+FFN's producers (its ``norm_act`` op writes the fp8 operands).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from coplan.costmodel import flops as F
 from coplan.costmodel.context import Context
 from coplan.costmodel.efficiency import UNFUSED_CLASS
-from coplan.costmodel.fp8 import fp8_allowed, price_fp8_quantisation
+from coplan.costmodel.fp8 import fp8_allowed, fused_ffn_layers, fused_norm_act_bytes, price_fp8_quantisation
 from coplan.costmodel.jagged import SeqCost, expected_imbalance, length_pmf
 from coplan.spec.workload import Kernels, LognormalLength
 
@@ -118,6 +119,9 @@ class OpArrays:
     """The forward's weight quantisation (once per call)."""
     bwd_quant_s: np.ndarray
     bwd_quant_fixed_s: np.ndarray
+    quant_launches: np.ndarray
+    """Quantisation kernels per call of an FP8 op, forward + backward (0 for an op not in FP8): the
+    recipe's count (:func:`coplan.costmodel.fp8.price_fp8_quantisation`), which the launch count takes."""
     fwd_launches: np.ndarray
     """Kernels per call of each op as priced for this backend (the padded reference launches more)."""
     bwd_launches: np.ndarray
@@ -164,6 +168,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
     out = {name: np.zeros(k) for name in OpArrays.__slots__}
     ep = ctx.mesh.expert_parallel
     pad_len: dict[str, float] = {}
+    fused = fused_ffn_layers(ops, w, fp8_layers)
     for i, o in enumerate(ops):
         m1, m2 = ctx.moments[o.sequence]
         model_op, model_m1, model_m2 = o, m1, m2  # model FLOPs: the real lengths, never the padding
@@ -208,6 +213,9 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         bf = n * load * (o.bwd_flops.expect(m1, m2) + o.bwd_extra_flops.expect(m1, m2))
         fb = n * load * o.fwd_bytes.expect(m1, m2)
         bb = n * load * o.bwd_bytes.expect(m1, m2)
+        if o.layer in fused and o.name.endswith(".norm_act"):
+            # the fused FFN's norm2 and activation write the GEMMs' fp8 operands instead of their outputs
+            fb, bb = fused_norm_act_bytes(o, w, fb, bb)
         out["fwd_flops"][i] = ff
         out["bwd_flops"][i] = bf
         out["model_bwd_flops"][i] = n * model_op.bwd_flops.expect(model_m1, model_m2)
@@ -238,7 +246,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         out["bwd_bytes"][i] = bb + fixed_b + sb
         out["act_bytes"][i] = n * o.act_bytes.expect(m1, m2)
         if dt == "fp8":
-            price_fp8_quantisation(out, i, o, n * load * o.fwd_bytes.expect(m1, m2), fixed_f, ctx)
+            price_fp8_quantisation(out, i, o, n * load * o.fwd_bytes.expect(m1, m2), fixed_f, ctx, fused=o.layer in fused)
     out["fwd_var_s"] = np.maximum(out["fwd_flop_s"], out["fwd_mem_s"])
     arr = OpArrays(**out)
     ctx.cache[key] = arr

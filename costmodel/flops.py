@@ -331,11 +331,20 @@ def _elementwise(
     )
 
 
+def norm_act_elems(d: int, act_in: float, act_out: float) -> float:
+    """Elements per token a ``norm_act`` op's forward reads + writes: two norms (read d, write d), two
+    residual adds (read 2d, write d) and the FFN activation (read ``act_in``, write ``act_out``)."""
+    return 2 * 2 * d + 2 * 3 * d + act_in + act_out
+
+
 def _norm_act(name: str, layer: str, block: str, dtype: str, seq: str | None, tokens: Coeffs, d: int, act_in: float, act_out: float) -> Op:
-    """Two norms (read d, write d), two residual adds (read 2d, write d) and the FFN activation
-    (read ``act_in``, write ``act_out``); saves the two norm inputs and the activation input."""
-    elems = 2 * 2 * d + 2 * 3 * d + act_in + act_out
-    return _elementwise(name, layer, block, dtype, seq, tokens, elems, 2 * d + act_in, launches=5)
+    """The layer's elementwise work (:func:`norm_act_elems`); saves the two norm inputs and the activation input."""
+    return _elementwise(name, layer, block, dtype, seq, tokens, norm_act_elems(d, act_in, act_out), 2 * d + act_in, launches=5)
+
+
+def ffn_width(block: InterFormerBlock | KunlunBlock) -> int:
+    """Hidden width of an InterFormer or Kunlun layer's FFN (``ffn_up``: ``d → f``, ``ffn_down``: ``f → d``)."""
+    return int(round(block.ffn_multiplier * block.model_dim))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +395,7 @@ def _interformer(w: Workload, b: InterFormerBlock, dt: str) -> list[Op]:
     seq = b.sequence
     d, H, dh, S = b.model_dim, b.num_heads, b.head_dim, b.num_summary_tokens
     hd = H * dh
-    f = int(round(b.ffn_multiplier * d))
+    f = ffn_width(b)
     bs = DTYPE_BYTES[dt]
     ops: list[Op] = []
     seq_dim = sum(t.dim * t.num_features for t in _seq_tables(w, seq))
@@ -433,7 +442,7 @@ def _transformer_layer(
 def _kunlun(w: Workload, b: KunlunBlock, dt: str) -> list[Op]:
     T = kunlun_tokens(w, b)
     d = b.model_dim
-    f = int(round(b.ffn_multiplier * d))
+    f = ffn_width(b)
     ops: list[Op] = []
     pooled_dim = sum(t.dim * t.num_features for t in _pooled_tables(w))
     if pooled_dim:
@@ -767,8 +776,8 @@ def dense_params(workload: Workload) -> tuple[int, int]:
 
 __all__ = [
     "COMPUTE_CLASSES", "Coeffs", "FlopCount", "LengthStats", "Op", "ZERO", "attention_flops", "causal_pairs",
-    "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "full_pairs", "kunlun_tokens", "layer_names", "model_flops", "op_flops", "per_sample",
-    "per_sample_flops", "per_token", "table_lookup_coeffs", "workload_ops",
+    "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "ffn_width", "full_pairs", "kunlun_tokens", "layer_names", "model_flops", "norm_act_elems", "op_flops",
+    "per_sample", "per_sample_flops", "per_token", "table_lookup_coeffs", "workload_ops",
 ]
 
 

@@ -27,7 +27,6 @@ slowest embedding shard at each all-to-all, because every collective synchronise
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -39,6 +38,7 @@ from coplan.costmodel.flops import GRAPH_HOST_KERNELS
 from coplan.costmodel.context import Context
 from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs, table_option_costs
 from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
+from coplan.costmodel.fp8 import fused_ffn_layers
 from coplan.costmodel.goodput import goodput as goodput_of
 from coplan.costmodel.loader import LoaderTime, loader_step_s, reader_processes
 from coplan.costmodel.memory import fsdp_copy_bytes, state_bytes, step_memory
@@ -171,11 +171,6 @@ def _graphed(ctx: Context, arr) -> bool:
     return ctx.dense_graphs and not np.any(arr.fwd_syncs) and not np.any(arr.fp8)
 
 
-def _fp8_quant_launches(ctx: Context) -> int:
-    """Quantisation kernels per priced forward launch of an FP8 op (forward and backward together)."""
-    return 3 * math.ceil(ctx.options.fp8_quant_reads_rowwise) + 3 * math.ceil(ctx.options.fp8_quant_reads_colwise)
-
-
 def _fixed_launches(ctx: Context, graphed: bool = False) -> tuple[float, float, float]:
     """FSDP2's forward and backward copy launches per micro-batch and the optimizer's per step (0 where
     the plan has none of that work)."""
@@ -198,7 +193,7 @@ def _step_launches(ctx: Context, arr, fwd: np.ndarray, bwd: np.ndarray, recomput
         dense = GRAPH_HOST_KERNELS / HOST_KERNELS_PER_PRICED_LAUNCH if ops else 0.0
     else:
         calls = np.array([2.0 if o.layer in recomputed else 1.0 for o in ops])  # forward again when recomputed
-        quant = np.array([o.fwd_launches for o in ops], dtype=float) * _fp8_quant_launches(ctx) * (np.asarray(arr.fp8) != 0)
+        quant = np.array([o.fwd_launches for o in ops], dtype=float) * np.asarray(arr.quant_launches)
         dense = float((np.asarray(fwd) * calls + np.asarray(bwd) + quant).sum()) if ops else 0.0
     fsdp_f, fsdp_b, opt = _fixed_launches(ctx, graphed)
     return float((dense + 3.0 * emb_kernels + fsdp_f + fsdp_b) * ctx.micro_batches + opt)
@@ -239,7 +234,6 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
     if not np.any(arr.fwd_syncs):
         # no sync: one segment (the planner's inner loop prices many plans; no per-call walk needed)
         return [_step_launches(ctx, arr, arr.fwd_host_launches, arr.bwd_host_launches, recomputed, emb_kernels, host=True)], [], [0.0]
-    quant = _fp8_quant_launches(ctx)
     fsdp_f, fsdp_b, opt = _fixed_launches(ctx)
     by_layer: dict[int, list[int]] = {}
     for k in range(len(ctx.dense_idx)):
@@ -274,7 +268,7 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
         for i in range(nl):
             for k in by_layer.get(i, ()):
                 o = ctx.ops[int(ctx.dense_idx[k])]
-                call(m, k, "fwd", float(arr.fwd_host_launches[k]) + (o.fwd_launches * quant if arr.fp8[k] else 0.0))
+                call(m, k, "fwd", float(arr.fwd_host_launches[k]) + o.fwd_launches * float(arr.quant_launches[k]))
         for i in range(nl - 1, -1, -1):
             if ctx.layer_names[i] in recomputed:
                 for k in by_layer.get(i, ()):
@@ -394,6 +388,11 @@ def _notes(ctx: Context, kernels: Kernels, fp8_layers: frozenset[str]) -> list[s
     if fp8_layers:
         notes.append("fp8 GEMMs priced at the fp8 peak plus their quantisation passes (memory-bound casts of inputs, "
                      "output gradients and weights, kept apart from the GEMM); memory unchanged (activations saved in the compute dtype)")
+        fused = fused_ffn_layers(ctx.ops, ctx.workload, fp8_layers)
+        if fused:
+            notes.append(f"blockwise-fused: the FFN of {len(fused)} InterFormer/Kunlun layer(s) priced with norm2, SiLU and "
+                         "SiLU's backward writing the fp8 operands (no quantisation pass for them), the per-call overhead "
+                         "as measured for blockwise (the fused kernels are not timed on a GPU yet)")
     if kernels.attention == "reference" and any(o.op_class == "attention" and o.sequence for o in ctx.ops):
         notes.append("attention backend 'reference' pads each micro-batch to its expected longest sequence")
     if kernels.attention == "flex":

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from coplan.cli_args import MAX_SEED, check_output, fraction, gpu_count, int_range, removed_on_failure, seconds, seed
 from coplan.costmodel import resolve_efficiencies
 from coplan.errors import CoplanError, SpecError
-from coplan.planner.precision import precision_line
+from coplan.planner.precision import fused_ffn_of, precision_line
 from coplan.planner.search import PlannerConfig, make_plan
 from coplan.planner.torchrec_export import write_torchrec
 from coplan.calibration.shipped import AUTO, choose
@@ -57,7 +57,9 @@ def summary(plan: Plan, result=None) -> dict:
     if plan.precision_report is not None:
         r = plan.precision_report
         out["fp8"] = {"mode": r.mode, "recipe": r.recipe, "layers": list(r.fp8_layers), "step_time_s": r.step_time_s,
-                      "bf16_step_time_s": r.bf16_step_time_s, "predicted_gain": r.gain}
+                      "bf16_step_time_s": r.bf16_step_time_s, "predicted_gain": r.gain,
+                      "fused_ffn_layers": list(fused_ffn_of(r, plan.workload)),
+                      "layer_saved_s": {c.name: c.bf16_s - c.fp8_s for c in r.layers if c.precision == "fp8"}}
     if plan.solver is not None:
         out["solver"] = plan.solver.model_dump()
     return out
@@ -87,7 +89,7 @@ def print_summary(plan: Plan, out=None) -> None:
            f"its group's rows: loader {plan.predicted.loader_s:.3g} s per step)" if b.group_ranks and plan.predicted is not None else "")
     w(f"jagged balancing: {b.policy}{grp} (expected max/mean rank work {b.expected_imbalance:.4f})")
     if plan.precision_report is not None:
-        w(precision_line(plan.precision_report))
+        w(precision_line(plan.precision_report, plan.workload))
     if p is not None:
         w(f"predicted step time  {human_seconds(p.step_time_s)}")
         w(f"local MFU            {p.local_mfu:6.1%}")

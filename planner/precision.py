@@ -7,7 +7,10 @@ whether a plan fits; and a layer's precision changes only that layer's compute t
 solved plan, the best precision of each layer is therefore chosen layer by layer, by comparing the
 cost model's time of the layer (forward + backward, + forward again when recomputed) with its GEMMs
 in bf16 and in fp8, quantisation passes included. The one interaction left out is second-order:
-a faster layer could make a different recompute set marginally cheaper.
+a faster layer could make a different recompute set marginally cheaper. Under ``blockwise-fused`` the
+fp8 time of an InterFormer or Kunlun layer is that of its fused FFN (the pricer's, through
+:func:`coplan.costmodel.fp8.fused_ffn_layers`), so the choice weighs the fused chain; the report's line
+names the layers whose FFN runs fused and each fp8 layer's predicted change in compute.
 
 Modes (the workload's ``precision.fp8``): ``off`` leaves every layer in bf16 and writes no report;
 ``auto`` puts a layer in fp8 where its predicted time falls, with the numerics guard (GEMMs with a
@@ -23,9 +26,10 @@ from typing import Sequence
 from coplan.costmodel import price
 from coplan.costmodel.context import Context
 from coplan.costmodel.decomposed import layer_costs
-from coplan.costmodel.fp8 import fp8_allowed, fp8_capable, fp8_guard
+from coplan.costmodel.flops import workload_ops
+from coplan.costmodel.fp8 import fp8_allowed, fp8_capable, fp8_guard, fused_ffn_layers
 from coplan.spec.plan import BalancingPlan, LayerPlan, LayerPrecisionChoice, PrecisionReport, TableShard
-from coplan.spec.workload import Kernels
+from coplan.spec.workload import Kernels, Workload
 
 MIN_GAIN = 1e-3
 """A layer goes to fp8 under ``auto`` only when its predicted time falls by more than this fraction:
@@ -96,19 +100,36 @@ def choose_layer_precision(
     return tuple(new_layers), report
 
 
-def precision_line(report: PrecisionReport | None) -> str | None:
-    """One line for the plan summary and the prediction's notes."""
+def fused_ffn_of(report: PrecisionReport | None, workload: Workload) -> tuple[str, ...]:
+    """The report's fp8 layers whose FFN the ``blockwise-fused`` recipe runs fused (none for another recipe)."""
+    if report is None or report.recipe != "blockwise-fused":
+        return ()
+    fused = fused_ffn_layers(workload_ops(workload), workload, report.fp8_layers)
+    return tuple(n for n in report.fp8_layers if n in fused)
+
+
+def precision_line(report: PrecisionReport | None, workload: Workload | None = None) -> str | None:
+    """One line for the plan summary and the prediction's notes: the fp8 layers, each with its predicted
+    change in compute per step (fp8 − bf16, recompute included; communication overlap can hide part of
+    it, the step figures after it are the re-priced ones), and, given the ``workload`` under
+    ``blockwise-fused``, which of them run their FFN fused."""
     if report is None:
         return None
     fp8 = report.fp8_layers
     n = len(report.layers)
-    names = ", ".join(fp8[:6]) + (", ..." if len(fp8) > 6 else "")
+    by = {c.name: c for c in report.layers}
+    fused = set(fused_ffn_of(report, workload)) if workload is not None else set()
+    names = ", ".join(f"{x}{' (FFN fused)' if x in fused else ''} {(by[x].fp8_s - by[x].bf16_s) * 1e3:+,.3f} ms"
+                      for x in fp8[:6]) + (", ..." if len(fp8) > 6 else "")
     kept = sorted({c.reason for c in report.layers if c.precision == "bf16"})
-    head = f"fp8 ({report.mode}, {report.recipe}): {len(fp8)} of {n} layers" + (f" ({names})" if fp8 else "")
+    head = f"fp8 ({report.mode}, {report.recipe}): {len(fp8)} of {n} layers" + (
+        f" (layer compute per step, fp8 - bf16: {names})" if fp8 else "")
+    if fp8 and workload is not None and report.recipe == "blockwise-fused":
+        head += f"; FFN fused in {len(fused)} of them"
     gain = report.bf16_step_time_s - report.step_time_s
     tail = (f"; predicted step {report.step_time_s * 1e3:,.3f} ms vs {report.bf16_step_time_s * 1e3:,.3f} ms all-bf16 "
             f"({'-' if gain >= 0 else '+'}{abs(report.gain):.1%})")
     return head + tail + (f"; bf16 kept: {', '.join(kept)}" if kept else "")
 
 
-__all__ = ["MIN_GAIN", "choose_layer_precision", "precision_line"]
+__all__ = ["MIN_GAIN", "choose_layer_precision", "fused_ffn_of", "precision_line"]

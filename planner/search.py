@@ -610,7 +610,7 @@ def build_plan(workload: Workload, topology: Topology, calibration: Calibration 
                                                       kernels=workload.kernels)
     notes = ()
     if precision_report is not None:
-        notes = (precision_line(precision_report),)
+        notes = (precision_line(precision_report, workload),)
     step = res.step_time_s
     plan = assemble(workload, topology, mesh=mesh, tables=tables, layers=layers, balancing=pr.balancing, calibration=calibration,
                     precision_report=precision_report, notes=notes)

@@ -101,3 +101,34 @@ def test_make_plan_reports_the_choice_and_the_gain():
     plain, _ = make_plan(workload("off"), H200, config=PlannerConfig(num_workers=1, max_solves=2))
     assert plain.precision_report is None and all(lp.precision == "bf16" for lp in plain.layers)
     assert plan.predicted.step_time_s < plain.predicted.step_time_s
+
+
+def test_blockwise_fused_prices_the_fused_ffns_and_names_them():
+    """Under ``blockwise-fused`` the per-layer choice weighs the fused FFN (InterFormer and Kunlun layers
+    cheaper in fp8 than under ``blockwise``, every other layer the same), and the line names the layers
+    whose FFN runs fused, with each fp8 layer's predicted change in compute."""
+    from coplan.planner.precision import fused_ffn_of, precision_line
+    from coplan.spec import load_workload
+
+    def gem(recipe: str) -> Workload:
+        w = load_workload("gem-h200")
+        return w.model_copy(update={"precision": w.precision.model_copy(update={"fp8": "force", "fp8_recipe": recipe})})
+
+    _, blk = choose(gem("blockwise"))
+    _, fus = choose(gem("blockwise-fused"))
+    b = {c.name: c for c in blk.layers}
+    for c in fus.layers:
+        assert c.bf16_s == pytest.approx(b[c.name].bf16_s)
+        if c.name.startswith(("interformer.", "kunlun.")):
+            assert c.fp8_s < b[c.name].fp8_s, c.name
+        else:
+            assert c.fp8_s == pytest.approx(b[c.name].fp8_s), c.name
+    assert fus.step_time_s < blk.step_time_s
+    fused = fused_ffn_of(fus, gem("blockwise-fused"))
+    assert fused == tuple(n for n in fus.fp8_layers if n.startswith(("interformer.", "kunlun.")))
+    assert fused_ffn_of(blk, gem("blockwise")) == ()
+    line = precision_line(fus, gem("blockwise-fused"))
+    assert "interformer.0 (FFN fused)" in line and f"FFN fused in {len(fused)} of them" in line
+    c0 = {c.name: c for c in fus.layers}["interformer.0"]
+    assert f"{(c0.fp8_s - c0.bf16_s) * 1e3:+,.3f} ms" in line
+    assert "(FFN fused)" not in precision_line(blk, gem("blockwise"))
