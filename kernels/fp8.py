@@ -342,6 +342,12 @@ class _GradProbe(torch.autograd.Function):
         return g, None
 
 
+def probe_grad(out: Tensor, stats: dict) -> Tensor:
+    """``out`` unchanged; when it takes a gradient, the backward records that gradient's largest magnitude
+    (``stats["grad_amax"]``) and its non-finite count (``stats["grad_nonfinite"]``), for the FP8 numerics guard."""
+    return _GradProbe.apply(out, stats) if out.requires_grad else out
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` whose GEMMs run in FP8 by ``recipe``; same parameters and ``state_dict``.
 
@@ -402,7 +408,7 @@ class Float8Linear(nn.Linear):
             stats["out_nonfinite"] = (~torch.isfinite(o2d)).sum().float()
             stats["rel_error"] = err.float()
         self.stats.append(stats)
-        return _GradProbe.apply(out, stats) if out.requires_grad else out
+        return probe_grad(out, stats)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
@@ -491,5 +497,5 @@ def convert_torchao(module: nn.Module, recipe: str, linears) -> list[nn.Module]:
 
 
 __all__ = ["ALL_RECIPES", "Float8Linear", "Fp8InputError", "Fp8RecipeUnavailable", "RECIPES", "Recipe", "TORCHAO_RECIPES",
-           "TORCHAO_VERSION", "TorchaoRecipe", "torchao_float8", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8", "scaled_mm_block_refusal",
+           "TORCHAO_VERSION", "TorchaoRecipe", "torchao_float8", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8", "probe_grad", "scaled_mm_block_refusal",
            "torchao_eligible", "torchao_float8_config"]

@@ -325,7 +325,7 @@ class FusedFp8FFN:
         return out
 
     def _record(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        from coplan.kernels.fp8 import GUARD_ROWS, _GradProbe
+        from coplan.kernels.fp8 import GUARD_ROWS, probe_grad
 
         norm, up, down = self.norm, self.ffn.up, self.ffn.down
         stats: dict = {}
@@ -341,7 +341,7 @@ class FusedFp8FFN:
             stats["out_nonfinite"] = (~torch.isfinite(o2d)).sum().float()
             stats["rel_error"] = err.float()
         self.stats.append(stats)
-        return _GradProbe.apply(out, stats) if out.requires_grad else out
+        return probe_grad(out, stats)
 
     def __repr__(self) -> str:
         return f"FusedFp8FFN({self.name}, {self.describe()}, fp8_enabled={self.fp8_enabled})"
