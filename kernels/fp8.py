@@ -342,6 +342,23 @@ class _GradProbe(torch.autograd.Function):
         return g, None
 
 
+def guard_record(records: list, amax_of: Tensor, out: Tensor, ref_out: Tensor) -> Tensor:
+    """One checked call's figures for the FP8 numerics guard, appended to ``records``: the largest magnitude
+    of ``amax_of`` (the FP8 operand's high-precision values), the non-finite count of ``out`` and the relative
+    error of its first ``len(ref_out)`` rows against ``ref_out`` (the same rows in the compute dtype); returns
+    ``out`` with the gradient probe (:func:`probe_grad`) attached."""
+    stats: dict = {}
+    with torch.no_grad():
+        o2d = out.reshape(-1, out.shape[-1])
+        n = ref_out.shape[0]
+        err = (o2d[:n].float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)
+        stats["x_amax"] = amax_of.abs().amax().float() if amax_of.numel() else torch.zeros((), device=out.device)
+        stats["out_nonfinite"] = (~torch.isfinite(o2d)).sum().float()
+        stats["rel_error"] = err.float()
+    records.append(stats)
+    return probe_grad(out, stats)
+
+
 def probe_grad(out: Tensor, stats: dict) -> Tensor:
     """``out`` unchanged; when it takes a gradient, the backward records that gradient's largest magnitude
     (``stats["grad_amax"]``) and its non-finite count (``stats["grad_nonfinite"]``), for the FP8 numerics guard."""
@@ -397,18 +414,12 @@ class Float8Linear(nn.Linear):
         return out
 
     def _record(self, x: Tensor, out: Tensor) -> Tensor:
-        stats: dict = {}
         with torch.no_grad():
-            x2d, o2d = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+            x2d = x.reshape(-1, x.shape[-1])
             n = min(GUARD_ROWS, x2d.shape[0])
             ref_out = nn.functional.linear(x2d[:n], self.weight.to(x2d.dtype),
-                                           None if self.bias is None else self.bias.to(x2d.dtype)).float()
-            err = (o2d[:n].float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)
-            stats["x_amax"] = x2d.abs().amax().float() if x2d.numel() else torch.zeros((), device=x.device)
-            stats["out_nonfinite"] = (~torch.isfinite(o2d)).sum().float()
-            stats["rel_error"] = err.float()
-        self.stats.append(stats)
-        return probe_grad(out, stats)
+                                           None if self.bias is None else self.bias.to(x2d.dtype))
+        return guard_record(self.stats, x2d, out, ref_out)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
@@ -497,5 +508,5 @@ def convert_torchao(module: nn.Module, recipe: str, linears) -> list[nn.Module]:
 
 
 __all__ = ["ALL_RECIPES", "Float8Linear", "Fp8InputError", "Fp8RecipeUnavailable", "RECIPES", "Recipe", "TORCHAO_RECIPES",
-           "TORCHAO_VERSION", "TorchaoRecipe", "torchao_float8", "convert_torchao", "fp8_linear", "fp8_supported", "is_torchao_float8", "probe_grad", "scaled_mm_block_refusal",
+           "TORCHAO_VERSION", "TorchaoRecipe", "torchao_float8", "convert_torchao", "fp8_linear", "fp8_supported", "guard_record", "is_torchao_float8", "probe_grad", "scaled_mm_block_refusal",
            "torchao_eligible", "torchao_float8_config"]

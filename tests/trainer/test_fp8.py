@@ -109,12 +109,33 @@ EPOCH1_BIAS_REL = 0.01
 EPOCH2_WINDOW_REL = 0.05
 
 
-def _launch(plan, root, rid, data):
+def _launch(plan, root, rid, data, steps: int = STEPS, env: dict | None = None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
-           str(plan), "--device", "cpu", "--steps", str(STEPS), "--runs-root", str(root), "--run-id", rid, "--data", str(data),
+           str(plan), "--device", "cpu", "--steps", str(steps), "--runs-root", str(root), "--run-id", rid, "--data", str(data),
            "--no-progress", "--trace", "none", "--checkpoint-every", "-1", "--seed", "0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def train_losses(plans: dict, root, data, timeout_s: float, steps: int = STEPS, env: dict | None = None) -> dict[str, np.ndarray]:
+    """Train each plan (run id = its key) side by side with ``coplan.trainer.train`` on CPU from one seed; the
+    per-step losses of each. Fails the test on a non-zero exit or past ``timeout_s`` (every run killed)."""
+    procs = {k: _launch(dump_spec(p, root / f"{k}.json"), root / "runs", k, data, steps, env) for k, p in plans.items()}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs.values():
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, out[-5000:]
+    except subprocess.TimeoutExpired:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"training timed out after {timeout_s} s")
+    losses = {}
+    for k in procs:
+        lines = [json.loads(x) for x in (root / "runs" / k / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        losses[k] = np.array([x["loss"] for x in lines])
+    return losses
 
 
 def test_gem_tiny_trains_in_fp8_close_to_the_high_precision_run(tmp_path):
@@ -146,21 +167,7 @@ def test_gem_tiny_trains_in_fp8_close_to_the_high_precision_run(tmp_path):
     w = tiny("force")
     data = generate_dataset(w, tmp_path / "data", 64 * BATCHES, seed=0)
     plans = {"hp": plan_for(w, set()), "fp8": plan_for(w, set(layer_names(w)))}
-    procs = {k: _launch(dump_spec(p, tmp_path / f"{k}.json"), tmp_path / "runs", k, data) for k, p in plans.items()}
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for k, p in procs.items():
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.returncode == 0, out[-5000:]
-    except subprocess.TimeoutExpired:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail(f"training timed out after {TIMEOUT_S} s")
-    curves = {}
-    for k in procs:
-        lines = [json.loads(x) for x in (tmp_path / "runs" / k / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        curves[k] = np.array([x["loss"] for x in lines])
+    curves = train_losses(plans, tmp_path, data, TIMEOUT_S)
     hp, f8 = curves["hp"], curves["fp8"]
     assert len(hp) == len(f8) == STEPS
     ep1, ep2 = slice(0, BATCHES), slice(BATCHES, 2 * BATCHES)

@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -26,14 +21,13 @@ from torch import nn
 from coplan.costmodel.flops import layer_names
 from coplan.kernels import fp8_triton as ft
 from coplan.kernels.fp8 import Float8Linear, Fp8InputError, fp8_supported
-from coplan.spec import dump_spec
 from coplan.trainer.data import generate_dataset
 from coplan.trainer.distributed.fp8 import apply_fp8, fp8_notes, fused_ffn_refusal, fused_ffn_unavailable, layer_linears
 from coplan.trainer.fp8_guard import FUSED_SUFFIX, Fp8Guard
 from coplan.trainer.model.gem import GEMModel
 from coplan.trainer.model.layers import FusedFp8FFN, InterFormerLayer, KunlunLayer, pre_norm_ffn
 
-from .test_fp8 import plan_for, tiny
+from .test_fp8 import plan_for, tiny, train_losses
 
 needs_interpreter = pytest.mark.skipif(not ft.interpreting(), reason="the fused kernels run on CPU only under TRITON_INTERPRET=1")
 
@@ -367,14 +361,6 @@ E2E_TIMEOUT_S = 240
 E2E_LOSS_REL = 1e-2
 
 
-def _launch(plan, root, rid, data):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "coplan.trainer.train",
-           str(plan), "--device", "cpu", "--steps", str(E2E_STEPS), "--runs-root", str(root), "--run-id", rid, "--data", str(data),
-           "--no-progress", "--trace", "none", "--checkpoint-every", "-1", "--seed", "0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRITON_INTERPRET="1")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-
-
 def test_gem_tiny_trains_with_fused_ffns_as_with_the_unfused_blockwise_recipe(tmp_path):
     """Two steps of gem-tiny (batch 8: the interpreter runs the fused kernels at ~5 s a step), every layer in
     fp8, fused and unfused ``blockwise`` from one seed on the same batches: the trainer builds, wraps (FSDP2),
@@ -392,21 +378,9 @@ def test_gem_tiny_trains_with_fused_ffns_as_with_the_unfused_blockwise_recipe(tm
         w = w.model_copy(update={"batch": w.batch.model_copy(update={"global_batch_size": E2E_BATCH})})
         runs[recipe] = (w, plan_for(w, set(layer_names(w))))
     data = generate_dataset(runs["blockwise"][0], tmp_path / "data", E2E_BATCH * E2E_STEPS, seed=0)
-    procs = {k: _launch(dump_spec(p, tmp_path / f"{k}.json"), tmp_path / "runs", k, data) for k, (_, p) in runs.items()}
-    deadline = time.monotonic() + E2E_TIMEOUT_S
-    try:
-        for p in procs.values():
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.returncode == 0, out[-5000:]
-    except subprocess.TimeoutExpired:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail(f"training timed out after {E2E_TIMEOUT_S} s")
-    losses = {}
-    for k in procs:
-        lines = [json.loads(x) for x in (tmp_path / "runs" / k / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        losses[k] = [x["loss"] for x in lines]
+    losses = train_losses({k: p for k, (_, p) in runs.items()}, tmp_path, data, E2E_TIMEOUT_S, steps=E2E_STEPS,
+                          env={"TRITON_INTERPRET": "1"})
+    losses = {k: v.tolist() for k, v in losses.items()}
     f, u = losses["blockwise-fused"], losses["blockwise"]
     assert len(f) == len(u) == E2E_STEPS
     assert all(abs(a - b) / b < E2E_LOSS_REL for a, b in zip(f, u)), (f, u)
