@@ -38,7 +38,7 @@ FAMILY = "h200-1gpu"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def make_plans(n: int, seed: int, plans: Path) -> dict:
+def make_plans(n: int, seed: int, plans: Path, topology: str = FAMILY) -> dict:
     """Draw ``n`` workloads (seeds ``seed .. seed+n-1``) and plan each with ``coplan plan``; a manifest."""
     plans.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -47,7 +47,7 @@ def make_plans(n: int, seed: int, plans: Path) -> dict:
         w, p = plans / f"draw-{s}.yaml", plans / f"draw-{s}.plan.json"
         subprocess.run(_coplan("sample-workload", "--family", FAMILY, "--seed", str(s), "-o", str(w)), check=True)
         t0 = time.perf_counter()
-        r = subprocess.run(_coplan("plan", "-t", "h200-1gpu", "-w", str(w), "-o", str(p), "--quiet"),
+        r = subprocess.run(_coplan("plan", "-t", topology, "-w", str(w), "-o", str(p), "--quiet"),
                            capture_output=True, text=True)
         row = {"seed": s, "workload": w.name, "plan": p.name if r.returncode == 0 else None,
                "plan_exit": r.returncode, "plan_s": round(time.perf_counter() - t0, 2)}
@@ -59,7 +59,7 @@ def make_plans(n: int, seed: int, plans: Path) -> dict:
         print(f"seed {s}: plan exit {r.returncode}" + (f", predicted {row['predicted_step_s'] * 1e3:.1f} ms, "
               f"MFU {row['predicted_local_mfu']:.1%}" if r.returncode == 0 else ""), flush=True)
         rows.append(row)
-    manifest = {"family": FAMILY, "seed": seed, "n": n, "rows": rows, "planned_at_commit": git_commit(),
+    manifest = {"family": FAMILY, "topology": topology, "seed": seed, "n": n, "rows": rows, "planned_at_commit": git_commit(),
                 "planned_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     (plans / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -136,6 +136,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: the UTC date and time, YYYYMMDDHHMMSS)")
     ap.add_argument("--plans", type=Path, default=RESULTS / "fresh_plans")
     ap.add_argument("--plan-only", action="store_true", help="draw and plan, then stop (no GPU needed)")
+    ap.add_argument("--topology", default=FAMILY,
+                    help="topology the draws are planned for (default h200-1gpu; h100-1gpu where the GPU lent is an H100)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: coplan train's)")
     ap.add_argument("--run-timeout-s", type=float, default=240.0)
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the runs")
@@ -147,7 +149,7 @@ def main() -> int:
     if a.plan_only:
         seed = a.seed if a.seed is not None else int(dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d%H%M%S"))
         print(f"seed {seed} (taken at run time)" if a.seed is None else f"seed {seed}", flush=True)
-        make_plans(a.n, seed, a.plans)
+        make_plans(a.n, seed, a.plans, a.topology)
         return 0
     done, failed_before = None, {}
     if a.continue_from is not None:
@@ -164,7 +166,7 @@ def main() -> int:
 
     manifest = json.loads((a.plans / "manifest.json").read_text())
     result = {"benchmark": "fresh GEM-shaped draws on one H200: coplan plan -> coplan train at defaults",
-              "family": FAMILY, "seed": manifest["seed"], "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "family": FAMILY, "topology": manifest.get("topology", FAMILY), "seed": manifest["seed"], "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
               "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
               "command": " ".join(sys.argv), "steps": a.steps, "summary": summarize(rows), "rows": rows}
