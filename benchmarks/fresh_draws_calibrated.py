@@ -8,7 +8,11 @@ Runs on any machine (no GPU): the measurements are the H200's, recorded in the i
 
     python benchmarks/fresh_draws_calibrated.py
 
-Writes ``benchmarks/results/fresh_draws_calibrated.json``.
+Writes ``benchmarks/results/fresh_draws_calibrated.json``. Draws planned for another topology (the input's
+``topology``, e.g. ``h100-1gpu``) are planned again for it::
+
+    python benchmarks/fresh_draws_calibrated.py --measured benchmarks/results/fresh_draws_h100.json \
+        --plans benchmarks/results/fresh_plans_h100 --out benchmarks/results/fresh_draws_h100_calibrated.json
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
 
 
-def plan(workload: Path, out: Path, calibration: str) -> dict:
-    subprocess.run([sys.executable, "-m", "coplan.cli", "plan", "-t", "h200-1gpu", "-w", str(workload), "-o", str(out),
+def plan(workload: Path, out: Path, calibration: str, topology: str = "h200-1gpu") -> dict:
+    subprocess.run([sys.executable, "-m", "coplan.cli", "plan", "-t", topology, "-w", str(workload), "-o", str(out),
                     "--quiet", "--calibration", calibration], check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
 
@@ -42,14 +46,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "fresh_draws_calibrated.json")
     a = ap.parse_args()
     measured = json.loads(a.measured.read_text())
+    topology = measured.get("topology", "h200-1gpu")  # (what the draws were planned for)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in measured["rows"]:
             if "measured_step_p50_s" not in r:
                 continue
             ran = json.loads((a.plans / r["plan"]).read_text())
-            cal = plan(a.plans / r["workload"], Path(tmp) / "auto.json", "auto")
-            unc = plan(a.plans / r["workload"], Path(tmp) / "none.json", "none")
+            cal = plan(a.plans / r["workload"], Path(tmp) / "auto.json", "auto", topology)
+            unc = plan(a.plans / r["workload"], Path(tmp) / "none.json", "none", topology)
             same = all(cal.get(k) == ran.get(k) == unc.get(k) for k in CHOICES)
             m = r["measured_step_p50_s"]
             rows.append({"seed": r["seed"], "measured_step_p50_s": m, "same_choices_as_the_run": same,
@@ -65,7 +70,7 @@ def main() -> int:
     ce, ue = [abs(x["calibrated_error"]) for x in ok], [abs(x["uncalibrated_error"]) for x in ok]
     result = {"benchmark": "held-out step-time error of the shipped calibration on fresh draws (no refit)",
               "device": f"CPU, from {measured['device']} measurements", "measured_git_commit": measured["git_commit"],
-              "git_commit": git_commit(), "seed": measured["seed"],
+              "git_commit": git_commit(), "seed": measured["seed"], "topology": topology,
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "summary": {"draws_measured": len(rows), "draws_compared": len(ok),
                           "median_abs_error_calibrated": statistics.median(ce) if ce else None,

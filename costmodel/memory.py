@@ -12,6 +12,10 @@ from coplan.costmodel.context import Context
 from coplan.costmodel.results import DenseFixedCosts, Memory
 
 
+GRAPH_BUCKET_PAD = 1.125
+"""A CUDA-graph bucket holds up to 1/8 more history rows than the batch it replays
+(``coplan.trainer.graphs.BUCKET_STEPS_PER_OCTAVE``): the pool is priced at the activations times this."""
+
 EMBEDDING_OUTPUT_BYTES = 4
 """Bytes per element of the sparse arch's outputs as the dense module receives them: TorchRec's fused
 TBE writes fp32 unless ``output_dtype`` is set (the trainer does not set it)."""
@@ -96,13 +100,16 @@ def communicator_bytes(ctx: Context, sparse_groups: bool = True) -> float:
 
 
 def step_memory(ctx: Context, act_bytes: np.ndarray, rho: float, recomputed: frozenset[str], fixed: DenseFixedCosts,
-                embedding: tuple[float, float, float], dp_all_reduce: bool, ep_bytes: np.ndarray) -> Memory:
+                embedding: tuple[float, float, float], dp_all_reduce: bool, ep_bytes: np.ndarray,
+                graphed: bool = False) -> Memory:
     """The fullest rank's memory: dense state and FSDP buffers (``fixed``), one micro-batch's saved
     activations (``act_bytes`` per dense op, scaled by the jagged imbalance ``rho``; only the layer
     input where recomputed, plus the largest recomputed layer's activations while it runs), the
     embedding shards' (weights, optimizer state, lookup buffers), and the NCCL communicators' buffers
     (one per group of several ranks, the world's when a data-parallel table all-reduces) with the
-    expert-parallel all-to-all's staging."""
+    expert-parallel all-to-all's staging. ``graphed``: the dense arch runs as CUDA graphs, whose pool keeps
+    a padded bucket's activations for the whole run (:data:`GRAPH_BUCKET_PAD`), beside those of the eager
+    profiled steps (on an 80 GB H100 two sampler draws planned without this ran out of memory)."""
     nl = len(ctx.layer_names)
     act = np.bincount(ctx.op_layer, weights=act_bytes, minlength=nl) * rho
     inp = ctx.layer_input_bytes * ctx.mb_batch * rho
@@ -117,7 +124,8 @@ def step_memory(ctx: Context, act_bytes: np.ndarray, rho: float, recomputed: fro
         fsdp_buffers=fixed.fsdp_buffer_bytes, activations=acts, recompute_peak=rpeak,
         embeddings=emb_w, embedding_optimizer=emb_o, embedding_io=emb_io,
         comm_buffers=n_comm * ctx.options.nccl_bytes_per_communicator + ep_stage,
+        graph_pool=GRAPH_BUCKET_PAD * (acts + rpeak) if graphed else 0.0,
     )
 
 
-__all__ = ["EMBEDDING_OUTPUT_BYTES", "communicator_bytes", "fsdp_copy_bytes", "state_bytes", "step_memory", "table_state_bytes"]
+__all__ = ["EMBEDDING_OUTPUT_BYTES", "GRAPH_BUCKET_PAD", "communicator_bytes", "fsdp_copy_bytes", "state_bytes", "step_memory", "table_state_bytes"]

@@ -359,7 +359,8 @@ def price(
     M = ctx.micro_batches
     emb = (sp.agg.mem_weight_bytes, sp.agg.mem_optimizer_bytes, sp.agg.mem_io_bytes + 2.0 * sp.agg.recv_bytes * rho / M) \
         if sp.agg is not None else (0.0, 0.0, 0.0)
-    mem = step_memory(ctx, d.arr.act_bytes, rho, recomputed, b.fixed, emb, sp.dp_bytes > 0, cols.ep_bytes)
+    mem = step_memory(ctx, d.arr.act_bytes, rho, recomputed, b.fixed, emb, sp.dp_bytes > 0, cols.ep_bytes,
+                      graphed=_graphed(ctx, d.arr))
     ids, rank_time, rank_mem = _sampled_ranks(br.perf, mem, sp, M)
     hbm = ctx.topology.gpu.hbm_bytes
     return StepCost(

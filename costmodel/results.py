@@ -109,6 +109,11 @@ class Memory:
     comm_buffers: float = 0.0
     """NCCL communicator buffers and expert-parallel all-to-all staging."""
 
+    graph_pool: float = 0.0
+    """CUDA graphs' private pool (one-rank plans whose dense arch the trainer runs as graphs): the largest
+    captured bucket's activations, padded by up to :data:`GRAPH_BUCKET_PAD`, held for the whole run, beside the
+    eager step the profiled steps run."""
+
     def __add__(self, other: "Memory") -> "Memory":
         return Memory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Memory)))
 

@@ -57,6 +57,7 @@ MEMORY_COLOURS: dict[str, str] = {
     "embedding_optimizer": "#999933",
     "embedding_io": "#BBCC33",
     "comm_buffers": "#EE6677",
+    "graph_pool": "#BBBBBB",
 }
 """Memory kinds. Kinds not listed get a stable colour from :data:`EXTRA`."""
 

@@ -40,7 +40,7 @@ MAX_BAR_RANKS = 48
 
 CLASS_ORDER = ("gemm", "attention", "embedding", "elementwise")
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "fsdp_buffers", "activations", "recompute_peak", "embeddings",
-                "embedding_optimizer", "embedding_io", "comm_buffers")
+                "embedding_optimizer", "embedding_io", "comm_buffers", "graph_pool")
 EMBEDDING_KINDS = ("embeddings", "embedding_optimizer", "embedding_io")
 
 

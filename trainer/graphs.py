@@ -19,7 +19,14 @@ captured per bucket the run meets. Padded rows are in no sample: the layers mask
 (:func:`~coplan.trainer.model.layers.mask_rows`) so that they change neither the loss nor any
 gradient; a padded step computes what the unpadded eager step does (``tests/trainer/test_graphs.py``).
 All buckets share one memory pool: a bucket's forward and backward always replay back to back, so a
-later capture may reuse what an earlier one freed.
+later capture may reuse what an earlier one freed. The buckets captured ahead are captured largest first,
+so that each later (smaller) capture fits in blocks the first one freed: captured smallest first, every
+larger capture needs blocks none freed, and the pool grows towards the sum of the buckets' peaks (on an
+80 GB H100, 42-49 GiB of pools for two sampler draws whose plans predicted 19-26 GB in all, and an
+out-of-memory error in the eager profiled step). Memory is watched (:func:`capture_room`): a capture is
+only tried while the device keeps room for it and for one eager step beside the pools (the profiled step
+runs eagerly); a bucket without room runs eagerly. The eager warm-up's cached blocks are given back
+after each capture, and a capture that fails drops every graph and its pool.
 
 Where it applies (:func:`graphs_unavailable` says why not): CUDA, one rank (no FSDP2: its hooks run
 Python per step and cannot be captured; on one rank they only cast), the Triton attention, no
@@ -61,6 +68,19 @@ def bucket(rows: int, per_octave: int = BUCKET_STEPS_PER_OCTAVE, floor: int = MI
     e = (rows - 1).bit_length() - 1
     step = max(1, (1 << e) // per_octave)
     return -(-rows // step) * step
+
+
+def capture_room(free_bytes: int, *, eager_need: int, growth: int | None, rows: int, largest_rows: int,
+                 margin: int) -> bool:
+    """Whether a capture of a bucket of ``rows`` history rows may be tried with ``free_bytes`` free on the
+    device: room for the pool's growth and for one eager step (``eager_need``: the peak the eager warm-up of
+    the first capture allocated) beside it, plus ``margin``. ``growth``: what the first (largest) capture
+    added to the pool, None before any; a bucket larger than every one captured is expected to grow the pool
+    in proportion to its rows, a smaller one to fit in freed blocks (an eighth of that growth is kept)."""
+    if growth is None:
+        return free_bytes >= eager_need + margin
+    want = growth * rows / max(largest_rows, 1) if rows > largest_rows else growth / 8
+    return free_bytes >= want + eager_need + margin
 
 
 def likely_rows(values: np.ndarray, probs: np.ndarray, samples: int, *, coverage: float = 0.99, draws: int = 4000,
@@ -138,6 +158,10 @@ class GraphStats:
     padded_rows: int = 0
     rows: int = 0
     capture_s: float = 0.0
+    no_room: int = 0
+    """Buckets not captured because the device had no room for their pool and an eager step beside it."""
+    pool_bytes: int = 0
+    """Bytes the captures added to the device's reserved memory (the graphs' pool), at the last capture."""
     disabled: str | None = None
     buckets: list[tuple] = field(default_factory=list)
 
@@ -147,6 +171,10 @@ class GraphStats:
         pad = self.padded_rows / self.rows if self.rows else 0.0
         s = (f"CUDA graphs: dense forward+backward replayed {self.replayed} times; {self.captured} bucket(s) captured "
              f"({self.ahead} ahead, for likely lengths) in {self.capture_s:.1f} s; padding {pad:.1%} of history rows")
+        if self.pool_bytes:
+            s += f"; pool {self.pool_bytes / 2**30:.2f} GiB"
+        if self.no_room:
+            s += f"; {self.no_room} bucket(s) not captured for lack of memory"
         if self.eager:
             s += f"; {self.eager} micro-batch(es) eager"
         if self.traced:
@@ -201,6 +229,14 @@ class DenseGraphs:
         self.use_graphs = use_graphs and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.stats = GraphStats(disabled=None if self.use_graphs else "not a CUDA device")
+        self._growth: int | None = None
+        """What the first capture added to the device's reserved bytes (:func:`capture_room`)."""
+        self._eager_need = 0
+        """Peak bytes the first capture's eager warm-up allocated: what one eager step needs beside the pools."""
+        self._largest_rows = 0
+        self._base_reserved: int | None = None
+        self._refused: set[tuple] = set()
+        """Buckets refused for lack of room: not tried again (they run eagerly)."""
         self.features: dict[str, list[str]] = {}
         """Sequence -> its features (the InterFormer blocks' inputs): the jagged tensors padded to a bucket."""
         for name in getattr(dense, "order", []):
@@ -248,11 +284,13 @@ class DenseGraphs:
             return self._forward(pooled, keys, widths, seq, offsets, dense_x, batch, None)
         graphable = self.use_graphs and all(f in self.seq_of for f in seq)  # (a feature no block pads: eager)
         b = self.buckets.get(key) if graphable else None
-        if b is None and graphable and len(self.buckets) < self.max_graphs:
-            first = not self.buckets
+        if b is None and graphable and not self.buckets and not self.stats.no_room:
+            # the first step: the likely buckets, largest first (later captures reuse what it freed)
+            self.last_offsets = offsets
+            self._capture_likely(pooled, keys, widths, seq, dense_x, batch, rows)
+            b = self.buckets.get(key)
+        if b is None and graphable and self.use_graphs and len(self.buckets) < self.max_graphs and key not in self._refused:
             b = self._capture(key, pooled, keys, widths, seq, offsets, dense_x, batch, rows)
-            if first and b is not None:
-                self._capture_likely(pooled, keys, widths, seq, dense_x, batch, rows)
         self.stats.rows += sum(rows.values())
         if b is None:
             self.stats.eager += 1
@@ -272,23 +310,29 @@ class DenseGraphs:
             return
         (s, _), = rows.items()
         cap = self.max_len.get(s, 0)
-        for target in self.likely_rows.get(s, ()):
+        n_now = rows[s]
+        targets = sorted({min(t, batch * cap) if cap else t for t in self.likely_rows.get(s, ())} | {n_now}, reverse=True)
+        for n in targets:
             if len(self.buckets) >= self.max_graphs - 4 or not self.use_graphs:  # (room left for the unlikely)
                 return
-            n = min(target, batch * cap) if cap else target
+            if n == n_now:  # this batch's own bucket, in its place in the order, with its own inputs
+                key = self._key(rows, keys, widths, batch, pooled, seq)
+                if key not in self.buckets and key not in self._refused:
+                    self._capture(key, pooled, keys, widths, seq, self.last_offsets, dense_x, batch, rows)
+                continue
             fake_rows = {s: n}
             fake_seq = {f: torch.zeros((n, *v.shape[1:]), dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
                         for f, v in seq.items()}
             key = self._key(fake_rows, keys, widths, batch, pooled, fake_seq)
-            if key in self.buckets:
+            if key in self.buckets or key in self._refused:
                 continue
             lengths = torch.full((batch,), n // batch, dtype=torch.int64)
             lengths[: n % batch] += 1
             off = torch.zeros(batch + 1, dtype=torch.int64)
             off[1:] = lengths.cumsum(0)
             fake_off = {k: off.to(device=o.device, dtype=o.dtype) for k, o in self.last_offsets.items()}
-            self._capture(key, pooled, keys, widths, fake_seq, fake_off, dense_x, batch, fake_rows, warmup=1)
-            self.stats.ahead += 1
+            if self._capture(key, pooled, keys, widths, fake_seq, fake_off, dense_x, batch, fake_rows, warmup=1) is not None:
+                self.stats.ahead += 1
 
     def _static(self, pooled, seq, offsets, dense_x, rows) -> _Bucket:
         def like(x, n=None):
@@ -340,6 +384,19 @@ class DenseGraphs:
     def _capture(self, key, pooled, keys, widths, seq, offsets, dense_x, batch, rows, warmup: int = WARMUP_ITERS
                  ) -> _Bucket | None:
         self.last_offsets = offsets
+        n_rows = sum(bucket(n) for n in rows.values())
+        dev = self.device
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            if self._base_reserved is None:
+                self._base_reserved = torch.cuda.memory_reserved(dev)
+            if not capture_room(free, eager_need=self._eager_need, growth=self._growth, rows=n_rows,
+                                largest_rows=self._largest_rows, margin=int(0.05 * total)):
+                self._refused.add(key)
+                self.stats.no_room = len(self._refused)
+                return None
+            torch.cuda.reset_peak_memory_stats(dev)
+            alloc0 = torch.cuda.memory_allocated(dev)
 
         t0 = time.perf_counter()
         b = self._static(pooled, seq, offsets, dense_x, rows)
@@ -357,6 +414,8 @@ class DenseGraphs:
                     logits, leaves = self._graph_pass(b, keys, widths, batch)
                     self._backward(logits, leaves, torch.ones_like(logits))
             torch.cuda.current_stream(self.device).wait_stream(side)
+            if dev.type == "cuda" and self._growth is None:
+                self._eager_need = max(self._eager_need, torch.cuda.max_memory_allocated(dev) - alloc0)
             b.fwd, b.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             # thread-local: the loader's pinning thread keeps working while the main thread captures
             with torch.cuda.graph(b.fwd, pool=self.pool, capture_error_mode="thread_local"):
@@ -370,9 +429,19 @@ class DenseGraphs:
             self.stats.disabled = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             print(f"warning: {self.stats.disabled}; the dense arch runs eagerly", file=sys.stderr, flush=True)
             b = None
+            self.buckets.clear()  # (their graphs hold the pool: dropped, it goes back to the device)
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(self.grad_bufs, saved)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()  # the warm-up's blocks, cached on the side stream, go back
+        if b is not None and dev.type == "cuda":
+            pool = torch.cuda.memory_reserved(dev) - (self._base_reserved or 0)
+            if self._growth is None:
+                self._growth = max(pool, 0)
+            self.stats.pool_bytes = max(pool, 0)
+            self._largest_rows = max(self._largest_rows, n_rows)
         self.stats.capture_s += time.perf_counter() - t0
         if b is not None:
             self.buckets[key] = b
@@ -381,4 +450,5 @@ class DenseGraphs:
         return b
 
 
-__all__ = ["BUCKET_STEPS_PER_OCTAVE", "DenseGraphs", "GraphStats", "MAX_GRAPHS", "bucket", "graphs_unavailable", "likely_rows"]
+__all__ = ["BUCKET_STEPS_PER_OCTAVE", "DenseGraphs", "GraphStats", "MAX_GRAPHS", "bucket", "capture_room", "graphs_unavailable",
+           "likely_rows"]

@@ -28,12 +28,29 @@ def test_choose_auto_none_file_and_a_gpu_without_one(tmp_path):
     assert choose("AUTO", h200)[0] == cal
     none, line = choose("none", h200)
     assert none is None and "none" in line
+    # an H100 has none of its own: it borrows the H200's (same Hopper architecture), collectives dropped, and says so
     cal2, line = choose("auto", h100)
-    assert cal2 is None and "none shipped for NVIDIA H100" in line and "uncalibrated" in line
+    assert cal2 is not None and cal2.device == "NVIDIA H100" and cal2.collective_efficiency == {}
+    assert cal2.host_launch_s == cal.host_launch_s and "borrowed" in cal2.notes
+    assert "borrowed for NVIDIA H100" in line and "shipped for NVIDIA H200" in line and "uncalibrated" in line
+    cal2.check_against(h100)  # (usable as is: no --force needed)
+    # a GPU of an architecture nothing ships for stays uncalibrated
+    gb200 = load_topology("gb200-nvl72-16k")
+    cal3, line = choose("auto", gb200)
+    assert cal3 is None and "none shipped for" in line and "uncalibrated" in line
+
     f = tmp_path / "mine.json"
     f.write_text(shipped()["NVIDIA H200"].read_text())
     mine, line = choose(str(f), h200)
     assert mine == cal and str(f) in line
+
+
+def test_gpu_families():
+    from coplan.calibration.shipped import family
+
+    assert family("NVIDIA H100 80GB HBM3") == family("NVIDIA H200") == family("NVIDIA GH200 480GB") == "Hopper"
+    assert family("NVIDIA B200") == family("NVIDIA GB200") == "Blackwell"
+    assert family("NVIDIA A100-SXM4-80GB") is None and family("") is None
 
 
 @pytest.mark.parametrize("flag,calibrated", [([], True), (["--calibration", "none"], False)])

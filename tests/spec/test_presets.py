@@ -11,7 +11,7 @@ import pytest
 from coplan.spec import Topology, Workload, list_presets, load_topology, load_workload
 from coplan.units import GB
 
-TOPOLOGIES = ["h200-1gpu", "h200-superpod-1k", "h200-superpod-4k", "meta-roce-24k", "gb200-nvl72-16k"]
+TOPOLOGIES = ["h200-1gpu", "h100-1gpu", "h200-superpod-1k", "h200-superpod-4k", "meta-roce-24k", "gb200-nvl72-16k"]
 WORKLOADS = ["gem-tiny", "gem-h200", "gem-1t", "dlrm-856", "dense-decoder-8b"]
 
 

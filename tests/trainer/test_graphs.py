@@ -113,7 +113,10 @@ def test_padded_pass_equals_eager(make, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     in_grads = runner._backward(got, leaves, g_out)
     for p, r in zip(params, ref[:len(params)]):
-        torch.testing.assert_close(p.grad, r if r is not None else torch.zeros_like(p), rtol=1e-4, atol=1e-6)
+        r = r if r is not None else torch.zeros_like(p)
+        # (scaled to the gradient's largest entry: a draw's gradients can span many decades, and padding
+        # changes the order of fp32 sums, which on 2 threads moved a 1e12-sized MoE gradient by 0.3%)
+        torch.testing.assert_close(p.grad, r, rtol=1e-4, atol=max(1e-6, 1e-5 * float(r.abs().max())))
     torch.testing.assert_close(in_grads[0], ref[len(params)], rtol=1e-4, atol=1e-6)
     for f, gi, r in zip(sorted(b.seq), in_grads[1:], [ref[len(params) + 1 + list(seq).index(f)] for f in sorted(b.seq)]):
         n = seq[f].shape[0]
@@ -229,3 +232,43 @@ def test_likely_buckets_cover_the_micro_batches_the_spec_draws():
     covered = np.mean([bucket(int(t)) in got for t in totals])
     assert covered >= 0.97
     assert likely_rows(values, probs, 0) == []
+
+
+def test_likely_buckets_are_captured_largest_first(monkeypatch):
+    """The pool is shared: captured largest first, each later capture fits in blocks the first freed (smallest
+    first, the pool grew towards the sum of the buckets' peaks and ran an 80 GB H100 out of memory)."""
+    w = load_workload("gem-tiny")
+    lay = feature_layout(w)
+    assert len(lay.sequences) == 1
+    arch = DenseArch(w, lay, "reference")
+    (s,) = lay.sequences
+    runner = DenseGraphs(arch, torch.float32, torch.device("cpu"), likely_rows={s: [bucket(300), bucket(700), bucket(1000)]})
+    runner.use_graphs = True  # (the capture itself is replaced: this checks the order only)
+    order = []
+
+    def capture(key, pooled, keys, widths, seq, offsets, dense_x, batch, rows, warmup=2):
+        order.append(rows[s])
+        runner.buckets[key] = key
+        return key
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    lengths = [40, 60, 64, 50] * 4  # 856 rows (bucket 896), between the likely buckets; 16 x 64 rows at most
+    pooled, keys, widths, seq, offsets, dense = _inputs(w, lengths)
+    runner.last_offsets = offsets
+    runner._capture_likely(pooled, keys, widths, seq, dense, len(lengths), {s: sum(lengths)})
+    assert order == sorted(order, reverse=True) and sum(lengths) in order and len(order) == 4
+    assert runner.stats.ahead == 3
+
+
+def test_capture_room_keeps_an_eager_step_beside_the_pool():
+    from coplan.trainer.graphs import capture_room
+
+    GiB = 2**30
+    # the first capture: room for its eager warm-up (nothing measured yet) and the margin
+    assert capture_room(10 * GiB, eager_need=0, growth=None, rows=4096, largest_rows=0, margin=4 * GiB)
+    assert not capture_room(3 * GiB, eager_need=0, growth=None, rows=4096, largest_rows=0, margin=4 * GiB)
+    # a smaller bucket than the largest captured reuses freed blocks: an eighth of the first growth is asked
+    kw = dict(eager_need=12 * GiB, growth=16 * GiB, largest_rows=8192, margin=4 * GiB)
+    assert capture_room(19 * GiB, rows=4096, **kw) and not capture_room(17 * GiB, rows=4096, **kw)
+    # a larger one grows the pool in proportion to its rows
+    assert not capture_room(40 * GiB, rows=16384, **kw) and capture_room(49 * GiB, rows=16384, **kw)
