@@ -331,7 +331,9 @@ class DenseGraphs:
             off = torch.zeros(batch + 1, dtype=torch.int64)
             off[1:] = lengths.cumsum(0)
             fake_off = {k: off.to(device=o.device, dtype=o.dtype) for k, o in self.last_offsets.items()}
-            if self._capture(key, pooled, keys, widths, fake_seq, fake_off, dense_x, batch, fake_rows, warmup=1) is not None:
+            # (the run's first capture warms up as fully as any: cuBLAS workspaces, Triton's JIT and autotuning)
+            warm = WARMUP_ITERS if not self.buckets else 1
+            if self._capture(key, pooled, keys, widths, fake_seq, fake_off, dense_x, batch, fake_rows, warmup=warm) is not None:
                 self.stats.ahead += 1
 
     def _static(self, pooled, seq, offsets, dense_x, rows) -> _Bucket:
