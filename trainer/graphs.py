@@ -389,9 +389,11 @@ class DenseGraphs:
         n_rows = sum(bucket(n) for n in rows.values())
         dev = self.device
         if dev.type == "cuda":
-            free, total = torch.cuda.mem_get_info(dev)
-            if self._base_reserved is None:
+            if self._base_reserved is None:  # (what the allocator holds before any graph, its free cache given back)
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()
                 self._base_reserved = torch.cuda.memory_reserved(dev)
+            free, total = torch.cuda.mem_get_info(dev)
             if not capture_room(free, eager_need=self._eager_need, growth=self._growth, rows=n_rows,
                                 largest_rows=self._largest_rows, margin=int(0.05 * total)):
                 self._refused.add(key)
