@@ -506,14 +506,17 @@ def _expected_max_of_sums(costs: np.ndarray, probs: np.ndarray, items_per_bin: f
         f_max = np.exp(log_f)
         dx = x[1] - x[0]
         return float(x[0] + dx * np.sum(1.0 - f_max[:-1])), e_mean
-    h = q_max * float(costs.max()) / (_GRID - 1)
+    # One sequence's cost sits on grid points 0 .. floor(max/h) + 1 (its mass split between two); with this
+    # spacing a sum of q_max of them stays within the GRID points, so a circular convolution of GRID points
+    # (not 2 * GRID) has no wrap-around: half the FFT work of the zero-padded form.
+    h = q_max * float(costs.max()) / (_GRID - 1 - q_max)
     x = costs / h
     lo = np.floor(x).astype(np.int64)
     frac = x - lo
     single = np.zeros(_GRID)
     np.add.at(single, lo, probs * (1 - frac))
     np.add.at(single, np.minimum(lo + 1, _GRID - 1), probs * frac)
-    size = 2 * _GRID
+    size = _GRID
     spec = np.fft.rfft(single, size)
     log_f = np.zeros(_GRID)
     for q, count in parts:
