@@ -285,7 +285,7 @@ FIGURES: tuple[Figure, ...] = (
     # cost model
     Figure(COST, "Pricing: first plan of a process (gem-1t, 16,384 GPUs, 1,200 tables)", COSTMODEL_SPEED,
            at("first_plan_s", 1e3), "ms", Goal("<=", 50),
-           note="3 runs on 2026-12-04 (each a median of 20): 24.6, 25.7, 29.2 ms. On 2026-12-05 at c0bb86a: 77-110 ms over 5 runs; the same script at the code of each commit between puts the step at 7d2159b (balance groups: the spread between groups' totals is priced by a 2^19-point FFT convolution on the first plan), 39 ms before it and 107 ms after; not fixed. The page shows the last written"),
+           note="3 runs on 2026-12-04 (each a median of 20): 24.6, 25.7, 29.2 ms. On 2026-12-05 at c0bb86a: 77-110 ms over 5 runs, beside a CI run (the step came at 7d2159b, balance groups, whose group spread is priced by an FFT convolution on the first plan). At 25d979e that convolution runs on 2^18 points instead of 2^19 zero-padded (same values to 4e-7): paired on an idle machine, 5 runs each, the code before 45.5-49.9 ms, after 29.7-34.3 ms"),
     Figure(COST, "Pricing: a new mesh candidate (fresh context + one plan)", COSTMODEL_SPEED,
            at("fresh_context_plan_s", 1e3), "ms", Goal("<=", 50)),
     Figure(COST, "Pricing: a new table placement in an existing context", COSTMODEL_SPEED,
