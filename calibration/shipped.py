@@ -66,17 +66,17 @@ def borrowed(topology: Topology) -> tuple[Calibration, str] | None:
                     "own; its collective efficiencies dropped]")
             copy = cal.model_copy(update={"device": gpu, "collective_efficiency": {},
                                           "notes": (cal.notes + " " if cal.notes else "") + note})
-            fitted = describe(cal, path.name).split(" (", 1)[1]
             line = (f"calibration: borrowed for {gpu} from {path.name}, shipped for {cal.device} (same {fam} architecture; "
-                    f"{gpu} itself is uncalibrated: fit one with coplan calibrate) ({fitted}")
+                    f"{gpu} itself is uncalibrated: fit one with coplan calibrate) ({provenance(cal)})")
             return copy, line
     return None
 
 
-def describe(cal: Calibration, origin: str) -> str:
+def provenance(cal: Calibration) -> str:
+    """Where a calibration came from, in one parenthesis-free phrase: its date, commit, runs, fit error, host cost."""
     commit = cal.versions.get("coplan_git_commit", "")
     err = cal.fit_error.median_abs_rel_error if cal.fit_error is not None else None
-    parts = [f"calibration: {origin} for {cal.device}", f"fitted {cal.created_utc[:10] or 'at an unknown date'}"]
+    parts = [f"fitted {cal.created_utc[:10] or 'at an unknown date'}"]
     if commit:
         parts.append(f"runs at commit {commit[:7]}")
     if cal.source_runs:
@@ -85,7 +85,11 @@ def describe(cal: Calibration, origin: str) -> str:
         parts.append(f"per-op fit error median {err:.1%}")
     if cal.host_launch_s:
         parts.append(f"host {cal.host_launch_s * 1e6:.0f} us per priced launch")
-    return parts[0] + " (" + ", ".join(parts[1:]) + ")"
+    return ", ".join(parts)
+
+
+def describe(cal: Calibration, origin: str) -> str:
+    return f"calibration: {origin} for {cal.device} ({provenance(cal)})"
 
 
 def choose(arg: str | None, topology: Topology) -> tuple[Calibration | None, str]:
@@ -108,4 +112,4 @@ def choose(arg: str | None, topology: Topology) -> tuple[Calibration | None, str
     return cal, describe(cal, arg)
 
 
-__all__ = ["AUTO", "FAMILIES", "NONE", "borrowed", "choose", "describe", "family", "shipped"]
+__all__ = ["AUTO", "FAMILIES", "NONE", "borrowed", "choose", "describe", "family", "provenance", "shipped"]
