@@ -80,6 +80,7 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
         s = json.loads(summary.read_text())
         row |= {"measured_step_p50_s": s["step_time"]["p50_s"], "measured_mfu": s["measured_mfu"],
                 "host_step_p50_s": (s.get("host_step") or {}).get("p50_s"),
+                "host_phases_s": s.get("host_phases") or {},
                 "startup": s.get("startup"), "loader": s.get("loader"), "options": s.get("options"),
                 "notes": s.get("notes", "")}
         try:

@@ -36,7 +36,7 @@ from coplan.trainer.distributed.mesh import ParallelDims, build_meshes
 from coplan.trainer.features import FeatureLayout
 from coplan.costmodel.jagged import length_pmf
 from coplan.trainer.graphs import DenseGraphs, graphs_unavailable, likely_rows
-from coplan.trainer.metrics import StepRecord, StepTimer, mfu, stats, step_flops
+from coplan.trainer.metrics import HostPhases, StepRecord, StepTimer, mfu, stats, step_flops
 from coplan.trainer.model.gem import GEMModel, loss_parts
 from coplan.trainer.model.layers import enable_segment_sum_gemm, resolve_backend, segment_sum_gemm_works
 from coplan.trainer.model.moe import MoELayer, grouped_mm_works
@@ -333,6 +333,7 @@ class Loop:
                                   micro_batches=plan.micro_batches,
                                   balance_ranks=plan.balancing.group_ranks or ranks.local_world)
         self.timer = StepTimer(device)
+        self.phases = HostPhases()
         self.host_s: dict[int, float] = {}
         """Per step, the host's seconds inside :meth:`step`: from its start until its last launch is issued (its
         batch's wait included; no read-back happens there, so on a step whose device work outlasts it this is
@@ -403,6 +404,8 @@ class Loop:
         over the ranks once, in the optimizer step."""
         micro_batches = self.plan.micro_batches
         step_parts, hbs = None, []
+        ph = self.phases
+        ph.begin(step)
         if self.graphs is not None:
             self.graphs.begin_step()
         self.fp8_guard.begin_step(step)
@@ -413,13 +416,18 @@ class Loop:
             else:
                 (hb, batch), self._ahead = self._ahead, None
             hbs.append(hb)
+            ph.lap("data")
             out = self.pm.dmp(self.pipe.ready(batch))
+            ph.lap("forward")
             if self.pipe.enabled and (step + 1 < self.steps or micro + 1 < micro_batches):
                 # the next micro-batch's copies and input dist, on the side stream behind this forward
                 nhb, nht = next(self.prefetch)
                 self._ahead = (nhb, self.pipe.prepare(nhb, nht))
+                ph.lap("ahead")
             loss, mb_parts = self.loss(out, batch, hb)
+            ph.lap("loss")
             loss.backward()
+            ph.lap("backward")
             mb_parts = torch.cat([loss.detach().reshape(1), mb_parts])
             step_parts = mb_parts if step_parts is None else step_parts + mb_parts
         assert step_parts is not None
@@ -442,7 +450,9 @@ class Loop:
             parts = torch.cat([step_parts[:1], n_bad.to(step_parts.dtype), step_parts[1:]])
             if self.ranks.world > 1:  # (on one rank the sum is the tensor itself: no collective to issue)
                 dist.all_reduce(parts)
+        ph.lap("optimizer")
         self.pending.append(self.host_figures(step, parts, hbs))
+        ph.lap("bookkeeping")
 
     def host_figures(self, step: int, parts: torch.Tensor, hbs: list) -> Pending:
         """A step's figures known on the host (tokens, FLOPs, balance, history lengths), with its device values."""
@@ -566,6 +576,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
         ended_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), steps=steps,
         warmup_steps=min(warmup, steps), step_time=stats(times), model_flops_per_step=flops_mean,
         host_step=stats([loop.host_s[r.step] for r in measured if r.step in loop.host_s]),
+        host_phases=loop.phases.medians([r.step for r in measured]),
         measured_mfu=mfu(flops_mean, float(np.mean(times)), ranks.world, loop.peak) if times else 0.0,
         tokens_per_s=sum(r.tokens for r in measured) / total_t if total_t else 0.0,
         samples_per_s=sum(r.samples for r in measured) / total_t if total_t else 0.0,

@@ -58,6 +58,33 @@ class StepTimer:
         return out
 
 
+class HostPhases:
+    """The host's seconds per phase of each step (``time.perf_counter`` between the loop's phases: no device
+    sync, so on a device-bound step a phase that blocks on a full launch queue absorbs that wait)."""
+
+    def __init__(self) -> None:
+        self.per_step: dict[int, dict[str, float]] = {}
+        self._step: dict[str, float] | None = None
+        self._t = 0.0
+
+    def begin(self, step: int) -> None:
+        self._step = self.per_step.setdefault(step, {})
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last lap (or :meth:`begin`) to ``phase``."""
+        now = time.perf_counter()
+        if self._step is not None:
+            self._step[phase] = self._step.get(phase, 0.0) + now - self._t
+        self._t = now
+
+    def medians(self, steps: list[int]) -> dict[str, float]:
+        """Per phase, the median over ``steps`` (a phase a step did not run counts as 0 there)."""
+        rows = [self.per_step[s] for s in steps if s in self.per_step]
+        names = sorted({k for r in rows for k in r})
+        return {k: float(np.median([r.get(k, 0.0) for r in rows])) for k in names}
+
+
 def step_flops(workload: Workload, global_lengths: dict[str, np.ndarray], batch_size: int) -> float:
     """Model FLOPs (forward + backward) of one global batch, on its real lengths. A sequence of the workload
     that no block or table reads has no lengths in the data (and no op): it counts as empty."""

@@ -150,6 +150,14 @@ class RunResult(Spec):
     launch, with no read-back in it: the host's own share of a step, which bounds a host-bound step and
     hides under a device-bound one (None: a summary written before it was recorded)."""
 
+    host_phases: dict[str, NonNeg] = Field(default_factory=dict)
+    """Where the host's time per step goes (median seconds over the measured steps, per phase of the train
+    loop: ``data`` (next batch and its copies), ``forward`` (sparse and dense forward, or the graph replay's
+    forward side), ``ahead`` (the next batch's input dist issued), ``loss``, ``backward``, ``optimizer``
+    (FP8 guard, gradient norm, dense and table optimizers, zero-grad), ``bookkeeping`` (the host figures of the step)).
+    Their sum is about ``host_step``'s; on a host-bound step it names what to make cheaper. Empty: a summary
+    written before it was recorded."""
+
     model_flops_per_step: NonNeg = 0.0
     """Model FLOPs of one global step, counted on real lengths (costmodel.flops)."""
 

@@ -201,6 +201,11 @@ def test_run_directory_is_complete(case, ranks, request):
     # step (the step also holds the next step's start: it cannot be shorter than the host's part)
     hs = summary.host_step
     assert hs is not None and 0 < hs.p50_s <= summary.step_time.max_s and hs.p50_s > 0.5 * summary.step_time.p50_s
+    # where that host time goes, per phase of the loop: the phases' medians sum to about the step's host time
+    ph = summary.host_phases
+    assert {"data", "forward", "loss", "backward", "optimizer", "bookkeeping"} <= set(ph)
+    assert all(v >= 0 for v in ph.values()) and ph["forward"] > 0 and ph["backward"] > 0
+    assert 0.5 * hs.p50_s < sum(ph.values()) < 1.5 * hs.p50_s
     assert len(summary.peak_memory_bytes) == ranks
     st = summary.startup  # time to the first step, split (rank 0's clock)
     assert st is not None and st.to_first_step_s > 0 and st.first_step_s > 0

@@ -272,3 +272,4 @@ def test_capture_room_keeps_an_eager_step_beside_the_pool():
     assert capture_room(19 * GiB, rows=4096, **kw) and not capture_room(17 * GiB, rows=4096, **kw)
     # a larger one grows the pool in proportion to its rows
     assert not capture_room(40 * GiB, rows=16384, **kw) and capture_room(49 * GiB, rows=16384, **kw)
+
