@@ -492,7 +492,7 @@ PENDING: tuple[Pending, ...] = (
 )
 
 INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans", "calib_plans_graphs",
-          "fresh_plans_b", "fresh_plans_h100", "startup_plans")
+          "fresh_plans_c", "fresh_plans_h100", "fresh_plans_h100b", "startup_plans")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
