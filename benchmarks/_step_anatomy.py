@@ -75,12 +75,25 @@ def step_anatomy(run_dir: str | Path) -> dict[str, Any] | None:
     return out
 
 
-def verdict(anatomy: dict[str, Any] | None, measured_step_s: float | None = None) -> str:
+def host_phases_line(phases: dict[str, float] | None) -> str:
+    """The host's time per measured step by phase of the train loop (``summary.json`` ``host_phases``),
+    largest first: ``"host per step 16.1 ms: forward 7.0, backward 5.2, optimizer 2.1, ..."``; empty without."""
+    if not phases:
+        return ""
+    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+    return f"host per measured step {sum(phases.values()) * 1e3:.1f} ms: {parts}"
+
+
+def verdict(anatomy: dict[str, Any] | None, measured_step_s: float | None = None,
+            host_phases: dict[str, float] | None = None) -> str:
     """One line: where the step goes. With ``measured_step_s`` (the run's p50 over its replayed steps) the
     device's idle share is of that step: the profiled steps run the dense arch eagerly when the run replays
-    CUDA graphs (so that the trace names each op), and their host times are the eager ones."""
+    CUDA graphs (so that the trace names each op), and their host times are the eager ones; ``host_phases``
+    (the run's ``summary.json`` ``host_phases``, over the measured steps) says where the measured steps' host
+    time went."""
+    ph = host_phases_line(host_phases)
     if not anatomy or not anatomy.get("device_window_s"):
-        return "no trace"
+        return "no trace" + (f"; {ph}" if ph else "")
     idle = anatomy.get("gpu_idle_share") or 0.0
     if measured_step_s:
         idle = max(0.0, 1.0 - anatomy["gpu_busy_s"] / measured_step_s)
@@ -91,4 +104,4 @@ def verdict(anatomy: dict[str, Any] | None, measured_step_s: float | None = None
     kind = "host-bound" if idle > 0.3 else "device-bound"
     of = measured_step_s if measured_step_s else anatomy["device_window_s"]
     return (f"{kind}: GPU busy {anatomy['gpu_busy_s'] * 1e3:.1f} of {of * 1e3:.1f} ms "
-            f"({idle:.0%} idle), {anatomy['kernels']} kernels{host}")
+            f"({idle:.0%} idle), {anatomy['kernels']} kernels{host}" + (f"; {ph}" if ph else ""))

@@ -87,7 +87,7 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
             anatomy = step_anatomy(runs_root / run_id)
         except Exception as e:  # the figures stand without it
             anatomy = {"error": str(e)[:300]}
-        row |= {"anatomy": anatomy, "where": verdict(anatomy, row["measured_step_p50_s"])}
+        row |= {"anatomy": anatomy, "where": verdict(anatomy, row["measured_step_p50_s"], row.get("host_phases_s"))}
     else:
         row["tail"] = out[-1500:]
     # the lent machine's disk (64 GiB) holds a few draws' tables: each run's checkpoint and dataset go once read

@@ -35,3 +35,13 @@ def test_verdict_reads_the_idle_share_off_the_measured_step():
     assert anatomy.verdict(dict(a), 0.0085).startswith("device-bound")
     assert anatomy.verdict(dict(a), 0.020).startswith("host-bound")  # the replayed step is longer than the device's work
     assert "of 20.0 ms" in anatomy.verdict(dict(a), 0.020)
+
+
+def test_verdict_names_the_measured_steps_host_phases_largest_first():
+    a = {"device_window_s": 0.010, "gpu_busy_s": 0.008, "gpu_idle_share": 0.2, "kernels": 8}
+    phases = {"data": 0.001, "forward": 0.007, "backward": 0.005, "optimizer": 0.002}
+    line = anatomy.verdict(dict(a), 0.020, phases)
+    assert line.startswith("host-bound")
+    assert line.endswith("host per measured step 15.0 ms: forward 7.0, backward 5.0, optimizer 2.0, data 1.0")
+    assert anatomy.verdict(None, 0.02, phases) == "no trace; host per measured step 15.0 ms: forward 7.0, backward 5.0, optimizer 2.0, data 1.0"
+    assert anatomy.verdict(dict(a), 0.020, {}) == anatomy.verdict(dict(a), 0.020)  # a summary without phases
