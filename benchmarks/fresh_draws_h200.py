@@ -97,7 +97,9 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
 
 
 def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, runs_root: Path,
-            done: dict[int, dict] | None = None) -> list[dict]:
+            done: dict[int, dict] | None = None, after_each=None) -> list[dict]:
+    """Run the plans' draws in order within ``budget_s``; ``after_each(rows)`` is called after each draw that
+    ran (the caller writes a partial result: a lease can end before the last draw)."""
     manifest = json.loads((plans / "manifest.json").read_text())
     t_end = time.perf_counter() + budget_s
     rows = []
@@ -119,6 +121,8 @@ def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, r
             f", measured {row['measured_step_p50_s'] * 1e3:.1f} ms (predicted {row['predicted_step_s'] * 1e3:.1f}), "
             f"MFU {row['measured_mfu']:.1%}; {row['where']}" if "measured_step_p50_s" in row else ""), flush=True)
         rows.append(row)
+        if after_each is not None:
+            after_each(rows)
     return rows
 
 
@@ -159,21 +163,27 @@ def main() -> int:
         done = {r["seed"]: r for r in prev["rows"] if r.get("exit") == 0}
         failed_before = {r["seed"]: {"exit": r["exit"], "tail": r.get("tail", "")[-300:]} for r in prev["rows"]
                          if r.get("exit") not in (None, 0)}
-    rows = run_all(a.plans, a.steps, a.run_timeout_s, a.budget_s, a.runs_root, done)
-    for r in rows:
-        if a.continue_from is not None and r["seed"] in failed_before:
-            r["earlier_failure"] = failed_before[r["seed"]]
     import torch  # the device's versions, recorded
 
     manifest = json.loads((a.plans / "manifest.json").read_text())
-    result = {"benchmark": "fresh GEM-shaped draws on one H200: coplan plan -> coplan train at defaults",
-              "family": FAMILY, "topology": manifest.get("topology", FAMILY), "seed": manifest["seed"], "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
-              "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
-              "command": " ".join(sys.argv), "steps": a.steps, "summary": summarize(rows), "rows": rows}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"], indent=1))
+
+    def write(rows: list[dict], partial: bool) -> dict:
+        for r in rows:
+            if a.continue_from is not None and r["seed"] in failed_before:
+                r["earlier_failure"] = failed_before[r["seed"]]
+        result = {"benchmark": "fresh GEM-shaped draws on one H200: coplan plan -> coplan train at defaults",
+                  "family": FAMILY, "topology": manifest.get("topology", FAMILY), "seed": manifest["seed"], "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+                  "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
+                  "command": " ".join(sys.argv), "steps": a.steps, "summary": summarize(rows), "rows": rows}
+        if partial:  # the draws not reached yet are listed by the final write only
+            result["partial"] = f"{len(rows)} of {len(manifest['rows'])} draws so far"
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1))
+        return result
+
+    rows = run_all(a.plans, a.steps, a.run_timeout_s, a.budget_s, a.runs_root, done, after_each=lambda r: write(r, True))
+    print(json.dumps(write(rows, False)["summary"], indent=1))
     return 0
 
 

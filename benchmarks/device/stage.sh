@@ -6,6 +6,10 @@
 #   calib     calibration variants re-measured / fresh held-out set (needs TorchRec: fbgemm parts in /tmp/fb)
 #   fp8train  500+ steps bf16 vs fp8 (needs TorchRec); $GPUS picks the GPUs of the two arms (default 0,0)
 #   train     trainer benchmark cases (needs TorchRec)
+#   draws     the fresh one-GPU draws of the plan set for the GPU lent (H200: $H200_PLANS, default fresh_plans_c;
+#             H100: $H100_PLANS, default fresh_plans_h100b), within $BUDGET s (default 420), a partial result
+#             after each draw; $CONTINUE (a carried earlier result) keeps its measured draws (needs TorchRec)
+#   startup   time to the first step of gem-h200, first and repeated run (H200 only: its plan is for h200-1gpu)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
 # The trainer benchmarks run plans made by the planner, which needs OR-Tools (not on the device): make
 # them beforehand, in the working tree that travels, with the same arguments and --plan-only, e.g.
@@ -81,6 +85,23 @@ fp8train)
 train)
   t train; timeout 580 python3 benchmarks/train_h200.py --plans $PLANS --runs-root /tmp/bench --timeout ${BUDGET:-330} ${TRAIN_ARGS:-} --out $OUT/train_h200.json > $OUT/train.log 2>&1
   tail -n 25 $OUT/train.log
+  ;;
+draws)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+  case $gpu in
+    *H200*) plans=${H200_PLANS:-fresh_plans_c}; tag=h200 ;;
+    *H100*) plans=${H100_PLANS:-fresh_plans_h100b}; tag=h100 ;;
+    *) echo "no plan set for '$gpu'"; exit 2 ;;
+  esac
+  t "draws: $gpu, plans $plans"
+  timeout 580 python3 benchmarks/fresh_draws_h200.py --plans benchmarks/results/$plans --runs-root /tmp/draws \
+    --budget-s ${BUDGET:-420} --run-timeout-s ${RUN_TIMEOUT:-150} ${CONTINUE:+--continue-from $CONTINUE} \
+    --out $OUT/fresh_draws_$tag.json > $OUT/draws.log 2>&1
+  grep -E "^seed|median|min_local" $OUT/draws.log | cut -c1-400
+  ;;
+startup)
+  t startup; timeout 560 python3 benchmarks/startup_h200.py --runs-root /tmp/startup --out $OUT/startup_h200.json > $OUT/startup.log 2>&1
+  tail -n 12 $OUT/startup.log
   ;;
 esac
 t done
