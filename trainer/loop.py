@@ -559,7 +559,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
              f"statistics over {len(measured)} steps (warm-up and profiled steps left out)", *built.notes,
              f"dense optimizer {'fused' if optims.fused_dense else 'foreach'}"
              + (f" (fused refused: {optims.fused_error})" if optims.fused_error else ""),
-             f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor'}",
+             f"dense optimizer stepped {'on local shards' if optims.local_step else 'through DTensor' if optims.dtensor_params else 'on plain tensors (no DTensor parameter)'}",
              f"data: {loop.prefetch.processes or 'no'} reader process(es) and a pinning thread",
              f"sparse input dist {'one batch ahead' + (' on a side stream' if pipe.stream is not None else '') if pipe.enabled else 'in forward'}",
              ("FSDP2: none (one rank; the CUDA graphs cast the fp32 masters)" if built.graphs is not None else

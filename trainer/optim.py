@@ -151,7 +151,8 @@ class Optimizers:
         self.fused_error: str | None = None
         self.dense = _dense_optimizer(self._params, plan, fused=fused_dense)
         # only worth it (and only tried) where some parameter is a DTensor
-        self.local_step = local_step and any(isinstance(p, DTensor) for p in self._params)
+        self.dtensor_params = any(isinstance(p, DTensor) for p in self._params)
+        self.local_step = local_step and self.dtensor_params
         self._stepper = LocalStepper(self.dense) if self.local_step else None
         self.dp_names = [n for n, _ in dp_tables]
         self.tables = _table_optimizer([p for _, p in dp_tables], plan)
