@@ -288,9 +288,10 @@ def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--compile", choices=["off", "layers", "layers-cpp"], default=None,
                    help="torch.compile each InterFormer/Kunlun layer with Inductor ('layers'; 'layers-cpp': with "
                         "Inductor's C++ wrapper); default off")
-    p.add_argument("--cuda-graphs", choices=["auto", "off"], default=None,
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default=None,
                    help="the dense forward+backward as CUDA graphs per padded history length where they apply "
-                        "(one GPU, no --compile; default auto)")
+                        "(auto: one GPU, no --compile; on: also over --compile'd layers, not yet measured on a GPU; "
+                        "default auto)")
     p.add_argument("--fp8-guard-every", type=non_negative_int, default=None, metavar="N",
                    help="the FP8 layers' numerics guard checks every N steps and the first; a layer whose FP8 output "
                         "overflows or strays from the compute dtype's falls back to it (default 50; 0: off)")

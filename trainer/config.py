@@ -57,9 +57,10 @@ class TrainConfig:
     """Read metrics back every N steps (None: 1 on CPU, 10 on CUDA)."""
     compile: Literal["off", "layers", "layers-cpp"] = "off"
     """torch.compile of the InterFormer and Kunlun layers."""
-    cuda_graphs: Literal["auto", "off"] = "auto"
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """The dense arch's forward and backward as CUDA graphs per padded history length where they apply
-    (:mod:`coplan.trainer.graphs`); ``off``: eager."""
+    (:mod:`coplan.trainer.graphs`); ``on``: also over layers compiled by ``compile`` (Inductor's fused kernels
+    replayed as graphs; not yet measured on a GPU, so not what ``auto`` does); ``off``: eager."""
     seq_chunk: int = 32
     """Sequence lookups' bags of at most N ids per sample's history (0: one bag per sample)."""
     fp8_guard_every: int = 50

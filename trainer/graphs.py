@@ -103,8 +103,10 @@ def likely_rows(values: np.ndarray, probs: np.ndarray, samples: int, *, coverage
 
 
 def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, compile_mode: str, backend: str,
-                       fp8_layers: int) -> str | None:
-    """Why the dense arch cannot run as CUDA graphs here (None: it can)."""
+                       fp8_layers: int, over_compiled: bool = False) -> str | None:
+    """Why the dense arch cannot run as CUDA graphs here (None: it can). ``over_compiled`` (``--cuda-graphs
+    on``): compiled layers do not keep the graphs off (their Inductor kernels compile in the warm-up passes
+    before each capture and are replayed like any other; a capture that fails drops the graphs, eager runs)."""
     from coplan.trainer.model.decoder import DecoderStack
     from coplan.trainer.model.moe import MoELayer
 
@@ -114,8 +116,8 @@ def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, co
         return "the workload's kernels.cuda_graphs is off"
     if world != 1:
         return f"{world} ranks (graphs are used on one rank, where FSDP2 has nothing to shard)"
-    if compile_mode != "off":
-        return f"--compile {compile_mode}"
+    if compile_mode != "off" and not over_compiled:
+        return f"--compile {compile_mode} (--cuda-graphs on replays the compiled layers too)"
     if backend != "triton":
         return f"attention backend '{backend}' (graphs use the Triton kernels)"
     if fp8_layers:

@@ -230,14 +230,17 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
         clock.mark("build")
     why_not = ("--cuda-graphs off" if cfg.cuda_graphs == "off" else
                graphs_unavailable(model, device=device, world=ranks.world, compile_mode=cfg.compile, backend=backend,
-                                  fp8_layers=sum(1 for lp in plan.layers if lp.precision == "fp8")))
+                                  fp8_layers=sum(1 for lp in plan.layers if lp.precision == "fp8"),
+                                  over_compiled=cfg.cuda_graphs == "on"))
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=ranks.local_world, seed=cfg.seed,
                      compile_layers=cfg.compile, fsdp=why_not is not None)
     graphs = None
     if why_not is None:
         graphs = model.dense_graphs = DenseGraphs(model.dense, DTYPES[plan.precision.compute_dtype], device,
                                                   likely_rows=micro_batch_rows(plan, ranks.world))
-    elif device.type == "cuda":
+        if cfg.compile != "off":
+            notes.append(f"CUDA graphs over the --compile {cfg.compile} layers (--cuda-graphs on)")
+    elif device.type == "cuda" or cfg.cuda_graphs == "on":
         notes.append(f"CUDA graphs off ({why_not})")
     notes += fp8_notes(list(pm.fp8))
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda")

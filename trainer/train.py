@@ -63,10 +63,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="sequence lookups: each sample's history as bags of at most N ids (ceil(max_len / N) per "
                         "sample, the same on every rank and step), so FBGEMM's no-bag lookup spreads a history over "
                         "many thread groups; 0: one bag per sample (its whole history). The output rows are the same")
-    p.add_argument("--cuda-graphs", choices=["auto", "off"], default="auto",
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                    help="auto: the dense arch's forward and backward as CUDA graphs, one per padded history length "
                         "bucket, where they apply (one GPU, no --compile, Triton attention; the summary says why "
-                        "not otherwise); off: eager")
+                        "not otherwise); on: also over layers compiled by --compile (the compiled layers' kernels "
+                        "replayed as graphs; not yet measured on a GPU); off: eager")
     p.add_argument("--fp8-guard-every", type=non_negative_int, default=50, metavar="N",
                    help="the FP8 layers' numerics guard checks every N steps and the first (coplan.trainer.fp8_guard); "
                         "0: off")

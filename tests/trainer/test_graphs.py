@@ -162,6 +162,44 @@ def test_eager_fallback_is_the_model():
     assert "off" in runner.stats.note()
 
 
+def test_the_runner_over_compiled_layers_is_the_model(monkeypatch):
+    """The runner's functional pass (the masters cast and swapped in) over layers compiled as ``--compile layers``
+    compiles them (a counting Dynamo backend here: the graphs and guards are Inductor's, its kernels are not) and
+    gives the plain model's output and gradients, batch after batch of other history lengths: what
+    ``--cuda-graphs on`` captures."""
+    from torch._dynamo.testing import CompileCounter
+
+    import coplan.trainer.distributed.compile as cmod
+
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    plain = DenseArch(w, feature_layout(w), "reference")
+    compiled = DenseArch(w, feature_layout(w), "reference")
+    compiled.load_state_dict(plain.state_dict())
+    counter, orig = CompileCounter(), cmod.compile_layer
+    monkeypatch.setattr(cmod, "compile_layer", lambda layer, cpp_wrapper=False: orig(layer, backend=counter))
+    torch._dynamo.reset()
+    assert cmod.apply_compile(compiled, "layers")
+    runner = DenseGraphs(compiled, torch.float32, torch.device("cpu"))
+    for lengths in ([3, 8, 0], [5, 1, 12], [2, 2, 9]):
+        pooled, keys, widths, seq, offsets, dense = _inputs(w, lengths)
+        want = plain(pooled, keys, widths, seq, offsets, dense, batch_size=3)
+        g_want = dict(zip([n for n, _ in plain.named_parameters()],
+                          torch.autograd.grad(want.sum(), list(plain.parameters()), allow_unused=True)))
+        got = runner._forward(pooled, keys, widths, seq, offsets, dense, 3, None)
+        g_got = torch.autograd.grad(got.sum(), runner.params, allow_unused=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (n, _), g in zip(runner.named, g_got):
+            if g is not None and g_want.get(n) is not None:
+                torch.testing.assert_close(g, g_want[n], rtol=1e-4, atol=1e-6)
+    frames = counter.frame_count
+    assert frames >= 1  # the layers ran compiled, through the runner's swapped-in masters
+    pooled, keys, widths, seq, offsets, dense = _inputs(w, [7, 3, 4])
+    runner._forward(pooled, keys, widths, seq, offsets, dense, 3, None)
+    assert counter.frame_count == frames  # another history length: no recompilation (the token dim is dynamic)
+    torch._dynamo.reset()
+
+
 def test_where_graphs_do_not_apply():
     w = load_workload("gem-tiny")
     m = GEMModel(w, attention_backend="reference")
@@ -170,6 +208,9 @@ def test_where_graphs_do_not_apply():
     assert "CUDA" in graphs_unavailable(m, device=cpu, **ok)
     assert "ranks" in graphs_unavailable(m, device=cuda, **{**ok, "world": 2})
     assert "--compile" in graphs_unavailable(m, device=cuda, **{**ok, "compile_mode": "layers"})
+    # --cuda-graphs on: compiled layers no longer keep them off (the other reasons still do)
+    assert "--compile" not in (graphs_unavailable(m, device=cuda, **{**ok, "compile_mode": "layers"}, over_compiled=True) or "")
+    assert "ranks" in graphs_unavailable(m, device=cuda, **{**ok, "compile_mode": "layers", "world": 2}, over_compiled=True)
     assert "FP8" in graphs_unavailable(m, device=cuda, **{**ok, "fp8_layers": 2})
     assert "backend" in graphs_unavailable(m, device=cuda, **{**ok, "backend": "reference"})
     # gem-tiny's MoE layer loops over experts unless the trainer turned the grouped GEMM on
@@ -183,7 +224,9 @@ def test_where_graphs_do_not_apply():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_captured_graphs_match_eager_on_the_gpu():
+@pytest.mark.parametrize("compile_mode", ["off", "layers"])  # layers: --cuda-graphs on over --compile layers
+def test_captured_graphs_match_eager_on_the_gpu(compile_mode):
+    from coplan.trainer.distributed.compile import apply_compile
     from coplan.trainer.model.moe import MoELayer
 
     dev = torch.device("cuda")
@@ -193,6 +236,7 @@ def test_captured_graphs_match_eager_on_the_gpu():
     for m in arch.modules():
         if isinstance(m, MoELayer):
             m.grouped_mm = True
+    apply_compile(arch, compile_mode)
     runner = DenseGraphs(arch, torch.bfloat16, dev)
     rng = np.random.default_rng(0)
     for step in range(4):
