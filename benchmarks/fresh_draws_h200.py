@@ -65,12 +65,14 @@ def make_plans(n: int, seed: int, plans: Path, topology: str = FAMILY) -> dict:
     return manifest
 
 
-def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout_s: float) -> dict:
-    """``coplan train PLAN`` at its defaults (only where the run goes, and its length when given)."""
+def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout_s: float,
+            train_args: tuple[str, ...] = ()) -> dict:
+    """``coplan train PLAN`` at its defaults (only where the run goes, and its length when given); ``train_args``:
+    a development variant's extra switches (its result is not the user's path and says so)."""
     t0 = time.perf_counter()
     length = ["--steps", str(steps)] if steps else []
     proc = subprocess.Popen(_coplan("train", str(plan), *length, "--runs-root", str(runs_root), "--run-id", run_id,
-                                    "--no-progress"),
+                                    "--no-progress", *train_args),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     code = wait_or_kill(proc, timeout_s)
     out = proc.stdout.read() if proc.stdout else ""
@@ -97,7 +99,7 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
 
 
 def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, runs_root: Path,
-            done: dict[int, dict] | None = None, after_each=None) -> list[dict]:
+            done: dict[int, dict] | None = None, after_each=None, train_args: tuple[str, ...] = ()) -> list[dict]:
     """Run the plans' draws in order within ``budget_s``; ``after_each(rows)`` is called after each draw that
     ran (the caller writes a partial result: a lease can end before the last draw)."""
     manifest = json.loads((plans / "manifest.json").read_text())
@@ -114,7 +116,8 @@ def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, r
         if time.perf_counter() + 30 > t_end:
             rows.append(row | {"skipped": "budget"})
             continue
-        row |= run_one(plans / m["plan"], runs_root, f"draw-{m['seed']}", steps, min(timeout_s, t_end - time.perf_counter()))
+        row |= run_one(plans / m["plan"], runs_root, f"draw-{m['seed']}", steps, min(timeout_s, t_end - time.perf_counter()),
+                       train_args)
         if "measured_step_p50_s" in row:
             row["step_error"] = row["predicted_step_s"] / row["measured_step_p50_s"] - 1
         print(f"seed {m['seed']}: exit {row['exit']} in {row['wall_s']} s" + (
@@ -148,6 +151,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the runs")
     ap.add_argument("--runs-root", type=Path, default=Path("runs/fresh"))
     ap.add_argument("--out", type=Path, default=RESULTS / "fresh_draws_h200.json")
+    ap.add_argument("--train-args", default="",
+                    help="extra coplan train switches, for a development variant (e.g. --train-args='--compile layers --cuda-graphs "
+                         "on'): the result records them and is not the benchmark's figure, which is at defaults")
     ap.add_argument("--continue-from", type=Path, default=None,
                     help="an earlier result of the same plans: its measured draws are kept, the others run")
     a = ap.parse_args()
@@ -176,13 +182,18 @@ def main() -> int:
                   "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
                   "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
                   "command": " ".join(sys.argv), "steps": a.steps, "summary": summarize(rows), "rows": rows}
+        if train_args:
+            result["train_args"] = list(train_args)
+            result["variant"] = "not coplan train's defaults: a development variant, not the user's path"
         if partial:  # the draws not reached yet are listed by the final write only
             result["partial"] = f"{len(rows)} of {len(manifest['rows'])} draws so far"
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1))
         return result
 
-    rows = run_all(a.plans, a.steps, a.run_timeout_s, a.budget_s, a.runs_root, done, after_each=lambda r: write(r, True))
+    train_args = tuple(a.train_args.split())
+    rows = run_all(a.plans, a.steps, a.run_timeout_s, a.budget_s, a.runs_root, done, after_each=lambda r: write(r, True),
+                   train_args=train_args)
     print(json.dumps(write(rows, False)["summary"], indent=1))
     return 0
 

@@ -8,7 +8,8 @@
 #   train     trainer benchmark cases (needs TorchRec)
 #   draws     the fresh one-GPU draws of the plan set for the GPU lent (H200: $H200_PLANS, default fresh_plans_c;
 #             H100: $H100_PLANS, default fresh_plans_h100b), within $BUDGET s (default 420), a partial result
-#             after each draw; $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws (needs TorchRec)
+#             after each draw; $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
+#             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec)
 #   startup   time to the first step of gem-h200, first and repeated run (H200 only: its plan is for h200-1gpu)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
 # The trainer benchmarks run plans made by the planner, which needs OR-Tools (not on the device): make
@@ -96,7 +97,7 @@ draws)
   t "draws: $gpu, plans $plans"
   timeout 580 python3 benchmarks/fresh_draws_h200.py --plans benchmarks/results/$plans --runs-root /tmp/draws \
     --budget-s ${BUDGET:-420} --run-timeout-s ${RUN_TIMEOUT:-150} ${CONTINUE:+--continue-from $root/$CONTINUE} \
-    --out $OUT/fresh_draws_$tag.json > $OUT/draws.log 2>&1
+    ${TRAIN_ARGS:+"--train-args=$TRAIN_ARGS"} --out $OUT/fresh_draws_$tag${TRAIN_ARGS:+_variant}.json > $OUT/draws.log 2>&1
   grep -E "^seed|median|min_local" $OUT/draws.log | cut -c1-400
   ;;
 startup)

@@ -20,7 +20,7 @@ def test_run_all_reports_after_each_draw_and_skips_past_the_budget(tmp_path, mon
     clock = {"t": 0.0}
     monkeypatch.setattr(fresh.time, "perf_counter", lambda: clock["t"])
 
-    def run_one(plan, runs_root, run_id, steps, timeout_s):
+    def run_one(plan, runs_root, run_id, steps, timeout_s, train_args=()):
         clock["t"] += 55.0  # each draw takes 55 s of a 130 s budget: the third would start with 20 s left
         return {"exit": 0, "wall_s": 50.0, "measured_step_p50_s": 0.008, "measured_mfu": 0.3, "where": "device-bound"}
 
