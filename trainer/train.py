@@ -158,4 +158,15 @@ __all__ = ["LAUNCHER_ENV", "check_launch", "main", "run"]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # A worker leaves without the interpreter's teardown once its run is over (its files written, its process
+    # group destroyed, its reader processes joined): in CI, one gloo rank in a few runs aborted there, after a
+    # complete run ("terminate called without an active exception": a library's C++ thread still joinable
+    # when its static destructor ran), and torchrun reported the run failed. Nothing of the run's is left to
+    # that teardown.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
