@@ -77,7 +77,7 @@ def step_anatomy(run_dir: str | Path) -> dict[str, Any] | None:
 
 def host_phases_line(phases: dict[str, float] | None) -> str:
     """The host's time per measured step by phase of the train loop (``summary.json`` ``host_phases``),
-    largest first: ``"host per step 16.1 ms: forward 7.0, backward 5.2, optimizer 2.1, ..."``; empty without."""
+    largest first: ``"host per measured step 16.1 ms: forward 7.0, backward 5.2, optimizer 2.1, ..."``; empty without."""
     if not phases:
         return ""
     parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))

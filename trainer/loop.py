@@ -13,7 +13,6 @@ import os
 import platform
 import resource
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -337,10 +336,9 @@ class Loop:
                                   balance_ranks=plan.balancing.group_ranks or ranks.local_world)
         self.timer = StepTimer(device)
         self.phases = HostPhases()
-        self.host_s: dict[int, float] = {}
-        """Per step, the host's seconds inside :meth:`step`: from its start until its last launch is issued (its
-        batch's wait included; no read-back happens there, so on a step whose device work outlasts it this is
-        the host's own time, what pricing a host-bound step needs)."""
+        """Per step and phase, the host's seconds inside :meth:`step`; summed (:meth:`HostPhases.total`), from its
+        start until its last launch is issued (its batch's wait included; no read-back happens there, so on a step
+        whose device work outlasts it this is the host's own time, what pricing a host-bound step needs)."""
         self.peak = plan.topology.gpu.peak_flops_per_s.get("bf16", 0.0)
         # loss_parts' names, in its order
         self.tasks = list(self.layout.tasks) + [f"next_token:{s}" for s in self.layout.token_sequences]
@@ -376,9 +374,7 @@ class Loop:
                         # (a graph's replay carries no op ranges) and calibration can attribute them; they are
                         # left out of the step statistics, which stay those of the replayed steps
                         self.graphs.trace_eager = tw.profiles(step)
-                    t_host = time.perf_counter()
                     self.step(step)
-                    self.host_s[step] = time.perf_counter() - t_host
                     if step == self.start and self.clock is not None:
                         self.clock.first_step(self.device)
                     tw.step()
@@ -578,7 +574,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
         device=device_name, versions=versions(), started_utc=started,
         ended_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), steps=steps,
         warmup_steps=min(warmup, steps), step_time=stats(times), model_flops_per_step=flops_mean,
-        host_step=stats([loop.host_s[r.step] for r in measured if r.step in loop.host_s]),
+        host_step=stats([t for r in measured if (t := loop.phases.total(r.step)) is not None]),
         host_phases=loop.phases.medians([r.step for r in measured]),
         measured_mfu=mfu(flops_mean, float(np.mean(times)), ranks.world, loop.peak) if times else 0.0,
         tokens_per_s=sum(r.tokens for r in measured) / total_t if total_t else 0.0,

@@ -78,6 +78,11 @@ class HostPhases:
             self._step[phase] = self._step.get(phase, 0.0) + now - self._t
         self._t = now
 
+    def total(self, step: int) -> float | None:
+        """The host's seconds in ``step``, all phases (None: a step not timed)."""
+        row = self.per_step.get(step)
+        return sum(row.values()) if row is not None else None
+
     def medians(self, steps: list[int]) -> dict[str, float]:
         """Per phase, the median over ``steps`` (a phase a step did not run counts as 0 there)."""
         rows = [self.per_step[s] for s in steps if s in self.per_step]

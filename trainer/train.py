@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+from typing import NoReturn
 
 from coplan.cli_args import checkpoint_every, name_part, non_negative_int, positive_int, sample_count, seed, steps_count, trace_window
 from coplan.errors import CoplanError
@@ -154,19 +155,21 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code if isinstance(e, CoplanError) else 1
 
 
-__all__ = ["LAUNCHER_ENV", "check_launch", "main", "run"]
-
-
-if __name__ == "__main__":
-    code = main()
-    # A worker leaves without the interpreter's teardown once its run is over (its files written, its process
-    # group destroyed, its reader processes joined): in CI, one gloo rank in a few runs aborted there, after a
-    # complete run ("terminate called without an active exception": a library's C++ thread still joinable
-    # when its static destructor ran), and torchrun reported the run failed. Nothing of the run's is left to
-    # that teardown.
+def leave(code: int) -> NoReturn:
+    """End a worker process whose work is done (its files written, its process group destroyed, its reader
+    processes joined) without the interpreter's teardown: in CI a gloo rank now and then aborted there after a
+    complete run ("terminate called without an active exception": a library's C++ thread still joinable when
+    its static destructor ran), and torchrun reported the run failed. Nothing of the run's is left to it."""
     import logging
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+__all__ = ["LAUNCHER_ENV", "check_launch", "leave", "main", "run"]
+
+
+if __name__ == "__main__":
+    leave(main())
