@@ -69,7 +69,12 @@ def step_anatomy(run_dir: str | Path) -> dict[str, Any] | None:
         att = attribute(trace, str(path))
         by = sorted(att.by_class_s.items(), key=lambda kv: -kv[1])
         out["device_by_class_s"] = {k: v / max(att.steps, 1) for k, v in by[:8]}
-        out["unattributed_top"] = dict(list(att.unattributed_by_name.items())[:5])
+        n = max(att.steps, 1)
+        out["unattributed_top"] = {k: v / n for k, v in list(att.unattributed_by_name.items())[:12]}
+        out["unattributed_s"] = att.unattributed_s / n
+        # per (op, phase) and kernel class, per step: the cost model's ops against their traced time
+        out["ops"] = [{"name": o.name, "phase": o.phase, "time_s": o.time_s / n, "launches": o.launches / n,
+                       "by_class_s": {k: v / n for k, v in o.by_class.items()}} for o in att.ops]
     except Exception as e:
         out["attribution_error"] = str(e)[:200]
     return out
