@@ -116,8 +116,10 @@ def run_all(plans: Path, steps: int | None, timeout_s: float, budget_s: float, r
         if time.perf_counter() + 30 > t_end:
             rows.append(row | {"skipped": "budget"})
             continue
-        row |= run_one(plans / m["plan"], runs_root, f"draw-{m['seed']}", steps, min(timeout_s, t_end - time.perf_counter()),
-                       train_args)
+        limit = min(timeout_s, t_end - time.perf_counter())
+        row |= run_one(plans / m["plan"], runs_root, f"draw-{m['seed']}", steps, limit, train_args)
+        if row.get("exit") == "timeout" and limit < timeout_s:  # stopped by the lease's budget, not by its own timeout
+            row["exit"] = "budget"
         if "measured_step_p50_s" in row:
             row["step_error"] = row["predicted_step_s"] / row["measured_step_p50_s"] - 1
         print(f"seed {m['seed']}: exit {row['exit']} in {row['wall_s']} s" + (
@@ -133,7 +135,8 @@ def summarize(rows: list[dict]) -> dict:
     ok = [r for r in rows if "measured_step_p50_s" in r]
     errs = [abs(r["step_error"]) for r in ok]
     mfus = [r["measured_mfu"] for r in ok]
-    return {"draws": len(rows), "ran": len(ok), "failed": sum(1 for r in rows if r.get("exit") not in (None, 0)),
+    return {"draws": len(rows), "ran": len(ok), "failed": sum(1 for r in rows if r.get("exit") not in (None, 0, "budget")),
+            "cut_by_budget": sum(1 for r in rows if r.get("exit") == "budget" or r.get("skipped") == "budget"),
             "median_abs_step_error": statistics.median(errs) if errs else None, "max_abs_step_error": max(errs) if errs else None,
             "median_local_mfu": statistics.median(mfus) if mfus else None, "min_local_mfu": min(mfus) if mfus else None}
 

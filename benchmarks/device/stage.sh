@@ -9,7 +9,8 @@
 #   draws     the fresh one-GPU draws of the plan set for the GPU lent (H200: $H200_PLANS, default fresh_plans_c;
 #             H100: $H100_PLANS, default fresh_plans_h100b), within $BUDGET s (default 420), a partial result
 #             after each draw; $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
-#             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec)
+#             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec);
+#             the run directories come back as draw_runs_<gpu>[_variant].tgz (traces gzipped, no checkpoints)
 #   startup   time to the first step of gem-h200, first and repeated run (H200 only: its plan is for h200-1gpu)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
 # The trainer benchmarks run plans made by the planner, which needs OR-Tools (not on the device): make
@@ -99,6 +100,12 @@ draws)
     --budget-s ${BUDGET:-420} --run-timeout-s ${RUN_TIMEOUT:-150} ${CONTINUE:+--continue-from $root/$CONTINUE} \
     ${TRAIN_ARGS:+"--train-args=$TRAIN_ARGS"} --out $OUT/fresh_draws_$tag${TRAIN_ARGS:+_variant}.json > $OUT/draws.log 2>&1
   grep -E "^seed|median|min_local" $OUT/draws.log | cut -c1-400
+  # the runs themselves (traces gzipped, no checkpoints), for `coplan calibrate` and per-op analysis off the device
+  if [ -d /tmp/draws ]; then
+    find /tmp/draws -name 'rank*.json' -path '*/traces/*' -exec gzip -f {} \;
+    tar czf $OUT/draw_runs_$tag${TRAIN_ARGS:+_variant}.tgz --exclude=checkpoints -C /tmp draws && ls -la $OUT/*.tgz
+    rm -rf /tmp/draws
+  fi
   ;;
 startup)
   t startup; timeout 560 python3 benchmarks/startup_h200.py --runs-root /tmp/startup --out $OUT/startup_h200.json > $OUT/startup.log 2>&1
