@@ -11,6 +11,7 @@
 #             after each draw; $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
 #             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec);
 #             the run directories come back as draw_runs_<gpu>[_variant].tgz (traces gzipped, no checkpoints)
+#   ab        dense arch only (no TorchRec): --compile off vs layers under CUDA graphs ($AB_PLANS), then the graphs' GPU test
 #   startup   time to the first step of gem-h200, first and repeated run (H200 only: its plan is for h200-1gpu)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
 # The trainer benchmarks run plans made by the planner, which needs OR-Tools (not on the device): make
@@ -35,6 +36,13 @@ kernels)
   fi
   t tests; timeout 160 python3 -m pytest -q -rfxXs --tb=line -p no:cacheprovider tests/kernels/test_cuda_graph.py tests/kernels/test_fp8.py tests/kernels/test_launch.py > $OUT/pytest_kernels.txt 2>&1; tail -n 15 $OUT/pytest_kernels.txt
   t fp8; timeout 190 python3 benchmarks/fp8_h200.py --commit $commit --timeout 150 --out $OUT/fp8_h200.json > $OUT/fp8_h200.log 2>&1; tail -n 8 $OUT/fp8_h200.log
+  ;;
+ab)
+  # no TorchRec needed: the dense arch alone, layers eager vs compiled under CUDA graphs, then the graphs' GPU test
+  t ab; timeout ${BUDGET:-230} python3 benchmarks/dense_graphs_ab.py --plans benchmarks/results/${AB_PLANS:-fresh_plans_c_ab} \
+    --budget-s $(( ${BUDGET:-230} - 15 )) --case-timeout ${CASE_TIMEOUT:-110} --out $OUT/dense_graphs_ab.json > $OUT/dense_graphs_ab.log 2>&1
+  grep -E "^seed" $OUT/dense_graphs_ab.log | cut -c1-300; tail -n 3 $OUT/dense_graphs_ab.log
+  t tests; timeout ${TEST_TIMEOUT:-90} python3 -m pytest -q -rfxXs --tb=short -p no:cacheprovider tests/trainer/test_graphs.py -k on_the_gpu > $OUT/pytest_graphs.txt 2>&1; tail -n 25 $OUT/pytest_graphs.txt
   ;;
 probe)
   # Two GPUs at once: attention (a, b) then the kernel GPU tests on GPU 0; the compile probe then the fp8 GEMMs on GPU 1.
