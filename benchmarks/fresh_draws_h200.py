@@ -65,6 +65,24 @@ def make_plans(n: int, seed: int, plans: Path, topology: str = FAMILY) -> dict:
     return manifest
 
 
+def predicted_by_class(plan: Path) -> dict[str, float]:
+    """The plan's priced device seconds per step by op class (its ``predicted.ops``)."""
+    out: dict[str, float] = {}
+    for o in json.loads(plan.read_text()).get("predicted", {}).get("ops", []):
+        out[o["op_class"]] = out.get(o["op_class"], 0.0) + o["time_s"]
+    return out
+
+
+def class_comparison(plan: Path, anatomy: dict | None) -> dict[str, dict[str, float | None]]:
+    """Per kernel class: the plan's priced seconds per step beside the trace's (eager profiled steps, by kernel
+    name, attributed or not), and measured / predicted: which class the prediction misses."""
+    pred = predicted_by_class(plan)
+    meas = (anatomy or {}).get("device_by_class_s") or {}
+    return {c: {"predicted_s": pred.get(c), "measured_s": meas.get(c),
+                "measured_over_predicted": meas[c] / pred[c] if pred.get(c) and meas.get(c) else None}
+            for c in sorted(set(pred) | set(meas))}
+
+
 def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout_s: float,
             train_args: tuple[str, ...] = ()) -> dict:
     """``coplan train PLAN`` at its defaults (only where the run goes, and its length when given); ``train_args``:
@@ -90,6 +108,7 @@ def run_one(plan: Path, runs_root: Path, run_id: str, steps: int | None, timeout
         except Exception as e:  # the figures stand without it
             anatomy = {"error": str(e)[:300]}
         row |= {"anatomy": anatomy, "where": verdict(anatomy, row["measured_step_p50_s"], row.get("host_phases_s"))}
+        row["device_by_class"] = class_comparison(plan, anatomy)
     else:
         row["tail"] = out[-1500:]
     # the lent machine's disk (64 GiB) holds a few draws' tables: each run's checkpoint and dataset go once read
@@ -138,7 +157,17 @@ def summarize(rows: list[dict]) -> dict:
     return {"draws": len(rows), "ran": len(ok), "failed": sum(1 for r in rows if r.get("exit") not in (None, 0, "budget")),
             "cut_by_budget": sum(1 for r in rows if r.get("exit") == "budget" or r.get("skipped") == "budget"),
             "median_abs_step_error": statistics.median(errs) if errs else None, "max_abs_step_error": max(errs) if errs else None,
-            "median_local_mfu": statistics.median(mfus) if mfus else None, "min_local_mfu": min(mfus) if mfus else None}
+            "median_local_mfu": statistics.median(mfus) if mfus else None, "min_local_mfu": min(mfus) if mfus else None,
+            "median_measured_over_predicted_by_class": _class_medians(ok)}
+
+
+def _class_medians(rows: list[dict]) -> dict[str, float]:
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        for c, v in (r.get("device_by_class") or {}).items():
+            if v.get("measured_over_predicted"):
+                ratios.setdefault(c, []).append(v["measured_over_predicted"])
+    return {c: statistics.median(v) for c, v in sorted(ratios.items())}
 
 
 def main() -> int:
