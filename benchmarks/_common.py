@@ -7,7 +7,9 @@ and ``--pin-table`` where a case needs a given layout: :func:`planned`."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,3 +123,15 @@ def plan_facts(plan) -> dict:
         "solver": plan.solver.status if plan.solver else None,
         "predicted_step_ms": plan.predicted.step_time_s * 1e3 if plan.predicted else None,
     }
+
+
+def plans_of(measured: Path, default: Path) -> Path:
+    """The plan set a fresh-draws result ran: the ``--plans`` of its recorded command, a folder of
+    ``benchmarks/results`` (``default`` when the result names none that exists here)."""
+    results = Path(__file__).resolve().parent / "results"
+    try:
+        cmd = json.loads(measured.read_text()).get("command", "")
+    except (OSError, ValueError):
+        return default
+    m = re.search(r"--plans[ =](\S+)", cmd)
+    return results / Path(m.group(1)).name if m and (results / Path(m.group(1)).name).is_dir() else default

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit  # noqa: E402
+from _common import git_commit, plans_of  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
@@ -42,9 +42,12 @@ def plan(workload: Path, out: Path, calibration: str, topology: str = "h200-1gpu
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--measured", type=Path, default=RESULTS / "fresh_draws_h200.json")
-    ap.add_argument("--plans", type=Path, default=RESULTS / "fresh_plans")
+    ap.add_argument("--plans", type=Path, default=None,
+                    help="the draws' plan set (default: the one the --measured result ran)")
     ap.add_argument("--out", type=Path, default=RESULTS / "fresh_draws_calibrated.json")
     a = ap.parse_args()
+    if a.plans is None:
+        a.plans = plans_of(a.measured, RESULTS / "fresh_plans")
     measured = json.loads(a.measured.read_text())
     topology = measured.get("topology", "h200-1gpu")  # (what the draws were planned for)
     rows = []

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit  # noqa: E402
+from _common import git_commit, plans_of  # noqa: E402
 
 from coplan.spec import load_workload  # noqa: E402
 from coplan.trainer.data import BatchReader, generate_dataset  # noqa: E402
@@ -51,11 +51,14 @@ def measure(workload_path: Path, steps: int, tmp: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plans", type=Path, default=RESULTS / "fresh_plans")
+    ap.add_argument("--plans", type=Path, default=None,
+                    help="the draws' plan set (default: the one the --measured result ran)")
     ap.add_argument("--measured", type=Path, default=RESULTS / "fresh_draws_h200.json")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", type=Path, default=RESULTS / "loader_throughput.json")
     a = ap.parse_args()
+    if a.plans is None:
+        a.plans = plans_of(a.measured, RESULTS / "fresh_plans")
     measured = {r["workload"]: r for r in json.loads(a.measured.read_text())["rows"]} if a.measured.is_file() else {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
