@@ -234,6 +234,9 @@ FRESH = Result("fresh_draws_h200.json",
                "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
                SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py")
 
+DENSE_AB = Result("dense_graphs_ab_h100.json",
+                  "python benchmarks/dense_graphs_ab.py --plans benchmarks/results/fresh_plans_c_ab (on the lent GPU: "
+                  "bash benchmarks/device/stage.sh ab COMMIT)", TRAINER + ("costmodel/jagged.py",), script="dense_graphs_ab.py")
 FRESH_H100 = Result("fresh_draws_h100.json",
                     "python benchmarks/fresh_draws_h200.py --plan-only --n 10 --topology h100-1gpu --plans "
                     "benchmarks/results/fresh_plans_h100 (seed: the run's date and time), then on the H100: python "
@@ -338,27 +341,33 @@ FIGURES: tuple[Figure, ...] = (
     # trainer
     Figure(TRAINING, "Fresh draws (one-H200 family, seed in the JSON): draws that ran of those drawn", FRESH,
            lambda d: d["summary"]["ran"] / d["summary"]["draws"], "%", Goal(">=", 1.0),
-           note="2026-12-05 02:4x, seed 20261205022502 (taken at run time), commit a452902: 7 of 10 ran and none failed; "
-                "draw 20261205022509 was stopped by the benchmark's own budget 39 s in, 20261205022510-11 were not started "
-                "(the lease that was to run them was taken back, and no device time was left). The set before "
-                "(seed 20261204202152, commit 1c695dd): 7 of 10, 3 failed on a full disk; the eager set before the graphs "
-                "(seed 20261204172407, commit 905f3c5): 2 of 10 ran (docs/benchmarks-log/results/fresh_draws_h200_905f3c5_eager.json)"),
+           note="2026-12-05 22:2x, seed 20261205200424 (taken at run time when planned, 20:04), commit f5340f6: 7 of 10 "
+                "ran and none failed; draw 20261205200431 was stopped by the benchmark's 480 s budget 40 s in, "
+                "20261205200432-33 were not started (budget); a second lease, to finish them, gave no machine (four failed "
+                "starts). The set before (seed 20261205022502, a452902, docs/benchmarks-log/results/fresh_draws_h200_a452902.json): "
+                "7 of 10, none failed; the eager set before the graphs (seed 20261204172407, commit 905f3c5): 2 of 10 ran "
+                "(docs/benchmarks-log/results/fresh_draws_h200_905f3c5_eager.json)"),
     Figure(TRAINING, "Fresh draws: median local MFU, `coplan train` at defaults", FRESH,
            at("summary.median_local_mfu"), "%", Goal(">=", 0.40),
-           note="per draw 35.7, 24.0, 23.9, 25.9, 5.6, 4.7, 42.8%: the five larger draws are device-bound (GPU busy about "
-                "the whole step), with elementwise kernels beside the GEMMs and attention (on calibration draw 20261204172430, "
-                "elementwise 26 of 46 ms, of it 6.3 ms a masked select (torch.where) over the padded q/k/v and attention "
-                "output, fwd and bwd); the two small ones (5-9 ms of GPU work) run 9.6 and 16.5 ms steps, the eager "
-                "TorchRec lookups, input dist, loss and optimizer taking the host 10-26 ms a step (profiled)"),
+           note="per draw 21.2, 22.7, 10.7, 19.7, 14.9, 21.8, 10.5%: six are device-bound (GPU busy 89-100% of the step "
+                "in the eager profiled steps), one (...430, 9.5 ms steps) host-bound. Elementwise kernels are the largest "
+                "class in every trace, 45-57% of GPU-busy time (casts, residual adds, norms, activations, the fp32 gradient "
+                "sums), GEMMs 16-35%, attention 6-29%; the per-class figures are in each row's device_by_class"),
+    Figure(TRAINING, "Dense arch under CUDA graphs, `--compile layers --cuda-graphs on` over the default (eager layers): "
+                     "speedup, lowest of the draws measured", DENSE_AB,
+           lambda d: min(v for v in d["summary"]["speedups"].values() if v), "x",
+           note="two draws of fresh_plans_c on a lent H100 (an H200 was asked for), dense forward+backward alone (no "
+                "TorchRec): ...430 6.61 -> 6.05 ms (1.09x), ...426 16.55 -> 13.85 ms (1.19x); the captures over the "
+                "compiled layers worked (5 buckets each, none eager). The first steps took 12-39 s longer (Inductor). "
+                "Not made the default: two draws, and no whole `coplan train` step measured with it"),
     Figure(TRAINING, "Fresh draws: lowest local MFU", FRESH, at("summary.min_local_mfu"), "%", Goal(">=", 0.30)),
     Figure(CAL, "Fresh draws: median |predicted / measured step - 1|, `coplan plan` at its defaults (shipped calibration)", FRESH,
            at("summary.median_abs_step_error"), "%",
-           note="per draw +15, -1, -18, -34, -44, -67, -12%: under CUDA graphs the host is priced as a constant 26 "
-                "priced launches (5.4 ms at the shipped 207 us each, fitted on eager runs), so the two small draws come out "
-                "5.4 ms against 9.6 and 16.5 measured; the device-bound ones spread both ways (elementwise work the "
-                "shipped device terms underprice). A refit on the 3 graphed calibration runs (coplan calibrate --base) "
-                "identifies no host cost (one of them host-bound) and a device factor of 1.45 with 24% median error on its "
-                "own runs: not shipped; issue 23"),
+           note="per draw -14, -7, -35, -25, -31, -19, -42%: every step predicted too fast. By kernel class "
+                "(traced / priced, median over the draws): GEMM 1.03x, attention 0.73x, embedding 0.68x, elementwise "
+                "1.84x (1.42-2.64x): the elementwise work is what the prediction misses. A census of the trainer's dense arch "
+                "on CPU (tests/trainer/test_elementwise_census.py) found the InterFormer's FiLM modulation and history "
+                "input assembly unpriced, priced since (after this run: the figure is of the code before)"),
     Figure(CAL, "Calibration draws under CUDA graphs (the shipped calibration's own seeds, re-run at defaults): median "
                 "|predicted / measured step - 1|", CALIB_RUNS, at("summary.median_abs_step_error"), "%",
            note="not held out: the shipped calibration was fitted on eager runs of seeds 20261204172430-31; under the "
@@ -381,20 +390,18 @@ FIGURES: tuple[Figure, ...] = (
                 "architecture's (calibration/shipped.py FAMILIES); the H200 calibration itself was not refit on them"),
     Figure(TRAINING, "Fresh draws: time to the first step, median (`summary.json` startup)", FRESH,
            lambda d: _median([r["startup"]["to_first_step_s"] for r in d["rows"] if r.get("startup")]), "s",
-           note="split in the JSON: launch and imports 12-16 s, data generation 1-23 s, a first step of 5-42 s that "
-                "holds Triton autotuning (1-38 s: 1 s where an earlier draw of the session had tuned the same attention "
-                "shapes, cached on disk) and the CUDA graphs' captures"),
+           note="split in the JSON: launch and imports 11-15 s, data generation 1-27 s, a first step holding Triton "
+                "autotuning (29-38 s on the session's first four draws, 0-1.3 s once their shapes were tuned and cached on "
+                "disk) and the CUDA graphs' captures; per draw 56, 84, 59, 48, 26, 20, 19 s"),
     Figure(TRAINING, "Fresh draws: loader throughput / consumption, lowest", FRESH,
            lambda d: min(r["loader"]["headroom"] for r in d["rows"] if r.get("loader")), "x", Goal(">=", 3.0),
-           note="8 reader processes at a452902 read a batch in 0.6-7.9 ms each (1c695dd: 23-40 ms with 4); the rate is "
-                "now set by the data thread's pinning (prepare 3.4-43.6 ms a batch, contending with the training thread "
-                "for the interpreter lock): 2.9x, 1.45x and 1.4x (a calibration draw) on three small draws, 6-20x on "
-                "the rest; draw 20261205022507 waited 1.8 ms a step"),
+           note="8 reader processes and a pinning thread; per draw 4.1, 5.8, 4.4, 3.4, 13.9, 3.4, 6.0x what the step "
+                "consumed, no step waited for data. The set before (a452902): lowest 1.45x"),
     Figure(TRAINING, "Loader alone, one reader process on this CPU: median samples/s over the held-out draws", LOADER,
            at("summary.median_samples_per_s"), "samples/s",
-           note="generator v1 (one column per table) on the same draws and machine: 403 samples/s "
-                "(docs/benchmarks-log/results/loader_throughput_a397979_generator_v1.json), measured beside the CI suite; v2 "
-                "beside it: 4,545 and 2,866 samples/s; the figure here is v2 on an idle machine"),
+           note="the draws of fresh_plans_c (the plan set of the current H200 result; loader_throughput.py reads it from "
+                "that result's command); 6.0-54.8 thousand samples/s. On the older fresh_plans draws, generator v1 (one column "
+                "per table) read 403 samples/s (docs/benchmarks-log/results/loader_throughput_a397979_generator_v1.json)"),
     Figure(COST, "Data-loader price: held-out median |priced / measured - 1| (one reader process on this CPU)", LOADER_FIT,
            at("held_out.median_abs_rel_error"), "%",
            note="coefficients fitted on 8 fresh h200-1gpu draws, checked on the 10 held-out draws of fresh_plans; the "
@@ -411,7 +418,8 @@ FIGURES: tuple[Figure, ...] = (
                 "the small-M forward timings are partly host time (do_bench), which neither model prices"),
     Figure(TRAINING, "Loader alone, one process on this CPU, over the H200 runs' consumption: lowest", LOADER,
            at("summary.min_headroom_one_process"), "x", Goal(">=", 3.0),
-           note="a floor: the trainer reads with up to 8 processes per rank on CUDA hosts; 7 draws had H200 runs"),
+           note="a floor: the trainer reads with up to 8 processes per rank on CUDA hosts (in situ on the H200 host: "
+                "3.4-13.9x, no step waited); 7 draws had H200 runs, the lowest here draw 20261205200429 (256 samples a step)"),
     Figure(CAL, "Fresh draws: worst |predicted / measured step - 1|, uncalibrated", FRESH,
            at("summary.max_abs_step_error"), "%"),
     *[Figure(CAL, f"Published: {c}, |predicted / published tokens/s per GPU - 1|", PUBLISHED,
@@ -430,10 +438,9 @@ FIGURES: tuple[Figure, ...] = (
            "FSDP for Megatron's data parallelism. A miss"))],
     Figure(CAL, "Fresh draws: held-out draws priced with the shipped calibration (no refit)", FRESH_CAL,
            at("summary.draws_compared"), "draws", Goal(">=", 10),
-           note="the 7 draws of seed 20261205022502 that ran (a452902); the shipped calibration was fitted on eager runs "
-                "before the CUDA graphs. Its refit on graphed runs waits for calibration runs whose traces attribute "
-                "(profiled steps eager since 88f42a0) and for more than one host-bound run: 4 such draws are planned in "
-                "benchmarks/results/calib_plans_graphs, and their lease was taken back before they ran"),
+           note="the 7 draws of seed 20261205200424 that ran (f5340f6), planned again at the current code with the "
+                "shipped calibration (fitted on two eager runs of other draws, 905f3c5) and without. Its refit waits for the "
+                "draws' traces (the draws stage now brings them back) and for held-out draws planned after it"),
     Figure(CAL, "Fresh draws: median |predicted / measured step - 1|, shipped calibration", FRESH_CAL,
            at("summary.median_abs_error_calibrated"), "%", Goal("<=", 0.08)),
     Figure(CAL, "Fresh draws: worst |predicted / measured step - 1|, shipped calibration", FRESH_CAL,

@@ -48,7 +48,7 @@ The model each block stands for (the trainer builds exactly this):
   (``d → m·d → d``), then the summary: ``summary_q`` (``S`` tokens, ``d → H·dₕ``) attends into the
   layer's keys and values (``summary_attn``, ``S·L`` pairs; K and V are shared with ``gdpa``) and
   ``summary_out`` (``H·dₕ → d``). ``norm_act`` holds the elementwise work (two norms, two residual
-  adds, the activation).
+  adds, the activation, and the FiLM modulation by the non-sequence context: :data:`FILM_ELEMS`).
 - ``kunlun`` over ``T`` non-sequence tokens: ``T = num_tokens + Σ dense_mlp.out_tokens + Σ
   interformer.num_summary_tokens`` (pooled embeddings projected into ``num_tokens`` tokens, plus the
   dense tokens, plus the summaries). Layer 0 first projects the pooled embeddings by a block-diagonal
@@ -337,6 +337,40 @@ def norm_act_elems(d: int, act_in: float, act_out: float) -> float:
     return 2 * 2 * d + 2 * 3 * d + act_in + act_out
 
 
+FILM_ELEMS = 6
+"""Elements per token and model width that an InterFormer layer's FiLM modulation reads + writes forward
+(``x·(1+γ)+β`` with per-sample ``γ, β``, ``trainer/model/layers.py``): ``β`` and ``1+γ`` expanded to the
+tokens (two writes of ``d``), then ``addcmul`` (reads three, writes one). It runs in the layer's ``norm_act``
+range (counted by ``tests/trainer/test_model.py``'s elementwise census of the trainer's dense arch)."""
+
+FILM_SAVED = 2
+"""Widths per token FiLM keeps for backward (the normalised tokens and the expanded ``1+γ``)."""
+
+FILM_LAUNCHES = 3
+
+
+def _input_embed(name: str, layer: str, block: str, dtype: str, seq: str, tokens: Coeffs, d: int, cat_width: int,
+                 max_len: int) -> Op:
+    """An InterFormer's history input around its projection (``trainer/model/gem.py`` ``InterFormerStack``):
+    the events' table embeddings concatenated (``cat_width`` read and written per token, when more than one
+    table), the recency position embedding looked up (``d`` read and written) and added to the projection
+    (two read, one written). Backward: the position table's gradient (the token gradients read, the rows
+    accumulated: ``3d``), which is dense: the whole ``max_len x d`` table gradient is zeroed and written once
+    per micro-batch (``fixed_bwd_bytes``); the concatenation's backward is views."""
+    b = DTYPE_BYTES[dtype]
+    return Op(name=name, layer=layer, block=block, op_class="elementwise", dtype=dtype, sequence=seq,
+              fwd_bytes=tokens * ((2 * cat_width + 5 * d) * b), bwd_bytes=tokens * (3 * d * b),
+              fixed_bwd_bytes=2.0 * max_len * d * b,
+              act_bytes=ZERO, fwd_launches=3 if cat_width else 2, bwd_launches=2)
+
+
+def layer_norm_act_elems(block: InterFormerBlock | KunlunBlock) -> float:
+    """Elements per token a layer's ``norm_act`` op reads + writes forward: :func:`norm_act_elems` at its
+    FFN width, plus the FiLM modulation in an InterFormer layer (:data:`FILM_ELEMS`)."""
+    d, f = block.model_dim, ffn_width(block)
+    return norm_act_elems(d, f, f) + (FILM_ELEMS * d if isinstance(block, InterFormerBlock) else 0)
+
+
 def _norm_act(name: str, layer: str, block: str, dtype: str, seq: str | None, tokens: Coeffs, d: int, act_in: float, act_out: float) -> Op:
     """The layer's elementwise work (:func:`norm_act_elems`); saves the two norm inputs and the activation input."""
     return _elementwise(name, layer, block, dtype, seq, tokens, norm_act_elems(d, act_in, act_out), 2 * d + act_in, launches=5)
@@ -401,6 +435,8 @@ def _interformer(w: Workload, b: InterFormerBlock, dt: str) -> list[Op]:
     seq_dim = sum(t.dim * t.num_features for t in _seq_tables(w, seq))
     if seq_dim:
         ops.append(_gemm(f"{b.name}.0.input_proj", f"{b.name}.0", b.name, dt, seq, L, seq_dim, d))
+        ops.append(_input_embed(f"{b.name}.0.input_embed", f"{b.name}.0", b.name, dt, seq, L, d,
+                                seq_dim if len(_seq_tables(w, seq)) > 1 else 0, w.sequence(seq).length.max_len))
     pairs = causal_pairs() if b.attention.causal else full_pairs()
     for i in range(b.num_layers):
         lay = f"{b.name}.{i}"
@@ -410,7 +446,8 @@ def _interformer(w: Workload, b: InterFormerBlock, dt: str) -> list[Op]:
             _gemm(f"{lay}.attn_out", lay, b.name, dt, seq, L, hd, d, save_input=False),
             _gemm(f"{lay}.ffn_up", lay, b.name, dt, seq, L, d, f),
             _gemm(f"{lay}.ffn_down", lay, b.name, dt, seq, L, f, d),
-            _norm_act(f"{lay}.norm_act", lay, b.name, dt, seq, L, d, f, f),
+            _elementwise(f"{lay}.norm_act", lay, b.name, dt, seq, L, layer_norm_act_elems(b),
+                         2 * d + f + FILM_SAVED * d, launches=5 + FILM_LAUNCHES),
         ]
         if S:
             s_tok = per_sample(S)
@@ -551,10 +588,21 @@ def _dot_interaction(w: Workload, b: DotInteractionBlock, dt: str) -> list[Op]:
 def _heads(w: Workload, b: TaskHeads, dt: str) -> list[Op]:
     dims = [b.input_dim, *b.hidden_dims, 1]
     T = len(b.tasks)
-    return [
+    ops = [
         _gemm(f"{b.name}.{i}.gemm", f"{b.name}.{i}", b.name, dt, None, per_sample(1), k, n, count=T, launches=T)
         for i, (k, n) in enumerate(zip(dims[:-1], dims[1:]))
     ]
+    kun = next((k for k in w.blocks if isinstance(k, KunlunBlock)), None)
+    if kun is not None and b.tasks:
+        # the non-sequence tokens as the dense arch assembles and reads them (trainer/model/gem.py DenseArch, Heads):
+        # the pooled and dense tokens concatenated (2·T₀·d) and averaged into the InterFormers' context (T₀·d),
+        # the summaries appended (2·T·d), and the heads' LayerNorm and mean over the tokens (3·T·d)
+        tok = kunlun_tokens(w, kun)
+        t0 = tok - sum(x.num_summary_tokens for x in w.blocks if isinstance(x, InterFormerBlock))
+        elems = kun.model_dim * (3 * t0 + 5 * tok)
+        ops.insert(0, _elementwise(f"{b.name}.0.tokens", f"{b.name}.0", b.name, dt, None, per_sample(1), elems,
+                                   tok * kun.model_dim, launches=4))
+    return ops
 
 
 def table_lookup_coeffs(table: EmbeddingTable, compute_dtype: str = "fp32") -> tuple[Coeffs, Coeffs, Coeffs]:
@@ -776,7 +824,7 @@ def dense_params(workload: Workload) -> tuple[int, int]:
 
 __all__ = [
     "COMPUTE_CLASSES", "Coeffs", "FlopCount", "LengthStats", "Op", "ZERO", "attention_flops", "causal_pairs",
-    "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "ffn_width", "full_pairs", "kunlun_tokens", "layer_names", "model_flops", "norm_act_elems", "op_flops",
+    "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "ffn_width", "full_pairs", "kunlun_tokens", "layer_names", "layer_norm_act_elems", "model_flops", "norm_act_elems", "op_flops",
     "per_sample", "per_sample_flops", "per_token", "table_lookup_coeffs", "workload_ops",
 ]
 

@@ -24,18 +24,21 @@ ROWS = 1000 + 500 + 200 + 50 + 800 + 16
 
 # Saved activations (fp32, bytes). Per history event: input_proj 32 elems; per InterFormer layer
 # qkv input 32, GDPA q,k,v,o 4×32 (+ 2 heads × 4-byte row statistics), ffn_up input 32, ffn_down
-# input 64, norms 2×32 + activation input 64 → (128 + 4·32 + 32 + 64 + 32)·4 + 8 = 1,544 B per layer.
-PER_EVENT = 32 * 4 + 2 * 1_544
+# input 64, norms 2×32 + activation input 64, FiLM's normalised tokens and expanded 1+γ 2×32
+# → (128 + 4·32 + 32 + 64 + 32 + 64)·4 + 8 = 1,800 B per layer.
+PER_LAYER = 1_800
+PER_EVENT = 32 * 4 + 2 * PER_LAYER
 # Per sample: dense_mlp inputs 8 + 32; summaries (2 tokens) q input 2×32 and summary attention q, o
 # (2×(2·32·4 + 8)) per layer; Kunlun (7 tokens) pooled input 64, per layer qkv 7×32, attention
 # 7×(2·32·4+8) + 7×2·32·4, ffn 7×32 + 7×64, norms 7×(2·32+64); MoE (4 tokens, top-2) router 4×32,
-# experts 8×32 + 8×64, norm/act 4×32 + 2×(8×64); heads 2×32 + 2×32.
+# experts 8×32 + 8×64, norm/act 4×32 + 2×(8×64); heads 2×32 + 2×32, and their LayerNorm's input (7 tokens × 32).
 PER_SAMPLE = (
     (8 + 32) * 4
     + 2 * (2 * 32 * 4 + 2 * (2 * 32 * 4 + 8))
     + 64 * 4 + 2 * (7 * 32 * 4 + 7 * (2 * 32 * 4 + 8) + 7 * 2 * 32 * 4 + 7 * 32 * 4 + 7 * 64 * 4 + 7 * (2 * 32 + 64) * 4)
     + (4 * 32 + 8 * 32 + 8 * 64 + 4 * 32 + 2 * 8 * 64) * 4
     + (2 * 32 + 2 * 32) * 4
+    + 7 * 32 * 4
 )
 
 
@@ -81,7 +84,7 @@ def test_recompute_keeps_layer_inputs_only(tiny):
     m0 = price(ctx).memory
     m1 = price(ctx, layers=layers).memory
     # the layer kept 1,544 B per event; now only its 32-float input, and its full set is live once in backward
-    assert m0.activations - m1.activations == pytest.approx(64 * mean * (1_544 - 32 * 4) + 64 * 2 * (2 * 32 * 4 + 2 * (2 * 32 * 4 + 8)) / 2)
+    assert m0.activations - m1.activations == pytest.approx(64 * mean * (PER_LAYER - 32 * 4) + 64 * 2 * (2 * 32 * 4 + 2 * (2 * 32 * 4 + 8)) / 2)
     assert m1.recompute_peak > 0
 
 

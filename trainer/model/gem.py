@@ -141,14 +141,18 @@ class InterFormerStack(nn.Module):
         """``valid``: which rows of the history are tokens (``None``: all of them; padded rows are masked,
         see :func:`~coplan.trainer.model.layers.mask_rows`)."""
         n = self.name
-        x = torch.cat([seq[f] for f in self.features], dim=-1) if len(self.features) > 1 else seq[self.features[0]]
-        total, batch = x.shape[0], offsets.numel() - 1
-        with record_function(f"{n}.0.input_proj"):
+        with record_function(f"{n}.0.input_embed"):  # the cost model's op of that name (flops._input_embed)
+            x = torch.cat([seq[f] for f in self.features], dim=-1) if len(self.features) > 1 else seq[self.features[0]]
+            total, batch = x.shape[0], offsets.numel() - 1
             seg = segment_ids(offsets, total, padded=valid is not None)
             # position counted from the most recent event (recency), bounded by the spec's max length
             pos = (offsets[1:][seg] - 1 - torch.arange(total, device=x.device)).clamp_(0, self.max_len - 1)
-            h = self.input(x) + self.pos(pos)
+            p = self.pos(pos)
+        with record_function(f"{n}.0.input_proj"):
+            h = self.input(x)
             summary = self.summary_init + self.summary_ctx(ctx).view(batch, self.num_summary, -1)
+        with record_function(f"{n}.0.input_embed"):
+            h = h + p
         for layer in self.layers:
             h, summary = layer(h, offsets, summary, ctx) if valid is None else layer(h, offsets, summary, ctx, valid)
         with record_function(f"{n}.{len(self.layers) - 1}.norm_act"):
