@@ -294,7 +294,13 @@ FIGURES: tuple[Figure, ...] = (
     Figure(COST, "Pricing: a new table placement in an existing context", COSTMODEL_SPEED,
            at("new_placement_s", 1e3), "ms"),
     Figure(COST, "Predicted E2E MFU, gem-1t on 16,384 H200s (simulate heuristic's plan)", SIMULATE,
-           lambda d: d["points"][-1]["e2e_mfu"], "%"),
+           lambda d: d["points"][-1]["e2e_mfu"], "%",
+           note="41.9% when last measured (f831185, 2026-11-29), 22.9% at bc7e985. Not the losses coming into line with "
+                "Meta's 20-25%: the heuristic's plan changed. Its tables were sharded over 64 ranks (8.5 GB of headroom "
+                "then); with a week's memory terms since (CUDA context, allocator headroom, the priced recompute peak, "
+                "17.4 -> 21.7 GB a rank, part of it FiLM's saved activations priced at 547d9c2) that no longer fits, and "
+                "the next that does shards them over 256 ranks, whose exposed all-to-all is 1.41 s of the 3.25 s step "
+                "(0.21 s at 64). At 8 GPUs, where the plan did not change, 48.1% -> 46.2%"),
     Figure(COST, "Predicted step, gem-1t on 16,384 H200s (simulate heuristic's plan)", SIMULATE,
            lambda d: d["points"][-1]["step_time_s"], "s"),
     # planner
