@@ -230,8 +230,9 @@ LOADER_FIT = Result("loader_fit.json", "python benchmarks/loader_fit.py (fit see
 GEMM_SHAPE = Result("gemm_shape_fit.json", "python benchmarks/gemm_shape_fit.py", ("benchmarks/results/fp8_h200.json",),
                     script="gemm_shape_fit.py")
 FRESH = Result("fresh_draws_h200.json",
-               "python benchmarks/fresh_draws_h200.py --plan-only --n 10 (seed: the run's date and time), then on the "
-               "H200: python benchmarks/fresh_draws_h200.py --budget-s 520 --run-timeout-s 150",
+               "python benchmarks/fresh_draws_h200.py --plan-only --n 10 --plans benchmarks/results/fresh_plans_c (seed: "
+               "the run's date and time), then on the H200: H200_PLANS=fresh_plans_c BUDGET=480 bash "
+               "benchmarks/device/stage.sh draws COMMIT (fresh_draws_h200.py --plans ... --budget-s 480 --run-timeout-s 150)",
                SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py")
 
 DENSE_AB = Result("dense_graphs_ab_h100.json",
@@ -511,7 +512,7 @@ PENDING: tuple[Pending, ...] = (
 )
 
 INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans", "calib_plans_graphs",
-          "fresh_plans_c", "fresh_plans_c_ab", "fresh_plans_h100", "fresh_plans_h100b", "startup_plans")
+          "fresh_plans_c", "fresh_plans_c_ab", "fresh_plans_d", "fresh_plans_h100", "fresh_plans_h100b", "startup_plans")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
