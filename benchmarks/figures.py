@@ -316,7 +316,8 @@ FIGURES: tuple[Figure, ...] = (
            _preset("gem-1t", "h200-superpod-4k", "gap"), "%", Goal("<=", 0.02)),
     Figure(PLAN, "Wall time of the default `coplan plan` (gem-1t on h200-superpod-4k)", PRESETS,
            _preset("gem-1t", "h200-superpod-4k", "wall_s"), "s", Goal("<=", 60),
-           note="measured with the CI suite running beside it (load 3-5 on 2 cores)"),
+           note="measured with nothing else running (2026-12-06); the 41.9 s of 2026-12-04 (1f2c3c1) was measured with "
+                "the CI suite beside it (load 3-5 on 2 cores)"),
     Figure(PLAN, "Gap, gem-1t on the whole meta-roce-24k (24,576 GPUs)", PRESETS,
            _preset("gem-1t", "meta-roce-24k", "gap"), "%", Goal("<=", 0.02)),
     Figure(PLAN, "Gap, gem-1t on 16,384 GPUs of meta-roce-24k", SCALE, at("rows.0.gap"), "%", Goal("<=", 0.02),
