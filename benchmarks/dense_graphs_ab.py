@@ -138,6 +138,7 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
               "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
               "command": " ".join(sys.argv), "rows": rows}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     for m in manifest["rows"]:
         if not m.get("plan"):
             continue
@@ -166,9 +167,7 @@ def main(argv=None) -> int:
             f"{k} {v['step_s_median'] * 1e3:.2f} ms" + (f" ({v['speedup_vs_off']:.2f}x)" if "speedup_vs_off" in v else "")
             + f" [captured {v['captured']}, eager {v['eager']}, first {v['warmup_wall_s']:.0f} s]"
             if "step_s_median" in v else f"{k} {v.get('exit', v.get('skipped'))}" for k, v in row["modes"].items()), flush=True)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1))  # after each draw: a lease can end before the last
     a.out.write_text(json.dumps(result, indent=1))
     return 0
 
