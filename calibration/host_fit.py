@@ -433,20 +433,33 @@ HOST_UNBLOCKED = 0.9
 its step: above it the host may have waited on the device (a full launch queue blocks the launching call), so
 that time bounds the host's cost without measuring it."""
 
+HOST_BOUND_BUSY = 0.8
+"""A run whose profiled steps kept the device busy for at least this share of its measured step is device-bound:
+its host time is not counted as the host's own, graphed or not. The host phases are wall-clock laps with no
+device sync of their own, and any call that waits on the device (a read-back, an allocator or TorchRec call
+that syncs) charges the wait to its phase. Why: on the lent H100 (fresh_plans_h100c, 2026-12-06), graphed
+device-bound runs recorded host steps of 56-130 ms for a few hundred launches (an optimizer phase of 34 ms,
+a backward of 71 ms), and fitting them as host costs gave 615 us per priced launch and predicted a
+host-bound draw 2.6x its measured step (benchmarks/results/calibration_loo_h100.json)."""
+
 
 def run_host_time(r: RunSamples) -> float | None:
     """The host's own seconds per step of run ``r`` (``summary.json``'s ``host_step`` p50, over the steps its
     step time is over), or None where it is not known to be the host's. A run replayed as CUDA graphs issues
-    a handful of launches per step and never fills the launch queue: its host time is the host's own whether
-    the step is host- or device-bound. An eager run's counts below :data:`HOST_UNBLOCKED` of its step."""
+    a handful of launches per step and never fills the launch queue; an eager run's host time counts below
+    :data:`HOST_UNBLOCKED` of its step. Either way, a device-bound run's does not (:data:`HOST_BOUND_BUSY`,
+    read from the profiled steps' device busy time where the trace has one)."""
     res = r.result
     if res is None or res.host_step is None or res.step_time is None or res.host_step.p50_s <= 0:
         return None
     graphed = res.options is not None and res.options.cuda_graphs
-    if graphed or res.host_step.p50_s < HOST_UNBLOCKED * res.step_time.p50_s:
-        return float(res.host_step.p50_s)
-    return None
+    if not (graphed or res.host_step.p50_s < HOST_UNBLOCKED * res.step_time.p50_s):
+        return None
+    busy = r.window_s - r.idle_s
+    if r.window_s > 0 and busy >= HOST_BOUND_BUSY * res.step_time.p50_s:
+        return None
+    return float(res.host_step.p50_s)
 
 
-__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "HOST_FORMS", "HOST_UNBLOCKED", "run_host_time", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
+__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "HOST_FORMS", "HOST_BOUND_BUSY", "HOST_UNBLOCKED", "run_host_time", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
            "fit_host_launch_cost", "fit_host_terms", "fit_step_terms", "refine_on_grid"]

@@ -42,6 +42,12 @@ def fsdp_copy_bytes(ctx: Context) -> tuple[float, float]:
       the embedding outputs, :data:`EMBEDDING_OUTPUT_BYTES` each, at the workload's expected lengths)
       and of their gradients back.
 
+    One rank whose dense arch runs as CUDA graphs (:attr:`Context.dense_graphs`) has no FSDP2: the graphs
+    cast the masters (``N·(pb+cb)``), cast the gradients back (the same) and add them into the gradient
+    buffers (``N·3·pb``), and copy each micro-batch's embedding outputs into their captured buffers
+    (``elems·2·4``); the input casts stay. (Found on the lent H100, fresh_plans_h100c: FSDP2's one-rank bytes
+    priced the graphed draws' copies 1.3-1.5x their traced kernels.)
+
     Nothing here is fitted: it is bytes, priced like every other memory-bound pass. Without FSDP
     (no dense parameters) both are 0."""
     w = ctx.workload
@@ -54,6 +60,18 @@ def fsdp_copy_bytes(ctx: Context) -> tuple[float, float]:
     if N <= 0:
         return 0.0, 0.0
     cast = (pb + cb) if pb != cb else 0.0
+    ta = ctx.tables
+    vec = (np.where(ta.is_seq, ctx.mb_batch * ta.lookups_per_sample, ctx.mb_batch * ta.features) if ta.num
+           else np.zeros(0))
+    elems = float((vec * ta.dim).sum()) if ta.num else 0.0
+    inputs = elems * (EMBEDDING_OUTPUT_BYTES + cb) if ta.num and cb != EMBEDDING_OUTPUT_BYTES else 0.0
+    if ds == 1 and ctx.dense_graphs:
+        # no FSDP2: the graphs cast the masters (N·cast) and, in backward, cast the gradients back to the
+        # masters' dtype (N·cast) and add them into the gradient buffers (read both, write one: N·3·pb); each
+        # micro-batch's inputs are copied into the captured buffers first (elems, read and write)
+        fwd = N * cast + inputs + elems * 2 * EMBEDDING_OUTPUT_BYTES
+        bwd = N * cast + N * 3 * pb + inputs
+        return fwd, bwd
     if ds > 1:
         gather = N / ds * cast + N / ds * 2 * cb + N * 2 * cb
     else:
@@ -63,13 +81,7 @@ def fsdp_copy_bytes(ctx: Context) -> tuple[float, float]:
     if ds > 1 and ctx.options.reshard_after_forward and len(P):
         last = float(P[-1] + E[-1] / ep)
         bwd += gather * (1.0 - last / N)
-    ta = ctx.tables
-    if ta.num and cb != EMBEDDING_OUTPUT_BYTES:
-        vec = np.where(ta.is_seq, ctx.mb_batch * ta.lookups_per_sample, ctx.mb_batch * ta.features)
-        elems = float((vec * ta.dim).sum())
-        fwd += elems * (EMBEDDING_OUTPUT_BYTES + cb)
-        bwd += elems * (cb + EMBEDDING_OUTPUT_BYTES)
-    return fwd, bwd
+    return fwd + inputs, bwd + inputs
 
 
 def table_state_bytes(ctx: Context) -> np.ndarray:

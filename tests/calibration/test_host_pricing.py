@@ -243,12 +243,18 @@ def test_measured_host_time_identifies_the_host_cost_of_device_bound_runs():
 def test_run_host_time_trusts_graphed_runs_and_unblocked_eager_ones():
     from types import SimpleNamespace as NS
 
-    from coplan.calibration.host_fit import HOST_UNBLOCKED, run_host_time
+    from coplan.calibration.host_fit import HOST_BOUND_BUSY, HOST_UNBLOCKED, run_host_time
 
-    def run(host, step, graphed):
-        return NS(result=NS(host_step=NS(p50_s=host), step_time=NS(p50_s=step), options=NS(cuda_graphs=graphed)))
+    def run(host, step, graphed, busy=None):  # busy: the profiled step's device busy time (None: a CPU trace)
+        return NS(result=NS(host_step=NS(p50_s=host), step_time=NS(p50_s=step), options=NS(cuda_graphs=graphed)),
+                  window_s=0.0 if busy is None else step, idle_s=0.0 if busy is None else step - busy)
 
     assert run_host_time(run(0.009, 0.010, True)) == 0.009  # graphed: never blocked on the launch queue
     assert run_host_time(run(0.0095, 0.010, False)) is None  # eager, near the step: may have waited on the device
     assert run_host_time(run(HOST_UNBLOCKED * 0.01 * 0.99, 0.010, False)) == pytest.approx(HOST_UNBLOCKED * 0.01 * 0.99)
+    # device-bound (busy >= HOST_BOUND_BUSY of the step): its host phases absorbed waits at syncs, graphed or not
+    assert run_host_time(run(0.009, 0.010, True, busy=0.0095)) is None
+    assert run_host_time(run(0.005, 0.010, False, busy=HOST_BOUND_BUSY * 0.010)) is None
+    # the device idled a third of the step: the host drove it, its time is the host's own
+    assert run_host_time(run(0.009, 0.010, True, busy=0.0066)) == 0.009
     assert run_host_time(NS(result=NS(host_step=None, step_time=NS(p50_s=0.01), options=None))) is None

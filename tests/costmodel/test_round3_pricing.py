@@ -96,7 +96,10 @@ def test_fsdp_copies_on_one_rank_are_bytes_at_the_elementwise_bandwidth():
     gradients into the fp32 reduce buffer (2+4), then the one-rank reduce-scatter is a division and a
     copy (8+8); plus the embedding outputs' cast (4+2 each way)."""
     plan = _plan(8, 512)
-    ctx = build_context(plan.workload, plan.topology, plan.mesh)
+    w = plan.workload  # (CUDA graphs off: FSDP2 wraps the one rank; the graphed case is the test below)
+    w = w.model_copy(update={"kernels": w.kernels.model_copy(update={"cuda_graphs": "off"})})
+    ctx = build_context(w, plan.topology, plan.mesh)
+    assert not ctx.dense_graphs
     N = float(ctx.layer_params.sum() + ctx.layer_expert_params.sum())
     ta = ctx.tables
     elems = float((np.where(ta.is_seq, ctx.mb_batch * ta.lookups_per_sample, ctx.mb_batch * ta.features) * ta.dim).sum())
@@ -112,6 +115,27 @@ def test_fsdp_copies_on_one_rank_are_bytes_at_the_elementwise_bandwidth():
     # the optimizer reads the gradients once more for the trainer's norm (fp32: 4 bytes a parameter)
     st = plan.workload.optimizer.dense_state_bytes_per_param
     assert fixed.optimizer_step_s == pytest.approx(N * (2 * 4 + 4 + 2 * st + 4) / bw + OPTIMIZER_LAUNCHES * launch)
+
+
+def test_graphed_one_rank_prices_the_graphs_casts_not_fsdp2s_copies():
+    """One rank under CUDA graphs has no FSDP2: forward casts the fp32 masters to bf16 (4+2 a parameter)
+    and copies the fp32 embedding outputs into the captured buffers (4+4) before casting them (4+2);
+    backward casts the gradients back (2+4), adds them into the fp32 buffers (4+4+4) and casts the input
+    gradients (2+4). Less than FSDP2's one-rank copies, by N·(2+2) forward and N·16-N·12 backward."""
+    plan = _plan(8, 512)
+    ctx = build_context(plan.workload, plan.topology, plan.mesh)
+    assert ctx.dense_graphs
+    N = float(ctx.layer_params.sum() + ctx.layer_expert_params.sum())
+    ta = ctx.tables
+    elems = float((np.where(ta.is_seq, ctx.mb_batch * ta.lookups_per_sample, ctx.mb_batch * ta.features) * ta.dim).sum())
+    fwd, bwd = fsdp_copy_bytes(ctx)
+    assert fwd == pytest.approx(N * (4 + 2) + elems * 8 + elems * 6)
+    assert bwd == pytest.approx(N * (2 + 4) + N * 12 + elems * 6)
+    w = plan.workload
+    eager = build_context(w.model_copy(update={"kernels": w.kernels.model_copy(update={"cuda_graphs": "off"})}),
+                          plan.topology, plan.mesh)
+    fe, be = fsdp_copy_bytes(eager)
+    assert fe - fwd == pytest.approx(N * 4 - elems * 8) and be - bwd == pytest.approx(N * 4)
 
 
 def test_fsdp_copies_add_to_the_one_rank_step_and_to_its_launches():
