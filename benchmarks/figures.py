@@ -492,11 +492,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure(CAL, "Fresh draws: held-out draws priced with the shipped calibration (no refit)", FRESH_CAL,
            at("summary.draws_compared"), "draws", Goal(">=", 10),
            note="the 7 draws of seed 20261205200424 that ran (f5340f6), planned again at the current code with the "
-                "shipped calibration (fitted on two eager runs of other draws, 905f3c5) and without: per draw -5, +0, -28, "
-                "-18, -23, -7, -38%. As planned when they ran: median 25.0%, worst 42.2%. The difference is the elementwise "
+                "shipped calibration (fitted on two eager runs of other draws, 905f3c5) and without: per draw -5, +1, -28, "
+                "-17, -23, -6, -39%. As planned when they ran: median 25.0%, worst 42.2%. The difference is the elementwise "
                 "work priced since (547d9c2: FiLM, history input and token assembly, counted by a CPU census of the "
                 "trainer, no coefficient fitted); these draws' per-class traces are what pointed at it, so they are not "
-                "held out for that change. The worst, ...430, is host-bound: 7.8 ms of host a step under the CUDA graphs "
+                "held out for that change. The one-rank graphs' copies priced since (f2a5535, found on the H100 draws' "
+                "traces) moved them by at most 1 point. The worst, ...430, is host-bound: 7.8 ms of host a step under the CUDA graphs "
                 "(TorchRec's eager lookups over 137 tables, the input dist, the optimizer), priced 5.4 ms. The "
                 "calibration's refit waits for the draws' traces (the draws stage now brings them back) and for "
                 "held-out draws planned after it"),
@@ -558,7 +559,7 @@ PENDING: tuple[Pending, ...] = (
 )
 
 INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans", "calib_plans_graphs",
-          "fresh_plans_c", "fresh_plans_c_ab", "fresh_plans_d", "fresh_plans_h100", "fresh_plans_h100b", "fresh_plans_h100c", "startup_plans")
+          "fresh_plans_c", "fresh_plans_c_ab", "fresh_plans_d", "fresh_plans_h100", "fresh_plans_h100b", "fresh_plans_h100c", "fresh_plans_h100d", "startup_plans")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
