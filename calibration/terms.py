@@ -110,8 +110,7 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         if plan.kernels.attention == "reference" and o.op_class == "attention" and o.sequence:
             # priced as the padded reference runs (context.op_arrays): fitted under its own key
             dt = REFERENCE_ATTENTION_DTYPE
-        unfused = bool(arr.fwd_serial_s[k] > 0 or arr.bwd_serial_s[k] > 0)
-        mc = UNFUSED_CLASS if unfused else ""
+        mc = UNFUSED_CLASS if arr.unfused[k] else ""  # (a padded head dim's copies are serial, its kernel fused)
         out.append(UnitTerm(o.name, "fwd", o.op_class, dt, float(arr.fwd_flop_s[k]),
                             float(arr.fwd_mem_s[k] + arr.fwd_fixed_mem_s[k]), float(arr.fwd_launches[k]), mb,
                             serial_mem_s=float(arr.fwd_serial_s[k]), mem_class=mc, extra_kernels=float(arr.fwd_extra_kernels[k])))

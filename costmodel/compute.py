@@ -126,9 +126,13 @@ class OpArrays:
     """Kernels per call of each op as priced for this backend (the padded reference launches more)."""
     bwd_launches: np.ndarray
     fwd_serial_s: np.ndarray
-    """Separate memory-bound kernels of an unfused op (:attr:`coplan.costmodel.flops.Op.fwd_serial_bytes`),
-    at the elementwise class's bandwidth: they run after the op's main kernels, so they add to its
-    roofline instead of hiding under it (an op of several kernels costs the sum of theirs)."""
+    """Separate memory-bound kernels of an op (:attr:`coplan.costmodel.flops.Op.fwd_serial_bytes`: the padded
+    reference's passes, a padded head dim's copies), at the ``unfused`` class's bandwidth: they run after the
+    op's main kernels, so they add to its roofline instead of hiding under it (an op of several kernels
+    costs the sum of theirs)."""
+    unfused: np.ndarray
+    """1 where the op's main kernels are unfused too (the padded reference: its matmuls' bytes at the
+    ``unfused`` class's bandwidth), else 0."""
     bwd_serial_s: np.ndarray
     fwd_host_launches: np.ndarray
     """Host cost of each op's forward call in priced launches: ``fwd_launches``, or for an op whose
@@ -185,6 +189,9 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
                 m1, m2 = pad_len[o.sequence]
                 # what the reference really runs: full padded score blocks in fp32/TF32, its copies, its kernels
                 o = F.padded_reference_attention(o, w, min(1.0, real_m1 / m1) if m1 > 0 else 1.0)
+            elif kernels.attention == "triton":
+                # a head dim the kernels do not take: computed padded, with copies around the kernels
+                o = F.triton_head_padding(o, w)
             elif kernels.attention == "flex":
                 # block-sparse masks compute whole 128-token tiles: L rounds up by ~64 on average
                 m2 = m2 + 128.0 * m1 + 64.0**2
@@ -197,7 +204,8 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         ce = eff.compute_eff(o.op_class, dt) * flops_eff
         # an unfused op (the padded reference): its matmuls' bytes and its separate kernels' are streamed
         # at one class's memory efficiency (UNFUSED_CLASS says why)
-        unfused = not (o.fwd_serial_bytes.is_zero and o.bwd_serial_bytes.is_zero)
+        # (a padded Triton attention has separate copies too, but its main kernel is fused: its own class)
+        unfused = o.host_sync and not (o.fwd_serial_bytes.is_zero and o.bwd_serial_bytes.is_zero)
         bw = gpu.hbm_bw_bytes_per_s * eff.memory.get(UNFUSED_CLASS if unfused else o.op_class, 0.85)
         bw_serial = gpu.hbm_bw_bytes_per_s * eff.memory.get(UNFUSED_CLASS, 0.85)
         launch = eff.launch_s.get(o.op_class, 3e-6)
@@ -233,6 +241,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
             out["fwd_extra_kernels"][i], out["bwd_extra_kernels"][i] = xf, xb
             out["fwd_launch_s"][i] += xf * eff.launch_s.get(UNFUSED_CLASS, 2e-6)
             out["bwd_launch_s"][i] += xb * eff.launch_s.get(UNFUSED_CLASS, 2e-6)
+        out["unfused"][i] = 1.0 if unfused else 0.0
         out["fwd_launches"][i] = o.fwd_launches
         out["bwd_launches"][i] = o.bwd_launches
         out["fwd_host_launches"][i] = o.fwd_host_kernels / HOST_KERNELS_PER_PRICED_LAUNCH if o.fwd_host_kernels else o.fwd_launches

@@ -36,7 +36,9 @@ backward lower; jagged variable-length kernels (GDPA, HSTU-style Triton) lose mo
 0.5 sits at the low end of the dense kernels, pending calibration."""
 
 UNFUSED_CLASS = "unfused"
-"""The key, in ``Efficiencies.memory`` and ``Efficiencies.launch_s``, of an unfused op's kernels (a
+"""The key, in ``Efficiencies.memory`` and ``Efficiencies.launch_s``, of an op's separate memory-bound
+kernels (its ``*_serial_bytes``: the padded reference's passes, and the copies that pad a head dim the
+Triton kernels do not take, :func:`coplan.costmodel.flops.triton_head_padding`) and of an unfused op's kernels (a
 calibration's ``unfused_memory_efficiency`` and ``unfused_kernel_s``; an extra kernel's device floor is in
 ``coplan.costmodel.compute.op_arrays``). Its memory efficiency prices every byte an unfused op moves: the
 padded reference's batched fp32 matmuls write and read whole [H, P, P] score blocks and its separate kernels pass over them, streams of GBs that no other class's

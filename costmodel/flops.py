@@ -825,7 +825,8 @@ def dense_params(workload: Workload) -> tuple[int, int]:
 __all__ = [
     "COMPUTE_CLASSES", "Coeffs", "FlopCount", "LengthStats", "Op", "ZERO", "attention_flops", "causal_pairs",
     "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "ffn_width", "full_pairs", "kunlun_tokens", "layer_names", "layer_norm_act_elems", "model_flops", "norm_act_elems", "op_flops",
-    "per_sample", "per_sample_flops", "per_token", "table_lookup_coeffs", "workload_ops",
+    "KERNEL_HEAD_DIMS", "kernel_head_dim", "per_sample", "per_sample_flops", "per_token", "table_lookup_coeffs",
+    "triton_head_padding", "workload_ops",
 ]
 
 
@@ -945,6 +946,69 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
         # saved for backward: the scaled scores and the weights [H, Lq, P] (fp32), padded Q, K, V
         act_bytes=elems * 8.0 + (q_pad * wq + kv_pad * (2 * wkv)) * 4.0,
         fwd_host_kernels=float(k_fwd), bwd_host_kernels=float(k_bwd), host_sync=True,
+    )
+
+
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
+"""Head dims coplan's Triton attention kernels take as they are (``kernels/triton_attention.py``,
+``_POWERS_OF_TWO``: ``tl.dot`` and ``tl.arange`` need a power of two); any other is padded with zero
+columns to the next power of two (at least 16) by copies around the kernels."""
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim coplan's Triton attention kernels compute at for a model head dim of ``head_dim``."""
+    return head_dim if head_dim in KERNEL_HEAD_DIMS else max(16, 1 << (int(head_dim) - 1).bit_length())
+
+
+def triton_head_padding(op: Op, workload: Workload) -> Op:
+    """``op`` (jagged attention over a sequence) as coplan's Triton kernels run it when its head dim ``d``
+    is not one they take (:data:`KERNEL_HEAD_DIMS`): padded to ``p`` = :func:`kernel_head_dim` by copies
+    around the kernels (``kernels/triton_attention.py``), per token and head (``b`` bytes an element):
+
+    - forward: Q, K and V padded (read ``d``, write ``p`` each), the padded output copied out (read and
+      write ``d``);
+    - backward: Q, K, V and dO (and O for softmax) padded again (the forward kept them unpadded), dQ, dK and
+      dV copied out of their padded buffers (``2d`` each).
+
+    The copies are separate memory-bound kernels (``*_serial_bytes``, one launch each), priced after the
+    kernels rather than under their roofline. The kernels' own time is left as at ``d``: they run far from
+    the tensor cores' peak (the calibrated attention efficiency is 0.15-0.17 on the H100 and H200), bound by
+    the per-score work (the activation, the masks, the tiles' loads), which the zero columns do not add
+    to. Found on the lent H100, 2026-12-06 (fresh_plans_h100c, not held out): three draws with a head dim of
+    96 traced their summary attention's backward at 3.2-3.5x its price, the other draws at 0.9-1.5x; the
+    padded columns priced as work (4/3 of the FLOPs and bytes) put the compute-heaviest of them (GDPA over
+    850-token histories) 35% over its trace, its copies alone 6%.
+
+    Ops whose head dim the kernels take, and ops that are not jagged attention of an InterFormer or
+    transformer block, are returned unchanged."""
+    if op.op_class != "attention" or op.sequence is None:
+        return op
+    try:
+        block = workload.block(op.block)
+    except KeyError:
+        return op
+    if isinstance(block, InterFormerBlock):
+        H, kvh, dh, S = block.num_heads, block.num_heads, block.head_dim, block.num_summary_tokens
+    elif isinstance(block, TransformerBlock):
+        H, kvh, dh, S = block.num_heads, block.num_kv_heads or block.num_heads, block.head_dim, 0
+    else:
+        return op
+    p = kernel_head_dim(dh)
+    if p == dh:
+        return op
+    b = DTYPE_BYTES[op.dtype]
+    q_tok = per_sample(S) if op.name.rsplit(".", 1)[-1] == "summary_attn" else per_token(1)
+    kv_tok = per_token(1)
+    pad = (dh + p) * b  # one padding copy: read d, write p
+    out = 2 * dh * b  # one copy out of a padded buffer: read d, write d
+    softmax = block.attention.kind == "softmax"
+    q_pads_bwd = 3 if softmax else 2  # Q and dO, and O for softmax
+    serial_f = q_tok * (H * pad + H * out) + kv_tok * (2 * kvh * pad)
+    serial_b = q_tok * (q_pads_bwd * H * pad + H * out) + kv_tok * (2 * kvh * pad + 2 * kvh * out)
+    return replace(
+        op,
+        fwd_serial_bytes=op.fwd_serial_bytes + serial_f, bwd_serial_bytes=op.bwd_serial_bytes + serial_b,
+        fwd_launches=op.fwd_launches + 4, bwd_launches=op.bwd_launches + q_pads_bwd + 2 + 3,
     )
 
 
