@@ -7,7 +7,7 @@
 #   fp8train  500+ steps bf16 vs fp8 (needs TorchRec); $GPUS picks the GPUs of the two arms (default 0,0)
 #   train     trainer benchmark cases (needs TorchRec)
 #   draws     the fresh one-GPU draws of the plan set for the GPU lent (H200: $H200_PLANS, default fresh_plans_d;
-#             H100: $H100_PLANS, default fresh_plans_h100d, held out: planned at f2a5535), within $BUDGET s (default 420), a partial result
+#             H100: $H100_PLANS, default fresh_plans_h100d; both held out, re-planned at d1455e5), within $BUDGET s (default 420), a partial result
 #             after each draw; $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
 #             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec);
 #             the run directories come back as draw_runs_<gpu>[_variant].tgz (traces gzipped, no checkpoints)
