@@ -387,7 +387,7 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
-    names, meas, dev, nl, bs, prof, segments, per_step, hosts = [], [], [], [], [], [], [], [], []
+    names, meas, dev, nl, bs, prof, segments, per_step, hosts, bounds = [], [], [], [], [], [], [], [], [], []
     # every run, a host-syncing one too: each is priced per measured step as the pricer cuts it at the
     # host's syncs (one segment without any), and its median step is compared with its measured p50
     for r in runs:
@@ -409,6 +409,7 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         bs.append(float(r.plan.workload.batch.local(r.plan.mesh.world_size)))
         prof.append(r.host)
         hosts.append(run_host_time(r) if N.shape[1] == 1 else None)
+        bounds.append(run_host_bound(r) if N.shape[1] == 1 else None)
     if not names:
         return None
     speed: tuple[float, ...] = ()
@@ -424,8 +425,40 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     else:
         (h, s), f = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None,
                                    segments=segments, step_measured=per_step, host_measured=hosts), 1.0
+    if all(x is None for x in hosts):
+        h, s = cap_by_host_bounds(h, s, nl, bs, speed or None, bounds)
     return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference, f,
                    tuple(segments), tuple(hosts))
+
+
+def run_host_bound(r: RunSamples) -> float | None:
+    """An upper bound on run ``r``'s host seconds per step: its recorded host time (``host_step`` p50), the host's
+    own work plus whatever it waited on the device; None where the summary has none."""
+    res = r.result
+    if res is None or res.host_step is None or res.host_step.p50_s <= 0:
+        return None
+    return float(res.host_step.p50_s)
+
+
+def cap_by_host_bounds(h: float, s: float, launches: Sequence[float], batch: Sequence[float],
+                       speed: Sequence[float] | None, bounds: Sequence[float | None]) -> tuple[float, float]:
+    """``(h, s)`` scaled down, together, until no run's host time under them (``k · (launches · h + batch ·
+    s)``) exceeds what that run recorded (:func:`run_host_bound`). For fits where no run measured the host's
+    own time (all device-bound): their host terms come from step times alone, and nothing else keeps them
+    from predicting a host slower than any host seen. Why: on the H100's fresh draws (fresh_plans_h100c,
+    2026-12-06) the fit without the one host-bound draw priced it at 31 ms of host a step; every run had
+    recorded 8-138 ms, the small ones 9-11 ms."""
+    if h <= 0 and s <= 0:
+        return h, s
+    worst = 1.0
+    for j, b in enumerate(bounds):
+        if b is None or b <= 0:
+            continue
+        k = 1.0 if speed is None else float(speed[j])
+        pred = k * (float(launches[j]) * h + float(batch[j]) * s)
+        if pred > b:
+            worst = min(worst, b / pred)
+    return h * worst, s * worst
 
 
 HOST_UNBLOCKED = 0.9
@@ -461,5 +494,5 @@ def run_host_time(r: RunSamples) -> float | None:
     return float(res.host_step.p50_s)
 
 
-__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "HOST_FORMS", "HOST_BOUND_BUSY", "HOST_UNBLOCKED", "run_host_time", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
+__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "HOST_FORMS", "HOST_BOUND_BUSY", "HOST_UNBLOCKED", "cap_by_host_bounds", "run_host_bound", "run_host_time", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
            "fit_host_launch_cost", "fit_host_terms", "fit_step_terms", "refine_on_grid"]

@@ -258,3 +258,25 @@ def test_run_host_time_trusts_graphed_runs_and_unblocked_eager_ones():
     # the device idled a third of the step: the host drove it, its time is the host's own
     assert run_host_time(run(0.009, 0.010, True, busy=0.0066)) == 0.009
     assert run_host_time(NS(result=NS(host_step=None, step_time=NS(p50_s=0.01), options=None))) is None
+
+
+def test_a_host_fitted_from_step_times_alone_is_capped_by_the_host_times_recorded():
+    """Where no run measured the host's own time, the fitted host terms may not price any run's host above
+    the host time it recorded (an upper bound: the host's work plus its waits on the device); both terms
+    shrink together, and a fit already within every bound, or a run without a record, changes nothing."""
+    from types import SimpleNamespace as NS
+
+    from coplan.calibration.host_fit import cap_by_host_bounds, run_host_bound
+
+    h, s = 1e-3, 1e-5  # 1 ms a launch, 10 us a sample
+    launches, batch = [10.0, 20.0, 4.0], [100.0, 50.0, 10.0]  # host under the fit: 11, 20.5, 4.1 ms
+    hc, sc = cap_by_host_bounds(h, s, launches, batch, None, [0.0110, 0.0082, None])
+    assert hc / h == pytest.approx(sc / s) == pytest.approx(0.0082 / 0.0205)  # the tightest run sets the scale
+    assert launches[1] * hc + batch[1] * sc == pytest.approx(0.0082)
+    assert cap_by_host_bounds(h, s, launches, batch, None, [0.02, 0.03, 0.01]) == (h, s)
+    assert cap_by_host_bounds(h, s, launches, batch, None, [None, None, None]) == (h, s)
+    # a slow host (speed index 2) reaches its bound at half the terms
+    hc2, _ = cap_by_host_bounds(h, 0.0, [10.0], [1.0], [2.0], [0.010])
+    assert hc2 == pytest.approx(0.5e-3)
+    assert run_host_bound(NS(result=NS(host_step=NS(p50_s=0.012)))) == 0.012
+    assert run_host_bound(NS(result=NS(host_step=None))) is None
