@@ -891,6 +891,22 @@ def reference_kernels(kind: str, causal: bool, activation: str = "silu") -> tupl
     return fwd, bwd
 
 
+def _jagged_attention_dims(op: Op, workload: Workload):
+    """(block, heads, kv heads, head dim, summary tokens) of a jagged attention op of an InterFormer or
+    transformer block; None for any other op."""
+    if op.op_class != "attention" or op.sequence is None:
+        return None
+    try:
+        block = workload.block(op.block)
+    except KeyError:
+        return None
+    if isinstance(block, InterFormerBlock):
+        return block, block.num_heads, block.num_heads, block.head_dim, block.num_summary_tokens
+    if isinstance(block, TransformerBlock):
+        return block, block.num_heads, block.num_kv_heads or block.num_heads, block.head_dim, 0
+    return None
+
+
 def padded_reference_attention(op: Op, workload: Workload, real_fraction: float = 1.0) -> Op:
     """``op`` (a jagged self-attention or summary cross-attention over its sequence) as the padded
     PyTorch reference runs it, in the *padded* length ``P`` (price with ``E[max L]``, ``E[max L²]``
@@ -900,19 +916,11 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
     L]``: the copies of real rows scale with the real length, the rest with the padded one.
 
     Ops that are not jagged attention over a sequence are returned unchanged."""
-    if op.op_class != "attention" or op.sequence is None:
+    dims = _jagged_attention_dims(op, workload)
+    if dims is None:
         return op
-    try:
-        block = workload.block(op.block)
-    except KeyError:
-        return op
+    block, H, kvh, dh, S = dims
     short = op.name.rsplit(".", 1)[-1]
-    if isinstance(block, InterFormerBlock):
-        H, kvh, dh, S = block.num_heads, block.num_heads, block.head_dim, block.num_summary_tokens
-    elif isinstance(block, TransformerBlock):
-        H, kvh, dh, S = block.num_heads, block.num_kv_heads or block.num_heads, block.head_dim, 0
-    else:
-        return op
     kind = block.attention.kind
     # the summary queries see every key of their sample: the trainer calls it non-causal
     causal = bool(block.attention.causal) and short != "summary_attn"
@@ -981,18 +989,10 @@ def triton_head_padding(op: Op, workload: Workload) -> Op:
 
     Ops whose head dim the kernels take, and ops that are not jagged attention of an InterFormer or
     transformer block, are returned unchanged."""
-    if op.op_class != "attention" or op.sequence is None:
+    dims = _jagged_attention_dims(op, workload)
+    if dims is None:
         return op
-    try:
-        block = workload.block(op.block)
-    except KeyError:
-        return op
-    if isinstance(block, InterFormerBlock):
-        H, kvh, dh, S = block.num_heads, block.num_heads, block.head_dim, block.num_summary_tokens
-    elif isinstance(block, TransformerBlock):
-        H, kvh, dh, S = block.num_heads, block.num_kv_heads or block.num_heads, block.head_dim, 0
-    else:
-        return op
+    block, H, kvh, dh, S = dims
     p = kernel_head_dim(dh)
     if p == dh:
         return op
