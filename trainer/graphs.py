@@ -37,8 +37,10 @@ run, with the reason in the summary; the same functional forward then runs eager
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -226,6 +228,7 @@ class DenseGraphs:
         self.named = [(n, p) for n, p in dense.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         self.grad_bufs = [torch.zeros_like(p) for p in self.params]
+        self._leaves = self._alias_params()
         self.buckets: dict[tuple, _Bucket] = {}
         self.max_graphs = max_graphs
         self.use_graphs = use_graphs and device.type == "cuda"
@@ -251,6 +254,15 @@ class DenseGraphs:
 
     # ---------------------------------------------------------------- the step's bookkeeping
 
+    def _alias_params(self) -> list[torch.Tensor]:
+        """Leaves that share the masters' storage, for the graphs alone. An eager pass over a master makes
+        its gradient accumulator on the stream it ran on (the default stream), and a graph captured while
+        that pass's autograd graph is alive (the previous step's loss still held) would make the default
+        stream wait on the capturing one: CUDA refuses ("would make the legacy stream depend on a
+        capturing blocking stream") and the capture fails. The graphs differentiate with respect to these
+        aliases instead, whose accumulators only warm-ups and captures ever make."""
+        return [p.detach().requires_grad_(True) for p in self.params]
+
     def begin_step(self) -> None:
         """Zero the gradient buffers the graphs add into and make them the weights' ``.grad`` (the optimizer's
         ``zero_grad`` drops them)."""
@@ -263,10 +275,12 @@ class DenseGraphs:
     def _cast(self, x: torch.Tensor | None) -> torch.Tensor | None:
         return x.to(self.dtype) if x is not None and x.is_floating_point() and x.dtype != self.dtype else x
 
-    def _forward(self, pooled, keys, widths, seq, offsets, dense_x, batch, valid) -> torch.Tensor:
+    def _forward(self, pooled, keys, widths, seq, offsets, dense_x, batch, valid, graph: bool = False) -> torch.Tensor:
         """Task logits from the fp32 masters cast to the compute dtype (differentiable: the gradients reach
-        the masters in fp32), with the inputs cast as FSDP2's mixed precision casts them."""
-        params = {n: self._cast(p) for n, p in self.named}
+        the masters in fp32), with the inputs cast as FSDP2's mixed precision casts them. ``graph``: over
+        the masters' aliases (:meth:`_alias_params`), as warm-ups and captures run."""
+        masters = self._leaves if graph else self.params
+        params = {n: self._cast(p) for (n, _), p in zip(self.named, masters)}
         args = (self._cast(pooled), keys, widths, {f: self._cast(v) for f, v in seq.items()}, offsets, self._cast(dense_x))
         return functional_call(self.dense, params, args, {"batch_size": batch, "valid": valid}, strict=False)
 
@@ -372,11 +386,11 @@ class DenseGraphs:
         valid = {s: torch.arange(b.rows[s], device=self.device) < b.offsets[s][-1] for s in b.rows}
         leaves = [b.pooled if b.pooled is not None and b.pooled.requires_grad else None]
         leaves += [b.seq[f] for f in sorted(b.seq)]
-        logits = self._forward(b.pooled, keys, widths, b.seq, b.offsets, b.dense, batch, valid)
+        logits = self._forward(b.pooled, keys, widths, b.seq, b.offsets, b.dense, batch, valid, graph=True)
         return logits, leaves
 
     def _backward(self, logits, leaves, grad_out):
-        wrt = self.params + [x for x in leaves if x is not None]
+        wrt = self._leaves + [x for x in leaves if x is not None]
         grads = torch.autograd.grad(logits, wrt, grad_outputs=grad_out, allow_unused=True)
         pg, ig = grads[:len(self.params)], list(grads[len(self.params):])
         pairs = [(buf, g) for buf, g in zip(self.grad_bufs, pg) if g is not None]
@@ -388,6 +402,15 @@ class DenseGraphs:
     def _capture(self, key, pooled, keys, widths, seq, offsets, dense_x, batch, rows, warmup: int = WARMUP_ITERS
                  ) -> _Bucket | None:
         self.last_offsets = offsets
+        if any(a.data_ptr() != p.data_ptr() for a, p in zip(self._leaves, self.params)):
+            # a master's storage was swapped (``p.data = ...``): the graphs captured so far read the old one
+            if self.buckets:
+                self.use_graphs = False
+                self.stats.disabled = "a dense parameter's storage was replaced after the graphs were captured"
+                print(f"warning: {self.stats.disabled}; the dense arch runs eagerly", file=sys.stderr, flush=True)
+                self.buckets.clear()
+                return None
+            self._leaves = self._alias_params()
         n_rows = sum(bucket(n) for n in rows.values())
         dev = self.device
         if dev.type == "cuda":
@@ -434,6 +457,8 @@ class DenseGraphs:
             self.use_graphs = False
             self.stats.disabled = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             print(f"warning: {self.stats.disabled}; the dense arch runs eagerly", file=sys.stderr, flush=True)
+            if os.environ.get("COPLAN_DEBUG"):
+                traceback.print_exc()
             b = None
             self.buckets.clear()  # (their graphs hold the pool: dropped, it goes back to the device)
         finally:
