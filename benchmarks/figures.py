@@ -264,6 +264,25 @@ LOO_H100 = Result("calibration_loo_h100.json",
                                                              "benchmarks/results/draw_runs_h100c.tgz"),
                   script="calibration_loo.py")
 
+FRESH_H100D = Result("fresh_draws_h100d.json",
+                     "python benchmarks/fresh_draws_h200.py --plan-only --n 10 --topology h100-1gpu --plans "
+                     "benchmarks/results/fresh_plans_h100d (seed: the run's date and time), then on the lent H100: "
+                     "BUDGET=550 bash benchmarks/device/stage.sh draws COMMIT (and again with CONTINUE=<the partial result> "
+                     "for the draws the budget cut); draw_runs_h100d.tgz: the ten run directories it brought back (traces gzipped)",
+                     SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py",
+                     attachments=("draw_runs_h100d.tgz",))
+FRESH_H100D_CAL = Result("fresh_draws_h100d_calibrated.json",
+                         "python benchmarks/fresh_draws_calibrated.py --measured benchmarks/results/fresh_draws_h100d.json "
+                         "--out benchmarks/results/fresh_draws_h100d_calibrated.json",
+                         SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h100d.json",),
+                         script="fresh_draws_calibrated.py")
+LOO_H100D = Result("calibration_loo_h100d.json",
+                   "python benchmarks/calibration_loo.py --measured benchmarks/results/fresh_draws_h100d.json --runs "
+                   "benchmarks/results/draw_runs_h100d.tgz --out benchmarks/results/calibration_loo_h100d.json",
+                   SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h100d.json",
+                                                              "benchmarks/results/draw_runs_h100d.tgz"),
+                   script="calibration_loo.py")
+
 
 def _variant_speedups(d: dict) -> list[float]:
     """Per draw measured in both the default run (fresh_draws_h100.json) and the variant: default step / variant step."""

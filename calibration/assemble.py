@@ -12,6 +12,7 @@ import numpy as np
 from coplan import __version__
 from coplan.calibration.device_fit import FitResult, fit, predict
 from coplan.calibration.host_fit import fit_host_launch_cost
+from coplan.calibration.step_price import graphed_plan
 from coplan.calibration.host_profile import host_reference_us
 from coplan.calibration.runs import CalibrationError, RunSamples, run_samples
 from coplan.calibration.step_price import unfused_memory
@@ -37,6 +38,26 @@ def base_result(samples: Sequence, base: Calibration, compute: dict, memory: dic
                      predicted_s=predict(samples, compute, memory, launch_s, base.lookup_id_latency_s),
                      measured_s=np.array([s.measured_s for s in samples]), samples=samples,
                      lookup_id_s=base.lookup_id_latency_s, base=base)
+
+
+def ran_graphed(r: RunSamples) -> bool:
+    """Whether run ``r`` replayed its dense arch as CUDA graphs and the pricer prices its plan so (its host
+    launches then are the graphed few: :func:`coplan.calibration.step_price.step_segments`)."""
+    opts = r.result.options if r.result is not None else None
+    return bool(opts is not None and opts.cuda_graphs) and graphed_plan(r.plan)
+
+
+def _graphed_note(h: float, h_graphed: float, graph_fit, n_graphed: int, n_eager: int, has_base: bool) -> str:
+    if not n_graphed:
+        return ""
+    if graph_fit is not None:
+        return (f"the {n_graphed} run(s) that replayed the dense arch as CUDA graphs fitted apart from the {n_eager} eager "
+                f"one(s): {h_graphed * 1e6:.2f} us per priced launch under the graphs (host_launch_graphed_s; step-time "
+                f"error on them: median {graph_fit.median_abs_error:.1%}, max {graph_fit.max_abs_error:.1%}), "
+                f"{h * 1e6:.2f} us eager (host_launch_s); ")
+    return (f"every run replayed the dense arch as CUDA graphs: the host cost below is theirs (host_launch_graphed_s), "
+            + ("and the eager one (host_launch_s) stays the base's; " if has_base and h > 0 else
+               "and no eager host cost is identified (host_launch_s unset: eager plans price device time alone); "))
 
 
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host: bool = False, prepared: Sequence[RunSamples] | None = None,
@@ -72,13 +93,24 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         res = fit(samples, eff.compute, eff.memory, eff.launch_s,
                   default_lookup_id_s=base.lookup_id_latency_s if base is not None else None)
     rel = res.rel_errors()
-    host_fit = fit_host_launch_cost(runs, res, per_sample=True, host_speed=host_speed, fit_device_factor=True) if host else None
+    # the host's cost per priced launch differs between eager steps and steps that replay the dense arch as CUDA
+    # graphs (a few dozen priced launches, mostly the loop's and TorchRec's Python): fitted apart
+    graphed_runs = [r for r in runs if ran_graphed(r)]
+    eager_runs = [r for r in runs if not ran_graphed(r)]
+    host_fit = fit_host_launch_cost(eager_runs or runs, res, per_sample=True, host_speed=host_speed,
+                                    fit_device_factor=True) if host else None
+    graph_fit = (fit_host_launch_cost(graphed_runs, res, per_sample=False, host_speed=host_speed, fit_device_factor=True)
+                 if host and graphed_runs and eager_runs else None)
     profiles = [r.host for r in runs if r.host is not None and r.host.op_median_us]
     if host_fit and host_fit.host_reference_us:
         host_ref = host_fit.host_reference_us
     else:
         host_ref = host_reference_us(profiles) if host and profiles else {}
     h = host_fit.h_s if host_fit else 0.0
+    h_graphed = graph_fit.h_s if graph_fit else (h if host_fit and not eager_runs else 0.0)
+    if host_fit and not eager_runs:
+        # graphed runs alone: the eager host cost is not identified by them (the base's stays, if any)
+        h = (base.host_launch_s or 0.0) if base is not None else 0.0
     hs = host_fit.sample_s if host_fit else 0.0
     f = host_fit.device_factor if host_fit else 1.0
     op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
@@ -109,6 +141,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         source_runs=tuple(str(d) for d in run_dirs),
         op_classes=op_classes,
         host_launch_s=min(1.0, h) if h > 0 else None,
+        host_launch_graphed_s=min(1.0, h_graphed) if h_graphed > 0 else None,
         host_sample_s=min(1.0, hs) if hs > 0 else None,
         device_step_factor=f if host_fit else None,
         host_op_median_us=host_ref,
@@ -131,7 +164,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             + (f"fitted {len(samples)} (op, phase) samples from {len(runs)} run(s) of rank {rank}; " if not keep_base else
                f"{len(runs)} run(s) of rank {rank}; ")
             + f"trace time attributed: {worst:.1%} (worst run); "
-            + (f"host cost {h * 1e6:.2f} us per priced launch (host_launch_s) and {hs * 1e6:.1f} us per local sample "
+            + (_graphed_note(h, h_graphed, graph_fit, len(graphed_runs), len(eager_runs), base is not None) if host_fit else "")
+            + (f"host cost {host_fit.h_s * 1e6:.2f} us per priced launch and {hs * 1e6:.1f} us per local sample "
                f"(host_sample_s), and device step factor {f:.3f} (device_step_factor: device work the ops do not price), "
                f"fitted to {len(host_fit.runs)} measured step time(s) (step = max(factor x device step, launches x "
                f"host cost + samples x per-sample host cost): host and device run concurrently; "

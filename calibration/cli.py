@@ -100,7 +100,10 @@ def _print_runs(cal, runs) -> None:
     if cal.host_launch_s is not None:
         print(f"host: {cal.host_launch_s * 1e6:.1f} us per priced launch, "
               f"{(cal.host_sample_s or 0.0) * 1e6:.1f} us per local sample (step = max(factor x device, host))")
-    elif cal.device_step_factor is not None:
+    if cal.host_launch_graphed_s is not None:
+        print(f"host under CUDA graphs: {cal.host_launch_graphed_s * 1e6:.1f} us per priced launch (one-rank plans whose "
+              "dense arch the trainer replays as graphs)")
+    if cal.host_launch_s is None and cal.host_launch_graphed_s is None and cal.device_step_factor is not None:
         print("host: no cost identified (no fitted run was host-bound); steps priced as the device's")
 
 

@@ -17,6 +17,7 @@ from coplan.calibration.attribution import TraceAttribution, attribute
 from coplan.calibration.host_profile import HostProfile, host_profile
 from coplan.calibration.kineto import TraceError, load_trace
 from coplan.calibration.terms import PADDED_SUFFIX, unit_terms
+from coplan.costmodel.flops import dense_graphs_apply
 from coplan.errors import CoplanError
 from coplan.spec import Plan, RunDir, RunResult
 
@@ -140,6 +141,18 @@ def fused_ffn_ops(per_step: dict[tuple[str, str], float]) -> set[str]:
     return {f"{layer}.{op}" for layer in layers for op in ("ffn_up", "ffn_down", "norm_act")}
 
 
+def as_ran(plan: Plan, opts) -> Plan:
+    """``plan`` as its run executed it: a plan the pricer would replay as CUDA graphs, whose run did not (it
+    records ``cuda_graphs`` false: ``--cuda-graphs off``, a capture that failed, or a run from before the
+    graphs), is priced eagerly (its workload's ``kernels.cuda_graphs`` off), so that the host launches its
+    steps are compared with are the ones it issued."""
+    w = plan.workload
+    if (opts is not None and opts.cuda_graphs) or w.kernels.cuda_graphs != "auto" or not dense_graphs_apply(w, plan.world_size):
+        return plan
+    eager = w.model_copy(update={"kernels": w.kernels.model_copy(update={"cuda_graphs": "off"})})
+    return plan.model_copy(update={"workload": eager})
+
+
 def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
                 longest: dict[int, dict[str, list[int]]] | None = None) -> RunSamples:
     """Attribute one run's trace (of ``rank``) and pair each measured op with its roofline terms.
@@ -172,6 +185,7 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
                    for m in metrics]
     opts = result.options if result else None
     seq_chunk = opts.seq_chunk if opts is not None else 0
+    plan = as_ran(plan, opts)
     profiled = rd.profiled_steps()
     moments = measured_moments(metrics, profiled)
     warm = result.warmup_steps if result else 0

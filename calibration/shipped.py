@@ -85,6 +85,8 @@ def provenance(cal: Calibration) -> str:
         parts.append(f"per-op fit error median {err:.1%}")
     if cal.host_launch_s:
         parts.append(f"host {cal.host_launch_s * 1e6:.0f} us per priced launch")
+    if cal.host_launch_graphed_s:
+        parts.append(f"{cal.host_launch_graphed_s * 1e6:.0f} us under CUDA graphs")
     return ", ".join(parts)
 
 

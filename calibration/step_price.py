@@ -12,6 +12,7 @@ from coplan.calibration.device_fit import FitResult
 from coplan.calibration.terms import CLASSES, apply_moments, context_options
 from coplan.costmodel.context import build_context
 from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
+from coplan.costmodel.flops import dense_graphs_apply
 from coplan.costmodel.pricer import price
 from coplan.costmodel.results import StepCost
 from coplan.spec import Calibration, OpClassCalibration, Plan
@@ -30,6 +31,11 @@ def priced_step(plan: Plan, calibration: Calibration | None, moments, seq_chunk:
     return price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False, segments=segments)
 
 
+def graphed_plan(plan: Plan) -> bool:
+    """Whether the trainer replays ``plan``'s dense arch as CUDA graphs (as the pricer reads it)."""
+    return dense_graphs_apply(plan.workload, plan.world_size) and not any(lp.precision == "fp8" for lp in plan.layers)
+
+
 def _price_step(plan: Plan, calibration: Calibration | None, moments, seq_chunk: int | None) -> float:
     return float(priced_step(plan, calibration, moments, seq_chunk).step_time_s)
 
@@ -46,9 +52,11 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
     launch slope here, so the figure holds whether or not the pricer adds the per-sample term itself
     (:func:`coplan.costmodel.context.host_work_s`)."""
     step = _price_step(plan, calibration, moments, seq_chunk)
-    if calibration is None or not calibration.host_sample_s:
+    if calibration is None or not calibration.host_sample_s or graphed_plan(plan):
+        # (a graphed plan's host launches are not its device launches: the pricer's own host time stands)
         return step
-    dev_cal = calibration.model_copy(update={"host_launch_s": None, "host_sample_s": None, "device_step_factor": None})
+    dev_cal = calibration.model_copy(update={"host_launch_s": None, "host_launch_graphed_s": None, "host_sample_s": None,
+                                             "device_step_factor": None})
     # the launches the pricer charges: its step's slope in every class's launch cost (as step_launches)
     delta = 1e-6
     dflt = resolve_efficiencies(plan.topology).launch_s
@@ -77,7 +85,8 @@ def device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0) 
             la = (oc.launch_overhead_s if oc is not None and oc.launch_overhead_s is not None else eff.launch_s.get(c, 0.0))
             cls[c] = (oc or OpClassCalibration()).model_copy(update={"launch_overhead_s": min(1.0, la + extra_launch_s)})
         un = b.unfused_kernel_s
-        return b.model_copy(update={"op_classes": cls, "host_launch_s": None, "host_sample_s": None, "device_step_factor": None,
+        return b.model_copy(update={"op_classes": cls, "host_launch_s": None, "host_launch_graphed_s": None, "host_sample_s": None,
+                                    "device_step_factor": None,
                                     "loader_scale": None,
                                     "unfused_kernel_s": None if un is None else min(1.0, un + extra_launch_s)})
     for c in CLASSES:
@@ -126,5 +135,5 @@ def predict_median_step(plan: Plan, calibration: Calibration | None, steps: Sequ
     return float(np.median([predict_step_time(plan, calibration, mo, seq_chunk=seq_chunk) for mo in steps]))
 
 
-__all__ = ["device_calibration", "predict_median_step", "predict_step_time", "priced_step", "step_launches", "step_segments",
+__all__ = ["device_calibration", "graphed_plan", "predict_median_step", "predict_step_time", "priced_step", "step_launches", "step_segments",
            "unfused_memory"]

@@ -133,6 +133,10 @@ class Efficiencies:
     host_launch_s: float = 0.0
     """Host seconds per priced kernel launch (a calibration's ``host_launch_s``); 0: the step is device time."""
 
+    host_launch_graphed_s: float = 0.0
+    """Host seconds per priced launch of a plan run as CUDA graphs (a calibration's ``host_launch_graphed_s``);
+    0: ``host_launch_s``."""
+
     host_sample_s: float = 0.0
     """Host seconds per local sample per step (a calibration's ``host_sample_s``), added to the host's time."""
 
@@ -208,6 +212,9 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     host = calibration.host_launch_s if calibration is not None and calibration.host_launch_s else 0.0
     if host:
         sources["host_launch"] = f"calibration ({calibration.device})"
+    graphed = calibration.host_launch_graphed_s if calibration is not None and calibration.host_launch_graphed_s else 0.0
+    if graphed:
+        sources["host_launch_graphed"] = f"calibration ({calibration.device})"
     per_sample = calibration.host_sample_s if calibration is not None and calibration.host_sample_s else 0.0
     if per_sample:
         sources["host_sample"] = f"calibration ({calibration.device})"
@@ -223,7 +230,7 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
         loader_scale = calibration.loader_scale
         sources["loader"] = f"calibration ({calibration.device}): x{loader_scale:.3g} the default loader coefficients"
     return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources,
-                        host_launch_s=host, host_sample_s=per_sample, device_step_factor=factor,
+                        host_launch_s=host, host_launch_graphed_s=graphed, host_sample_s=per_sample, device_step_factor=factor,
                         lookup_id_s=lookup_id, loader_scale=loader_scale)
 
 

@@ -22,7 +22,10 @@ Lookup time is bandwidth-bound (the fused TBE kernel), slower on shards narrower
 the id and writes the output vectors; backward reads the output gradients, sorts the ids, gathers a
 gradient row per lookup and, for every *unique* row touched, reads and writes the weights and the
 optimizer state (fused optimizer). Unique rows of ``n`` Zipf(α) draws over ``R`` rows:
-``E[U] = Σ_i 1 − exp(−n·p_i)``, ``p_i ∝ i^−α``, evaluated by a log-spaced quadrature.
+``E[U] = Σ_i 1 − exp(−n·p_i)``, ``p_i ∝ i^−α``, evaluated by a log-spaced quadrature. A
+data-parallel table (TorchRec's dense kernel) instead makes a dense gradient of the whole table each
+step and its optimizer steps every row: its backward moves the table's bytes several times over
+(:data:`DP_GRAD_PASSES`), and the gradient is held beside the weights until the optimizer step.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ TW, RW, CW, TWRW, DP = range(5)
 
 GRAD_BYTES = 4
 """Embedding gradients are fp32 inside the TBE backward."""
+
+DP_GRAD_PASSES = 3.0
+"""Passes over a data-parallel table's dense gradient per step: the backward's zero fill, then the
+optimizer's reads (row-wise Adagrad reads it twice: the row's mean square, then the update)."""
 
 NARROW_ROW_FACTORS: tuple[tuple[float, float], ...] = ((64.0, 1.75), (128.0, 1.15))
 """(dim below which, time factor) of a lookup kernel on rows narrower than a full block: FBGEMM's TBE
@@ -154,7 +161,8 @@ class TableOptionCosts:
     weight_bytes: np.ndarray
     """Weights of one shard."""
     optimizer_bytes: np.ndarray
-    """Optimizer state of one shard."""
+    """Optimizer state of one shard (data_parallel: with the table's dense gradient, which lives from the
+    backward to the optimizer step)."""
     send_bytes: np.ndarray
     """Output all-to-all bytes one shard's rank sends forward (and receives backward)."""
     recv_bytes: np.ndarray
@@ -206,10 +214,19 @@ def option_costs(
     fwd_bytes = look * (dim_s * ta.wbytes + INDEX_BYTES) + out_vec * dim_s * out_bytes
     uniq = expected_unique(look / num_micro_batches, rows_s, ta.alpha) * num_micro_batches
     state_row = ta.state_row_fixed + ta.state_per_elem * dim_s
-    bwd_bytes = (out_vec * dim_s * out_bytes + look * (2 * INDEX_BYTES + dim_s * GRAD_BYTES)
-                 + uniq * (2.0 * dim_s * ta.wbytes + 2.0 * state_row))
     weight = rows_s * dim_s * ta.wbytes
     opt = rows_s * state_row
+    if code == DP:
+        # the dense kernel's gradient is a whole table in the weights' dtype, zero-filled each backward,
+        # and the optimizer steps every row (:data:`DP_GRAD_PASSES` passes over it; weights and state read
+        # and written): no fused update of the rows touched. The gradient stays until the optimizer step.
+        grad = weight.copy()
+        bwd_bytes = (out_vec * dim_s * out_bytes + look * (2 * INDEX_BYTES + dim_s * GRAD_BYTES)
+                     + DP_GRAD_PASSES * grad + 2.0 * weight + 2.0 * opt)
+        opt = opt + grad
+    else:
+        bwd_bytes = (out_vec * dim_s * out_bytes + look * (2 * INDEX_BYTES + dim_s * GRAD_BYTES)
+                     + uniq * (2.0 * dim_s * ta.wbytes + 2.0 * state_row))
     zero = np.zeros_like(ta.rows)
     if code == DP:
         send = recv = ids_s = ids_r = intra = zero

@@ -81,6 +81,41 @@ _pmf_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 _moments_cache: dict[str, LengthMoments] = {}
 
 
+BUCKET_STEPS_PER_OCTAVE = 8
+"""Padded sizes per doubling of the token count: rows are padded by less than 1/8."""
+
+MIN_BUCKET_ROWS = 256
+"""The smallest bucket."""
+
+def bucket(rows: int, per_octave: int = BUCKET_STEPS_PER_OCTAVE, floor: int = MIN_BUCKET_ROWS) -> int:
+    """The padded row count of a jagged tensor of ``rows`` rows: the next multiple of ``2**e / per_octave``
+    where ``2**e < rows <= 2**(e+1)``, and at least ``floor``."""
+    if rows <= floor:
+        return floor
+    e = (rows - 1).bit_length() - 1
+    step = max(1, (1 << e) // per_octave)
+    return -(-rows // step) * step
+
+
+def likely_rows(values: np.ndarray, probs: np.ndarray, samples: int, *, coverage: float = 0.99, draws: int = 4000,
+                seed: int = 0) -> list[int]:
+    """The bucket sizes that a micro-batch of ``samples`` histories, lengths drawn from the pmf ``(values, probs)``
+    (:func:`coplan.costmodel.jagged.length_pmf` of the workload's spec), falls into with probability
+    ``coverage`` (the central interval of a Monte-Carlo draw of its token count)."""
+    if samples <= 0 or len(values) == 0:
+        return []
+    rng = np.random.default_rng(seed)
+    p = np.asarray(probs, dtype=np.float64)
+    totals = rng.choice(np.asarray(values, dtype=np.int64), size=(draws, samples), p=p / p.sum()).sum(axis=1)
+    lo, hi = np.quantile(totals, [(1 - coverage) / 2, 1 - (1 - coverage) / 2])
+    out, t = [], int(lo)
+    while t <= int(hi):
+        b = bucket(t)
+        out.append(b)
+        t = b + 1
+    return out
+
+
 def _key(dist) -> str:
     return f"{type(dist).__name__}:{dist.model_dump_json()}"
 
@@ -601,5 +636,5 @@ def expected_imbalance(
 __all__ = [
     "POLICIES", "CpSatBalance", "LengthMoments", "Policy", "SeqCost", "balance", "balance_cpsat",
     "balance_microbatches", "bin_loads", "expected_imbalance", "imbalance_ratio", "length_moments",
-    "length_pmf", "split_bins",
+    "length_pmf", "split_bins", "BUCKET_STEPS_PER_OCTAVE", "MIN_BUCKET_ROWS", "bucket", "likely_rows",
 ]

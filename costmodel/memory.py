@@ -8,13 +8,28 @@ from __future__ import annotations
 import numpy as np
 
 from coplan.costmodel import flops as F
-from coplan.costmodel.context import Context
+from coplan.costmodel.context import Context, primary_sequence, shared_cache
+from coplan.costmodel.jagged import length_pmf, likely_rows
 from coplan.costmodel.results import DenseFixedCosts, Memory
 
 
-GRAPH_BUCKET_PAD = 1.125
-"""A CUDA-graph bucket holds up to 1/8 more history rows than the batch it replays
-(``coplan.trainer.graphs.BUCKET_STEPS_PER_OCTAVE``): the pool is priced at the activations times this."""
+GRAPH_POOL_ACTS = 1.3
+"""CUDA graphs' pool per byte of the largest captured bucket's activations (its saved activations and its
+backward's working set, which the pool keeps reserved)."""
+
+GRAPH_POOL_INPUTS = 1.0
+"""Per byte of every captured bucket's static history inputs (the lookups' outputs, fp32, at the bucket's
+padded rows: each bucket keeps its own, and their gradients)."""
+
+GRAPH_POOL_FIXED = 2.5e9
+"""Bytes of the pool that do not scale with the buckets (the workspaces, logits and pooled inputs of the
+captures)."""
+
+GRAPH_POOL_SOURCE = (
+    "fitted to the pools of 26 runs of `coplan train` at defaults (sampler draws of the one-GPU family: 19 on an "
+    "H100, 7 on an H200; benchmarks/results/fresh_draws_h100.json, fresh_draws_h100d.json, fresh_draws_h200.json): "
+    "priced / measured pool median 1.08, range 0.70-1.79 (7 of 26 under)")
+"""Where :func:`graph_pool_bytes`'s coefficients come from and how well they fit."""
 
 EMBEDDING_OUTPUT_BYTES = 4
 """Bytes per element of the sparse arch's outputs as the dense module receives them: TorchRec's fused
@@ -111,6 +126,31 @@ def communicator_bytes(ctx: Context, sparse_groups: bool = True) -> float:
     return per * ((ctx.mesh.sparse_shard > 1) + (ctx.mesh.sparse_replicate > 1)) if sparse_groups else 0.0
 
 
+def graph_pool_bytes(ctx: Context, acts: float) -> float:
+    """Bytes the trainer's CUDA-graph pool holds on one rank for the run, ``acts`` being one micro-batch's
+    saved activations as priced (at the mean history length): the trainer captures at the first step
+    every bucket a micro-batch falls in with 99% probability (:func:`coplan.costmodel.jagged.likely_rows`),
+    largest first, into one pool. The pool keeps the largest bucket's activations (``acts`` scaled to its
+    padded rows) and each bucket's history inputs, plus a fixed part (:data:`GRAPH_POOL_SOURCE`)."""
+    w = ctx.workload
+    seq = primary_sequence(w)
+    if seq is None:
+        return GRAPH_POOL_ACTS * acts + GRAPH_POOL_FIXED
+    samples = int(ctx.mb_batch)
+    spec = next(s for s in w.sequences if s.name == seq)
+
+    def make():
+        values, probs = length_pmf(spec.length)
+        rows = likely_rows(values, probs, samples)
+        mean = float((values * probs).sum() / probs.sum()) * samples
+        return (max(rows) / mean if rows and mean > 0 else 1.0), float(sum(rows))
+
+    scale, all_rows = shared_cache(w, ("graph_pool_rows", seq, samples), make)
+    ta = ctx.tables
+    in_row = float((ta.dim * ta.features)[ta.is_seq & (np.asarray(ta.sequence, dtype=object) == seq)].sum()) * EMBEDDING_OUTPUT_BYTES
+    return GRAPH_POOL_ACTS * acts * max(scale, 1.0) + GRAPH_POOL_INPUTS * all_rows * in_row + GRAPH_POOL_FIXED
+
+
 def step_memory(ctx: Context, act_bytes: np.ndarray, rho: float, recomputed: frozenset[str], fixed: DenseFixedCosts,
                 embedding: tuple[float, float, float], dp_all_reduce: bool, ep_bytes: np.ndarray,
                 graphed: bool = False) -> Memory:
@@ -119,9 +159,10 @@ def step_memory(ctx: Context, act_bytes: np.ndarray, rho: float, recomputed: fro
     input where recomputed, plus the largest recomputed layer's activations while it runs), the
     embedding shards' (weights, optimizer state, lookup buffers), and the NCCL communicators' buffers
     (one per group of several ranks, the world's when a data-parallel table all-reduces) with the
-    expert-parallel all-to-all's staging. ``graphed``: the dense arch runs as CUDA graphs, whose pool keeps
-    a padded bucket's activations for the whole run (:data:`GRAPH_BUCKET_PAD`), beside those of the eager
-    profiled steps (on an 80 GB H100 two sampler draws planned without this ran out of memory)."""
+    expert-parallel all-to-all's staging. ``graphed``: the dense arch runs as CUDA graphs, whose pool
+    (:func:`graph_pool_bytes`) stays for the whole run beside the eager profiled steps' activations (on an
+    80 GB H100 two sampler draws planned without it ran out of memory, and a third with a pool priced at
+    1.125x the activations, where the trainer's pools measured 1.3-7x)."""
     nl = len(ctx.layer_names)
     act = np.bincount(ctx.op_layer, weights=act_bytes, minlength=nl) * rho
     inp = ctx.layer_input_bytes * ctx.mb_batch * rho
@@ -136,8 +177,8 @@ def step_memory(ctx: Context, act_bytes: np.ndarray, rho: float, recomputed: fro
         fsdp_buffers=fixed.fsdp_buffer_bytes, activations=acts, recompute_peak=rpeak,
         embeddings=emb_w, embedding_optimizer=emb_o, embedding_io=emb_io,
         comm_buffers=n_comm * ctx.options.nccl_bytes_per_communicator + ep_stage,
-        graph_pool=GRAPH_BUCKET_PAD * (acts + rpeak) if graphed else 0.0,
+        graph_pool=graph_pool_bytes(ctx, acts + rpeak) if graphed else 0.0,
     )
 
 
-__all__ = ["EMBEDDING_OUTPUT_BYTES", "GRAPH_BUCKET_PAD", "communicator_bytes", "fsdp_copy_bytes", "state_bytes", "step_memory", "table_state_bytes"]
+__all__ = ["EMBEDDING_OUTPUT_BYTES", "GRAPH_POOL_ACTS", "GRAPH_POOL_FIXED", "GRAPH_POOL_INPUTS", "GRAPH_POOL_SOURCE", "graph_pool_bytes", "communicator_bytes", "fsdp_copy_bytes", "state_bytes", "step_memory", "table_state_bytes"]

@@ -462,7 +462,15 @@ def _breakdown(S: Schedule, before: list[float], detail: bool) -> _Breakdown:
 
 def _host_priced(ctx: Context) -> bool:
     """Whether the calibration gives the host a cost (the step is then the longer of host and device)."""
-    return ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0
+    return ctx.eff.host_launch_s > 0 or ctx.eff.host_sample_s > 0 or ctx.eff.host_launch_graphed_s > 0
+
+
+def host_launch_cost(ctx: Context, arr) -> float:
+    """Host seconds per priced launch of this step: the calibration's graphed cost where the trainer replays
+    the dense arch as CUDA graphs (:func:`_graphed`) and the calibration has one, else ``host_launch_s``."""
+    if ctx.eff.host_launch_graphed_s > 0 and _graphed(ctx, arr):
+        return ctx.eff.host_launch_graphed_s
+    return ctx.eff.host_launch_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,9 +510,11 @@ def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, 
         # does its per-sample work, concurrently with the device; the step is the longer of the two
         # (without syncs; with them, the sum over the segments between syncs, below)
         work_s = host_work_s(ctx)
-        host_s = ctx.eff.host_launch_s * sum(segs) + work_s
+        h = host_launch_cost(ctx, d.arr)
+        host_s = h * sum(segs) + work_s
         if host_s > step:
-            notes.append(f"host-bound: {host_s * 1e3:.2f} ms of host time (kernel launches at {ctx.eff.host_launch_s * 1e6:.1f} us "
+            graphed = " under CUDA graphs" if h != ctx.eff.host_launch_s else ""
+            notes.append(f"host-bound: {host_s * 1e3:.2f} ms of host time (priced launches{graphed} at {h * 1e6:.1f} us "
                          f"each, {work_s * 1e3:.2f} ms per-sample work) exceed the device's {step * 1e3:.2f} ms; "
                          "step priced at the host's time")
         if syncs:

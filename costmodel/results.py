@@ -111,8 +111,9 @@ class Memory:
 
     graph_pool: float = 0.0
     """CUDA graphs' private pool (one-rank plans whose dense arch the trainer runs as graphs): the largest
-    captured bucket's activations, padded by up to :data:`GRAPH_BUCKET_PAD`, held for the whole run, beside the
-    eager step the profiled steps run."""
+    captured bucket's activations and working set, every bucket's history inputs and a fixed part
+    (:func:`coplan.costmodel.memory.graph_pool_bytes`), held for the whole run, beside the eager step the
+    profiled steps run."""
 
     def __add__(self, other: "Memory") -> "Memory":
         return Memory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Memory)))

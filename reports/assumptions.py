@@ -77,7 +77,8 @@ def _jitter(ctx: Context) -> None:
 
 
 def _host(ctx: Context) -> None:
-    _scale_eff(ctx, host_launch_s=2.0 * ctx.eff.host_launch_s, host_sample_s=2.0 * ctx.eff.host_sample_s,
+    _scale_eff(ctx, host_launch_s=2.0 * ctx.eff.host_launch_s, host_launch_graphed_s=2.0 * ctx.eff.host_launch_graphed_s,
+               host_sample_s=2.0 * ctx.eff.host_sample_s,
                loader_scale=2.0 * ctx.eff.loader_scale)
 
 

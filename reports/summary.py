@@ -168,6 +168,8 @@ def describe_calibration(plan: Plan) -> str:
         bits.append(f"per-op fit error median {fmt_pct(c.fit_error.median_abs_rel_error)}")
     if c.host_launch_s:
         bits.append(f"host {c.host_launch_s * 1e6:.0f} µs per priced launch")
+    if c.host_launch_graphed_s:
+        bits.append(f"{c.host_launch_graphed_s * 1e6:.0f} µs under CUDA graphs")
     return f"priced with a calibration for {c.device} ({', '.join(bits)})"
 
 

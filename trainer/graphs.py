@@ -43,16 +43,11 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
 
-BUCKET_STEPS_PER_OCTAVE = 8
-"""Padded sizes per doubling of the token count: rows are padded by less than 1/8."""
-
-MIN_BUCKET_ROWS = 256
-"""The smallest bucket."""
+from coplan.costmodel.jagged import BUCKET_STEPS_PER_OCTAVE, MIN_BUCKET_ROWS, bucket, likely_rows  # noqa: F401 (re-exported)
 
 MAX_GRAPHS = 24
 """Buckets captured per run at most; a batch past them runs eagerly (counted in the summary)."""
@@ -60,16 +55,6 @@ MAX_GRAPHS = 24
 WARMUP_ITERS = 2
 """Eager forward+backward passes on a side stream before a capture (cuBLAS workspaces, Triton's JIT and
 autotuning must not happen inside it)."""
-
-
-def bucket(rows: int, per_octave: int = BUCKET_STEPS_PER_OCTAVE, floor: int = MIN_BUCKET_ROWS) -> int:
-    """The padded row count of a jagged tensor of ``rows`` rows: the next multiple of ``2**e / per_octave``
-    where ``2**e < rows <= 2**(e+1)``, and at least ``floor``."""
-    if rows <= floor:
-        return floor
-    e = (rows - 1).bit_length() - 1
-    step = max(1, (1 << e) // per_octave)
-    return -(-rows // step) * step
 
 
 def capture_room(free_bytes: int, *, eager_need: int, growth: int | None, rows: int, largest_rows: int,
@@ -83,25 +68,6 @@ def capture_room(free_bytes: int, *, eager_need: int, growth: int | None, rows: 
         return free_bytes >= eager_need + margin
     want = growth * rows / max(largest_rows, 1) if rows > largest_rows else growth / 8
     return free_bytes >= want + eager_need + margin
-
-
-def likely_rows(values: np.ndarray, probs: np.ndarray, samples: int, *, coverage: float = 0.99, draws: int = 4000,
-                seed: int = 0) -> list[int]:
-    """The bucket sizes that a micro-batch of ``samples`` histories, lengths drawn from the pmf ``(values, probs)``
-    (:func:`coplan.costmodel.jagged.length_pmf` of the workload's spec), falls into with probability
-    ``coverage`` (the central interval of a Monte-Carlo draw of its token count)."""
-    if samples <= 0 or len(values) == 0:
-        return []
-    rng = np.random.default_rng(seed)
-    p = np.asarray(probs, dtype=np.float64)
-    totals = rng.choice(np.asarray(values, dtype=np.int64), size=(draws, samples), p=p / p.sum()).sum(axis=1)
-    lo, hi = np.quantile(totals, [(1 - coverage) / 2, 1 - (1 - coverage) / 2])
-    out, t = [], int(lo)
-    while t <= int(hi):
-        b = bucket(t)
-        out.append(b)
-        t = b + 1
-    return out
 
 
 def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, compile_mode: str, backend: str,

@@ -72,6 +72,14 @@ class Calibration(Spec):
     time is the step's priced launches times this, concurrent with the device's, and the step is priced
     at the longer of the two (``coplan calibrate --host-cost``). None: device time alone."""
 
+    host_launch_graphed_s: Annotated[Float, Field(ge=0, le=1)] | None = None
+    """Host time per priced launch for a one-rank plan whose dense arch the trainer replays as CUDA graphs,
+    in seconds, fitted on graphed runs alone (``coplan calibrate``). Such a step issues a few dozen priced
+    launches (the graphs' replays, the embedding lookups, the optimizer), and the host's time per step is
+    mostly the training loop's and TorchRec's Python around them, several times an eager launch's cost
+    per priced launch. None: ``host_launch_s`` applies to graphed plans too (calibrations written before
+    it existed load unchanged)."""
+
     host_sample_s: Annotated[Float, Field(ge=0, le=1)] | None = None
     """Host time per sample of the rank's local batch per step, in seconds, added to the host's time
     (priced launches × ``host_launch_s``) before the step takes the longer of host and device: the
