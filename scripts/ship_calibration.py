@@ -13,6 +13,7 @@ a note saying where it came from.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -50,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     note = (f"shipped with coplan for {a.device}: `coplan calibrate` at its defaults"
             + (f" on top of {a.base.name}" if a.base else "") + f" on {len(dirs)} `coplan train` run(s) at defaults "
             + f"(recorded device: {', '.join(recorded)}). {a.why} Written by scripts/ship_calibration.py. ")
-    cal = cal.model_copy(update={"device": a.device, "source_runs": tuple(d.name for d in dirs), "notes": note + (cal.notes or "")})
+    versions = dict(cal.versions)
+    short = versions.get("coplan_git_commit", "")
+    if 0 < len(short) < 40:  # (a run records the commit it was given; the file names it in full)
+        full = subprocess.run(["git", "rev-parse", "--verify", "--quiet", short + "^{commit}"], capture_output=True, text=True)
+        if full.returncode == 0:
+            versions["coplan_git_commit"] = full.stdout.strip()
+    cal = cal.model_copy(update={"device": a.device, "versions": versions, "source_runs": tuple(d.name for d in dirs), "notes": note + (cal.notes or "")})
     a.out.write_text(cal.model_dump_json(indent=1) + "\n")
     print(f"wrote {a.out}: {a.device}, {len(dirs)} runs, host {cal.host_launch_s}, graphed host {cal.host_launch_graphed_s}, "
           f"device step factor {cal.device_step_factor}")

@@ -11,7 +11,7 @@ from coplan.spec import load_calibration, load_topology
 
 def test_every_shipped_calibration_is_valid_and_says_where_it_came_from():
     found = shipped()
-    assert "NVIDIA H200" in found
+    assert "NVIDIA H200" in found and "NVIDIA H100" in found
     for device, path in found.items():
         cal = load_calibration(path)
         assert cal.device == device and cal.source_runs and cal.created_utc and cal.fit_error is not None
@@ -28,12 +28,18 @@ def test_choose_auto_none_file_and_a_gpu_without_one(tmp_path):
     assert choose("AUTO", h200)[0] == cal
     none, line = choose("none", h200)
     assert none is None and "none" in line
-    # an H100 has none of its own: it borrows the H200's (same Hopper architecture), collectives dropped, and says so
-    cal2, line = choose("auto", h100)
-    assert cal2 is not None and cal2.device == "NVIDIA H100" and cal2.collective_efficiency == {}
-    assert cal2.host_launch_s == cal.host_launch_s and "borrowed" in cal2.notes
-    assert "borrowed for NVIDIA H100" in line and "shipped for NVIDIA H200" in line and "uncalibrated" in line
-    cal2.check_against(h100)  # (usable as is: no --force needed)
+    # an H100 has its own (fitted on the lent H100's runs)
+    own, line = choose("auto", h100)
+    assert own is not None and own.device == "NVIDIA H100" and "shipped (nvidia-h100.json)" in line
+    assert own.host_launch_graphed_s and own.host_launch_graphed_s > 0  # (its runs replayed CUDA graphs)
+    # a Hopper GPU with none of its own borrows one of its architecture's, collectives dropped, and says so
+    h800 = h100.model_copy(update={"gpu": h100.gpu.model_copy(update={"name": "NVIDIA H800"})})
+    cal2, line = choose("auto", h800)
+    assert cal2 is not None and cal2.device == "NVIDIA H800" and cal2.collective_efficiency == {}
+    source = next(d for d in shipped() if f"shipped for {d}" in line)
+    assert cal2.host_launch_s == load_calibration(shipped()[source]).host_launch_s and "borrowed" in cal2.notes
+    assert "borrowed for NVIDIA H800" in line and "uncalibrated" in line
+    cal2.check_against(h800)  # (usable as is: no --force needed)
     # a GPU of an architecture nothing ships for stays uncalibrated
     gb200 = load_topology("gb200-nvl72-16k")
     cal3, line = choose("auto", gb200)
