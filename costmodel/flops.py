@@ -341,7 +341,7 @@ FILM_ELEMS = 6
 """Elements per token and model width that an InterFormer layer's FiLM modulation reads + writes forward
 (``x·(1+γ)+β`` with per-sample ``γ, β``, ``trainer/model/layers.py``): ``β`` and ``1+γ`` expanded to the
 tokens (two writes of ``d``), then ``addcmul`` (reads three, writes one). It runs in the layer's ``norm_act``
-range (counted by ``tests/trainer/test_model.py``'s elementwise census of the trainer's dense arch)."""
+range (counted by ``tests/trainer/test_elementwise_census.py``'s elementwise census of the trainer's dense arch)."""
 
 FILM_SAVED = 2
 """Widths per token FiLM keeps for backward (the normalised tokens and the expanded ``1+γ``)."""

@@ -363,8 +363,11 @@ def price(
                       graphed=_graphed(ctx, d.arr))
     ids, rank_time, rank_mem = _sampled_ranks(br.perf, mem, sp, M)
     hbm = ctx.topology.gpu.hbm_bytes
+    # a calibrated device-step factor below 1 (the device ran the priced work faster than its ops price it):
+    # the step's parts shrink with it, so that no part is longer than the step
+    perf = br.perf if t.factor >= 1.0 else Perf(*(t.factor * getattr(br.perf, f.name) for f in dataclasses.fields(Perf)))
     return StepCost(
-        step_time_s=t.step, perf=br.perf, compute_mean_s=d.dense_mean + sp.mean_s, imbalance=rho,
+        step_time_s=t.step, perf=perf, compute_mean_s=d.dense_mean + sp.mean_s, imbalance=rho,
         imbalance_s=max(0.0, (rho - 1.0) * float((d.f_mean.sum() + d.b_mean.sum()) * M)),
         model_flops=_model_flops(ctx), world_size=ctx.world, peak_flops_per_s=ctx.topology.dense_peak_flops_per_s,
         memory=mem, hbm_capacity_bytes=hbm, hbm_reserve_bytes=hbm * ctx.topology.gpu.hbm_reserve_fraction, ops=tuple(ops_out),

@@ -88,3 +88,15 @@ def test_calibrate_fits_the_graphed_and_the_eager_host_cost_apart(tmp_path):
     with_base, _, _ = calibrate([d for d in dirs if d.name.endswith("g")], host=True, base=base)
     assert with_base.host_launch_s == pytest.approx(3e-4)
     assert run_samples(dirs[0]).plan.workload.kernels.cuda_graphs == "off"
+
+
+def test_a_device_step_factor_below_one_keeps_the_parts_within_the_step():
+    """A fit whose device ran faster than its ops price (factor < 1: a leave-one-out fold on the H100 draws
+    fitted 0.98) prices a step shorter than its compute: the compute shrinks with it, and the plan stays valid."""
+    plan = _eager(_plan(16, 256))
+    for f in (0.8, 1.0, 1.2):
+        cal = DEVICE.model_copy(update={"device_step_factor": f})
+        ctx = build_context(plan.workload, plan.topology, plan.mesh, cal, force_calibration=True)
+        r = price(ctx, plan.tables or None, plan.layers, plan.balancing, plan.kernels, detail=False)
+        p = r.to_prediction(detail=False)
+        assert p.compute_s <= p.step_time_s * (1 + 1e-9) and p.scaling_ratio <= 1 + 1e-9
