@@ -169,9 +169,9 @@ COSTMODEL_SPEED = Result("costmodel_speed.json", "python benchmarks/costmodel_sp
 SIMULATE = Result("costmodel_simulate_gem-1t.json",
                   "coplan simulate -w gem-1t -t h200-superpod --json "
                   "> benchmarks/results/costmodel_simulate_gem-1t.json",
-                  SPEC + COSTMODEL + PLANNER + CLI, device="prediction (CPU)")
+                  SPEC + COSTMODEL + PLANNER + CALIBRATION + CLI, device="prediction (CPU)")
 PRESETS = Result("planner_presets.json", "python benchmarks/planner_presets.py --random 50",
-                 SPEC + COSTMODEL + PLANNER, script="planner_presets.py")
+                 SPEC + COSTMODEL + PLANNER + CALIBRATION, script="planner_presets.py")
 SCALE = Result("planner_scale.json", "python benchmarks/planner_scale.py --time-limit 3000",
                SPEC + COSTMODEL + PLANNER, script="planner_scale.py")
 BALANCE = Result("balance_jagged.json", "python benchmarks/balance_jagged.py",
@@ -219,7 +219,7 @@ def _median(xs: list[float]) -> float | None:
 
 
 PUBLISHED = Result("published_checks.json", "python benchmarks/published_checks.py",
-                   SPEC + COSTMODEL + PLANNER + ("benchmarks/published/",), script="published_checks.py")
+                   SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/published/",), script="published_checks.py")
 FRESH_CAL = Result("fresh_draws_calibrated.json", "python benchmarks/fresh_draws_calibrated.py",
                    SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h200.json",),
                    script="fresh_draws_calibrated.py")
