@@ -7,8 +7,8 @@
 #   fp8train  500+ steps bf16 vs fp8 (needs TorchRec); $GPUS picks the GPUs of the two arms (default 0,0)
 #   train     trainer benchmark cases (needs TorchRec)
 #   draws     the fresh one-GPU draws of the plan set for the GPU lent (H200: $H200_PLANS, default fresh_plans_d;
-#             H100: $H100_PLANS, default fresh_plans_h100d; both held out, re-planned at d1455e5), within $BUDGET s (default 420), a partial result
-#             after each draw; $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
+#             H100: $H100_PLANS, default fresh_plans_h100e; both held out, planned at the commit their manifest records), within $BUDGET s (default 420), a partial result
+#             after each draw (a draw gets $RUN_TIMEOUT s, default 200: the session's first one compiles Triton's kernels cold); $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
 #             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec);
 #             the run directories come back as draw_runs_<gpu>[_variant].tgz (traces gzipped, no checkpoints)
 #   ab        dense arch only (no TorchRec): --compile off vs layers under CUDA graphs ($AB_PLANS), then the graphs' GPU test
@@ -100,12 +100,12 @@ draws)
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   case $gpu in
     *H200*) plans=${H200_PLANS:-fresh_plans_d}; tag=h200 ;;
-    *H100*) plans=${H100_PLANS:-fresh_plans_h100d}; tag=h100 ;;
+    *H100*) plans=${H100_PLANS:-fresh_plans_h100e}; tag=h100 ;;
     *) echo "no plan set for '$gpu'"; exit 2 ;;
   esac
   t "draws: $gpu, plans $plans"
   timeout 580 python3 benchmarks/fresh_draws_h200.py --plans benchmarks/results/$plans --runs-root /tmp/draws \
-    --budget-s ${BUDGET:-420} --run-timeout-s ${RUN_TIMEOUT:-150} ${CONTINUE:+--continue-from $root/$CONTINUE} \
+    --budget-s ${BUDGET:-420} --run-timeout-s ${RUN_TIMEOUT:-200} ${CONTINUE:+--continue-from $root/$CONTINUE} \
     ${TRAIN_ARGS:+"--train-args=$TRAIN_ARGS"} --out $OUT/fresh_draws_$tag${TRAIN_ARGS:+_variant}.json > $OUT/draws.log 2>&1
   grep -E "^seed|median|min_local" $OUT/draws.log | cut -c1-400
   # the runs themselves (traces gzipped, no checkpoints), for `coplan calibrate` and per-op analysis off the device
