@@ -317,3 +317,46 @@ def test_capture_room_keeps_an_eager_step_beside_the_pool():
     # a larger one grows the pool in proportion to its rows
     assert not capture_room(40 * GiB, rows=16384, **kw) and capture_room(49 * GiB, rows=16384, **kw)
 
+
+
+def test_graph_passes_differentiate_aliases_of_the_masters():
+    """The graphs' passes differentiate with respect to aliases of the fp32 masters (same storage), never the
+    masters themselves: an eager pass makes a master's gradient accumulator on the stream it ran on, and on
+    the lent GPU a capture taken while that pass's graph was alive failed ('would make the legacy stream
+    depend on a capturing blocking stream'). The optimizer's in-place updates reach the graphs through them,
+    and a master whose storage is replaced after a capture turns the graphs off rather than run stale weights."""
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    runner = DenseGraphs(arch, torch.float32, torch.device("cpu"))
+    assert all(a is not p and a.data_ptr() == p.data_ptr() and a.is_leaf for a, p in zip(runner._leaves, runner.params))
+    pooled, keys, widths, seq, offsets, dense = _inputs(w, [4, 9])
+    rows = {s: int(seq[fs[0]].shape[0]) for s, fs in runner.features.items()}
+    b = runner._static(pooled, seq, offsets, dense, rows)
+    b.pooled.requires_grad_(True)
+    for v in b.seq.values():
+        v.requires_grad_(True)
+    runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
+    runner.begin_step()
+    got, leaves = runner._graph_pass(b, keys, widths, 2)
+    # the autograd graph reaches the aliases, not the masters (their accumulators are the eager passes' alone)
+    seen, todo = set(), [got.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if hasattr(fn, "variable"):
+            assert not any(fn.variable is p for p in runner.params)
+        todo += [nxt for nxt, _ in fn.next_functions]
+    runner._backward(got, leaves, torch.ones_like(got))
+    assert any(float(g.abs().sum()) > 0 for g in runner.grad_bufs)  # the gradients still land in the masters' buffers
+    # an in-place update of a master is what the next pass reads
+    with torch.no_grad():
+        runner.params[0].add_(1.0)
+    assert torch.equal(runner._leaves[0], runner.params[0])
+    # a storage swap after a capture: the graphs are dropped, not replayed over the old weights
+    runner.buckets[("fake",)] = object()
+    runner.params[0].data = runner.params[0].data.clone()
+    assert runner._capture(("other",), pooled, keys, widths, seq, offsets, dense, 2, rows) is None
+    assert not runner.use_graphs and "storage" in (runner.stats.disabled or "") and not runner.buckets
