@@ -10,7 +10,9 @@
 #             H100: $H100_PLANS, default fresh_plans_h100e; both held out, planned at the commit their manifest records), within $BUDGET s (default 420), a partial result
 #             after each draw (a draw gets $RUN_TIMEOUT s, default 200: the session's first one compiles Triton's kernels cold); $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
 #             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec);
-#             the run directories come back as draw_runs_<gpu>[_variant].tgz (traces gzipped, no checkpoints)
+#             the run directories come back as draw_runs_<gpu>[_variant].tgz (traces gzipped, no checkpoints); on CPU
+#             afterwards, scripts/ship_calibration.py --runs <that tgz> refits the shipped calibration from them (the
+#             next set, not this one, is then its held-out test)
 #   ab        dense arch only (no TorchRec): --compile off vs layers under CUDA graphs ($AB_PLANS), then the graphs' GPU test
 #   startup   time to the first step of gem-h200, first and repeated run (H200 only: its plan is for h200-1gpu)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
