@@ -41,10 +41,10 @@ def base_result(samples: Sequence, base: Calibration, compute: dict, memory: dic
 
 
 def ran_graphed(r: RunSamples) -> bool:
-    """Whether run ``r`` replayed its dense arch as CUDA graphs and the pricer prices its plan so (its host
-    launches then are the graphed few: :func:`coplan.calibration.step_price.step_segments`)."""
-    opts = r.result.options if r.result is not None else None
-    return bool(opts is not None and opts.cuda_graphs) and graphed_plan(r.plan)
+    """Whether run ``r`` replayed its dense arch as CUDA graphs (its host launches then are the graphed few:
+    :func:`coplan.calibration.step_price.step_segments`). A run that did not has its plan priced eagerly
+    already (:func:`coplan.calibration.runs.as_ran`), so the plan says it."""
+    return graphed_plan(r.plan)
 
 
 def _graphed_note(h: float, h_graphed: float, graph_fit, n_graphed: int, n_eager: int, has_base: bool) -> str:
@@ -95,8 +95,10 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     rel = res.rel_errors()
     # the host's cost per priced launch differs between eager steps and steps that replay the dense arch as CUDA
     # graphs (a few dozen priced launches, mostly the loop's and TorchRec's Python): fitted apart
-    graphed_runs = [r for r in runs if ran_graphed(r)]
-    eager_runs = [r for r in runs if not ran_graphed(r)]
+    graphed_runs: list[RunSamples] = []
+    eager_runs: list[RunSamples] = []
+    for r in runs:
+        (graphed_runs if ran_graphed(r) else eager_runs).append(r)
     host_fit = fit_host_launch_cost(eager_runs or runs, res, per_sample=True, host_speed=host_speed,
                                     fit_device_factor=True) if host else None
     graph_fit = (fit_host_launch_cost(graphed_runs, res, per_sample=False, host_speed=host_speed, fit_device_factor=True)

@@ -140,15 +140,16 @@ def graph_pool_bytes(ctx: Context, acts: float) -> float:
     spec = next(s for s in w.sequences if s.name == seq)
 
     def make():
+        # (once per workload and micro-batch: the planner prices many plans of each)
         values, probs = length_pmf(spec.length)
         rows = likely_rows(values, probs, samples)
         mean = float((values * probs).sum() / probs.sum()) * samples
-        return (max(rows) / mean if rows and mean > 0 else 1.0), float(sum(rows))
+        ta = ctx.tables
+        in_row = float((ta.dim * ta.features)[ta.is_seq & (np.asarray(ta.sequence, dtype=object) == seq)].sum())
+        return (max(rows) / mean if rows and mean > 0 else 1.0), float(sum(rows)) * in_row * EMBEDDING_OUTPUT_BYTES
 
-    scale, all_rows = shared_cache(w, ("graph_pool_rows", seq, samples), make)
-    ta = ctx.tables
-    in_row = float((ta.dim * ta.features)[ta.is_seq & (np.asarray(ta.sequence, dtype=object) == seq)].sum()) * EMBEDDING_OUTPUT_BYTES
-    return GRAPH_POOL_ACTS * acts * max(scale, 1.0) + GRAPH_POOL_INPUTS * all_rows * in_row + GRAPH_POOL_FIXED
+    scale, inputs = shared_cache(w, ("graph_pool", seq, samples), make)
+    return GRAPH_POOL_ACTS * acts * max(scale, 1.0) + GRAPH_POOL_INPUTS * inputs + GRAPH_POOL_FIXED
 
 
 def step_memory(ctx: Context, act_bytes: np.ndarray, rho: float, recomputed: frozenset[str], fixed: DenseFixedCosts,

@@ -229,6 +229,14 @@ class DenseGraphs:
         aliases instead, whose accumulators only warm-ups and captures ever make."""
         return [p.detach().requires_grad_(True) for p in self.params]
 
+    def _disable(self, why: str) -> None:
+        """Graphs off for the rest of the run (the dense arch runs eagerly), saying why; the captured buckets are
+        dropped (their graphs hold the pool, which goes back to the device)."""
+        self.use_graphs = False
+        self.stats.disabled = why
+        print(f"warning: {why}; the dense arch runs eagerly", file=sys.stderr, flush=True)
+        self.buckets.clear()
+
     def begin_step(self) -> None:
         """Zero the gradient buffers the graphs add into and make them the weights' ``.grad`` (the optimizer's
         ``zero_grad`` drops them)."""
@@ -371,10 +379,7 @@ class DenseGraphs:
         if any(a.data_ptr() != p.data_ptr() for a, p in zip(self._leaves, self.params)):
             # a master's storage was swapped (``p.data = ...``): the graphs captured so far read the old one
             if self.buckets:
-                self.use_graphs = False
-                self.stats.disabled = "a dense parameter's storage was replaced after the graphs were captured"
-                print(f"warning: {self.stats.disabled}; the dense arch runs eagerly", file=sys.stderr, flush=True)
-                self.buckets.clear()
+                self._disable("a dense parameter's storage was replaced after the graphs were captured")
                 return None
             self._leaves = self._alias_params()
         n_rows = sum(bucket(n) for n in rows.values())
@@ -420,13 +425,10 @@ class DenseGraphs:
             with torch.cuda.graph(b.bwd, pool=self.pool, capture_error_mode="thread_local"):
                 b.grads = self._backward(logits, leaves, b.grad_out)
         except Exception as e:  # noqa: BLE001 -- any capture failure: the run goes on eagerly, and says why
-            self.use_graphs = False
-            self.stats.disabled = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            print(f"warning: {self.stats.disabled}; the dense arch runs eagerly", file=sys.stderr, flush=True)
+            self._disable(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
             if os.environ.get("COPLAN_DEBUG"):
                 traceback.print_exc()
             b = None
-            self.buckets.clear()  # (their graphs hold the pool: dropped, it goes back to the device)
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(self.grad_bufs, saved)

@@ -8,13 +8,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.getcwd(), "tests", "trainer"))
-from test_graphs import _inputs  # noqa: E402
+from test_graphs import _inputs, gpu_arch  # noqa: E402
 
-from coplan.sample import sample_workload  # noqa: E402
 from coplan.trainer import graphs as G  # noqa: E402
-from coplan.trainer.features import feature_layout  # noqa: E402
-from coplan.trainer.model.gem import DenseArch  # noqa: E402
-from coplan.trainer.model.moe import MoELayer  # noqa: E402
 
 opts = dict(kv.split(":", 1) if ":" in kv else (kv, "1") for kv in os.environ.get("PROBE", "").split(",") if kv)
 mode = opts.get("mode")
@@ -26,12 +22,7 @@ if mode:
             super().__init__(g, pool=pool, stream=stream, capture_error_mode=mode)
     G.torch.cuda.graph = forced  # (the module's torch is the same object: patched for all)
 dev = torch.device("cuda")
-w = sample_workload("h200-1gpu", 11)
-torch.manual_seed(0)
-arch = DenseArch(w, feature_layout(w), "triton").to(dev)
-for m in arch.modules():
-    if isinstance(m, MoELayer):
-        m.grouped_mm = True
+w, arch = gpu_arch(dev)
 runner = G.DenseGraphs(arch, torch.bfloat16, dev)
 rng = np.random.default_rng(0)
 for step in range(4):

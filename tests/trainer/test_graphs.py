@@ -133,12 +133,7 @@ def test_micro_batches_accumulate_into_the_grad_buffers():
     total = None
     for seed, lengths in ((1, [4, 9]), (2, [30, 1])):
         pooled, keys, widths, seq, offsets, dense = _inputs(w, lengths, seed)
-        rows = {s: int(seq[fs[0]].shape[0]) for s, fs in runner.features.items()}
-        b = runner._static(pooled, seq, offsets, dense, rows)
-        b.pooled.requires_grad_(True)
-        for v in b.seq.values():
-            v.requires_grad_(True)
-        runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
+        b, _ = _loaded_bucket(runner, pooled, seq, offsets, dense)
         got, leaves = runner._graph_pass(b, keys, widths, 2)
         runner._backward(got, leaves, torch.ones_like(got))
         out = arch(pooled, keys, widths, seq, offsets, dense, batch_size=2)
@@ -223,19 +218,38 @@ def test_where_graphs_do_not_apply():
     assert "transformer" in graphs_unavailable(dec, device=cuda, **ok)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("compile_mode", ["off", "layers"])  # layers: --cuda-graphs on over --compile layers
-def test_captured_graphs_match_eager_on_the_gpu(compile_mode):
-    from coplan.trainer.distributed.compile import apply_compile
+def gpu_arch(dev: torch.device):
+    """The GPU tests' workload (a one-GPU family draw) and its dense arch on ``dev``, MoE on the grouped GEMM
+    (as the trainer turns it on; benchmarks/device/graphs_probe.py runs the same)."""
     from coplan.trainer.model.moe import MoELayer
 
-    dev = torch.device("cuda")
     w = sample_workload("h200-1gpu", 11)
     torch.manual_seed(0)
     arch = DenseArch(w, feature_layout(w), "triton").to(dev)
     for m in arch.modules():
         if isinstance(m, MoELayer):
             m.grouped_mm = True
+    return w, arch
+
+
+def _loaded_bucket(runner, pooled, seq, offsets, dense):
+    """A bucket's static buffers for these inputs, the inputs loaded and the leaves requiring gradients."""
+    rows = {s: int(seq[fs[0]].shape[0]) for s, fs in runner.features.items()}
+    b = runner._static(pooled, seq, offsets, dense, rows)
+    b.pooled.requires_grad_(True)
+    for v in b.seq.values():
+        v.requires_grad_(True)
+    runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
+    return b, rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("compile_mode", ["off", "layers"])  # layers: --cuda-graphs on over --compile layers
+def test_captured_graphs_match_eager_on_the_gpu(compile_mode):
+    from coplan.trainer.distributed.compile import apply_compile
+
+    dev = torch.device("cuda")
+    w, arch = gpu_arch(dev)
     apply_compile(arch, compile_mode)
     runner = DenseGraphs(arch, torch.bfloat16, dev)
     rng = np.random.default_rng(0)
@@ -331,12 +345,7 @@ def test_graph_passes_differentiate_aliases_of_the_masters():
     runner = DenseGraphs(arch, torch.float32, torch.device("cpu"))
     assert all(a is not p and a.data_ptr() == p.data_ptr() and a.is_leaf for a, p in zip(runner._leaves, runner.params))
     pooled, keys, widths, seq, offsets, dense = _inputs(w, [4, 9])
-    rows = {s: int(seq[fs[0]].shape[0]) for s, fs in runner.features.items()}
-    b = runner._static(pooled, seq, offsets, dense, rows)
-    b.pooled.requires_grad_(True)
-    for v in b.seq.values():
-        v.requires_grad_(True)
-    runner._load(b, {"pooled": pooled, "dense": dense, "seq": seq, "offsets": offsets})
+    b, rows = _loaded_bucket(runner, pooled, seq, offsets, dense)
     runner.begin_step()
     got, leaves = runner._graph_pass(b, keys, widths, 2)
     # the autograd graph reaches the aliases, not the masters (their accumulators are the eager passes' alone)
