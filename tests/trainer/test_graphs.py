@@ -369,3 +369,30 @@ def test_graph_passes_differentiate_aliases_of_the_masters():
     runner.params[0].data = runner.params[0].data.clone()
     assert runner._capture(("other",), pooled, keys, widths, seq, offsets, dense, 2, rows) is None
     assert not runner.use_graphs and "storage" in (runner.stats.disabled or "") and not runner.buckets
+
+
+def test_recomputed_layers_run_on_the_runners_cast_weights():
+    """A plan that recomputes layers, run through the graph runner in bf16 over fp32 masters (the one-GPU path):
+    the recompute in backward runs on the same bf16 weights as the forward (it failed with "expected scalar type
+    BFloat16 but found Float" when it ran on the masters), and the gradients are those of the run without it."""
+    from coplan.trainer.distributed.activation_checkpoint import apply_activation_checkpointing
+
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    plain = DenseArch(w, feature_layout(w), "reference")
+    recomputed = DenseArch(w, feature_layout(w), "reference")
+    recomputed.load_state_dict(plain.state_dict())
+    names = {n for n, _, _ in recomputed.iter_layers()}
+    assert apply_activation_checkpointing(recomputed, names) and len(names) >= 3  # interformer and kunlun layers
+    grads = []
+    for arch in (plain, recomputed):
+        runner = DenseGraphs(arch, torch.bfloat16, torch.device("cpu"))
+        pooled, keys, widths, seq, offsets, dense = _inputs(w, [3, 8, 0])
+        out = runner._forward(pooled, keys, widths, seq, offsets, dense, 3, None)
+        assert out.dtype == torch.bfloat16
+        grads.append(torch.autograd.grad(out.float().sum(), runner.params, allow_unused=True))
+    assert all(p.dtype == torch.float32 for p in recomputed.parameters())  # the masters stay fp32
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0)  # the recompute repeats the forward bit for bit
