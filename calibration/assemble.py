@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from coplan import __version__
-from coplan.calibration.device_fit import FitResult, fit, predict
+from coplan.calibration.device_fit import FitResult, attention_scale_of, fit, fit_attention_scales, predict
 from coplan.calibration.host_fit import fit_host_launch_cost
 from coplan.calibration.step_price import graphed_plan
 from coplan.calibration.host_profile import host_reference_us
@@ -20,7 +20,7 @@ from coplan.calibration.terms import CLASSES
 from coplan.costmodel.context import local_batch_of, micro_batches_of
 from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
 from coplan.costmodel.loader import balance_group, loader_step_s
-from coplan.spec import Calibration, FitError, OpClassCalibration
+from coplan.spec import Calibration, FitError, OpClassCalibration, Topology
 from coplan.spec.calibration import ComputeOpClass
 
 
@@ -30,14 +30,16 @@ per-op samples do not stand for the step (e.g. a trace of replayed CUDA graphs, 
 names), and a calibration made ``on top of`` a base keeps the base's device terms."""
 
 
-def base_result(samples: Sequence, base: Calibration, compute: dict, memory: dict, launch_s: dict) -> FitResult:
+def base_result(samples: Sequence, base: Calibration, compute: dict, memory: dict, launch_s: dict,
+                topology: Topology) -> FitResult:
     """A :class:`FitResult` that is ``base`` kept whole (no fit; ``compute`` / ``memory`` / ``launch_s``: its
     resolved efficiencies): what it predicts for the samples, and the step priced with it."""
     samples = tuple(samples)
     return FitResult(compute=dict(compute), memory=dict(memory), launch_s=dict(launch_s),
-                     predicted_s=predict(samples, compute, memory, launch_s, base.lookup_id_latency_s),
+                     predicted_s=predict(samples, compute, memory, launch_s, base.lookup_id_latency_s,
+                                         attention_scale_of(resolve_efficiencies(topology, base, force=True))),
                      measured_s=np.array([s.measured_s for s in samples]), samples=samples,
-                     lookup_id_s=base.lookup_id_latency_s, base=base)
+                     lookup_id_s=base.lookup_id_latency_s, base=base, attention_scales=dict(base.attention_scales))
 
 
 def ran_graphed(r: RunSamples) -> bool:
@@ -88,10 +90,10 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     worst = min(r.attributed_share for r in runs)
     keep_base = base is not None and worst < MIN_ATTRIBUTED_SHARE
     if keep_base:
-        res = base_result(samples, base, eff.compute, eff.memory, eff.launch_s)
+        res = base_result(samples, base, eff.compute, eff.memory, eff.launch_s, topo)
     else:
-        res = fit(samples, eff.compute, eff.memory, eff.launch_s,
-                  default_lookup_id_s=base.lookup_id_latency_s if base is not None else None)
+        res = fit_attention_scales(fit(samples, eff.compute, eff.memory, eff.launch_s,
+                                       default_lookup_id_s=base.lookup_id_latency_s if base is not None else None))
     rel = res.rel_errors()
     # the host's cost per priced launch differs between eager steps and steps that replay the dense arch as CUDA
     # graphs (a few dozen priced launches, mostly the loop's and TorchRec's Python): fitted apart
@@ -113,8 +115,19 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     if host_fit and not eager_runs:
         # graphed runs alone: the eager host cost is not identified by them (the base's stays, if any)
         h = (base.host_launch_s or 0.0) if base is not None else 0.0
+    if host_fit and h <= 0 and base is not None and base.host_launch_s and not host_fit.host_bound().any():
+        # the eager runs do not identify the eager host cost (none is host-bound): the base's stays
+        h = base.host_launch_s
     hs = host_fit.sample_s if host_fit else 0.0
     f = host_fit.device_factor if host_fit else 1.0
+    f_note = ""
+    if graph_fit is not None and len(graphed_runs) > len(eager_runs):
+        # the device factor is the device's: fitted on the larger of the two groups of runs
+        f_note = (f"the device step factor is the graphed runs' ({graph_fit.device_factor:.3f}, {len(graphed_runs)} runs; the "
+                  f"eager runs' alone: {f:.3f}); ")
+        f = graph_fit.device_factor
+    h_note = (f"eager host cost kept from {base_name} ({h * 1e6:.1f} us per priced launch: no eager run is host-bound); "
+              if host_fit and base is not None and h == base.host_launch_s and h > 0 and host_fit.h_s <= 0 else "")
     op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
     for c in CLASSES:
         ce = {dt: min(1.0, v) for (cc, dt), v in res.compute.items() if cc == c}
@@ -142,6 +155,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         versions=versions,
         source_runs=tuple(str(d) for d in run_dirs),
         op_classes=op_classes,
+        attention_scales=res.attention_scales,
         host_launch_s=min(1.0, h) if h > 0 else None,
         host_launch_graphed_s=min(1.0, h_graphed) if h_graphed > 0 else None,
         host_sample_s=min(1.0, hs) if hs > 0 else None,
@@ -180,6 +194,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
                + (f"each run's host time scaled by its host's speed (index {min(host_fit.speed):.2f}-{max(host_fit.speed):.2f} "
                   "against the runs' mean, host_op_median_us); " if host_fit.speed else "")
                if host_fit else ("no host cost fitted (no measured step times); " if host else ""))
+            + f_note + h_note
             + (f"data loader x{loader[0]:.3g} the default coefficients (median over {len(loader[1])} run(s) of a reader "
                f"process's measured seconds per step over the priced: {', '.join(f'{x:.2f}' for x in loader[1])}); "
                if loader else "data loader left at the default coefficients (no run recorded its loader); ")

@@ -85,6 +85,14 @@ def _print_runs(cal, runs) -> None:
         err = fe.per_op_class.get(cls)
         print(f"{cls:<12} {ce:>12} {me:>11} {la:>10} {('%.1f%%' % (100 * err)) if err is not None else '-':>7}")
     print(f"per-op error: median {fe.median_abs_rel_error:.1%}, max {fe.max_abs_rel_error:.1%}")
+    if cal.attention_scales:
+        by: dict[str, list[str]] = {}
+        for key, v in sorted(cal.attention_scales.items(), key=lambda kv: (kv[0].rsplit(":", 1)[0], int(kv[0].rsplit(":", 1)[1]))):
+            op_phase, hd = key.rsplit(":", 1)
+            by.setdefault(op_phase, []).append(f"{hd}: x{v:.2f}")
+        print("attention scales (measured over the class's priced time, by head dim):")
+        for op_phase, items in by.items():
+            print(f"  {op_phase:<18} {', '.join(items)}")
     if cal.unfused_memory_efficiency is not None:
         ks = f", {cal.unfused_kernel_s * 1e6:.2f} us per extra kernel" if cal.unfused_kernel_s is not None else ""
         print(f"unfused ops (the padded reference's matmuls and passes): memory eff {cal.unfused_memory_efficiency:.3f}{ks}")

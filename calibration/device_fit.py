@@ -28,8 +28,8 @@ max(bytes / (HBM bandwidth · m_embedding), waves × ids in the longest bag × `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -63,6 +63,9 @@ class FitResult:
     base: Any = None
     """A Calibration whose device terms these are, kept whole (``coplan calibrate --base`` on runs whose
     traces do not attribute): the step is then priced with it, not with the dicts above."""
+    attention_scales: dict[str, float] = field(default_factory=dict)
+    """Fitted measured-over-priced scales of the attention ops, ``"<op>:<phase>:<head dim>"`` →
+    scale (:func:`fit_attention_scales`; applied in ``predicted_s``)."""
 
     def rel_errors(self) -> np.ndarray:
         return np.abs(self.predicted_s - self.measured_s) / self.measured_s
@@ -77,9 +80,11 @@ class FitResult:
 
 
 def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], memory: dict[str, float], launch_s: dict[str, float],
-            lookup_id_s: float | None = None) -> np.ndarray:
+            lookup_id_s: float | None = None, scale_of: Callable[[Sample], float] | None = None) -> np.ndarray:
     """The roofline of each sample under the given efficiencies (the same form the pricer uses);
-    ``lookup_id_s``: the sequence lookups' seconds per serial id (None: the default)."""
+    ``lookup_id_s``: the sequence lookups' seconds per serial id (None: the default); ``scale_of``: a
+    sample's attention scale (:func:`attention_scale_of`; None: 1), applied to its roofline as the pricer
+    applies it (launches excepted)."""
     t_id = DEFAULT_LOOKUP_ID_LATENCY_S if lookup_id_s is None else lookup_id_s
     out = np.empty(len(samples))
     for i, s in enumerate(samples):
@@ -90,8 +95,18 @@ def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], me
         # the sequence lookups: each kernel the longer of its bytes and its warps' serial bag walk
         look = sum(max(gm / m, gi * t_id) for gm, gi in s.lookup_groups)
         kernels = s.launches * launch_s.get(s.op_class, 0.0) + s.extra_kernels * launch_s.get(UNFUSED_CLASS, 0.0)
-        out[i] = max(s.flop_s / e, s.mem_s / m) + look + serial + kernels
+        k = scale_of(s) if scale_of is not None else 1.0
+        out[i] = (max(s.flop_s / e, s.mem_s / m) + look + serial) * k + kernels
     return out
+
+
+def attention_scale_of(eff) -> Callable[[Sample], float]:
+    """A sample's attention scale under resolved efficiencies ``eff``
+    (:meth:`coplan.costmodel.efficiency.Efficiencies.attention_scale`): 1 for other samples."""
+    def scale(s: Sample) -> float:
+        key = s.attention_key
+        return eff.attention_scale(*key) if key is not None else 1.0
+    return scale
 
 
 def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float], defaults_memory: dict[str, float],
@@ -163,4 +178,37 @@ def fit(samples: Sequence[Sample], defaults_compute: dict[tuple[str, str], float
     return FitResult(comp, mem, lau, pred, meas, samples, t_id(best.x) if has_lookup else None)
 
 
-__all__ = ["CLASS_SUM_WEIGHT", "PRIOR_WEIGHT", "SAMPLE_F_SCALE", "FitResult", "fit", "predict"]
+SCALE_PRIOR_SAMPLES = 2.0
+"""Shrinkage of an attention scale towards 1: its log is the residuals' sum over (samples + this), so a key
+seen in a couple of samples moves half-way, one seen in twenty nearly all the way."""
+MIN_SCALE_SAMPLES = 2
+"""Samples an (op, phase, head dim) key needs for a scale of its own."""
+
+
+def fit_attention_scales(res: FitResult) -> FitResult:
+    """``res`` with a time scale per attention (op, phase, head dim) fitted to the residuals of its class fit.
+
+    One compute efficiency per class cannot price every attention kernel (the forward and the backward of a
+    jagged kernel, the summary tokens' few queries, a Kunlun layer's dozens of tokens each run another share of
+    the peak, moving with the head dim). Each key's scale is exp(Σ log(measured / predicted) / (n +
+    :data:`SCALE_PRIOR_SAMPLES`)) over its n samples (at least :data:`MIN_SCALE_SAMPLES`), clipped to
+    [0.05, 20]; the predictions are scaled by it and the class terms stay as fitted."""
+    groups: dict[tuple[str, str, int], list[int]] = {}
+    for i, s in enumerate(res.samples):
+        key = s.attention_key
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    scales: dict[str, float] = {}
+    pred = res.predicted_s.copy()
+    for (op, phase, hd), idx in sorted(groups.items()):
+        if len(idx) < MIN_SCALE_SAMPLES:
+            continue
+        r = np.log(res.measured_s[idx] / res.predicted_s[idx])
+        k = float(np.clip(math.exp(r.sum() / (len(idx) + SCALE_PRIOR_SAMPLES)), 0.05, 20.0))
+        scales[f"{op}:{phase}:{hd}"] = k
+        pred[idx] = res.predicted_s[idx] * k
+    return replace(res, predicted_s=pred, attention_scales=scales)
+
+
+__all__ = ["CLASS_SUM_WEIGHT", "MIN_SCALE_SAMPLES", "PRIOR_WEIGHT", "SAMPLE_F_SCALE", "SCALE_PRIOR_SAMPLES", "FitResult",
+           "attention_scale_of", "fit", "fit_attention_scales", "predict"]

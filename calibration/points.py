@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from coplan.calibration.device_fit import predict
+from coplan.calibration.device_fit import attention_scale_of, predict
 from coplan.calibration.runs import run_samples
 from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.errors import CoplanError
@@ -61,8 +61,8 @@ def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, 
         topo = rs.plan.topology
         e0 = resolve_efficiencies(topo)
         e1 = resolve_efficiencies(topo, cal, force=True)
-        b = predict(rs.samples, e0.compute, e0.memory, e0.launch_s, e0.lookup_id_s)
-        a = predict(rs.samples, e1.compute, e1.memory, e1.launch_s, e1.lookup_id_s)
+        b = predict(rs.samples, e0.compute, e0.memory, e0.launch_s, e0.lookup_id_s, attention_scale_of(e0))
+        a = predict(rs.samples, e1.compute, e1.memory, e1.launch_s, e1.lookup_id_s, attention_scale_of(e1))
         runs.append(rs.run)
         for s, pb, pa in zip(rs.samples, b, a):
             names.append(f"{rs.run}: {s.name} ({s.phase})")

@@ -56,6 +56,16 @@ class Sample:
     extra_kernels: float = 0.0
     """Kernels of an unfused op beyond ``launches`` (per micro-batch), each costing the ``unfused`` launch
     overhead (a calibration's ``unfused_kernel_s``)."""
+    head_dim: int = 0
+    """The attention op's head dim (0: not an attention op): with the op and phase, the key of its
+    calibrated scale (:attr:`coplan.spec.Calibration.attention_scales`)."""
+
+    @property
+    def attention_key(self) -> tuple[str, str, int] | None:
+        """(op, phase, head dim) of an attention sample (op: the name's last part), None otherwise."""
+        if self.op_class != "attention" or self.head_dim <= 0:
+            return None
+        return self.name.rsplit(".", 1)[-1], self.phase, self.head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +219,8 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
         meas = sum(per_step.get((n, t.phase), 0.0) for n in members) / t.micro_batches
         if meas > 0:
             out.append(Sample(d.name, t.name, t.phase, t.op_class, t.dtype, meas, t.flop_s, t.mem_s, t.launches,
-                              t.serial_mem_s, t.mem_class, t.lookup_groups, t.extra_kernels))
+                              t.serial_mem_s, t.mem_class, t.lookup_groups, t.extra_kernels,
+                              head_dim=_head_dim(plan, t.name) if t.op_class == "attention" else 0))
     unpriced = {f"{n}:{ph}": v for (n, ph), v in sorted(per_step.items()) if (n, ph) not in priced and v > 0}
     steps = max(1, att.steps)
     unpriced["unattributed"] = att.unattributed_s / steps
@@ -222,6 +233,14 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
                       idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced, step_moments_each=each,
                       step_times_each=times,
                       seq_chunk=seq_chunk, host=hp)
+
+
+def _head_dim(plan: Plan, op_name: str) -> int:
+    """The head dim of the block an op ``<block>.<layer>.<op>`` belongs to (0: none)."""
+    try:
+        return int(getattr(plan.workload.block(op_name.split(".", 1)[0]), "head_dim", 0) or 0)
+    except KeyError:
+        return 0
 
 
 def run_step_moments(r: RunSamples) -> tuple[dict[str, tuple[float, float]] | None, ...]:

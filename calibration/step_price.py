@@ -96,7 +96,8 @@ def device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0) 
         cls[c] = OpClassCalibration(compute_efficiency=ce, memory_efficiency=None if me is None else min(1.0, me),
                                     launch_overhead_s=min(1.0, la))
     la_u = res.launch_s.get(UNFUSED_CLASS)
-    return Calibration(device=plan.topology.gpu.name, op_classes=cls, lookup_id_latency_s=res.lookup_id_s,
+    return Calibration(device=plan.topology.gpu.name, op_classes=cls, attention_scales=res.attention_scales,
+                       lookup_id_latency_s=res.lookup_id_s,
                        unfused_memory_efficiency=unfused_memory(res),
                        unfused_kernel_s=None if la_u is None else min(1.0, la_u + extra_launch_s))
 

@@ -156,6 +156,21 @@ class OpArrays:
 
 
 
+def _scale_attention(out: dict[str, np.ndarray], i: int, eff, o, w) -> None:
+    """Scale op ``i``'s forward and backward roofline terms by the calibration's attention scales
+    (:meth:`coplan.costmodel.efficiency.Efficiencies.attention_scale`)."""
+    try:
+        hd = int(getattr(w.block(o.block), "head_dim", 0) or 0)
+    except KeyError:
+        return
+    kind = o.name.rsplit(".", 1)[-1]
+    for ph in ("fwd", "bwd"):
+        k = eff.attention_scale(kind, ph, hd)
+        if k != 1.0:
+            for term in ("flop_s", "mem_s", "fixed_mem_s", "serial_s"):
+                out[f"{ph}_{term}"][i] *= k
+
+
 def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozenset[str] = frozenset()) -> OpArrays:
     """Per-op work of one micro-batch on a mean rank (cached per attention backend and fp8 layer set)."""
     kernels = kernels or ctx.workload.kernels
@@ -251,6 +266,9 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         sb = n * load * o.bwd_serial_bytes.expect(m1, m2)
         out["fwd_serial_s"][i] = sf / bw_serial
         out["bwd_serial_s"][i] = sb / bw_serial
+        if o.op_class == "attention" and eff.attention_scales:
+            # the calibration's measured-over-priced time of this attention kernel (op, phase, head dim)
+            _scale_attention(out, i, eff, o, w)
         out["fwd_bytes"][i] = fb + fixed_f + sf
         out["bwd_bytes"][i] = bb + fixed_b + sb
         out["act_bytes"][i] = n * o.act_bytes.expect(m1, m2)

@@ -8,6 +8,8 @@ what the topology file says it measured (``measured_flops_per_s``, ``measured_hb
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from coplan.spec.calibration import Calibration
@@ -151,8 +153,30 @@ class Efficiencies:
     """Seconds per id of a warp's serial walk through a no-bag lookup bag (a calibration's
     ``lookup_id_latency_s``; default :data:`DEFAULT_LOOKUP_ID_LATENCY_S`)."""
 
+    attention_scales: dict[tuple[str, str], tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """(attention op, phase) → its fitted (head dim, time scale) points, by head dim (a calibration's
+    ``attention_scales``); empty: every scale is 1."""
+
     def compute_eff(self, op_class: str, dtype: str) -> float:
         return self.compute.get((op_class, dtype)) or self.compute.get((op_class, "bf16"), 0.5)
+
+    def attention_scale(self, op: str, phase: str, head_dim: int) -> float:
+        """Measured over priced time of attention op ``op`` (its name's last part) in ``phase`` at ``head_dim``
+        (a calibration's ``attention_scales``): the fitted point's, linear in log2(head dim) between two fitted
+        head dims, the nearest one's beyond them; 1 where the calibration fitted none for (op, phase)."""
+        pts = self.attention_scales.get((op, phase))
+        if not pts or head_dim <= 0:
+            return 1.0
+        if head_dim <= pts[0][0]:
+            return pts[0][1]
+        if head_dim >= pts[-1][0]:
+            return pts[-1][1]
+        x = math.log2(head_dim)
+        for (h0, s0), (h1, s1) in zip(pts, pts[1:]):
+            if h0 <= head_dim <= h1:
+                t = (x - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
+                return math.exp((1 - t) * math.log(s0) + t * math.log(s1))
+        return 1.0
 
 
 def resolve_efficiencies(topology: Topology, calibration: Calibration | None = None, *, force: bool = False) -> Efficiencies:
@@ -225,13 +249,20 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
     if calibration is not None and calibration.lookup_id_latency_s is not None:
         lookup_id = calibration.lookup_id_latency_s
         sources["lookup_id_latency"] = f"calibration ({calibration.device})"
+    scales: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for key, v in (calibration.attention_scales if calibration is not None else {}).items():
+        op, phase, hd = key.split(":")
+        scales.setdefault((op, phase), []).append((int(hd), float(v)))
+    if scales:
+        sources["attention_scales"] = f"calibration ({calibration.device}): {len(calibration.attention_scales)} (op, phase, head dim) scale(s)"
     loader_scale = 1.0
     if calibration is not None and calibration.loader_scale:
         loader_scale = calibration.loader_scale
         sources["loader"] = f"calibration ({calibration.device}): x{loader_scale:.3g} the default loader coefficients"
     return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources,
                         host_launch_s=host, host_launch_graphed_s=graphed, host_sample_s=per_sample, device_step_factor=factor,
-                        lookup_id_s=lookup_id, loader_scale=loader_scale)
+                        lookup_id_s=lookup_id, loader_scale=loader_scale,
+                        attention_scales={k: tuple(sorted(v)) for k, v in scales.items()})
 
 
 __all__ = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_serializer
@@ -9,6 +10,8 @@ from pydantic import Field, field_validator, model_serializer
 from coplan.errors import MismatchError
 from coplan.spec.base import drop_added_defaults, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
 from coplan.spec.topology import Topology
+
+_ATTENTION_SCALE_KEY = re.compile(r"[a-z_][a-z0-9_]*:(fwd|bwd):[1-9][0-9]*")
 
 Fraction = Annotated[Float, Field(gt=0, le=1)]
 ComputeOpClass = Literal["gemm", "attention", "embedding", "elementwise"]
@@ -63,6 +66,19 @@ class Calibration(Spec):
 
     op_classes: dict[ComputeOpClass, OpClassCalibration] = Field(default_factory=dict)
     """Fitted figures per compute op class."""
+
+    attention_scales: dict[str, Annotated[Float, Field(ge=0.05, le=20)]] = Field(default_factory=dict)
+    """Measured over priced time of the attention ops, beyond their class's fitted efficiencies, keyed
+    ``"<op>:<phase>:<head dim>"`` (``<op>``: the op name's last part, e.g. ``gdpa``, ``summary_attn``, ``attn``;
+    ``<phase>``: ``fwd`` or ``bwd``), e.g. ``{"gdpa:bwd:256": 1.6}``. One efficiency per class cannot hold
+    every attention kernel: a jagged Triton kernel's forward and its backward (two kernels that recompute the
+    scores), the summary tokens' few queries over a whole history, and a Kunlun layer's attention over a few
+    dozen tokens each reach another share of the peak, and that share moves with the head dim (tile shapes,
+    registers). ``coplan calibrate`` fits each key as the shrunk geometric mean of the runs' residuals for that
+    (op, phase, head dim) after the class fit (:func:`coplan.calibration.device_fit.fit_attention_scales`); the
+    pricer multiplies the op's roofline time by it, interpolating between fitted head dims in log2 and taking
+    the nearest beyond them (:meth:`coplan.costmodel.efficiency.Efficiencies.attention_scale`). Empty: 1
+    (calibrations written before it existed load unchanged)."""
 
     collective_efficiency: dict[str, dict[Collective, Fraction]] = Field(default_factory=dict)
     """Fitted bus-bandwidth efficiency per tier name and collective."""
@@ -132,7 +148,16 @@ class Calibration(Spec):
 
     @model_serializer(mode="wrap")
     def _without_added_defaults(self, handler):
-        return drop_added_defaults(handler(self), {"loader_scale": None})
+        return drop_added_defaults(handler(self), {"loader_scale": None, "attention_scales": {}})
+
+    @field_validator("attention_scales")
+    @classmethod
+    def _attention_scale_keys(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k in v if not _ATTENTION_SCALE_KEY.fullmatch(k)]
+        if bad:
+            raise ValueError(f"keys {bad[:3]} are not '<op>:<phase>:<head dim>' (e.g. 'gdpa:bwd:128'; phase fwd or bwd, "
+                             "head dim a positive integer); fix or remove them")
+        return v
 
     @field_validator("schema_version")
     @classmethod

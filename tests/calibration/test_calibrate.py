@@ -39,8 +39,10 @@ def _plan(batch: int, mean_len: int) -> Plan:
                 topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
 
 
-def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, noise: float, steps: int = 2) -> Path:
-    """A run directory whose trace says each op took the cost model's time under TRUE_* (± noise)."""
+def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, noise: float, steps: int = 2,
+               scale=None) -> Path:
+    """A run directory whose trace says each op took the cost model's time under TRUE_* (± noise), times
+    ``scale(term)`` where given."""
     d = root / name
     (d / "traces").mkdir(parents=True)
     dump_spec(plan, d / "plan.json")
@@ -52,7 +54,7 @@ def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, nois
         fwd_seq = {}
         for term in [x for x in terms if x.phase == "fwd"]:
             names = term.members or (term.name,)
-            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH, TRUE_LOOKUP_ID_S)[0]
+            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH, TRUE_LOOKUP_ID_S)[0] * (scale(term) if scale else 1.0)
             for nm in names:
                 dur_us = truth * 1e6 / len(names) * (1 + noise * rng.standard_normal())
                 corr += 1
@@ -67,7 +69,7 @@ def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, nois
                 t += 10 + max(dur_us, 0.01) + 20
         for term in [x for x in terms if x.phase == "bwd"]:
             names = term.members or (term.name,)
-            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH, TRUE_LOOKUP_ID_S)[0]
+            truth = predict([term], TRUE_COMPUTE, TRUE_MEMORY, TRUE_LAUNCH, TRUE_LOOKUP_ID_S)[0] * (scale(term) if scale else 1.0)
             for nm in names:
                 dur_us = truth * 1e6 / len(names) * (1 + noise * rng.standard_normal())
                 corr += 1
