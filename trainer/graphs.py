@@ -71,10 +71,11 @@ def capture_room(free_bytes: int, *, eager_need: int, growth: int | None, rows: 
 
 
 def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, compile_mode: str, backend: str,
-                       fp8_layers: int, over_compiled: bool = False) -> str | None:
+                       fp8_layers: int, over_compiled: bool = False, recomputed: int = 0) -> str | None:
     """Why the dense arch cannot run as CUDA graphs here (None: it can). ``over_compiled`` (``--cuda-graphs
     on``): compiled layers do not keep the graphs off (their Inductor kernels compile in the warm-up passes
-    before each capture and are replayed like any other; a capture that fails drops the graphs, eager runs)."""
+    before each capture and are replayed like any other; a capture that fails drops the graphs, eager runs),
+    unless the plan recomputes layers (``recomputed``: how many)."""
     from coplan.trainer.model.decoder import DecoderStack
     from coplan.trainer.model.moe import MoELayer
 
@@ -86,6 +87,10 @@ def graphs_unavailable(model: nn.Module, *, device: torch.device, world: int, co
         return f"{world} ranks (graphs are used on one rank, where FSDP2 has nothing to shard)"
     if compile_mode != "off" and not over_compiled:
         return f"--compile {compile_mode} (--cuda-graphs on replays the compiled layers too)"
+    if compile_mode != "off" and recomputed:
+        # (a compiled layer's checkpoint takes only a selective-checkpoint context, which cannot swap the runner's
+        # cast weights in for the recompute: activation_checkpoint.py)
+        return f"--compile {compile_mode} with {recomputed} recomputed layer(s)"
     if backend != "triton":
         return f"attention backend '{backend}' (graphs use the Triton kernels)"
     if fp8_layers:

@@ -230,7 +230,7 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
     why_not = ("--cuda-graphs off" if cfg.cuda_graphs == "off" else
                graphs_unavailable(model, device=device, world=ranks.world, compile_mode=cfg.compile, backend=backend,
                                   fp8_layers=sum(1 for lp in plan.layers if lp.precision == "fp8"),
-                                  over_compiled=cfg.cuda_graphs == "on"))
+                                  over_compiled=cfg.cuda_graphs == "on", recomputed=sum(1 for lp in plan.layers if lp.recompute)))
     pm = parallelize(model, plan, dims, meshes, device=device, local_size=ranks.local_world, seed=cfg.seed,
                      compile_layers=cfg.compile, fsdp=why_not is not None)
     graphs = None

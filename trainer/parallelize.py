@@ -105,7 +105,10 @@ def parallelize(model: nn.Module, plan: Plan, dims: ParallelDims, meshes: Meshes
     apply_expert_parallel(dense, meshes.ep_group, meshes.ep_rank, dims.ep)
     # FP8 swaps nn.Linear modules in place: before activation checkpointing (which wraps the layers) and FSDP2 (which shards the params it finds).
     fp8 = apply_fp8(dense, plan, device=device)
-    recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute})
+    compiled = bool(compile_layers) and compile_layers != "off"
+    # without FSDP2 (one rank, CUDA graphs) the graph runner swaps the cast weights in for each forward only
+    recomputed = apply_activation_checkpointing(dense, {layer.name for layer in plan.layers if layer.recompute},
+                                                swapped_weights=not fsdp and not compiled)
     apply_compile(dense, compile_layers)
     per_layer = apply_fsdp(dense, meshes.dense, meshes.expert, plan.precision, per_layer=fsdp_per_layer) if fsdp else False
     return ParallelModel(dmp=dmp, model=model, dp_tables=data_parallel_tables(dmp, plan), recomputed=recomputed,

@@ -206,6 +206,9 @@ def test_where_graphs_do_not_apply():
     # --cuda-graphs on: compiled layers no longer keep them off (the other reasons still do)
     assert "--compile" not in (graphs_unavailable(m, device=cuda, **{**ok, "compile_mode": "layers"}, over_compiled=True) or "")
     assert "ranks" in graphs_unavailable(m, device=cuda, **{**ok, "compile_mode": "layers", "world": 2}, over_compiled=True)
+    # ... unless the plan recomputes layers: a compiled layer's checkpoint cannot swap the runner's cast weights in
+    assert graphs_unavailable(m, device=cuda, **{**ok, "compile_mode": "layers"}, over_compiled=True,
+                              recomputed=2) == "--compile layers with 2 recomputed layer(s)"
     assert "FP8" in graphs_unavailable(m, device=cuda, **{**ok, "fp8_layers": 2})
     assert "backend" in graphs_unavailable(m, device=cuda, **{**ok, "backend": "reference"})
     # gem-tiny's MoE layer loops over experts unless the trainer turned the grouped GEMM on
@@ -383,7 +386,7 @@ def test_recomputed_layers_run_on_the_runners_cast_weights():
     recomputed = DenseArch(w, feature_layout(w), "reference")
     recomputed.load_state_dict(plain.state_dict())
     names = {n for n, _, _ in recomputed.iter_layers()}
-    assert apply_activation_checkpointing(recomputed, names) and len(names) >= 3  # interformer and kunlun layers
+    assert apply_activation_checkpointing(recomputed, names, swapped_weights=True) and len(names) >= 3  # interformer and kunlun
     grads = []
     for arch in (plain, recomputed):
         runner = DenseGraphs(arch, torch.bfloat16, torch.device("cpu"))
@@ -396,3 +399,4 @@ def test_recomputed_layers_run_on_the_runners_cast_weights():
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(b, a, rtol=0, atol=0)  # the recompute repeats the forward bit for bit
+

@@ -1,10 +1,10 @@
 """Activation checkpointing: the plan's recomputed layers keep only their inputs; the rest is recomputed
 in backward (``torch.utils.checkpoint``, non-reentrant, through PyTorch's checkpoint wrapper).
 
-A layer can run on tensors swapped in for its parameters: the CUDA-graph runner
+A layer can run on tensors swapped in for its parameters (``swapped_weights``): the CUDA-graph runner
 (:class:`coplan.trainer.graphs.DenseGraphs`) calls the dense arch through ``torch.func.functional_call`` with
 the fp32 masters cast to the compute dtype, and that swap ends when the forward returns. The recompute in
-backward would then run on the masters (fp32 weights against bf16 activations). So each wrapped layer records,
+backward would then run on the masters (fp32 weights against bf16 activations). So each wrapped layer then records,
 at its forward, the swapped-in tensors (plain tensors where its parameters are ``nn.Parameter`` objects) and
 swaps the same tensors in again for its recompute (:func:`_same_tensors`). Under FSDP2 the parameters at
 forward are FSDP's own unsharded ``nn.Parameter`` objects, which it gathers again before the recompute: nothing
@@ -54,8 +54,12 @@ def _same_tensors(module: nn.Module) -> Callable[[], tuple[contextlib.AbstractCo
     return context_fn
 
 
-def apply_activation_checkpointing(dense: nn.Module, layers: set[str]) -> list[str]:
-    """Wrap the named layers (``<block>.<layer index>``); returns the names wrapped."""
+def apply_activation_checkpointing(dense: nn.Module, layers: set[str], *, swapped_weights: bool = False) -> list[str]:
+    """Wrap the named layers (``<block>.<layer index>``); returns the names wrapped. ``swapped_weights``: the
+    layers run on weights swapped in for their forward (the CUDA-graph runner's eager layers), which their
+    recompute swaps in again (:func:`_same_tensors`). Not for compiled layers: under ``torch.compile`` a
+    checkpoint's ``context_fn`` must be a selective-checkpoint one (the graph runner refuses compiled layers
+    that recompute, ``coplan.trainer.graphs.graphs_unavailable``)."""
     if not layers:
         return []
     known = {name for name, _, _ in dense.iter_layers()}
@@ -67,8 +71,8 @@ def apply_activation_checkpointing(dense: nn.Module, layers: set[str]) -> list[s
         if name in layers:
             # RNG state need not be replayed: no layer draws random numbers (no dropout).
             layer = holder[i]
-            holder[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False,
-                                           context_fn=_same_tensors(layer))
+            extra = {"context_fn": _same_tensors(layer)} if swapped_weights else {}
+            holder[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **extra)
             done.append(name)
     return done
 
