@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -440,6 +440,9 @@ class HostBatch:
     """Which of the step's micro-batches this is."""
     num_micro_batches: int = 1
     """Micro-batches of the step."""
+    shared: Any = None
+    """A reader process's batch in transit: the shared-memory buffer its large arrays lie in (:func:`_to_shared`);
+    None once received."""
 
     @property
     def size(self) -> int:
@@ -601,19 +604,97 @@ def reader_threads(processes: int, local_world: int, cores: int | None = None) -
     return max(1, cores // max(1, processes * max(1, local_world)))
 
 
-def _reader_process(args: tuple, steps: list[int], out, stop, threads: int = 1) -> None:
+SHARE_MIN_BYTES = 1 << 16
+"""Arrays of a batch at least this large travel from a reader process in shared memory (:func:`_to_shared`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where one array of a batch lies in the batch's shared-memory buffer (:func:`_to_shared`)."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _to_shared(hb: HostBatch, min_bytes: int = SHARE_MIN_BYTES) -> HostBatch:
+    """``hb`` with its large arrays moved into one shared-memory buffer (``hb.shared``) for the queue to the
+    training process, each replaced by its :class:`_Slot`.
+
+    A pickled array crosses the pipe in ~64 KiB reads on the data thread, each a hand-back of the GIL that
+    the training thread, busy issuing kernels, keeps for up to the switch interval: on the lent H100 the data
+    thread spent half its time receiving batches (py-spy of a fresh draw, 2026-12-06). In shared memory one
+    handle crosses (torch's multiprocessing reductions: one file descriptor per batch); the copy in is the
+    reader process's."""
+    import torch
+
+    found: list[np.ndarray] = []
+
+    def scan(v):
+        if isinstance(v, np.ndarray) and v.nbytes >= min_bytes and v.dtype.kind in "biuf":
+            found.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                scan(x)
+
+    for f in fields(hb):
+        scan(getattr(hb, f.name))
+    if not found:
+        return hb
+    offsets, total = {}, 0
+    for a in found:
+        offsets[id(a)] = total
+        total += (a.nbytes + 63) // 64 * 64
+    buf = torch.empty(total, dtype=torch.uint8).share_memory_()
+    raw = buf.numpy()
+    for a in found:
+        o = offsets[id(a)]
+        raw[o:o + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+
+    def conv(v):
+        if isinstance(v, np.ndarray) and id(v) in offsets:
+            return _Slot(offsets[id(v)], v.dtype.str, tuple(v.shape))
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return replace(hb, shared=buf, **{f.name: conv(getattr(hb, f.name)) for f in fields(hb) if f.name != "shared"})
+
+
+def _from_shared(hb: HostBatch) -> HostBatch:
+    """The batch :func:`_to_shared` sent, its arrays numpy views of the shared buffer (which they keep alive)."""
+    if hb.shared is None:
+        return hb
+    raw = hb.shared.numpy()
+
+    def conv(v):
+        if isinstance(v, _Slot):
+            dt = np.dtype(v.dtype)
+            n = int(np.prod(v.shape, dtype=np.int64)) * dt.itemsize
+            return raw[v.offset:v.offset + n].view(dt).reshape(v.shape)
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return replace(hb, shared=None, **{f.name: conv(getattr(hb, f.name)) for f in fields(hb) if f.name != "shared"})
+
+
+def _reader_process(args: tuple, steps: list[int], out, stop, threads: int = 1, share_min_bytes: int = SHARE_MIN_BYTES) -> None:
     """A reader process: reads every micro-batch of ``steps`` in order into ``out`` as
     ``(host batch, seconds it took)``; an exception is sent as its message and ends the process.
     ``threads``: Arrow's CPU pool size in this process (:func:`reader_threads`)."""
     workload, path, world_size, rank, policy, global_batch, micro_batches, group = args
     try:
+        import torch.multiprocessing  # noqa: F401  (registers the reductions that send tensors as shared-memory handles)
+
         pa.set_cpu_count(max(1, threads))
         reader = BatchReader(workload, path, world_size=world_size, rank=rank, policy=policy,
                              global_batch=global_batch, micro_batches=micro_batches, balance_ranks=group)
         for step in steps:
             for micro in range(micro_batches):
                 t0 = time.perf_counter()
-                item = (reader.read(step, micro), time.perf_counter() - t0)
+                hb = _to_shared(reader.read(step, micro), share_min_bytes)
+                item = (hb, time.perf_counter() - t0)
                 while not stop.is_set():
                     try:
                         out.put(item, timeout=0.2)
@@ -623,6 +704,10 @@ def _reader_process(args: tuple, steps: list[int], out, stop, threads: int = 1) 
                 if stop.is_set():
                     out.cancel_join_thread()  # stopped: exit without waiting for anyone to take what is queued
                     return
+        # the batches' shared memory is handed over by this process when the consumer unpickles them: it stays
+        # until the consumer closes (set ``stop``)
+        stop.wait()
+        out.cancel_join_thread()
     except BaseException as e:  # surfaced on the consumer side, with its type's name
         out.put(DataError(f"data reader process: {type(e).__name__}: {e}"))
 
@@ -659,9 +744,10 @@ class Prefetcher:
 
     def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2,
                  prepare: Callable[[HostBatch], Any] | None = None, setup: Callable[[], None] | None = None,
-                 processes: int = 0, local_world: int = 1) -> None:
+                 processes: int = 0, local_world: int = 1, share_min_bytes: int = SHARE_MIN_BYTES) -> None:
         """``prepare``: also run on the thread, items are then ``(host batch, prepare(host batch))`` (the
-        trainer pins the batch's tensors there); ``setup``: run once on the thread first (its CUDA device)."""
+        trainer pins the batch's tensors there); ``setup``: run once on the thread first (its CUDA device);
+        ``share_min_bytes``: arrays this large come from reader processes in shared memory (:func:`_to_shared`)."""
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self.samples = 0
@@ -693,7 +779,8 @@ class Prefetcher:
             queues = [ctx.Queue(maxsize=depth) for _ in range(processes)]
             threads = reader_threads(processes, local_world)
             for k in range(processes):
-                p = ctx.Process(target=_reader_process, args=(reader.args, steps[k::processes], queues[k], self._mp_stop, threads),
+                p = ctx.Process(target=_reader_process, args=(reader.args, steps[k::processes], queues[k], self._mp_stop, threads,
+                                                              share_min_bytes),
                                 name=f"coplan-data-{k}", daemon=True)
                 p.start()
                 self._procs.append(p)
@@ -720,7 +807,7 @@ class Prefetcher:
                 raise got
             item, secs = got
             self._read(secs / processes, first)
-            return item
+            return _from_shared(item)
 
         def put(item) -> bool:
             """Into the queue, unless the prefetcher is closing (a full queue then blocks no one)."""

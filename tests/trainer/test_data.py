@@ -203,17 +203,19 @@ def _same(a, b):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("processes", [1, 3])
-def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, processes):
+@pytest.mark.parametrize("processes,share", [(1, 1 << 16), (3, 1 << 16), (2, 0)])
+def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, processes, share):
     """Reading in processes (steps dealt round-robin) yields exactly the thread's batches, in step order,
-    and counts samples and busy time for the loader's throughput."""
+    and counts samples and busy time for the loader's throughput; with ``share`` 0 every array comes through
+    shared memory."""
     from coplan.trainer.data import Prefetcher
 
     kw = dict(world_size=2, rank=1, policy="greedy", global_batch=32, micro_batches=2)
     tpf = Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7)
     thread = _read_all(tpf, 12)
     assert tpf.steady_reads == 11
-    pf = Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7, processes=processes, prepare=lambda hb: hb.size)
+    pf = Prefetcher(BatchReader(tiny, dataset, **kw), 1, 7, processes=processes, prepare=lambda hb: hb.size,
+                    share_min_bytes=share)
     procs = [next(pf) for _ in range(12)]
     assert pf.processes == processes and pf.samples == 12 * 8 and pf.busy_s > 0
     # the steady state leaves out each reader's first batch (it opens the files) and the first preparing
@@ -224,6 +226,27 @@ def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, proc
     for a, (b, n) in zip(thread, procs):
         _same(a, b)
         assert n == b.size == 8
+
+
+def test_a_batch_in_shared_memory_crosses_the_pipe_as_handles(tiny, dataset):
+    """A reader process's batch, its large arrays in shared memory: what crosses the pipe is a few hundred bytes
+    per array, not the array (a pickled array is read on the data thread in 64 KiB pieces, each a hand-back of
+    the GIL), and it reads back as the same arrays."""
+    import torch.multiprocessing  # noqa: F401  (the reductions the reader processes use)
+    from multiprocessing.reduction import ForkingPickler
+
+    from coplan.trainer.data import _from_shared, _to_shared
+
+    hb = BatchReader(tiny, dataset, world_size=1, rank=0, policy="greedy", global_batch=32).read(1)
+    big = np.arange(1 << 18, dtype=np.int64)  # 2 MiB of ids
+    hb.seq_values[next(iter(hb.seq_values))] = big
+    plain = len(ForkingPickler.dumps(hb))
+    shared = _to_shared(hb, min_bytes=1 << 16)
+    sent = len(ForkingPickler.dumps(shared))
+    assert plain > big.nbytes and sent < 64 * 1024
+    back = _from_shared(ForkingPickler.loads(ForkingPickler.dumps(shared)))
+    _same(hb, back)
+    assert isinstance(back.seq_values[next(iter(back.seq_values))], np.ndarray)
 
 
 @pytest.mark.timeout(120)
