@@ -25,6 +25,7 @@ import json
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -617,6 +618,19 @@ class _Slot:
     shape: tuple[int, ...]
 
 
+SHM_HEADROOM = 64
+"""A batch goes through shared memory only while ``/dev/shm`` has this many times its bytes free (every reader
+process keeps a queue's depth of batches in flight; a container's default ``/dev/shm`` is 64 MB)."""
+
+
+def _shm_room(nbytes: int, path: str = "/dev/shm") -> bool:
+    """Whether the shared-memory filesystem has room for a batch of ``nbytes`` (:data:`SHM_HEADROOM`)."""
+    try:
+        return shutil.disk_usage(path).free >= SHM_HEADROOM * nbytes
+    except OSError:
+        return False
+
+
 def _to_shared(hb: HostBatch, min_bytes: int = SHARE_MIN_BYTES) -> HostBatch:
     """``hb`` with its large arrays moved into one shared-memory buffer (``hb.shared``) for the queue to the
     training process, each replaced by its :class:`_Slot`.
@@ -645,7 +659,12 @@ def _to_shared(hb: HostBatch, min_bytes: int = SHARE_MIN_BYTES) -> HostBatch:
     for a in found:
         offsets[id(a)] = total
         total += (a.nbytes + 63) // 64 * 64
-    buf = torch.empty(total, dtype=torch.uint8).share_memory_()
+    if not _shm_room(total):
+        return hb  # (pickled whole, as before: slower, never short of room)
+    try:
+        buf = torch.empty(total, dtype=torch.uint8).share_memory_()
+    except (RuntimeError, OSError):  # the shared-memory filesystem refused it (full, or absent)
+        return hb
     raw = buf.numpy()
     for a in found:
         o = offsets[id(a)]

@@ -228,7 +228,7 @@ def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, proc
         assert n == b.size == 8
 
 
-def test_a_batch_in_shared_memory_crosses_the_pipe_as_handles(tiny, dataset):
+def test_a_batch_in_shared_memory_crosses_the_pipe_as_handles(tiny, dataset, monkeypatch):
     """A reader process's batch, its large arrays in shared memory: what crosses the pipe is a few hundred bytes
     per array, not the array (a pickled array is read on the data thread in 64 KiB pieces, each a hand-back of
     the GIL), and it reads back as the same arrays."""
@@ -247,6 +247,12 @@ def test_a_batch_in_shared_memory_crosses_the_pipe_as_handles(tiny, dataset):
     back = _from_shared(ForkingPickler.loads(ForkingPickler.dumps(shared)))
     _same(hb, back)
     assert isinstance(back.seq_values[next(iter(back.seq_values))], np.ndarray)
+
+    # no room on the shared-memory filesystem (a container's small /dev/shm): the batch is pickled whole, as before
+    import coplan.trainer.data as data
+
+    monkeypatch.setattr(data, "_shm_room", lambda nbytes, path="/dev/shm": False)
+    assert _to_shared(hb, min_bytes=1 << 16) is hb
 
 
 @pytest.mark.timeout(120)
