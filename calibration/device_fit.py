@@ -35,7 +35,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from coplan.calibration.runs import CalibrationError, Sample
-from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S, UNFUSED_CLASS
+from coplan.costmodel.efficiency import DEFAULT_LOOKUP_ID_LATENCY_S, UNFUSED_CLASS, scale_at
 
 PRIOR_WEIGHT = 0.05
 """Weight of the pull towards defaults, against 1 per sample: small enough that any parameter the
@@ -190,23 +190,34 @@ def fit_attention_scales(res: FitResult) -> FitResult:
 
     One compute efficiency per class cannot price every attention kernel (the forward and the backward of a
     jagged kernel, the summary tokens' few queries, a Kunlun layer's dozens of tokens each run another share of
-    the peak, moving with the head dim). Each key's scale is exp(Σ log(measured / predicted) / (n +
+    the peak, moving with the head dim). Each key's scale is exp(Σ log((measured - launches) / roofline) / (n +
     :data:`SCALE_PRIOR_SAMPLES`)) over its n samples (at least :data:`MIN_SCALE_SAMPLES`), clipped to
-    [0.05, 20]; the predictions are scaled by it and the class terms stay as fitted."""
+    [0.05, 20]; the predictions' rooflines are scaled as the pricer scales them (a thin key takes its neighbours'
+    scale, :func:`coplan.costmodel.efficiency.scale_at`) and the class terms stay as fitted."""
     groups: dict[tuple[str, str, int], list[int]] = {}
     for i, s in enumerate(res.samples):
         key = s.attention_key
         if key is not None:
             groups.setdefault(key, []).append(i)
+    # the scale multiplies an op's roofline, not its launches (as the pricer applies it)
+    launch = np.array([s.launches * res.launch_s.get(s.op_class, 0.0) + s.extra_kernels * res.launch_s.get(UNFUSED_CLASS, 0.0)
+                       for s in res.samples])
+    roof = np.maximum(res.predicted_s - launch, 1e-12)
     scales: dict[str, float] = {}
-    pred = res.predicted_s.copy()
+    points: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for (op, phase, hd), idx in sorted(groups.items()):
         if len(idx) < MIN_SCALE_SAMPLES:
             continue
-        r = np.log(res.measured_s[idx] / res.predicted_s[idx])
+        meas = res.measured_s[idx]
+        r = np.log(np.maximum(meas - launch[idx], 0.1 * meas) / roof[idx])
         k = float(np.clip(math.exp(r.sum() / (len(idx) + SCALE_PRIOR_SAMPLES)), 0.05, 20.0))
         scales[f"{op}:{phase}:{hd}"] = k
-        pred[idx] = res.predicted_s[idx] * k
+        points.setdefault((op, phase), []).append((hd, k))
+    # every attention sample as the pricer will price it: a key too thin for a scale of its own takes its
+    # (op, phase)'s neighbours' (Efficiencies.attention_scale)
+    pred = res.predicted_s.copy()
+    for (op, phase, hd), idx in groups.items():
+        pred[idx] = roof[idx] * scale_at(sorted(points.get((op, phase), [])), hd) + launch[idx]
     return replace(res, predicted_s=pred, attention_scales=scales)
 
 

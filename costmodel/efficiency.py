@@ -164,19 +164,24 @@ class Efficiencies:
         """Measured over priced time of attention op ``op`` (its name's last part) in ``phase`` at ``head_dim``
         (a calibration's ``attention_scales``): the fitted point's, linear in log2(head dim) between two fitted
         head dims, the nearest one's beyond them; 1 where the calibration fitted none for (op, phase)."""
-        pts = self.attention_scales.get((op, phase))
-        if not pts or head_dim <= 0:
-            return 1.0
-        if head_dim <= pts[0][0]:
-            return pts[0][1]
-        if head_dim >= pts[-1][0]:
-            return pts[-1][1]
-        x = math.log2(head_dim)
-        for (h0, s0), (h1, s1) in zip(pts, pts[1:]):
-            if h0 <= head_dim <= h1:
-                t = (x - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
-                return math.exp((1 - t) * math.log(s0) + t * math.log(s1))
+        return scale_at(self.attention_scales.get((op, phase), ()), head_dim)
+
+
+def scale_at(points: tuple[tuple[int, float], ...] | list[tuple[int, float]], head_dim: int) -> float:
+    """The scale at ``head_dim`` from fitted (head dim, scale) ``points`` sorted by head dim: a point's own, linear in
+    log2(head dim) (geometric) between two, the nearest one's beyond them; 1 with none."""
+    if not points or head_dim <= 0:
         return 1.0
+    if head_dim <= points[0][0]:
+        return points[0][1]
+    if head_dim >= points[-1][0]:
+        return points[-1][1]
+    x = math.log2(head_dim)
+    for (h0, s0), (h1, s1) in zip(points, points[1:]):
+        if h0 <= head_dim <= h1:
+            t = (x - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
+            return math.exp((1 - t) * math.log(s0) + t * math.log(s1))
+    return 1.0
 
 
 def resolve_efficiencies(topology: Topology, calibration: Calibration | None = None, *, force: bool = False) -> Efficiencies:
@@ -268,5 +273,5 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
 __all__ = [
     "COLLECTIVE_BASE_LATENCY_S", "DEFAULT_ATTENTION_EFFICIENCY", "DEFAULT_LOOKUP_ID_LATENCY_S", "DEFAULT_GEMM_EFFICIENCY", "DEFAULT_LAUNCH_OVERHEAD_S",
     "DEFAULT_MEMORY_EFFICIENCY", "Efficiencies", "IN_SWITCH_ALLREDUCE_GAIN", "P2P_PER_PEER_S", "SM_CONTENTION", "UNFUSED_CLASS",
-    "resolve_efficiencies",
+    "resolve_efficiencies", "scale_at",
 ]
