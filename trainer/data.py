@@ -605,8 +605,12 @@ def reader_threads(processes: int, local_world: int, cores: int | None = None) -
     return max(1, cores // max(1, processes * max(1, local_world)))
 
 
-SHARE_MIN_BYTES = 1 << 16
-"""Arrays of a batch at least this large travel from a reader process in shared memory (:func:`_to_shared`)."""
+SHARE_MIN_BYTES: int | None = None
+"""Arrays of a batch at least this large travel from a reader process in shared memory (:func:`_to_shared`);
+None (the default): every batch is pickled through the pipe. Off until measured on a GPU host: on this 2-core CPU
+(``benchmarks/loader_transfer.py``) shared memory read large batches 23-30% faster with the training thread idle,
+but slowed a busy training thread's Python work more than pickling did with two reader processes (14 ms against
+10 ms for 7 ms of work) and about as much with one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -631,7 +635,7 @@ def _shm_room(nbytes: int, path: str = "/dev/shm") -> bool:
         return False
 
 
-def _to_shared(hb: HostBatch, min_bytes: int = SHARE_MIN_BYTES) -> HostBatch:
+def _to_shared(hb: HostBatch, min_bytes: int | None = SHARE_MIN_BYTES) -> HostBatch:
     """``hb`` with its large arrays moved into one shared-memory buffer (``hb.shared``) for the queue to the
     training process, each replaced by its :class:`_Slot`.
 
@@ -640,6 +644,8 @@ def _to_shared(hb: HostBatch, min_bytes: int = SHARE_MIN_BYTES) -> HostBatch:
     thread spent half its time receiving batches (py-spy of a fresh draw, 2026-12-06). In shared memory one
     handle crosses (torch's multiprocessing reductions: one file descriptor per batch); the copy in is the
     reader process's."""
+    if min_bytes is None:
+        return hb
     import torch
 
     found: list[np.ndarray] = []
@@ -698,7 +704,8 @@ def _from_shared(hb: HostBatch) -> HostBatch:
     return replace(hb, shared=None, **{f.name: conv(getattr(hb, f.name)) for f in fields(hb) if f.name != "shared"})
 
 
-def _reader_process(args: tuple, steps: list[int], out, stop, threads: int = 1, share_min_bytes: int = SHARE_MIN_BYTES) -> None:
+def _reader_process(args: tuple, steps: list[int], out, stop, threads: int = 1,
+                    share_min_bytes: int | None = SHARE_MIN_BYTES) -> None:
     """A reader process: reads every micro-batch of ``steps`` in order into ``out`` as
     ``(host batch, seconds it took)``; an exception is sent as its message and ends the process.
     ``threads``: Arrow's CPU pool size in this process (:func:`reader_threads`)."""
@@ -763,10 +770,11 @@ class Prefetcher:
 
     def __init__(self, reader: BatchReader, start: int, stop: int, depth: int = 2,
                  prepare: Callable[[HostBatch], Any] | None = None, setup: Callable[[], None] | None = None,
-                 processes: int = 0, local_world: int = 1, share_min_bytes: int = SHARE_MIN_BYTES) -> None:
+                 processes: int = 0, local_world: int = 1, share_min_bytes: int | None = SHARE_MIN_BYTES) -> None:
         """``prepare``: also run on the thread, items are then ``(host batch, prepare(host batch))`` (the
         trainer pins the batch's tensors there); ``setup``: run once on the thread first (its CUDA device);
-        ``share_min_bytes``: arrays this large come from reader processes in shared memory (:func:`_to_shared`)."""
+        ``share_min_bytes``: arrays this large come from reader processes in shared memory (:func:`_to_shared`;
+        None: pickled)."""
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self.samples = 0

@@ -203,7 +203,7 @@ def _same(a, b):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("processes,share", [(1, 1 << 16), (3, 1 << 16), (2, 0)])
+@pytest.mark.parametrize("processes,share", [(1, None), (3, None), (2, 0)])
 def test_reader_processes_give_the_thread_s_batches_in_order(tiny, dataset, processes, share):
     """Reading in processes (steps dealt round-robin) yields exactly the thread's batches, in step order,
     and counts samples and busy time for the loader's throughput; with ``share`` 0 every array comes through
