@@ -592,11 +592,11 @@ FIGURES: tuple[Figure, ...] = (
            at("summary.median_work_slowdown_pickled"), "%",
            note="the two held-out draws whose loader kept least ahead on the lent H100 (...636 1.8x, ...524 1.6x); the "
                 "training thread stood in for by fixed pure-Python work per batch (it holds the GIL, as the loop does while "
-                "it issues kernels), two reader processes on this 2-core machine: 7.4 ms of work took 10.4 and 8.3 ms beside "
-                "pickled batches, 14.1 and 14.7 ms beside shared ones, while the loader alone read the 22 MB batches 32% "
-                "faster shared (54.9 -> 37.3 ms). With one reader process (run by hand, not kept): about even (11.6 vs "
-                "10.8, 10.9 vs 11.3 ms). So the trainer keeps pickling (trainer/data.py SHARE_MIN_BYTES); the hand-over is "
-                "for a GPU host to decide (no device time was left)"),
+                "it issues kernels), two reader processes on this 2-core machine: 7.3 ms of work took 10.2 and 7.7 ms beside "
+                "pickled batches, 16.4 and 13.9 ms beside shared ones; the loader alone, 54.5 -> 56.7 and 14.5 -> 17.1 ms a "
+                "batch (an earlier run: 54.9 -> 37.3 and 12.4 -> 12.6; with one reader process, by hand: the work about even). "
+                "So the trainer keeps pickling (trainer/data.py SHARE_MIN_BYTES); the hand-over is for a GPU host to decide "
+                "(no device time was left)"),
     Figure(TRAINING, "Reader processes' batches beside a busy training thread, this CPU: its Python work's slowdown, "
                      "batches in shared memory (not the default)", LOADER_TRANSFER,
            at("summary.median_work_slowdown_shared"), "%"),

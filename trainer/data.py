@@ -607,10 +607,10 @@ def reader_threads(processes: int, local_world: int, cores: int | None = None) -
 
 SHARE_MIN_BYTES: int | None = None
 """Arrays of a batch at least this large travel from a reader process in shared memory (:func:`_to_shared`);
-None (the default): every batch is pickled through the pipe. Off until measured on a GPU host: on this 2-core CPU
-(``benchmarks/loader_transfer.py``) shared memory read large batches 23-30% faster with the training thread idle,
-but slowed a busy training thread's Python work more than pickling did with two reader processes (14 ms against
-10 ms for 7 ms of work) and about as much with one."""
+None (the default): every batch is pickled through the pipe. Off: on this 2-core CPU (``benchmarks/loader_transfer.py``,
+two reader processes) it slowed a busy training thread's Python work more than pickling did (7.3 ms of work took
+14-16 ms beside shared batches, 8-10 ms beside pickled ones) and read no faster alone (one run 32% faster, the next
+4-18% slower); a GPU host, with cores to spare, is yet to decide it."""
 
 
 @dataclass(frozen=True, slots=True)
