@@ -607,10 +607,9 @@ def reader_threads(processes: int, local_world: int, cores: int | None = None) -
 
 SHARE_MIN_BYTES: int | None = None
 """Arrays of a batch at least this large travel from a reader process in shared memory (:func:`_to_shared`);
-None (the default): every batch is pickled through the pipe. Off: on this 2-core CPU (``benchmarks/loader_transfer.py``,
-two reader processes) it slowed a busy training thread's Python work more than pickling did (7.3 ms of work took
-14-16 ms beside shared batches, 8-10 ms beside pickled ones) and read no faster alone (one run 32% faster, the next
-4-18% slower); a GPU host, with cores to spare, is yet to decide it."""
+None (the default): every batch is pickled through the pipe, as before. Off until a GPU host decides it: on a 2-core
+CPU (``benchmarks/loader_transfer.py``) runs disagreed on whether it slows or spares a busy training thread and
+whether it reads faster (BENCHMARKS.md has the figures)."""
 
 
 @dataclass(frozen=True, slots=True)
