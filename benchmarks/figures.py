@@ -230,8 +230,8 @@ LOADER_FIT = Result("loader_fit.json", "python benchmarks/loader_fit.py (fit see
                     SPEC + ("trainer/data.py", "trainer/features.py", "costmodel/jagged.py", "costmodel/flops.py",
                             "costmodel/loader.py", "coplan/sample.py"), script="loader_fit.py")
 LOADER_TRANSFER = Result("loader_transfer.json", "python benchmarks/loader_transfer.py",
-                         SPEC + ("trainer/data.py", "trainer/features.py", "benchmarks/results/fresh_plans_h100d",
-                                 "benchmarks/results/fresh_plans_h100e"), script="loader_transfer.py")
+                         SPEC + ("trainer/data.py", "trainer/features.py", "benchmarks/results/fresh_plans_h100d/",
+                                 "benchmarks/results/fresh_plans_h100e/"), script="loader_transfer.py")
 GEMM_SHAPE = Result("gemm_shape_fit.json", "python benchmarks/gemm_shape_fit.py", ("benchmarks/results/fp8_h200.json",),
                     script="gemm_shape_fit.py")
 FRESH = Result("fresh_draws_h200.json",
@@ -592,11 +592,12 @@ FIGURES: tuple[Figure, ...] = (
            at("summary.median_work_slowdown_pickled"), "%",
            note="the two held-out draws whose loader kept least ahead on the lent H100 (...636 1.8x, ...524 1.6x); the "
                 "training thread stood in for by fixed pure-Python work per batch (it holds the GIL, as the loop does while "
-                "it issues kernels), two reader processes on this 2-core machine: 7.3 ms of work took 10.2 and 7.7 ms beside "
-                "pickled batches, 16.4 and 13.9 ms beside shared ones; the loader alone, 54.5 -> 56.7 and 14.5 -> 17.1 ms a "
-                "batch (an earlier run: 54.9 -> 37.3 and 12.4 -> 12.6; with one reader process, by hand: the work about even). "
-                "So the trainer keeps pickling (trainer/data.py SHARE_MIN_BYTES); the hand-over is for a GPU host to decide "
-                "(no device time was left)"),
+                "it issues kernels), two reader processes on this 2-core machine. This run: 11.0 ms of work alone (7.2-7.4 in "
+                "the three runs before), 14.2 and 9.6 ms beside pickled batches, 11.5 and 8.8 ms beside shared ones; the "
+                "loader alone 62.0 -> 51.6 and 16.1 -> 24.1 ms a batch. The four runs of the session disagree on the sign of "
+                "both (the work beside shared batches 0.7-2.0x its time beside pickled ones; the loader alone 0.7-1.5x): "
+                "this machine cannot tell. So the trainer keeps pickling (trainer/data.py SHARE_MIN_BYTES None) until a GPU "
+                "host decides it (no device time was left)"),
     Figure(TRAINING, "Reader processes' batches beside a busy training thread, this CPU: its Python work's slowdown, "
                      "batches in shared memory (not the default)", LOADER_TRANSFER,
            at("summary.median_work_slowdown_shared"), "%"),
