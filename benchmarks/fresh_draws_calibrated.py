@@ -40,6 +40,27 @@ def plan(workload: Path, out: Path, calibration: str, topology: str = "h200-1gpu
     return json.loads(out.read_text())
 
 
+def as_ran(workload: Path, row: dict, tmp: Path) -> Path:
+    """The draw's workload as its run executed it: a run that did not record the fused FiLM LayerNorm (runs from
+    before the kernel, compiled runs) is planned with ``kernels.film: eager``, so that its price carries the
+    PyTorch FiLM's traffic, as ``coplan calibrate`` prices it (``calibration.runs.as_ran``)."""
+    if (row.get("options") or {}).get("film") == "fused":
+        return workload
+    import yaml
+
+    spec = yaml.safe_load(workload.read_text())
+    spec.setdefault("kernels", {})["film"] = "eager"
+    out = tmp / f"eager-{workload.name}"
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def same_choices(a: dict, b: dict) -> bool:
+    """The plans make the same choices (``kernels.film``, which the run decides, aside)."""
+    strip = lambda p, k: {x: y for x, y in (p.get(k) or {}).items() if x != "film"} if k == "kernels" else p.get(k)  # noqa: E731
+    return all(strip(a, k) == strip(b, k) for k in CHOICES)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--measured", type=Path, default=RESULTS / "fresh_draws_h200.json")
@@ -59,10 +80,11 @@ def main() -> int:
             if "measured_step_p50_s" not in r:
                 continue
             ran = json.loads((a.plans / r["plan"]).read_text())
-            cal = plan(a.plans / r["workload"], Path(tmp) / "auto.json", a.calibration, topology)
-            unc = plan(a.plans / r["workload"], Path(tmp) / "none.json", "none", topology)
-            same_cal = all(cal.get(k) == ran.get(k) for k in CHOICES)
-            same_unc = all(unc.get(k) == ran.get(k) for k in CHOICES)
+            wl = as_ran(a.plans / r["workload"], r, Path(tmp))
+            cal = plan(wl, Path(tmp) / "auto.json", a.calibration, topology)
+            unc = plan(wl, Path(tmp) / "none.json", "none", topology)
+            same_cal = same_choices(cal, ran)
+            same_unc = same_choices(unc, ran)
             same = same_cal and same_unc
             m = r["measured_step_p50_s"]
             rows.append({"seed": r["seed"], "measured_step_p50_s": m, "same_choices_as_the_run": same,

@@ -17,7 +17,7 @@ from coplan.calibration.attribution import TraceAttribution, attribute
 from coplan.calibration.host_profile import HostProfile, host_profile
 from coplan.calibration.kineto import TraceError, load_trace
 from coplan.calibration.terms import PADDED_SUFFIX, unit_terms
-from coplan.costmodel.flops import dense_graphs_apply
+from coplan.costmodel.flops import dense_graphs_apply, film_fused
 from coplan.errors import CoplanError
 from coplan.spec import Plan, RunDir, RunResult
 
@@ -155,12 +155,19 @@ def as_ran(plan: Plan, opts) -> Plan:
     """``plan`` as its run executed it: a plan the pricer would replay as CUDA graphs, whose run did not (it
     records ``cuda_graphs`` false: ``--cuda-graphs off``, a capture that failed, or a run from before the
     graphs), is priced eagerly (its workload's ``kernels.cuda_graphs`` off), so that the host launches its
-    steps are compared with are the ones it issued."""
+    steps are compared with are the ones it issued. Likewise a run whose InterFormer layers did not run the fused
+    FiLM LayerNorm (``film`` eager: ``--compile``, or a run from before the kernel) is priced with the unfused
+    FiLM's traffic (``kernels.film`` eager)."""
     w = plan.workload
-    if (opts is not None and opts.cuda_graphs) or w.kernels.cuda_graphs != "auto" or not dense_graphs_apply(w, plan.world_size):
+    update = {}
+    if not (opts is not None and opts.cuda_graphs) and w.kernels.cuda_graphs == "auto" and dense_graphs_apply(w, plan.world_size):
+        update["cuda_graphs"] = "off"
+    if film_fused(w) and not (opts is not None and opts.film == "fused"):
+        update["film"] = "eager"
+    if not update:
         return plan
-    eager = w.model_copy(update={"kernels": w.kernels.model_copy(update={"cuda_graphs": "off"})})
-    return plan.model_copy(update={"workload": eager})
+    ran = w.model_copy(update={"kernels": w.kernels.model_copy(update=update)})
+    return plan.model_copy(update={"workload": ran})
 
 
 def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,

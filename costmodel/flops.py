@@ -364,11 +364,20 @@ def _input_embed(name: str, layer: str, block: str, dtype: str, seq: str, tokens
               act_bytes=ZERO, fwd_launches=3 if cat_width else 2, bwd_launches=2)
 
 
-def layer_norm_act_elems(block: InterFormerBlock | KunlunBlock) -> float:
+def film_fused(w: Workload) -> bool:
+    """Whether an InterFormer layer's FiLM modulation runs inside its first LayerNorm's kernel
+    (``kernels.film`` fused, where the Triton kernels run: ``coplan.kernels.film_norm``): then it moves no
+    bytes of its own (the kernel reads ``h`` and writes the modulated tokens, as the LayerNorm alone would),
+    keeps nothing for backward beyond the norm's input and launches nothing extra."""
+    return w.kernels.film == "fused" and w.kernels.attention == "triton"
+
+
+def layer_norm_act_elems(block: InterFormerBlock | KunlunBlock, film: bool = True) -> float:
     """Elements per token a layer's ``norm_act`` op reads + writes forward: :func:`norm_act_elems` at its
-    FFN width, plus the FiLM modulation in an InterFormer layer (:data:`FILM_ELEMS`)."""
+    FFN width, plus the FiLM modulation in an InterFormer layer (:data:`FILM_ELEMS`) where it runs unfused
+    (``film``)."""
     d, f = block.model_dim, ffn_width(block)
-    return norm_act_elems(d, f, f) + (FILM_ELEMS * d if isinstance(block, InterFormerBlock) else 0)
+    return norm_act_elems(d, f, f) + (FILM_ELEMS * d if film and isinstance(block, InterFormerBlock) else 0)
 
 
 def _norm_act(name: str, layer: str, block: str, dtype: str, seq: str | None, tokens: Coeffs, d: int, act_in: float, act_out: float) -> Op:
@@ -438,6 +447,7 @@ def _interformer(w: Workload, b: InterFormerBlock, dt: str) -> list[Op]:
         ops.append(_input_embed(f"{b.name}.0.input_embed", f"{b.name}.0", b.name, dt, seq, L, d,
                                 seq_dim if len(_seq_tables(w, seq)) > 1 else 0, w.sequence(seq).length.max_len))
     pairs = causal_pairs() if b.attention.causal else full_pairs()
+    film = not film_fused(w)  # (the unfused FiLM's own traffic, saved widths and launches)
     for i in range(b.num_layers):
         lay = f"{b.name}.{i}"
         ops += [
@@ -446,8 +456,8 @@ def _interformer(w: Workload, b: InterFormerBlock, dt: str) -> list[Op]:
             _gemm(f"{lay}.attn_out", lay, b.name, dt, seq, L, hd, d, save_input=False),
             _gemm(f"{lay}.ffn_up", lay, b.name, dt, seq, L, d, f),
             _gemm(f"{lay}.ffn_down", lay, b.name, dt, seq, L, f, d),
-            _elementwise(f"{lay}.norm_act", lay, b.name, dt, seq, L, layer_norm_act_elems(b),
-                         2 * d + f + FILM_SAVED * d, launches=5 + FILM_LAUNCHES),
+            _elementwise(f"{lay}.norm_act", lay, b.name, dt, seq, L, layer_norm_act_elems(b, film),
+                         2 * d + f + (FILM_SAVED * d if film else 0), launches=5 + (FILM_LAUNCHES if film else 0)),
         ]
         if S:
             s_tok = per_sample(S)
@@ -824,7 +834,7 @@ def dense_params(workload: Workload) -> tuple[int, int]:
 
 __all__ = [
     "COMPUTE_CLASSES", "Coeffs", "FlopCount", "LengthStats", "Op", "ZERO", "attention_flops", "causal_pairs",
-    "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "ffn_width", "full_pairs", "kunlun_tokens", "layer_names", "layer_norm_act_elems", "model_flops", "norm_act_elems", "op_flops",
+    "GRAPH_HOST_KERNELS", "dense_graphs_apply", "dense_params", "ffn_width", "film_fused", "full_pairs", "kunlun_tokens", "layer_names", "layer_norm_act_elems", "model_flops", "norm_act_elems", "op_flops",
     "KERNEL_HEAD_DIMS", "kernel_head_dim", "per_sample", "per_sample_flops", "per_token", "table_lookup_coeffs",
     "triton_head_padding", "workload_ops",
 ]

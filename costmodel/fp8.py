@@ -98,7 +98,7 @@ def fused_norm_act_bytes(o: F.Op, workload: Workload, fwd_bytes: float, bwd_byte
     that makes them. Scales (4 bytes per 128 elements per copy) are left out, as for ``blockwise``."""
     d, f = _ffn_dims(o, workload)
     b = F.DTYPE_BYTES[o.dtype]
-    tokens = fwd_bytes / (F.layer_norm_act_elems(workload.block(o.block)) * b)
+    tokens = fwd_bytes / (F.layer_norm_act_elems(workload.block(o.block), not F.film_fused(workload)) * b)
     return fwd_bytes + tokens * (2.0 - b) * (d + f), bwd_bytes + tokens * (2.0 - b) * f
 
 

@@ -213,6 +213,8 @@ class Built:
     """Runs the dense arch (CUDA graphs where they apply; None: the model's own forward under FSDP2)."""
     notes: list[str] = field(default_factory=list)
     """How the step runs where that depends on the device (for the summary)."""
+    film: str = "eager"
+    """How the InterFormer layers' FiLM + first LayerNorm run: ``fused`` (one Triton kernel each way) or ``eager``."""
 
 
 def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, clock: StartupClock | None = None) -> Built:
@@ -245,7 +247,11 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
     optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda")
     if clock is not None:
         clock.mark("sharding")
-    return Built(model=model, pm=pm, optims=optims, backend=backend, graphs=graphs, notes=notes)
+    film = ("fused" if device.type == "cuda" and cfg.compile == "off"
+            and any(getattr(m, "film_fused", False) for m in model.modules()) else "eager")
+    if any(hasattr(m, "film_fused") for m in model.modules()):
+        notes.append("FiLM LayerNorm: " + ("one Triton kernel each way" if film == "fused" else "PyTorch ops"))
+    return Built(model=model, pm=pm, optims=optims, backend=backend, graphs=graphs, notes=notes, film=film)
 
 
 def micro_batch_rows(plan: Plan, world: int) -> dict[str, list[int]]:
@@ -584,7 +590,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
         startup=startup, loader=loader_throughput(loop, measured),
         options=RunOptions(seq_chunk=int(loop.layout.seq_chunk or 0), compile=loop.cfg.compile, attention_backend=built.backend,
                            cuda_graphs=built.graphs is not None and built.graphs.stats.replayed > 0
-                           and built.graphs.stats.eager == 0 and built.graphs.stats.disabled is None),
+                           and built.graphs.stats.eager == 0 and built.graphs.stats.disabled is None, film=built.film),
     )
     dump_spec(result, RunDir(loop.run_dir).summary_path)
     st = result.step_time

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -47,6 +47,10 @@ class RunOptions(Spec):
 
     cuda_graphs: bool = False
     """The dense arch ran as CUDA graphs (``coplan.trainer.graphs``; False for runs before them)."""
+
+    film: Literal["fused", "eager"] = "eager"
+    """How the InterFormer layers' FiLM + first LayerNorm ran: ``fused`` (``coplan.kernels.film_norm``) or
+    ``eager`` (PyTorch ops; also under ``--compile``, and every run before the kernel)."""
 
 
 class Startup(Spec):

@@ -750,9 +750,15 @@ class Kernels(Spec):
     ``off``: eager. The cost model prices the host's launches accordingly. Written (and hashed) only when
     ``off``, so that workloads and plans from before the field keep their hashes."""
 
+    film: Literal["fused", "eager"] = "fused"
+    """An InterFormer layer's FiLM modulation and first LayerNorm (``LN(h)·(1+γ)+β``): one Triton kernel each
+    way (``coplan.kernels.film_norm``) where the Triton attention backend runs on CUDA outside ``torch.compile``,
+    or ``eager``: PyTorch's gathers, LayerNorm and ``addcmul`` (what every run before the kernel executed). The
+    cost model prices the op's traffic accordingly. Written (and hashed) only when ``eager``."""
+
     @model_serializer(mode="wrap")
     def _without_added_defaults(self, handler):
-        return drop_added_defaults(handler(self), {"cuda_graphs": "auto"})
+        return drop_added_defaults(handler(self), {"cuda_graphs": "auto", "film": "fused"})
 
 
 class Workload(Spec):

@@ -56,10 +56,24 @@ def test_the_pricer_charges_graphed_plans_the_graphed_cost():
 
 def test_an_eager_run_of_a_graphable_plan_is_priced_eagerly():
     g = _plan(16, 256)
-    assert as_ran(g, RunOptions(cuda_graphs=True)) is g
-    eager = as_ran(g, RunOptions(cuda_graphs=False))
+    assert as_ran(g, RunOptions(cuda_graphs=True, film="fused")) is g
+    eager = as_ran(g, RunOptions(cuda_graphs=False, film="fused"))
     assert not graphed_plan(eager) and eager.workload.kernels.cuda_graphs == "off"
+    assert eager.workload.kernels.film == "fused"
     assert not graphed_plan(as_ran(g, None))
+
+
+def test_a_run_without_the_fused_film_is_priced_with_the_pytorch_film():
+    """Runs from before the fused FiLM LayerNorm (no ``film`` in their options) and compiled runs ran the PyTorch
+    FiLM: they are priced with its traffic; a run that fused it, fused."""
+    from coplan.costmodel.flops import film_fused
+
+    g = _plan(16, 256)
+    assert film_fused(g.workload)
+    old = as_ran(g, RunOptions(cuda_graphs=True))
+    assert old.workload.kernels.film == "eager" and graphed_plan(old)
+    assert as_ran(g, None).workload.kernels.film == "eager"
+    assert as_ran(g, RunOptions(cuda_graphs=True, film="fused")).workload.kernels.film == "fused"
 
 
 def test_calibrate_fits_the_graphed_and_the_eager_host_cost_apart(tmp_path):

@@ -122,6 +122,11 @@ def _without_moe(w):
     return w.model_copy(update={"blocks": tuple(b for b in w.blocks if b.type != "moe")})
 
 
+def _as_on_cpu(w):
+    """``w`` as the census runs it: the PyTorch FiLM (the fused kernel runs on CUDA only)."""
+    return w.model_copy(update={"kernels": w.kernels.model_copy(update={"film": "eager"})})
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_trainers_elementwise_traffic_is_priced(seed, monkeypatch):
     w = _without_moe(sample_workload("h200-1gpu", seed))
@@ -135,7 +140,7 @@ def test_the_trainers_elementwise_traffic_is_priced(seed, monkeypatch):
         loss = arch(*_inputs(w, lengths)).float().sum()
         census.phase = "bwd"
         loss.backward()
-    fwd, bwd = _priced_elems(w, lengths)
+    fwd, bwd = _priced_elems(_as_on_cpu(w), lengths)
     ratio_f, ratio_b = census.elems["fwd"] / fwd, census.elems["bwd"] / bwd
     # the census may exceed the price a little (small per-sample ops are not priced), never fall below it much
     print(f"seed {seed}: forward census / priced {ratio_f:.2f}, backward {ratio_b:.2f}")
@@ -168,3 +173,32 @@ def test_the_census_sees_an_unpriced_pass(monkeypatch):
     tokens = sum(lengths)
     extra = sum(2 * tokens * b.model_dim * b.num_layers for b in w.blocks if b.type == "interformer")
     assert count() - base == pytest.approx(extra, rel=1e-6)
+
+
+def test_the_fused_film_drops_exactly_its_own_traffic():
+    """Priced with the fused FiLM LayerNorm (``kernels.film`` fused, Triton attention), an InterFormer layer's
+    ``norm_act`` moves ``FILM_ELEMS x d`` fewer elements per token forward (twice that backward) than the PyTorch
+    FiLM, keeps ``FILM_SAVED x d`` fewer, and launches ``FILM_LAUNCHES`` fewer kernels each way."""
+    from coplan.costmodel.flops import FILM_ELEMS, FILM_LAUNCHES, FILM_SAVED, film_fused
+
+    w = _without_moe(sample_workload("h200-1gpu", 0))
+    assert film_fused(w) and not film_fused(_as_on_cpu(w))
+    fused = {o.name: o for o in workload_ops(w)}
+    eager = {o.name: o for o in workload_ops(_as_on_cpu(w))}
+    seen = 0
+    for b in w.blocks:
+        if b.type != "interformer":
+            continue
+        for i in range(b.num_layers):
+            f, e = fused[f"{b.name}.{i}.norm_act"], eager[f"{b.name}.{i}.norm_act"]
+            bs = DTYPE_BYTES[f.dtype]
+            L = np.asarray([1.0, 100.0])
+            assert np.allclose(e.fwd_bytes.at(L) - f.fwd_bytes.at(L), FILM_ELEMS * b.model_dim * bs * L)
+            assert np.allclose(e.bwd_bytes.at(L) - f.bwd_bytes.at(L), 2 * FILM_ELEMS * b.model_dim * bs * L)
+            assert np.allclose(e.act_bytes.at(L) - f.act_bytes.at(L), FILM_SAVED * b.model_dim * bs * L)
+            assert e.fwd_launches - f.fwd_launches == FILM_LAUNCHES == e.bwd_launches - f.bwd_launches
+            seen += 1
+    assert seen
+    others = [n for n in fused if not n.endswith("norm_act") or not any(n.startswith(b.name + ".") for b in w.blocks
+                                                                        if b.type == "interformer")]
+    assert all(fused[n] == eager[n] for n in others)

@@ -117,7 +117,8 @@ class PooledTokens(nn.Module):
 class InterFormerStack(nn.Module):
     """An InterFormer block: input projection of a history's event embeddings, then the layers."""
 
-    def __init__(self, block: InterFormerBlock, layout: FeatureLayout, token_width: int, max_len: int, backend: str) -> None:
+    def __init__(self, block: InterFormerBlock, layout: FeatureLayout, token_width: int, max_len: int, backend: str,
+                 film: str = "fused") -> None:
         super().__init__()
         self.name, self.sequence = block.name, block.sequence
         d = block.model_dim
@@ -131,7 +132,7 @@ class InterFormerStack(nn.Module):
         self.summary_init = nn.Parameter(torch.randn(self.num_summary, d) * 0.02)
         self.summary_ctx = nn.Linear(token_width, self.num_summary * d)
         self.layers = nn.ModuleList(
-            InterFormerLayer(f"{block.name}.{i}", block, token_width, max_len, backend) for i in range(block.num_layers)
+            InterFormerLayer(f"{block.name}.{i}", block, token_width, max_len, backend, film) for i in range(block.num_layers)
         )
         self.out_norm = nn.LayerNorm(d)
         self.to_tokens = nn.Linear(d, token_width) if d != token_width else nn.Identity()
@@ -248,7 +249,7 @@ class DenseArch(nn.Module):
                 self.blocks[b.name] = MLP([b.num_dense_features, *b.hidden_dims, b.out_tokens * w], b.name)
             elif isinstance(b, InterFormerBlock):
                 max_len = workload.sequence(b.sequence).length.max_len
-                self.blocks[b.name] = InterFormerStack(b, layout, w, max_len, backend)
+                self.blocks[b.name] = InterFormerStack(b, layout, w, max_len, backend, workload.kernels.film)
             elif isinstance(b, KunlunBlock):
                 self.blocks[b.name] = LayerStack([KunlunLayer(f"{b.name}.{i}", b, tokens.total) for i in range(b.num_layers)])
             elif isinstance(b, MoEBlock):

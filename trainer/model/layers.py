@@ -370,6 +370,11 @@ class MLP(nn.Module):
         return x
 
 
+def film_kernel_applies(h: torch.Tensor) -> bool:
+    """Whether the fused FiLM LayerNorm kernel runs on ``h``: on CUDA, outside ``torch.compile``."""
+    return h.is_cuda and not torch.compiler.is_compiling()
+
+
 class InterFormerLayer(nn.Module):
     """One InterFormer layer over a jagged history, in both directions of interaction.
 
@@ -387,9 +392,13 @@ class InterFormerLayer(nn.Module):
     fused_ffn: FusedFp8FFN | None = None
     """``norm2`` and the FFN as one fused FP8 op (the ``blockwise-fused`` recipe), set by ``apply_fp8``."""
 
-    def __init__(self, name: str, block: InterFormerBlock, ctx_dim: int, max_len: int, backend: str) -> None:
+    def __init__(self, name: str, block: InterFormerBlock, ctx_dim: int, max_len: int, backend: str,
+                 film: str = "fused") -> None:
         super().__init__()
         self.name = name
+        # FiLM + norm1 as one Triton kernel each way (kernels/film_norm.py) where the Triton kernels run: on CUDA,
+        # outside torch.compile (a compiled layer keeps the PyTorch expression, which Inductor fuses itself)
+        self.film_fused = film == "fused" and backend == "triton"
         d, h, hd = block.model_dim, block.num_heads, block.head_dim
         self.heads, self.head_dim, self.inner = h, hd, h * hd
         self.attn, self.max_len, self.backend = block.attention, max_len, backend
@@ -420,7 +429,13 @@ class InterFormerLayer(nn.Module):
         seg = segment_ids(offsets, total, padded=valid is not None)
         with op_range(self, "norm_act"):
             gamma, beta = self.film(ctx).chunk(2, dim=-1)
-            x = torch.addcmul(expand_segments(beta, seg, offsets), self.norm1(h), expand_segments(1.0 + gamma, seg, offsets))
+            if self.film_fused and film_kernel_applies(h):
+                from coplan.kernels.film_norm import film_layer_norm  # (decorated on first use, as kernels/fp8.py is)
+
+                n1 = self.norm1
+                x = film_layer_norm(h, n1.weight, n1.bias, gamma, beta, seg, n1.eps)
+            else:
+                x = torch.addcmul(expand_segments(beta, seg, offsets), self.norm1(h), expand_segments(1.0 + gamma, seg, offsets))
         with op_range(self, "qkv"):
             # (the attention kernels read only the samples' rows of q, k and v; their gradients' extra rows are zeroed)
             q, k, v = mask_rows(self.qkv(x), valid, forward=False).view(total, 3, self.heads, self.head_dim).unbind(1)
@@ -481,7 +496,7 @@ class KunlunLayer(nn.Module):
 
 
 __all__ = [
-    "FFN", "FusedFp8FFN", "InterFormerLayer", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "expand_segments",
+    "FFN", "FusedFp8FFN", "InterFormerLayer", "film_kernel_applies", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "expand_segments",
     "jagged_attention", "mask_rows", "op_range", "pre_norm_ffn", "resolve_backend", "enable_segment_sum_gemm", "segment_ids", "segment_sum",
     "segment_sum_gemm_enabled", "segment_sum_gemm_works", "segment_sum_grad",
 ]
