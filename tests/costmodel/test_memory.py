@@ -24,9 +24,11 @@ ROWS = 1000 + 500 + 200 + 50 + 800 + 16
 
 # Saved activations (fp32, bytes). Per history event: input_proj 32 elems; per InterFormer layer
 # qkv input 32, GDPA q,k,v,o 4×32 (+ 2 heads × 4-byte row statistics), ffn_up input 32, ffn_down
-# input 64, norms 2×32 + activation input 64, FiLM's normalised tokens and expanded 1+γ 2×32
-# → (128 + 4·32 + 32 + 64 + 32 + 64)·4 + 8 = 1,800 B per layer.
-PER_LAYER = 1_800
+# input 64, norms 2×32 + activation input 64 → (32 + 4·32 + 32 + 64 + 2·32 + 64)·4 + 8 = 1,544 B per layer with the
+# fused FiLM LayerNorm (its kernel keeps only the norm's input); the PyTorch FiLM also keeps the normalised tokens
+# and the expanded 1+γ (2×32 elements, FILM_EAGER_SAVED bytes).
+PER_LAYER = 1_544
+FILM_EAGER_SAVED = 2 * 32 * 4
 PER_EVENT = 32 * 4 + 2 * PER_LAYER
 # Per sample: dense_mlp inputs 8 + 32; summaries (2 tokens) q input 2×32 and summary attention q, o
 # (2×(2·32·4 + 8)) per layer; Kunlun (7 tokens) pooled input 64, per layer qkv 7×32, attention
@@ -75,6 +77,15 @@ def test_activations_by_hand(tiny):
     m = price(ctx).memory
     assert m.activations == pytest.approx(B * (PER_SAMPLE + PER_EVENT * mean))
     assert m.recompute_peak == 0.0
+
+
+def test_the_pytorch_film_keeps_two_more_widths(tiny):
+    w, t, _ = tiny
+    eager = w.model_copy(update={"kernels": w.kernels.model_copy(update={"film": "eager"})})
+    ctx = build_context(eager, t, MeshPlan(dense_shard=1, sparse_shard=1), options=Options())
+    mean = length_moments(w.sequence("history").length).mean
+    layers = sum(b.num_layers for b in w.blocks if b.type == "interformer")
+    assert price(ctx).memory.activations == pytest.approx(64 * (PER_SAMPLE + (PER_EVENT + layers * FILM_EAGER_SAVED) * mean))
 
 
 def test_recompute_keeps_layer_inputs_only(tiny):
