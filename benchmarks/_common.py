@@ -32,6 +32,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def write_result(out: Path, benchmark: str, device: str, summary: dict, rows: list, **fields) -> dict:
+    """A benchmark's result file: what it measured, where, at which commit, when, by which command, then
+    ``fields``, the summary and the rows; written to ``out`` (JSON) and the summary printed."""
+    import datetime as dt
+
+    result = {"benchmark": benchmark, "device": device, "git_commit": git_commit(),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              **fields, "summary": summary, "rows": rows}
+    Path(out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(summary, indent=1))
+    return result
+
+
 def wait_or_kill(proc: subprocess.Popen, timeout: float, grace_s: float = 15.0) -> int | str:
     """Wait for ``proc`` (started with ``start_new_session=True``); past ``timeout`` stop its whole
     process group (SIGTERM, then SIGKILL after ``grace_s``) and return ``"timeout"``."""

@@ -16,7 +16,6 @@ back (``draw_runs_<gpu>.tgz``, traces gzipped), the measured steps the result JS
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit, plans_of  # noqa: E402
+from _common import plans_of, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
@@ -104,20 +103,16 @@ def main() -> int:
                   f"({row['in_sample_error']:+.0%}){'' if same else ' (re-plan differs: not counted)'}", flush=True)
     ok = [r for r in rows if r["same_choices_as_the_run"]]
     ho, ins = [abs(r["held_out_error"]) for r in ok], [abs(r["in_sample_error"]) for r in ok]
-    result = {"benchmark": "leave-one-out step-time error of coplan calibrate on fresh draws",
-              "device": f"CPU, from {measured['device']} traces", "measured_git_commit": measured.get("git_commit"),
-              "git_commit": git_commit(), "seed": measured.get("seed"), "topology": topology,
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "fit_on_all": {k: full.get(k) for k in ("device", "host_launch_s", "host_sample_s", "device_step_factor",
-                                                       "fit_error", "op_classes")},
-              "summary": {"draws": len(rows), "draws_compared": len(ok),
-                          "median_abs_error_held_out": statistics.median(ho) if ho else None,
-                          "max_abs_error_held_out": max(ho) if ho else None,
-                          "median_abs_error_in_sample": statistics.median(ins) if ins else None,
-                          "max_abs_error_in_sample": max(ins) if ins else None},
-              "rows": rows}
-    a.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"], indent=1))
+    write_result(a.out, "leave-one-out step-time error of coplan calibrate on fresh draws",
+                 f"CPU, from {measured['device']} traces",
+                 {"draws": len(rows), "draws_compared": len(ok),
+                  "median_abs_error_held_out": statistics.median(ho) if ho else None,
+                  "max_abs_error_held_out": max(ho) if ho else None,
+                  "median_abs_error_in_sample": statistics.median(ins) if ins else None,
+                  "max_abs_error_in_sample": max(ins) if ins else None},
+                 rows, measured_git_commit=measured.get("git_commit"), seed=measured.get("seed"), topology=topology,
+                 fit_on_all={k: full.get(k) for k in ("device", "host_launch_s", "host_sample_s", "device_step_factor",
+                                                      "fit_error", "op_classes")})
     return 0
 
 

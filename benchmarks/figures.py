@@ -267,18 +267,28 @@ LOO_H100 = Result("calibration_loo_h100.json",
                                                              "benchmarks/results/draw_runs_h100c.tgz"),
                   script="calibration_loo.py")
 
-FRESH_H100D = Result("fresh_draws_h100d.json",
-                     "python benchmarks/fresh_draws_h200.py --plan-only --n 10 --topology h100-1gpu --plans "
-                     "benchmarks/results/fresh_plans_h100d (seed: the run's date and time), then on the lent H100: "
-                     "BUDGET=550 bash benchmarks/device/stage.sh draws COMMIT (and again with CONTINUE=<the partial result> "
-                     "for the draws the budget cut); draw_runs_h100d.tgz: the ten run directories it brought back (traces gzipped)",
-                     SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py",
-                     attachments=("draw_runs_h100d.tgz",))
-FRESH_H100D_CAL = Result("fresh_draws_h100d_calibrated.json",
-                         "python benchmarks/fresh_draws_calibrated.py --measured benchmarks/results/fresh_draws_h100d.json "
-                         "--out benchmarks/results/fresh_draws_h100d_calibrated.json",
-                         SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h100d.json",),
-                         script="fresh_draws_calibrated.py")
+def _fresh_set(tag: str, plans: str, attachment: str, cut: str = "the draws the budget cut") -> Result:
+    """A held-out set of fresh one-GPU draws measured on the lent GPU (``fresh_draws_<tag>.json``)."""
+    return Result(f"fresh_draws_{tag}.json",
+                  "python benchmarks/fresh_draws_h200.py --plan-only --n 10 --topology " + ("h100-1gpu" if "h100" in tag else "h200-1gpu")
+                  + f" --plans benchmarks/results/{plans} (seed: the run's date and time), then on the lent GPU: "
+                  f"BUDGET=550 bash benchmarks/device/stage.sh draws COMMIT (and again with CONTINUE=<the partial result> "
+                  f"for {cut}); {attachment}: the ten run directories it brought back (traces gzipped)",
+                  SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py",
+                  attachments=(attachment,))
+
+
+def _fresh_cal(tag: str) -> Result:
+    """A held-out set re-planned at the current code with the shipped calibration (``fresh_draws_<tag>_calibrated.json``)."""
+    return Result(f"fresh_draws_{tag}_calibrated.json",
+                  f"python benchmarks/fresh_draws_calibrated.py --measured benchmarks/results/fresh_draws_{tag}.json "
+                  f"--out benchmarks/results/fresh_draws_{tag}_calibrated.json",
+                  SPEC + COSTMODEL + PLANNER + CALIBRATION + (f"benchmarks/results/fresh_draws_{tag}.json",),
+                  script="fresh_draws_calibrated.py")
+
+
+FRESH_H100D = _fresh_set("h100d", "fresh_plans_h100d", "draw_runs_h100d.tgz")
+FRESH_H100D_CAL = _fresh_cal("h100d")
 LOO_H100D = Result("calibration_loo_h100d.json",
                    "python benchmarks/calibration_loo.py --measured benchmarks/results/fresh_draws_h100d.json --runs "
                    "benchmarks/results/draw_runs_h100d.tgz --out benchmarks/results/calibration_loo_h100d.json",
@@ -286,19 +296,8 @@ LOO_H100D = Result("calibration_loo_h100d.json",
                                                               "benchmarks/results/draw_runs_h100d.tgz"),
                    script="calibration_loo.py")
 
-FRESH_H100E = Result("fresh_draws_h100e.json",
-                     "python benchmarks/fresh_draws_h200.py --plan-only --n 10 --topology h100-1gpu --plans "
-                     "benchmarks/results/fresh_plans_h100e (seed: the run's date and time), then on the lent H100: "
-                     "BUDGET=550 bash benchmarks/device/stage.sh draws COMMIT (and again with CONTINUE=<the partial result> "
-                     "for the draws the budget cut or that failed); draw_runs_h100e.tgz: the ten run directories it brought "
-                     "back (traces gzipped)",
-                     SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py",
-                     attachments=("draw_runs_h100e.tgz",))
-FRESH_H100E_CAL = Result("fresh_draws_h100e_calibrated.json",
-                         "python benchmarks/fresh_draws_calibrated.py --measured benchmarks/results/fresh_draws_h100e.json "
-                         "--out benchmarks/results/fresh_draws_h100e_calibrated.json",
-                         SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h100e.json",),
-                         script="fresh_draws_calibrated.py")
+FRESH_H100E = _fresh_set("h100e", "fresh_plans_h100e", "draw_runs_h100e.tgz", "the draws the budget cut or that failed")
+FRESH_H100E_CAL = _fresh_cal("h100e")
 
 
 def _variant_speedups(d: dict) -> list[float]:

@@ -19,7 +19,6 @@ Writes ``benchmarks/results/fresh_draws_calibrated.json``. Draws planned for ano
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit, plans_of  # noqa: E402
+from _common import plans_of, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
@@ -101,18 +100,14 @@ def main() -> int:
                   f"{'' if same_unc else ' (the uncalibrated plan differs from the run: not counted)'}", flush=True)
     ce = [abs(x["calibrated_error"]) for x in rows if x["calibrated_plan_is_the_run"]]
     ue = [abs(x["uncalibrated_error"]) for x in rows if x["uncalibrated_plan_is_the_run"]]
-    result = {"benchmark": "held-out step-time error of the shipped calibration on fresh draws (no refit)",
-              "device": f"CPU, from {measured['device']} measurements", "measured_git_commit": measured["git_commit"],
-              "git_commit": git_commit(), "seed": measured["seed"], "topology": topology,
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "summary": {"draws_measured": len(rows), "draws_compared": len(ce), "draws_compared_uncalibrated": len(ue),
-                          "median_abs_error_calibrated": statistics.median(ce) if ce else None,
-                          "max_abs_error_calibrated": max(ce) if ce else None,
-                          "median_abs_error_uncalibrated": statistics.median(ue) if ue else None,
-                          "max_abs_error_uncalibrated": max(ue) if ue else None},
-              "rows": rows}
-    a.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"], indent=1))
+    write_result(a.out, "held-out step-time error of the shipped calibration on fresh draws (no refit)",
+                 f"CPU, from {measured['device']} measurements",
+                 {"draws_measured": len(rows), "draws_compared": len(ce), "draws_compared_uncalibrated": len(ue),
+                  "median_abs_error_calibrated": statistics.median(ce) if ce else None,
+                  "max_abs_error_calibrated": max(ce) if ce else None,
+                  "median_abs_error_uncalibrated": statistics.median(ue) if ue else None,
+                  "max_abs_error_uncalibrated": max(ue) if ue else None},
+                 rows, measured_git_commit=measured["git_commit"], seed=measured["seed"], topology=topology)
     return 0
 
 

@@ -13,7 +13,6 @@ Writes ``benchmarks/results/loader_throughput.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import platform
 import statistics
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit, plans_of  # noqa: E402
+from _common import plans_of, write_result  # noqa: E402
 
 from coplan.spec import load_workload  # noqa: E402
 from coplan.trainer.data import BatchReader, generate_dataset  # noqa: E402
@@ -73,16 +72,12 @@ def main() -> int:
                   + (f", {row['headroom_one_process']:.1f}x the H200 run's consumption" if m else ""), flush=True)
             rows.append(row)
     sps = [r["samples_per_s"] for r in rows]
-    result = {"benchmark": "trainer data loader alone, one reader process", "device": f"CPU ({platform.processor() or 'x86_64'}), "
-              "one process", "python": platform.python_version(), "git_commit": git_commit(),
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "summary": {"draws": len(rows), "median_samples_per_s": statistics.median(sps) if sps else None,
-                          "min_samples_per_s": min(sps) if sps else None,
-                          "min_headroom_one_process": min((r["headroom_one_process"] for r in rows if "headroom_one_process" in r),
-                                                          default=None)},
-              "rows": rows}
-    a.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"], indent=1))
+    write_result(a.out, "trainer data loader alone, one reader process", f"CPU ({platform.processor() or 'x86_64'}), one process",
+                 {"draws": len(rows), "median_samples_per_s": statistics.median(sps) if sps else None,
+                  "min_samples_per_s": min(sps) if sps else None,
+                  "min_headroom_one_process": min((r["headroom_one_process"] for r in rows if "headroom_one_process" in r),
+                                                  default=None)},
+                 rows, python=platform.python_version())
     return 0
 
 

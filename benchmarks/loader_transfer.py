@@ -15,8 +15,6 @@ Writes ``benchmarks/results/loader_transfer.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
 import platform
 import statistics
@@ -26,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit  # noqa: E402
+from _common import write_result  # noqa: E402
 
 from coplan.spec import load_workload  # noqa: E402
 from coplan.trainer.data import BatchReader, Prefetcher, generate_dataset  # noqa: E402
@@ -99,16 +97,12 @@ def main() -> int:
                   f"{row['shared']['work_s_per_batch_p50'] * 1e3:.1f} ms beside shared ones; loader alone "
                   f"{row['pickled']['loader_s_per_batch_idle_consumer'] * 1e3:.1f} -> "
                   f"{row['shared']['loader_s_per_batch_idle_consumer'] * 1e3:.1f} ms a batch", flush=True)
-    result = {"benchmark": "reader processes' hand-over of batches: pickled vs shared memory, and the training thread",
-              "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-              "python": platform.python_version(), "git_commit": git_commit(),
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "processes": a.processes, "steps": a.steps, "work_rounds": a.work, "work_alone_s": alone,
-              "summary": {"median_work_slowdown_pickled": statistics.median(r["work_slowdown_pickled"] for r in rows),
-                          "median_work_slowdown_shared": statistics.median(r["work_slowdown_shared"] for r in rows)},
-              "rows": rows}
-    a.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"], indent=1))
+    write_result(a.out, "reader processes' hand-over of batches: pickled vs shared memory, and the training thread",
+                 f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+                 {"median_work_slowdown_pickled": statistics.median(r["work_slowdown_pickled"] for r in rows),
+                  "median_work_slowdown_shared": statistics.median(r["work_slowdown_shared"] for r in rows)},
+                 rows, python=platform.python_version(), processes=a.processes, steps=a.steps, work_rounds=a.work,
+                 work_alone_s=alone)
     return 0
 
 

@@ -20,7 +20,7 @@ from coplan.calibration.terms import CLASSES
 from coplan.costmodel.context import local_batch_of, micro_batches_of
 from coplan.costmodel.efficiency import UNFUSED_CLASS, resolve_efficiencies
 from coplan.costmodel.loader import balance_group, loader_step_s
-from coplan.spec import Calibration, FitError, OpClassCalibration, Topology
+from coplan.spec import Calibration, FitError, OpClassCalibration
 from coplan.spec.calibration import ComputeOpClass
 
 
@@ -30,14 +30,13 @@ per-op samples do not stand for the step (e.g. a trace of replayed CUDA graphs, 
 names), and a calibration made ``on top of`` a base keeps the base's device terms."""
 
 
-def base_result(samples: Sequence, base: Calibration, compute: dict, memory: dict, launch_s: dict,
-                topology: Topology) -> FitResult:
-    """A :class:`FitResult` that is ``base`` kept whole (no fit; ``compute`` / ``memory`` / ``launch_s``: its
-    resolved efficiencies): what it predicts for the samples, and the step priced with it."""
+def base_result(samples: Sequence, base: Calibration, eff) -> FitResult:
+    """A :class:`FitResult` that is ``base`` kept whole (no fit; ``eff``: its resolved efficiencies): what it
+    predicts for the samples, and the step priced with it."""
     samples = tuple(samples)
-    return FitResult(compute=dict(compute), memory=dict(memory), launch_s=dict(launch_s),
-                     predicted_s=predict(samples, compute, memory, launch_s, base.lookup_id_latency_s,
-                                         attention_scale_of(resolve_efficiencies(topology, base, force=True))),
+    return FitResult(compute=dict(eff.compute), memory=dict(eff.memory), launch_s=dict(eff.launch_s),
+                     predicted_s=predict(samples, eff.compute, eff.memory, eff.launch_s, base.lookup_id_latency_s,
+                                         attention_scale_of(eff)),
                      measured_s=np.array([s.measured_s for s in samples]), samples=samples,
                      lookup_id_s=base.lookup_id_latency_s, base=base, attention_scales=dict(base.attention_scales))
 
@@ -90,7 +89,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     worst = min(r.attributed_share for r in runs)
     keep_base = base is not None and worst < MIN_ATTRIBUTED_SHARE
     if keep_base:
-        res = base_result(samples, base, eff.compute, eff.memory, eff.launch_s, topo)
+        res = base_result(samples, base, eff)
     else:
         res = fit_attention_scales(fit(samples, eff.compute, eff.memory, eff.launch_s,
                                        default_lookup_id_s=base.lookup_id_latency_s if base is not None else None))

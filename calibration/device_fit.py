@@ -79,6 +79,12 @@ class FitResult:
         return out
 
 
+def launch_time(s: Sample, launch_s: dict[str, float]) -> float:
+    """A sample's kernels' fixed cost: its launches at its class's seconds per launch, plus its unfused
+    elementwise kernels at theirs (the part of a prediction no efficiency or attention scale multiplies)."""
+    return s.launches * launch_s.get(s.op_class, 0.0) + s.extra_kernels * launch_s.get(UNFUSED_CLASS, 0.0)
+
+
 def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], memory: dict[str, float], launch_s: dict[str, float],
             lookup_id_s: float | None = None, scale_of: Callable[[Sample], float] | None = None) -> np.ndarray:
     """The roofline of each sample under the given efficiencies (the same form the pricer uses);
@@ -94,7 +100,7 @@ def predict(samples: Sequence[Sample], compute: dict[tuple[str, str], float], me
         serial = s.serial_mem_s / memory.get(UNFUSED_CLASS, 1.0) if s.serial_mem_s > 0 else 0.0
         # the sequence lookups: each kernel the longer of its bytes and its warps' serial bag walk
         look = sum(max(gm / m, gi * t_id) for gm, gi in s.lookup_groups)
-        kernels = s.launches * launch_s.get(s.op_class, 0.0) + s.extra_kernels * launch_s.get(UNFUSED_CLASS, 0.0)
+        kernels = launch_time(s, launch_s)
         k = scale_of(s) if scale_of is not None else 1.0
         out[i] = (max(s.flop_s / e, s.mem_s / m) + look + serial) * k + kernels
     return out
@@ -200,8 +206,7 @@ def fit_attention_scales(res: FitResult) -> FitResult:
         if key is not None:
             groups.setdefault(key, []).append(i)
     # the scale multiplies an op's roofline, not its launches (as the pricer applies it)
-    launch = np.array([s.launches * res.launch_s.get(s.op_class, 0.0) + s.extra_kernels * res.launch_s.get(UNFUSED_CLASS, 0.0)
-                       for s in res.samples])
+    launch = np.array([launch_time(s, res.launch_s) for s in res.samples])
     roof = np.maximum(res.predicted_s - launch, 1e-12)
     scales: dict[str, float] = {}
     points: dict[tuple[str, str], list[tuple[int, float]]] = {}
