@@ -39,6 +39,13 @@ def _plan(batch: int, mean_len: int) -> Plan:
                 topology_sha256=spec_sha256(t), workload_sha256=spec_sha256(w))
 
 
+def synthesised(plan: Plan) -> Plan:
+    """``plan`` as a synthetic run executed it: its summary (where a test writes one) records no fused FiLM, so
+    calibrate prices it with the PyTorch FiLM (``calibration.runs.as_ran``); the trace is made of those terms."""
+    ran = plan.workload.model_copy(update={"kernels": plan.workload.kernels.model_copy(update={"film": "eager"})})
+    return plan.model_copy(update={"workload": ran})
+
+
 def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, noise: float, steps: int = 2,
                scale=None) -> Path:
     """A run directory whose trace says each op took the cost model's time under TRUE_* (± noise), times
@@ -46,7 +53,7 @@ def _synth_run(root: Path, name: str, plan: Plan, rng: np.random.Generator, nois
     d = root / name
     (d / "traces").mkdir(parents=True)
     dump_spec(plan, d / "plan.json")
-    terms = unit_terms(plan, seq_chunk=0)  # as calibrate reads a run without config.json
+    terms = unit_terms(synthesised(plan), seq_chunk=0)  # as calibrate reads a run without config.json
     events: list[dict] = []
     t, corr, seq = 0.0, 0, 0
     for step in range(steps):

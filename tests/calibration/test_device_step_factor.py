@@ -13,7 +13,7 @@ from coplan.costmodel.efficiency import resolve_efficiencies
 from coplan.errors import SpecError
 from coplan.spec import Calibration, dump_spec, load_calibration, parse_spec
 
-from .test_calibrate import _synth_run, _write_step
+from .test_calibrate import _synth_run, _write_step, synthesised
 from .test_host_pricing import DEVICE, _device_and_launches, _plan
 
 
@@ -83,7 +83,7 @@ def test_pricer_scales_the_device_step():
     # with host costs too: max(f x device, host), here the device side
     d0, n = _device_and_launches(plan)
     both = scaled.model_copy(update={"host_launch_s": 0.5 * d0 / n, "host_sample_s": 1e-9})
-    assert predict_step_time(plan, both, seq_chunk=0) == pytest.approx(1.12 * d0, rel=1e-6)
+    assert predict_step_time(synthesised(plan), both, seq_chunk=0) == pytest.approx(1.12 * d0, rel=1e-6)
 
 
 def test_spec_bounds_and_old_files(tmp_path):

@@ -20,7 +20,7 @@ from coplan.errors import CoplanError
 from coplan.spec import Calibration, MeshPlan, OpClassCalibration, Plan, TableShard, Workload, load_calibration
 from coplan.spec import dump_spec, load_topology, load_workload, parse_spec, spec_sha256
 
-from .test_calibrate import TRUE_COMPUTE, TRUE_LAUNCH, TRUE_LOOKUP_ID_S, TRUE_MEMORY, _synth_run, _write_step
+from .test_calibrate import TRUE_COMPUTE, TRUE_LAUNCH, TRUE_LOOKUP_ID_S, TRUE_MEMORY, _synth_run, _write_step, synthesised
 
 
 def _plan(batch: int, mean_len: float, layers: int = 4, *, sigma: float | None = None, fixed: int | None = None) -> Plan:
@@ -49,6 +49,7 @@ DEVICE = Calibration(device="NVIDIA H200", op_classes={
 
 
 def _device_and_launches(plan: Plan) -> tuple[float, float]:
+    plan = synthesised(plan)  # (what the synthetic runs' traces hold)
     d0 = predict_step_time(plan, DEVICE, seq_chunk=0)
     bumped = DEVICE.model_copy(update={"op_classes": {
         c: oc.model_copy(update={"launch_overhead_s": oc.launch_overhead_s + 1e-6}) for c, oc in DEVICE.op_classes.items()}})
