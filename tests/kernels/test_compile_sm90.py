@@ -247,6 +247,27 @@ def _fp8_fused(rec, gpu: bool):
             ff.act_backward_quant(torch.randn(m, d, generator=g).to(dt), h, kind, return_dh=True, with_t=True)
 
 
+def _film_norm(rec, gpu: bool):
+    """The fused FiLM LayerNorm (``kernels/film_norm.py``), forward and backward: samples shorter than a row block
+    and longer, a width that is not a multiple of the chunk."""
+    import torch
+
+    from coplan.kernels.film_norm import film_layer_norm
+
+    g = torch.Generator().manual_seed(2)
+    lengths = [40, 3, 0, 90] if gpu else [20, 3, 0, 9]
+    d = 320 if gpu else 96
+    dt = torch.bfloat16 if gpu else torch.float32
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    h = torch.randn(len(seg), d, generator=g).to(dt).requires_grad_()
+    w, b = torch.randn(d, generator=g).to(dt).requires_grad_(), torch.randn(d, generator=g).to(dt).requires_grad_()
+    gb = torch.randn(len(lengths), 2 * d, generator=g).to(dt).requires_grad_()
+    with rec.calling("film_layer_norm forward and backward"):
+        gamma, beta = gb.chunk(2, dim=-1)
+        out = film_layer_norm(h, w, b, gamma, beta, seg)
+        out.backward(torch.ones_like(out))
+
+
 _OPS = ("softmax", "silu", "gelu_tanh", "relu", "relu_squared", "identity")
 
 
@@ -259,6 +280,7 @@ def _interpreter_calls(rec):
     _block_counts(rec, 1025)  # unsorted (over the 1,024 samples one sort handles)
     _fp8(rec, gpu=False)
     _fp8_fused(rec, gpu=False)
+    _film_norm(rec, gpu=False)
 
 
 def _gpu_calls(rec):
@@ -280,6 +302,7 @@ def _gpu_calls(rec):
         _block_counts(rec, batch)
     _fp8(rec, gpu=True)
     _fp8_fused(rec, gpu=True)
+    _film_norm(rec, gpu=True)
 
 
 def record_launches() -> list[dict]:
