@@ -45,6 +45,31 @@ def write_result(out: Path, benchmark: str, device: str, summary: dict, rows: li
     return result
 
 
+CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
+"""The plan fields that are its choices: two plans making the same ones price the same run."""
+
+
+def as_ran(workload: Path, row: dict | None, tmp: Path) -> Path:
+    """The draw's workload as its run executed it: a run that did not record the fused FiLM LayerNorm (runs from
+    before the kernel, compiled runs) is planned with ``kernels.film: eager``, so that its price carries the
+    PyTorch FiLM's traffic, as ``coplan calibrate`` prices it (``calibration.runs.as_ran``)."""
+    if ((row or {}).get("options") or {}).get("film") == "fused":
+        return workload
+    import yaml
+
+    spec = yaml.safe_load(workload.read_text())
+    spec.setdefault("kernels", {})["film"] = "eager"
+    out = tmp / f"eager-{workload.name}"
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def same_choices(a: dict, b: dict) -> bool:
+    """The plans make the same choices (``kernels.film``, which the run decides, aside)."""
+    strip = lambda p, k: {x: y for x, y in (p.get(k) or {}).items() if x != "film"} if k == "kernels" else p.get(k)  # noqa: E731
+    return all(strip(a, k) == strip(b, k) for k in CHOICES)
+
+
 def wait_or_kill(proc: subprocess.Popen, timeout: float, grace_s: float = 15.0) -> int | str:
     """Wait for ``proc`` (started with ``start_new_session=True``); past ``timeout`` stop its whole
     process group (SIGTERM, then SIGKILL after ``grace_s``) and return ``"timeout"``."""

@@ -25,10 +25,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import plans_of, write_result  # noqa: E402
+from _common import as_ran, plans_of, same_choices, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
 
 
 def _coplan(*args: str) -> subprocess.CompletedProcess:
@@ -71,6 +70,7 @@ def main() -> int:
     plans = a.plans or plans_of(a.measured, RESULTS / "fresh_plans")
     topology = measured.get("topology", "h200-1gpu")
     steps = {str(r["seed"]): r["measured_step_p50_s"] for r in measured["rows"] if r.get("measured_step_p50_s")}
+    row_of = {str(r["seed"]): r for r in measured["rows"]}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -86,12 +86,12 @@ def main() -> int:
         for s in seeds:
             fold = tmp / f"fold-{s}.json"
             calibrate([runs[x] for x in seeds if x != s], fold)
-            wl = plans / f"draw-{s}.yaml"
+            wl = as_ran(plans / f"draw-{s}.yaml", row_of.get(s), tmp)  # (the FiLM as the run ran it)
             ran = json.loads((plans / f"draw-{s}.plan.json").read_text())
             loo = predict(wl, fold, topology, tmp / "loo.json")
             ins = predict(wl, tmp / "all.json", topology, tmp / "ins.json")
             m = steps[s]
-            same = all(loo.get(k) == ran.get(k) for k in CHOICES)
+            same = same_choices(loo, ran)
             row = {"seed": int(s), "measured_step_p50_s": m, "same_choices_as_the_run": same,
                    "held_out_step_s": loo["predicted"]["step_time_s"], "in_sample_step_s": ins["predicted"]["step_time_s"],
                    "held_out_host_s": loo["predicted"].get("host_s"),

@@ -27,37 +27,15 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import plans_of, write_result  # noqa: E402
+from _common import as_ran, plans_of, same_choices, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", "precision")
 
 
 def plan(workload: Path, out: Path, calibration: str, topology: str = "h200-1gpu") -> dict:
     subprocess.run([sys.executable, "-m", "coplan.cli", "plan", "-t", topology, "-w", str(workload), "-o", str(out),
                     "--quiet", "--calibration", calibration], check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
-
-
-def as_ran(workload: Path, row: dict, tmp: Path) -> Path:
-    """The draw's workload as its run executed it: a run that did not record the fused FiLM LayerNorm (runs from
-    before the kernel, compiled runs) is planned with ``kernels.film: eager``, so that its price carries the
-    PyTorch FiLM's traffic, as ``coplan calibrate`` prices it (``calibration.runs.as_ran``)."""
-    if (row.get("options") or {}).get("film") == "fused":
-        return workload
-    import yaml
-
-    spec = yaml.safe_load(workload.read_text())
-    spec.setdefault("kernels", {})["film"] = "eager"
-    out = tmp / f"eager-{workload.name}"
-    out.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return out
-
-
-def same_choices(a: dict, b: dict) -> bool:
-    """The plans make the same choices (``kernels.film``, which the run decides, aside)."""
-    strip = lambda p, k: {x: y for x, y in (p.get(k) or {}).items() if x != "film"} if k == "kernels" else p.get(k)  # noqa: E731
-    return all(strip(a, k) == strip(b, k) for k in CHOICES)
 
 
 def main() -> int:
