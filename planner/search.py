@@ -175,9 +175,7 @@ class PricedSolve:
     model_step_s: float
     """The model's step of it (the largest cut, its own included)."""
     solver_objective_s: float
-    """CP-SAT's objective for the chosen solution: that of the solve which found it (the model before the solution's
-    own cut was added). Until 2026-12-06 this was the last solve's, which may have found another, worse solution (a
-    time-limited re-solve after a cut), so the plan compared a model step of one solution with the price of another."""
+    """CP-SAT's objective of the last solve (the model before that solution's cut was added)."""
     bound_s: float
     """The last solve's proven bound on the candidate's model."""
     status: str
@@ -196,7 +194,7 @@ def solve_priced(pricer: Pricer, p: CandidatePricing, settings: SolverSettings, 
     critical path, and again, until the priced step is within ``tol`` of the model (or ``rounds``)."""
     p = pricer.probe_cuts(p)
     seen: list[tuple[float, Assignment, float]] = []
-    best: tuple[float, Assignment, float, float, float] | None = None  # (priced, assignment, peak, model, its solve's objective)
+    best: tuple[float, Assignment, float, float] | None = None  # (priced, assignment, peak, model)
     hint = None
     res: SolveResult | None = None
     last_obj = math.inf
@@ -215,7 +213,7 @@ def solve_priced(pricer: Pricer, p: CandidatePricing, settings: SolverSettings, 
         fits = cost.fits
         seen.append((priced, a, float(cost.memory.total)))
         if fits and (best is None or priced < best[0]):
-            best = (priced, a, float(cost.memory.total), evaluate(q, a).step_time_s, res.step_time_s)
+            best = (priced, a, float(cost.memory.total), evaluate(q, a).step_time_s)
         converged = priced <= res.step_time_s * (1 + tol) and fits
         p = q
         hint = best[1] if best is not None else None
@@ -226,11 +224,11 @@ def solve_priced(pricer: Pricer, p: CandidatePricing, settings: SolverSettings, 
         status = res.status if res is not None else "UNKNOWN"
         return PricedSolve(None, math.inf, math.inf, math.inf, last_obj, bound, status if status == "INFEASIBLE" else "UNKNOWN", n,
                            res.method if res else "", p)
-    priced, a, peak, _, found_obj = best
+    priced, a, peak, _ = best
     model = evaluate(p, a).step_time_s
     others = sorted((s, x) for s, x, _ in seen if x != a)
     runner = (others[0][1], others[0][0]) if others else None
-    return PricedSolve(a, priced, peak, model, found_obj, min(res.bound_s, priced), res.status, n, res.method, p, runner)
+    return PricedSolve(a, priced, peak, model, last_obj, min(res.bound_s, priced), res.status, n, res.method, p, runner)
 
 
 _STATE: dict = {}
