@@ -52,21 +52,26 @@ CHOICES = ("mesh", "layers", "tables", "balancing", "micro_batches", "kernels", 
 def as_ran(workload: Path, row: dict | None, tmp: Path) -> Path:
     """The draw's workload as its run executed it: a run that did not record the fused FiLM LayerNorm (runs from
     before the kernel, compiled runs) is planned with ``kernels.film: eager``, so that its price carries the
-    PyTorch FiLM's traffic, as ``coplan calibrate`` prices it (``calibration.runs.as_ran``)."""
-    if ((row or {}).get("options") or {}).get("film") == "fused":
+    PyTorch FiLM's traffic, and one that did not record masked head dims in the attention kernels (runs from
+    before 2026-12-06) with ``kernels.head_pad: copies``, as ``coplan calibrate`` prices them
+    (``calibration.runs.as_ran``)."""
+    opts = (row or {}).get("options") or {}
+    update = {k: v for k, v, ran in (("film", "eager", opts.get("film") == "fused"),
+                                     ("head_pad", "copies", opts.get("head_pad") == "masked")) if not ran}
+    if not update:
         return workload
     import yaml
 
     spec = yaml.safe_load(workload.read_text())
-    spec.setdefault("kernels", {})["film"] = "eager"
-    out = tmp / f"eager-{workload.name}"
+    spec.setdefault("kernels", {}).update(update)
+    out = tmp / f"as-ran-{workload.name}"
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
     return out
 
 
 def same_choices(a: dict, b: dict) -> bool:
-    """The plans make the same choices (``kernels.film``, which the run decides, aside)."""
-    strip = lambda p, k: {x: y for x, y in (p.get(k) or {}).items() if x != "film"} if k == "kernels" else p.get(k)  # noqa: E731
+    """The plans make the same choices (``kernels.film`` and ``kernels.head_pad``, which the run decides, aside)."""
+    strip = lambda p, k: {x: y for x, y in (p.get(k) or {}).items() if x not in ("film", "head_pad")} if k == "kernels" else p.get(k)  # noqa: E731
     return all(strip(a, k) == strip(b, k) for k in CHOICES)
 
 

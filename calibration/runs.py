@@ -157,13 +157,16 @@ def as_ran(plan: Plan, opts) -> Plan:
     graphs), is priced eagerly (its workload's ``kernels.cuda_graphs`` off), so that the host launches its
     steps are compared with are the ones it issued. Likewise a run whose InterFormer layers did not run the fused
     FiLM LayerNorm (``film`` eager: ``--compile``, or a run from before the kernel) is priced with the unfused
-    FiLM's traffic (``kernels.film`` eager)."""
+    FiLM's traffic (``kernels.film`` eager), and a run that did not record masked head dims in the attention kernels
+    (``head_pad``: runs from before 2026-12-06) with the padded copies it made (``kernels.head_pad`` copies)."""
     w = plan.workload
     update = {}
     if not (opts is not None and opts.cuda_graphs) and w.kernels.cuda_graphs == "auto" and dense_graphs_apply(w, plan.world_size):
         update["cuda_graphs"] = "off"
     if film_fused(w) and not (opts is not None and opts.film == "fused"):
         update["film"] = "eager"
+    if w.kernels.head_pad == "masked" and not (opts is not None and opts.head_pad == "masked"):
+        update["head_pad"] = "copies"
     if not update:
         return plan
     ran = w.model_copy(update={"kernels": w.kernels.model_copy(update=update)})

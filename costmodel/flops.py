@@ -968,9 +968,10 @@ def padded_reference_attention(op: Op, workload: Workload, real_fraction: float 
 
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
-"""Head dims coplan's Triton attention kernels take as they are (``kernels/triton_attention.py``,
-``_POWERS_OF_TWO``: ``tl.dot`` and ``tl.arange`` need a power of two); any other is padded with zero
-columns to the next power of two (at least 16) by copies around the kernels."""
+"""Head dims whose tiles coplan's Triton attention kernels compute at as they are (``tl.dot`` and ``tl.arange``
+need a power of two); any other is computed in tiles of the next power of two (at least 16), the extra columns
+masked in the kernels (``kernels/triton_attention.py``). Before 2026-12-06 the tensors were padded by copies around
+the kernels instead (``kernels.head_pad: copies``, :func:`triton_head_padding`)."""
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -979,9 +980,11 @@ def kernel_head_dim(head_dim: int) -> int:
 
 
 def triton_head_padding(op: Op, workload: Workload) -> Op:
-    """``op`` (jagged attention over a sequence) as coplan's Triton kernels run it when its head dim ``d``
-    is not one they take (:data:`KERNEL_HEAD_DIMS`): padded to ``p`` = :func:`kernel_head_dim` by copies
-    around the kernels (``kernels/triton_attention.py``), per token and head (``b`` bytes an element):
+    """``op`` (jagged attention over a sequence) as coplan's Triton kernels ran it before 2026-12-06 (the workload's
+    ``kernels.head_pad: copies``, set for such runs by ``calibration.runs.as_ran``) when its head dim ``d`` is not
+    one they take (:data:`KERNEL_HEAD_DIMS`): padded to ``p`` = :func:`kernel_head_dim` by copies around the
+    kernels, per token and head (``b`` bytes an element). Now the kernels mask the extra columns and make no
+    copies (``kernels.head_pad: masked``, the default), and the op is priced as at ``d``. The copies were:
 
     - forward: Q, K and V padded (read ``d``, write ``p`` each), the padded output copied out (read and
       write ``d``);

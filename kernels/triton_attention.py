@@ -251,10 +251,37 @@ def _key_range(m0, q_len, k_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
+def _load_tile(ptrs, rows_ok, d_ok, ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    """A [rows, HEAD_DIM] tile: rows past ``rows_ok`` (ROWS) and columns past the real head dim (PAD_D,
+    ``d_ok``) read as zeros, which leave every score and product unchanged: a head dim that is not a power of
+    two runs without padded copies of its tensors."""
+    if ROWS:
+        if PAD_D:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+    else:
+        if PAD_D:
+            x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, rows_ok, d_ok, PAD_D: tl.constexpr):
+    """Store a [rows, HEAD_DIM] tile's rows ``rows_ok`` and, with PAD_D, only the real head dim's columns."""
+    if PAD_D:
+        tl.store(ptrs, x, mask=rows_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(ptrs, x, mask=rows_ok[:, None])
+
+
+@triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
+    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, d_ok, lo, hi, k_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
 ):
     """Key tiles [lo, hi), every one masked (MASKED) or none."""
     arange_n = tl.arange(0, BLOCK_N)
@@ -263,10 +290,10 @@ def _fwd_tiles(
         offs_n = start + arange_n
         k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        in_sample = offs_n < k_len
+        k = _load_tile(k_ptrs, in_sample, d_ok, MASKED, PAD_D)
+        v = _load_tile(v_ptrs, in_sample, d_ok, MASKED, PAD_D)
         if MASKED:
-            in_sample = offs_n < k_len
-            k = tl.load(k_ptrs, mask=in_sample[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=in_sample[:, None], other=0.0)
             if CAUSAL:
                 # A query row of the sample (i < q_len) sees j <= i + k_len - q_len < k_len, so the
                 # causal test alone also excludes keys past the sample; rows past q_len are never
@@ -274,9 +301,6 @@ def _fwd_tiles(
                 mask = offs_n[None, :] <= offs_m[:, None] + diag
             else:
                 mask = in_sample[None, :]
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MODE == 0:
             if MASKED:
@@ -311,7 +335,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     batch, num_heads, qk_scale, out_scale,
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
-    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr, PAD_D: tl.constexpr,
     FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rank, h, q_start, q_len, k_start, k_len = _locate(CUM_Q, batch, num_heads, q_offsets, k_offsets, BLOCK_M)
@@ -320,8 +344,9 @@ def _fwd_kernel(
     m0 = rank * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < DIM
     row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _load_tile(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], row_ok, d_ok, True, PAD_D)
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
 
@@ -332,10 +357,10 @@ def _fwd_kernel(
     full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
     # Two loops, so that the tiles every row sees in full skip the masks; the second masks the
     # causal diagonal and the sample's end.
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
-                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
-                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, d_ok, 0, full_end,
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N, PAD_D)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, d_ok, full_end, hi,
+                               k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N, PAD_D)
     if MODE == 0:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -348,7 +373,7 @@ def _fwd_kernel(
     else:
         acc = acc * out_scale
     o_ptrs = O + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    _store_tile(o_ptrs, acc.to(O.dtype.element_ty), row_ok, d_ok, PAD_D)
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,9 +383,9 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
+    dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, d_ok, lo, hi, k_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
 ):
     arange_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
@@ -368,16 +393,13 @@ def _dq_tiles(
         offs_n = start + arange_n
         k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        in_sample = offs_n < k_len
+        k = _load_tile(k_ptrs, in_sample, d_ok, MASKED, PAD_D)
+        v = _load_tile(v_ptrs, in_sample, d_ok, MASKED, PAD_D)
         if MASKED:
-            in_sample = offs_n < k_len
-            k = tl.load(k_ptrs, mask=in_sample[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=in_sample[:, None], other=0.0)
             mask = in_sample[None, :]
             if CAUSAL:
                 mask = mask & (offs_n[None, :] <= offs_m[:, None] + diag)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if MODE == 0:
@@ -401,7 +423,7 @@ def _bwd_dq_kernel(
     stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lse_h,
     batch, num_heads, qk_scale, ds_scale,
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
-    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr, PAD_D: tl.constexpr,
     FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rank, h, q_start, q_len, k_start, k_len = _locate(CUM_Q, batch, num_heads, q_offsets, k_offsets, BLOCK_M)
@@ -410,12 +432,13 @@ def _bwd_dq_kernel(
     m0 = rank * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < DIM
     row_ok = offs_m < q_len
     rows = q_start + offs_m
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _load_tile(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], row_ok, d_ok, True, PAD_D)
+    do = _load_tile(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], row_ok, d_ok, True, PAD_D)
     if MODE == 0:
-        o = tl.load(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        o = _load_tile(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], row_ok, d_ok, True, PAD_D)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         # The dK/dV kernel, launched next, reads delta for every query block it visits.
         tl.store(DELTA + h * stride_lse_h + rows, delta, mask=row_ok)
@@ -428,12 +451,13 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     diag = k_len - q_len
     full_end, hi = _key_range(m0, q_len, k_len, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, 0, full_end,
-                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_end, hi,
-                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, d_ok, 0, full_end,
+                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_N, PAD_D)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, d_ok, full_end, hi,
+                   k_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_N, PAD_D)
     dq = dq * ds_scale
-    tl.store(DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    _store_tile(DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), row_ok, d_ok,
+                PAD_D)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,10 +467,10 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, d_ok,
     t_lo, t_hi, q_len, diag, qk_scale,
     MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
 ):
     """Query blocks [t_lo, t_hi) against this program's key block."""
     arange_m = tl.arange(0, BLOCK_M)
@@ -457,16 +481,13 @@ def _dkdv_tiles(
         offs_m = q_len - (t + 1) * BLOCK_M + arange_m
         q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
         do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        row_ok = offs_m >= 0
+        q = _load_tile(q_ptrs, row_ok, d_ok, MASKED, PAD_D)
+        do = _load_tile(do_ptrs, row_ok, d_ok, MASKED, PAD_D)
         if MASKED:
-            row_ok = offs_m >= 0
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             maskT = row_ok[None, :]
             if CAUSAL:
                 maskT = maskT & (offs_n[:, None] <= offs_m[None, :] + diag)
-        else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if MODE == 0:
@@ -498,7 +519,7 @@ def _bwd_dkdv_kernel(
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
     batch, num_heads, qk_scale, dk_scale, dv_scale,
     BATCH_BUCKET, MAX_Q_BUCKET, MAX_K_BUCKET,  # autotune keys only
-    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr, ACT: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr, PAD_D: tl.constexpr,
     FAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rank, h, q_start, q_len, k_start, k_len = _locate(CUM_K, batch, num_heads, q_offsets, k_offsets, BLOCK_N)
@@ -509,10 +530,11 @@ def _bwd_dkdv_kernel(
     n_end = k_len - rank * BLOCK_N
     offs_n = n_end - BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < DIM
     key_ok = offs_n >= 0
     rows = k_start + offs_n
-    k = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    k = _load_tile(K + rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], key_ok, d_ok, True, PAD_D)
+    v = _load_tile(V + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], key_ok, d_ok, True, PAD_D)
 
     # In positions counted from the end (i' = q_len-1-i, j' = k_len-1-j) the bottom-right causal
     # rule j <= i + diag reads i' <= j': this block holds j' in [rank*BN, (rank+1)*BN).
@@ -531,21 +553,21 @@ def _bwd_dkdv_kernel(
     delta_base = DELTA + h * stride_lse_h + q_start
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_M)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_M)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, d_ok,
+                         0, t_full, q_len, diag, qk_scale, MODE, ACT, CAUSAL, False, FAST, PRECISION, BLOCK_M, PAD_D)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, d_ok,
+                         t_full, t_hi, q_len, diag, qk_scale, MODE, ACT, CAUSAL, True, FAST, PRECISION, BLOCK_M, PAD_D)
     dk = dk * dk_scale
     dv = dv * dv_scale
-    tl.store(DK + rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+    _store_tile(DK + rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), key_ok, d_ok, PAD_D)
+    _store_tile(DV + rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), key_ok, d_ok, PAD_D)
 
 
 # --------------------------------------------------------------------------------------------
 # Autotuning
 # --------------------------------------------------------------------------------------------
 
-_AUTOTUNE_KEY = ["BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET", "MODE", "ACT", "CAUSAL", "HEAD_DIM"]
+_AUTOTUNE_KEY = ["BATCH_BUCKET", "MAX_Q_BUCKET", "MAX_K_BUCKET", "MODE", "ACT", "CAUSAL", "HEAD_DIM", "DIM"]
 
 # (BLOCK_M, BLOCK_N, warps, stages) per kernel and head-dim bucket; BLOCK_M is always the query
 # block. Chosen from the sm_90 compiler's register and shared-memory report: configs that spilled
@@ -783,10 +805,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _head_dim_padded(d: int) -> int:
+    """The tiles' head dim for a head dim of ``d``: ``tl.dot`` and ``tl.arange`` need a power of two (at least 16);
+    the columns past ``d`` are masked in the kernels (read as zeros, never stored)."""
     return max(16, next_power_of_2(d))
 
-
-_POWERS_OF_TWO = frozenset(1 << i for i in range(4, 9))  # head dims the kernels take as they are
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -798,14 +820,9 @@ def _unused_f32(device: torch.device) -> torch.Tensor:
     return t
 
 
-def _prepare(x: torch.Tensor, d_pad: int) -> torch.Tensor:
-    # The kernels need unit stride along head_dim and a power-of-two head_dim >= 16 (tl.dot and
-    # tl.arange); zero columns leave every score unchanged, so padding is exact.
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if x.shape[-1] != d_pad:
-        x = torch.nn.functional.pad(x, (0, d_pad - x.shape[-1]))
-    return x
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with unit stride along the head dim, which the kernels' tiles assume (a copy only where it is not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 # Samples launched longest first (see _block_counts_kernel) when one sort of this many holds the
@@ -862,15 +879,16 @@ def _keys(batch: int, max_q_len: int, max_k_len: int) -> tuple[int, int, int]:
 _CONSTS: dict[tuple, dict] = {}
 
 
-def _consts(activation: Activation | None, causal: bool, d_pad: int, dtype: torch.dtype) -> dict:
-    """The kernels' compile-time constants for one call, built once per combination (they are
-    only read, never changed, by the launchers)."""
-    key = (activation, causal, d_pad, dtype)
+def _consts(activation: Activation | None, causal: bool, d: int, dtype: torch.dtype) -> dict:
+    """The kernels' compile-time constants for one call at head dim ``d``, built once per combination (they are
+    only read, never changed, by the launchers): ``HEAD_DIM`` the tiles' (padded) width, ``DIM`` = ``d``."""
+    key = (activation, causal, d, dtype)
     hit = _CONSTS.get(key)
     if hit is None:
         softmax = activation is None
+        d_pad = _head_dim_padded(d)
         hit = _CONSTS[key] = dict(MODE=SOFTMAX if softmax else ACTIVATION, ACT=0 if softmax else activation.code,
-                                  CAUSAL=bool(causal), HEAD_DIM=d_pad, FAST=not INTERPRETED,
+                                  CAUSAL=bool(causal), HEAD_DIM=d_pad, DIM=d, PAD_D=d_pad != d, FAST=not INTERPRETED,
                                   PRECISION=_dot_precision(dtype))
     return hit
 
@@ -905,13 +923,12 @@ def attention_forward(
     if total_q == 0 or batch == 0 or max_q_len == 0:
         return out, lse
     (sqt, sqh, sqd), (skt, skh, skd), (svt, svh, svd) = q.stride(), k.stride(), v.stride()
-    if d in _POWERS_OF_TWO and sqd == 1 and skd == 1 and svd == 1:
-        d_pad, qp, kp, vp, op = d, q, k, v, out  # the common case: nothing to copy or pad
+    if sqd == 1 and skd == 1 and svd == 1:
+        qp, kp, vp = q, k, v  # the common case: nothing to copy (any head dim: the kernels mask the padded columns)
     else:
-        d_pad = _head_dim_padded(d)
-        qp, kp, vp = (_prepare(x, d_pad) for x in (q, k, v))
-        op = out if d_pad == d else torch.empty((total_q, heads, d_pad), dtype=q.dtype, device=device)
+        qp, kp, vp = _unit(q), _unit(k), _unit(v)
         (sqt, sqh, _), (skt, skh, _), (svt, svh, _) = qp.stride(), kp.stride(), vp.stride()
+    op = out
     cum_q, _ = counts if counts is not None else block_counts(q_offsets, k_offsets)
     sot, soh, _ = op.stride()
     tensors = (qp, kp, vp, op, lse, q_offsets, k_offsets, cum_q)
@@ -920,12 +937,10 @@ def attention_forward(
         total_q, batch, heads, float(scale * LOG2E if softmax else scale), float(out_scale),
         *_keys(batch, max_q_len, max_k_len),
     ]
-    consts = _consts(activation, causal, d_pad, q.dtype)
+    consts = _consts(activation, causal, d, q.dtype)
     dtypes = (q.dtype, q_offsets.dtype, k_offsets.dtype)
     aligned = DIRECT_LAUNCH and total_q <= _I32_MAX and _aligned(*tensors)
     _launch("fwd", _fwd_tuned, _fwd_kernel, total_q, batch, heads, args, consts, dtypes, aligned)
-    if op is not out:
-        out.copy_(op[..., :d])
     return out, lse
 
 
@@ -956,26 +971,24 @@ def attention_backward(
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros(k.shape, dtype=k.dtype, device=k.device),
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))
     device = q.device
-    d_pad = d if d in _POWERS_OF_TWO else _head_dim_padded(d)
     # Each stride() call builds a tuple: read every input's once.
     (sqt, sqh, sqd), (skt, skh, skd), (svt, svh, svd), (sdot, sdoh, sdod) = q.stride(), k.stride(), v.stride(), do.stride()
-    if d_pad == d and sqd == 1 and skd == 1 and svd == 1 and sdod == 1:
-        qp, kp, vp, dop = q, k, v, do  # the common case: nothing to copy or pad
+    if sqd == 1 and skd == 1 and svd == 1 and sdod == 1:
+        qp, kp, vp, dop = q, k, v, do  # the common case: nothing to copy (any head dim: the kernels mask the padding)
     else:
-        qp, kp, vp, dop = (_prepare(x, d_pad) for x in (q, k, v, do))
+        qp, kp, vp, dop = _unit(q), _unit(k), _unit(v), _unit(do)
         (sqt, sqh, _), (skt, skh, _), (svt, svh, _), (sdot, sdoh, _) = qp.stride(), kp.stride(), vp.stride(), dop.stride()
-    padded = d_pad != d
-    dq = torch.empty(total_q, heads, d_pad, dtype=q.dtype, device=device)
+    dq = torch.empty(total_q, heads, d, dtype=q.dtype, device=device)
     if dkdv_one_buffer:
         # Two contiguous halves of one allocation (k and v have one dtype and shape), each laid out
-        # as a fresh [total_k, H, d_pad] tensor: autograd's gradient accumulation still takes them as
+        # as a fresh [total_k, H, d] tensor: autograd's gradient accumulation still takes them as
         # they are (no copy), and the buffer, exactly dK's and dV's bytes, is freed once both are.
-        dk, dv = torch.empty(2, total_k, heads, d_pad, dtype=k.dtype, device=device).unbind(0)
+        dk, dv = torch.empty(2, total_k, heads, d, dtype=k.dtype, device=device).unbind(0)
     else:
-        dk = torch.empty(total_k, heads, d_pad, dtype=k.dtype, device=device)
-        dv = torch.empty(total_k, heads, d_pad, dtype=v.dtype, device=device)
+        dk = torch.empty(total_k, heads, d, dtype=k.dtype, device=device)
+        dv = torch.empty(total_k, heads, d, dtype=v.dtype, device=device)
     if softmax:
-        op = _prepare(o, d_pad)
+        op = _unit(o)
         delta = torch.empty(heads, total_q, dtype=torch.float32, device=device)
         lse_t = lse
     else:
@@ -983,12 +996,12 @@ def attention_backward(
         delta = lse_t = _unused_f32(device)
     cum_q, cum_k = counts if counts is not None else block_counts(q_offsets, k_offsets)
     keys = _keys(batch, max_q_len, max_k_len)
-    consts = _consts(activation, causal, d_pad, q.dtype)
+    consts = _consts(activation, causal, d, q.dtype)
     qk_scale = float(scale * LOG2E if softmax else scale)
     ds_scale = float(scale if softmax else scale * out_scale)
-    # dq, dk and dv are fresh contiguous [rows, H, d_pad] tensors: one pair of strides serves all three.
+    # dq, dk and dv are fresh contiguous [rows, H, d] tensors: one pair of strides serves all three.
     sot, soh, _ = op.stride()
-    sgt, sgh = heads * d_pad, d_pad
+    sgt, sgh = heads * d, d
     dtypes = (q.dtype, do.dtype, q_offsets.dtype, k_offsets.dtype)
     aligned = (DIRECT_LAUNCH and max(total_q, total_k) <= _I32_MAX
                and _aligned(qp, kp, vp, op, dop, lse_t, q_offsets, k_offsets, cum_q, cum_k))
@@ -1004,7 +1017,5 @@ def attention_backward(
         batch, heads, qk_scale, ds_scale, float(1.0 if softmax else out_scale), *keys,
     ]
     _launch("dkdv", _dkdv_tuned, _bwd_dkdv_kernel, total_k, batch, heads, dkdv_args, consts, dtypes, aligned)
-    if padded:
-        dq, dk, dv = dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :d].contiguous()
     return dq, dk, dv
 

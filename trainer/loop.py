@@ -250,7 +250,8 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
     film = ("fused" if device.type == "cuda" and cfg.compile == "off"
             and any(getattr(m, "film_fused", False) for m in model.modules()) else "eager")
     if any(hasattr(m, "film_fused") for m in model.modules()):
-        notes.append("FiLM LayerNorm: " + ("one Triton kernel each way" if film == "fused" else "PyTorch ops"))
+        notes.append("FiLM LayerNorm and the layers' LayerNorms: " + ("Triton kernels, one each way" if film == "fused"
+                                                                       else "PyTorch ops"))
     return Built(model=model, pm=pm, optims=optims, backend=backend, graphs=graphs, notes=notes, film=film)
 
 
@@ -590,7 +591,8 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
         startup=startup, loader=loader_throughput(loop, measured),
         options=RunOptions(seq_chunk=int(loop.layout.seq_chunk or 0), compile=loop.cfg.compile, attention_backend=built.backend,
                            cuda_graphs=built.graphs is not None and built.graphs.stats.replayed > 0
-                           and built.graphs.stats.eager == 0 and built.graphs.stats.disabled is None, film=built.film),
+                           and built.graphs.stats.eager == 0 and built.graphs.stats.disabled is None, film=built.film,
+                           head_pad="masked"),
     )
     dump_spec(result, RunDir(loop.run_dir).summary_path)
     st = result.step_time

@@ -14,7 +14,8 @@
 #             afterwards, scripts/ship_calibration.py --runs <that tgz> refits the shipped calibration from them (the
 #             next set, not this one, is then its held-out test)
 #   ab        dense arch only (no TorchRec): --compile off vs layers under CUDA graphs ($AB_PLANS), then the graphs' GPU test
-#   film      the fused FiLM LayerNorm's GPU tests and benchmarks/film_norm.py (no TorchRec needed)
+#   film      the fused FiLM LayerNorm's GPU tests and benchmarks/film_norm.py (no TorchRec needed), then the attention
+#             kernels' GPU tests at head dims that are not a power of two and benchmarks/attention_head_pad.py
 #   startup   time to the first step of gem-h200, first and repeated run (H200 only: its plan is for h200-1gpu)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
 # The trainer benchmarks run plans made by the planner, which needs OR-Tools (not on the device): make
@@ -122,6 +123,8 @@ film)
   # the fused FiLM LayerNorm: its GPU tests, then fused vs PyTorch forward + backward at draws' shapes
   t tests; COPLAN_KERNEL_TESTS_PRECOMPILE=0 timeout 120 python3 -m pytest -q -rfxXs --tb=short -p no:cacheprovider tests/kernels/test_film_norm.py > $OUT/pytest_film.txt 2>&1; tail -n 8 $OUT/pytest_film.txt
   t bench; timeout 200 python3 benchmarks/film_norm.py --out $OUT/film_norm.json > $OUT/film_norm.log 2>&1; tail -n 10 $OUT/film_norm.log
+  t attn_tests; COPLAN_KERNEL_TESTS_PRECOMPILE=0 timeout 150 python3 -m pytest -q -rfxXs --tb=short -p no:cacheprovider tests/kernels/test_triton_attention.py -k "power or strided or low_precision" > $OUT/pytest_attn.txt 2>&1; tail -n 6 $OUT/pytest_attn.txt
+  t attn_pad; timeout 200 python3 benchmarks/attention_head_pad.py --out $OUT/attention_head_pad.json > $OUT/attention_head_pad.log 2>&1; tail -n 10 $OUT/attention_head_pad.log
   ;;
 startup)
   t startup; timeout 560 python3 benchmarks/startup_h200.py --runs-root /tmp/startup --out $OUT/startup_h200.json > $OUT/startup.log 2>&1

@@ -52,6 +52,10 @@ class RunOptions(Spec):
     """How the InterFormer layers' FiLM + first LayerNorm ran: ``fused`` (``coplan.kernels.film_norm``) or
     ``eager`` (PyTorch ops; also under ``--compile``, and every run before the kernel)."""
 
+    head_pad: Literal["masked", "copies"] = "copies"
+    """How the Triton attention kernels took a head dim that is not a power of two: ``masked`` in the kernels, or
+    ``copies`` around them (every run before 2026-12-06, whose summaries lack the field)."""
+
 
 class Startup(Spec):
     """Where a run's time to its first step went, in seconds (rank 0)."""

@@ -754,11 +754,21 @@ class Kernels(Spec):
     """An InterFormer layer's FiLM modulation and first LayerNorm (``LN(h)·(1+γ)+β``): one Triton kernel each
     way (``coplan.kernels.film_norm``) where the Triton attention backend runs on CUDA outside ``torch.compile``,
     or ``eager``: PyTorch's gathers, LayerNorm and ``addcmul`` (what every run before the kernel executed). The
-    cost model prices the op's traffic accordingly. Written (and hashed) only when ``eager``."""
+    cost model prices the op's traffic accordingly. ``fused`` also runs the InterFormer and Kunlun layers' plain
+    LayerNorms (``norm2``, the summary and Kunlun norms) through the same Triton kernels without the FiLM (one
+    kernel each way; PyTorch's backward takes two passes), priced as the LayerNorms they replace. Written (and
+    hashed) only when ``eager``."""
+
+    head_pad: Literal["masked", "copies"] = "masked"
+    """How the Triton attention kernels take a head dim that is not a power of two (their tiles' width is one):
+    ``masked``, the columns past the head dim masked inside the kernels (read as zeros, never written; what the
+    trainer runs), or ``copies``: the tensors padded by copies around the kernels and the results sliced back,
+    which every run before 2026-12-06 did; that value prices such runs as they ran (``coplan calibrate`` sets it
+    for them). Written (and hashed) only when ``copies``."""
 
     @model_serializer(mode="wrap")
     def _without_added_defaults(self, handler):
-        return drop_added_defaults(handler(self), {"cuda_graphs": "auto", "film": "fused"})
+        return drop_added_defaults(handler(self), {"cuda_graphs": "auto", "film": "fused", "head_pad": "masked"})
 
 
 class Workload(Spec):

@@ -40,9 +40,11 @@ def _plan(batch: int, mean_len: int) -> Plan:
 
 
 def synthesised(plan: Plan) -> Plan:
-    """``plan`` as a synthetic run executed it: its summary (where a test writes one) records no fused FiLM, so
-    calibrate prices it with the PyTorch FiLM (``calibration.runs.as_ran``); the trace is made of those terms."""
-    ran = plan.workload.model_copy(update={"kernels": plan.workload.kernels.model_copy(update={"film": "eager"})})
+    """``plan`` as a synthetic run executed it: its summary (where a test writes one) records no fused FiLM and no
+    masked head dims, so calibrate prices it with the PyTorch FiLM and padded copies (``calibration.runs.as_ran``);
+    the trace is made of those terms."""
+    ran = plan.workload.model_copy(update={"kernels": plan.workload.kernels.model_copy(
+        update={"film": "eager", "head_pad": "copies"})})
     return plan.model_copy(update={"workload": ran})
 
 

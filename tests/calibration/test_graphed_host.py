@@ -56,8 +56,8 @@ def test_the_pricer_charges_graphed_plans_the_graphed_cost():
 
 def test_an_eager_run_of_a_graphable_plan_is_priced_eagerly():
     g = _plan(16, 256)
-    assert as_ran(g, RunOptions(cuda_graphs=True, film="fused")) is g
-    eager = as_ran(g, RunOptions(cuda_graphs=False, film="fused"))
+    assert as_ran(g, RunOptions(cuda_graphs=True, film="fused", head_pad="masked")) is g
+    eager = as_ran(g, RunOptions(cuda_graphs=False, film="fused", head_pad="masked"))
     assert not graphed_plan(eager) and eager.workload.kernels.cuda_graphs == "off"
     assert eager.workload.kernels.film == "fused"
     assert not graphed_plan(as_ran(g, None))
@@ -74,6 +74,16 @@ def test_a_run_without_the_fused_film_is_priced_with_the_pytorch_film():
     assert old.workload.kernels.film == "eager" and graphed_plan(old)
     assert as_ran(g, None).workload.kernels.film == "eager"
     assert as_ran(g, RunOptions(cuda_graphs=True, film="fused")).workload.kernels.film == "fused"
+
+
+def test_a_run_from_before_masked_head_dims_is_priced_with_its_copies():
+    """Runs from before 2026-12-06 (no ``head_pad`` in their options) padded a head dim the Triton kernels do not
+    take by copies around them: priced so; a run that recorded ``masked``, without them."""
+    g = _plan(16, 256)
+    assert g.workload.kernels.head_pad == "masked"
+    assert as_ran(g, None).workload.kernels.head_pad == "copies"
+    assert as_ran(g, RunOptions(cuda_graphs=True, film="fused")).workload.kernels.head_pad == "copies"
+    assert as_ran(g, RunOptions(cuda_graphs=True, film="fused", head_pad="masked")).workload.kernels.head_pad == "masked"
 
 
 def test_calibrate_fits_the_graphed_and_the_eager_host_cost_apart(tmp_path):

@@ -1,5 +1,6 @@
-"""Attention at a head dim coplan's Triton kernels do not take: priced padded, with its copies
-(:func:`coplan.costmodel.flops.triton_head_padding`), against hand counts."""
+"""Attention at a head dim coplan's Triton kernels do not take: the kernels mask the padded columns (priced as
+at the head dim, no copies); runs from before that (``kernels.head_pad: copies``) are priced padded, with their
+copies (:func:`coplan.costmodel.flops.triton_head_padding`), against hand counts."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from coplan.spec import Workload, load_workload, parse_spec
 from .helpers import gem_h200_plan
 
 
-def _with_head_dim(head_dim: int, kind: str | None = None) -> Workload:
+def _with_head_dim(head_dim: int, kind: str | None = None, head_pad: str = "copies") -> Workload:
     doc = load_workload("gem-h200").model_dump(mode="json")
+    doc.setdefault("kernels", {})["head_pad"] = head_pad
     for b in doc["blocks"]:
         if b["type"] == "interformer":
             b["head_dim"] = head_dim
@@ -91,3 +93,19 @@ def test_the_cost_model_prices_the_padding_only_for_the_triton_backend():
     assert arr.fwd_serial_s[g] + arr.bwd_serial_s[g] > 0.01 * (arr.fwd_flop_s[g] + arr.bwd_flop_s[g])
     ref = op_arrays(ctx, base.kernels.model_copy(update={"attention": "reference"}))
     assert ref.unfused[g] == 1
+
+
+def test_masked_head_dims_add_no_copies():
+    """The default (``kernels.head_pad: masked``, what the trainer runs): no serial bytes, the kernels as at 96."""
+    base = gem_h200_plan()
+    w96 = _with_head_dim(96, head_pad="masked")
+    assert "head_pad" not in w96.model_dump(mode="json")["kernels"]  # the default is not written (hashes unchanged)
+    ctx = build_context(w96, base.topology, base.mesh)
+    arr = op_arrays(ctx)
+    names = [ctx.ops[int(i)].name for i in ctx.dense_idx]
+    for g, n in enumerate(names):
+        if n.endswith((".gdpa", ".summary_attn")):
+            assert arr.fwd_serial_s[g] == 0 and arr.bwd_serial_s[g] == 0, n
+    copies = op_arrays(build_context(_with_head_dim(96), base.topology, base.mesh))
+    g = names.index(next(n for n in names if n.endswith(".gdpa")))
+    assert copies.fwd_flops[g] == pytest.approx(arr.fwd_flops[g]) and copies.fwd_serial_s[g] > 0

@@ -251,7 +251,9 @@ class DenseArch(nn.Module):
                 max_len = workload.sequence(b.sequence).length.max_len
                 self.blocks[b.name] = InterFormerStack(b, layout, w, max_len, backend, workload.kernels.film)
             elif isinstance(b, KunlunBlock):
-                self.blocks[b.name] = LayerStack([KunlunLayer(f"{b.name}.{i}", b, tokens.total) for i in range(b.num_layers)])
+                fused = workload.kernels.film == "fused" and backend == "triton"
+                self.blocks[b.name] = LayerStack([KunlunLayer(f"{b.name}.{i}", b, tokens.total, fused)
+                                                  for i in range(b.num_layers)])
             elif isinstance(b, MoEBlock):
                 self.blocks[b.name] = LayerStack([MoELayer(f"{b.name}.{i}", b) for i in range(b.num_layers)])
             elif isinstance(b, TransformerBlock):

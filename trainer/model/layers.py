@@ -341,14 +341,26 @@ class FusedFp8FFN:
         return f"FusedFp8FFN({self.name}, {self.describe()}, fp8_enabled={self.fp8_enabled})"
 
 
+def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``norm(x)``; with ``fused``, on CUDA outside ``torch.compile`` (:func:`film_kernel_applies`), through coplan's
+    Triton LayerNorm (``coplan.kernels.film_norm.layer_norm``: one kernel each way; PyTorch's backward is two, the
+    weight and bias gradients a separate pass over the tokens)."""
+    if fused and film_kernel_applies(x):
+        from coplan.kernels.film_norm import layer_norm as triton_layer_norm  # (decorated on first use)
+
+        return triton_layer_norm(x, norm.weight, norm.bias, norm.eps)
+    return norm(x)
+
+
 def pre_norm_ffn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer.ffn(layer.norm2(x))``: through the layer's :class:`FusedFp8FFN` where one is installed and the FP8
-    guard has not turned it off, else unfused (``norm2`` in the ``norm_act`` range, the FFN in its own)."""
+    guard has not turned it off, else unfused (``norm2`` in the ``norm_act`` range, through coplan's Triton
+    LayerNorm where the layer's ``norm_fused`` says so, the FFN in its own)."""
     fused = layer.fused_ffn
     if fused is not None and fused.fp8_enabled:
         return fused(x)
     with op_range(layer, "norm_act"):
-        y = layer.norm2(x)
+        y = layer_norm(layer.norm2, x, layer.norm_fused)
     return layer.ffn(y)
 
 
@@ -391,14 +403,17 @@ class InterFormerLayer(nn.Module):
 
     fused_ffn: FusedFp8FFN | None = None
     """``norm2`` and the FFN as one fused FP8 op (the ``blockwise-fused`` recipe), set by ``apply_fp8``."""
+    norm_fused: bool = False
+    """The layer's LayerNorms through coplan's Triton kernels where they run (:func:`layer_norm`)."""
 
     def __init__(self, name: str, block: InterFormerBlock, ctx_dim: int, max_len: int, backend: str,
                  film: str = "fused") -> None:
         super().__init__()
         self.name = name
         # FiLM + norm1 as one Triton kernel each way (kernels/film_norm.py) where the Triton kernels run: on CUDA,
-        # outside torch.compile (a compiled layer keeps the PyTorch expression, which Inductor fuses itself)
-        self.film_fused = film == "fused" and backend == "triton"
+        # outside torch.compile (a compiled layer keeps the PyTorch expression, which Inductor fuses itself); the
+        # layer's other LayerNorms (norm2, summary_norm) through the same kernels without the FiLM
+        self.film_fused = self.norm_fused = film == "fused" and backend == "triton"
         d, h, hd = block.model_dim, block.num_heads, block.head_dim
         self.heads, self.head_dim, self.inner = h, hd, h * hd
         self.attn, self.max_len, self.backend = block.attention, max_len, backend
@@ -449,7 +464,8 @@ class InterFormerLayer(nn.Module):
         if self.num_summary:
             s = self.num_summary
             with op_range(self, "summary_q"):
-                qs = self.summary_q(self.summary_norm(summary)).reshape(batch * s, self.heads, self.head_dim)
+                qs = self.summary_q(layer_norm(self.summary_norm, summary, self.norm_fused)).reshape(batch * s, self.heads,
+                                                                                                      self.head_dim)
             with op_range(self, "summary_attn"):
                 q_off = torch.arange(batch + 1, device=offsets.device, dtype=offsets.dtype) * s
                 a_s = jagged_attention(qs, k, v, q_off, offsets, attn=self.attn, causal=False,
@@ -465,10 +481,14 @@ class KunlunLayer(nn.Module):
 
     fused_ffn: FusedFp8FFN | None = None
     """``norm2`` and the FFN as one fused FP8 op (the ``blockwise-fused`` recipe), set by ``apply_fp8``."""
+    norm_fused: bool = False
+    """The layer's LayerNorms through coplan's Triton kernels where they run (:func:`layer_norm`)."""
 
-    def __init__(self, name: str, block: KunlunBlock, num_tokens: int) -> None:
+    def __init__(self, name: str, block: KunlunBlock, num_tokens: int, norm_fused: bool = False) -> None:
+        """``norm_fused``: the LayerNorms through coplan's Triton kernels where they run (:func:`layer_norm`)."""
         super().__init__()
         self.name = name
+        self.norm_fused = norm_fused
         d, h, hd = block.model_dim, block.num_heads, block.head_dim
         self.heads, self.head_dim, self.inner = h, hd, h * hd
         self.attn = block.attention
@@ -485,7 +505,7 @@ class KunlunLayer(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         b, t, _ = z.shape
         with op_range(self, "norm_act"):
-            x = self.norm1(z)
+            x = layer_norm(self.norm1, z, self.norm_fused)
         with op_range(self, "qkv"):
             q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         with op_range(self, "attn"):
@@ -496,7 +516,7 @@ class KunlunLayer(nn.Module):
 
 
 __all__ = [
-    "FFN", "FusedFp8FFN", "InterFormerLayer", "film_kernel_applies", "KunlunLayer", "MLP", "attention_scales", "dense_attention", "expand_segments",
+    "FFN", "FusedFp8FFN", "InterFormerLayer", "film_kernel_applies", "KunlunLayer", "layer_norm", "MLP", "attention_scales", "dense_attention", "expand_segments",
     "jagged_attention", "mask_rows", "op_range", "pre_norm_ffn", "resolve_backend", "enable_segment_sum_gemm", "segment_ids", "segment_sum",
     "segment_sum_gemm_enabled", "segment_sum_gemm_works", "segment_sum_grad",
 ]
