@@ -443,7 +443,10 @@ FIGURES: tuple[Figure, ...] = (
                 "forward + backward 1.16-1.57x: the backward kernel moves its bytes at only 310-360 GB/s (its per-sample "
                 "sums are atomic adds, acquire-release by default, and each 16-row block writes fp32 partials of the norm's "
                 "weight gradient), so it is about as slow as the PyTorch chain it replaces. Errors against fp32: 3-4e-3 "
-                "(PyTorch's 6-9e-3). Measured at 6e50e05 on the H100 (2026-12-06)"),
+                "(PyTorch's 6-9e-3). Measured at 6e50e05 on the H100 (2026-12-06). Stale since d8cc12b: the backward is now a "
+                "persistent row-loop kernel (per-sample sums in registers, relaxed atomics once per sample and program) and "
+                "the same kernels run the layers' plain LayerNorms; not re-measured as shipped (no device could be started "
+                "for the rest of that session)"),
     Figure(KERN, "Fused FiLM LayerNorm, forward alone vs PyTorch, median", FILM_NORM, at("summary.median_speedup_fwd"), "x"),
     # trainer
     Figure(TRAINING, "Fresh draws (one-H200 family, seed in the JSON): draws that ran of those drawn", FRESH,

@@ -204,7 +204,7 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
                 m1, m2 = pad_len[o.sequence]
                 # what the reference really runs: full padded score blocks in fp32/TF32, its copies, its kernels
                 o = F.padded_reference_attention(o, w, min(1.0, real_m1 / m1) if m1 > 0 else 1.0)
-            elif kernels.attention == "triton" and kernels.head_pad == "copies":
+            elif kernels.attention == "triton" and ctx.workload.kernels.head_pad == "copies":
                 # a run from before the kernels masked the padding: a head dim they do not take had copies around them
                 o = F.triton_head_padding(o, w)
             elif kernels.attention == "flex":

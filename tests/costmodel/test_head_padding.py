@@ -11,6 +11,7 @@ from coplan.costmodel.compute import op_arrays
 from coplan.costmodel.context import build_context
 from coplan.costmodel.efficiency import UNFUSED_CLASS
 from coplan.spec import Workload, load_workload, parse_spec
+from coplan.spec.run import RunOptions
 
 from .helpers import gem_h200_plan
 
@@ -109,3 +110,19 @@ def test_masked_head_dims_add_no_copies():
     copies = op_arrays(build_context(_with_head_dim(96), base.topology, base.mesh))
     g = names.index(next(n for n in names if n.endswith(".gdpa")))
     assert copies.fwd_flops[g] == pytest.approx(arr.fwd_flops[g]) and copies.fwd_serial_s[g] > 0
+
+
+def test_calibration_prices_an_old_run_with_its_copies():
+    """``calibration.runs.as_ran`` marks a run from before masked head dims on its workload (``kernels.head_pad:
+    copies``); the calibration's terms (priced with the plan's own ``kernels``) must carry the copies then. (At first
+    the flag was read from the plan's kernels, which ``as_ran`` leaves alone: the fit lost the copies.)"""
+    from coplan.calibration.runs import as_ran
+    from coplan.calibration.terms import unit_terms
+
+    base = gem_h200_plan()
+    w96 = _with_head_dim(96, head_pad="masked")
+    plan = base.model_copy(update={"workload": w96})
+    old, new = as_ran(plan, None), as_ran(plan, RunOptions(film="fused", head_pad="masked", cuda_graphs=True))
+    assert old.workload.kernels.head_pad == "copies" and old.kernels.head_pad == "masked"
+    serial = lambda p: sum(t.serial_mem_s for t in unit_terms(p) if t.name.endswith((".gdpa", ".summary_attn")))  # noqa: E731
+    assert serial(old) > 0 and serial(new) == 0
