@@ -108,24 +108,30 @@ def main() -> int:
                 fwd_ms = triton.testing.do_bench(fn, warmup=10, rep=50)
             both_ms = triton.testing.do_bench(lambda: fwd_bwd(fn), warmup=10, rep=50)
             got = (fn(), fwd_bwd(fn))
-            err = {k: float((x.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)) for k, x, r in zip(("out", "dqkv"), got, ref)}
+            err = {k: float((x.detach().float() - r.detach()).abs().max() / r.abs().max().clamp_min(1e-6)) for k, x, r in zip(("out", "dqkv"), got, ref)}
             row[name] = dict(fwd_ms=fwd_ms, fwd_bwd_ms=both_ms, max_rel_error=err)
         row["speedup_fwd"] = row["copies"]["fwd_ms"] / row["masked"]["fwd_ms"]
         row["speedup_fwd_bwd"] = row["copies"]["fwd_bwd_ms"] / row["masked"]["fwd_bwd_ms"]
         rows.append(row)
+        _write(a.out, rows)  # after every case: a cut run keeps what it measured
         print(f"{case['case']}: T={T} H={H} d={d} ({case['kind']}): copies {row['copies']['fwd_bwd_ms']:.3f} ms, masked "
               f"{row['masked']['fwd_bwd_ms']:.3f} ms fwd+bwd ({row['speedup_fwd_bwd']:.2f}x; fwd {row['speedup_fwd']:.2f}x); "
               f"errors masked {max(row['masked']['max_rel_error'].values()):.2e}, "
               f"copies {max(row['copies']['max_rel_error'].values()):.2e}", flush=True)
+    return 0
+
+
+def _write(out: Path, rows: list[dict]) -> None:
+    import triton
+
     summary = dict(cases=len(rows), median_speedup_fwd_bwd=statistics.median(r["speedup_fwd_bwd"] for r in rows),
                    min_speedup_fwd_bwd=min(r["speedup_fwd_bwd"] for r in rows),
                    max_speedup_fwd_bwd=max(r["speedup_fwd_bwd"] for r in rows),
                    median_speedup_fwd=statistics.median(r["speedup_fwd"] for r in rows))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    write_result(a.out, "jagged attention at head dims not a power of two: masked columns vs padded copies (bf16, fwd+bwd)",
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_result(out, "jagged attention at head dims not a power of two: masked columns vs padded copies (bf16, fwd+bwd)",
                  torch.cuda.get_device_name(), summary, rows, torch=torch.__version__, triton=triton.__version__,
                  python=platform.python_version())
-    return 0
 
 
 if __name__ == "__main__":
