@@ -309,10 +309,15 @@ LOO_H100F = Result("calibration_loo_h100f.json",
                                                               "benchmarks/results/draw_runs_h100f.tgz"),
                    script="calibration_loo.py")
 FILM_NORM = Result("film_norm_h100.json",
-                   "python benchmarks/film_norm.py --out benchmarks/results/film_norm_h100.json (on the lent GPU: "
+                   "python benchmarks/film_norm.py --seeds 1,4 --out benchmarks/results/film_norm_h100.json (on the lent GPU: "
                    "bash benchmarks/device/stage.sh film COMMIT)",
                    ("kernels/film_norm.py", "kernels/fp8_triton.py", "trainer/model/layers.py", "coplan/sample.py"),
                    script="film_norm.py")
+ATTN_PAD = Result("attention_head_pad_h100.json",
+                  "python benchmarks/attention_head_pad.py --seeds 0,8 --out benchmarks/results/attention_head_pad_h100.json "
+                  "(on the lent GPU: bash benchmarks/device/stage.sh film COMMIT runs it at its default seeds)",
+                  ("kernels/triton_attention.py", "kernels/api.py", "kernels/ops.py", "coplan/sample.py"),
+                  script="attention_head_pad.py")
 FILM_AB = Result("fresh_draws_h100f_film_eager.json",
                  "python benchmarks/plans_variant.py --plans benchmarks/results/fresh_plans_h100f --set film=eager --out "
                  "benchmarks/results/fresh_plans_h100f_eager, then on the lent H100 (the same lease as fresh_draws_h100f.json): "
@@ -436,17 +441,29 @@ FIGURES: tuple[Figure, ...] = (
     # kernels
     *_attention_figures(),
     Figure(KERN, "Fused FiLM LayerNorm (an InterFormer layer's FiLM + first norm), forward + backward vs PyTorch, median "
-                 "over 7 shapes (H100, bf16)", FILM_NORM, at("summary.median_speedup_fwd_bwd"), "x",
+                 "over 3 shapes (H100, bf16)", FILM_NORM, at("summary.median_speedup_fwd_bwd"), "x",
            note="kernels/film_norm.py: one Triton kernel each way, where PyTorch ran two gathers, LayerNorm and addcmul "
-                "forward and eight kernels backward (with the one-hot GEMM segment sums). Shapes: gem-h200's first "
-                "InterFormer and six sampler draws' (57k-260k tokens, width 448-1,664). Forward 2.8-5.3x (1.7-2.3 TB/s); "
-                "forward + backward 1.16-1.57x: the backward kernel moves its bytes at only 310-360 GB/s (its per-sample "
-                "sums are atomic adds, acquire-release by default, and each 16-row block writes fp32 partials of the norm's "
-                "weight gradient), so it is about as slow as the PyTorch chain it replaces. Errors against fp32: 3-4e-3 "
-                "(PyTorch's 6-9e-3). Measured at 6e50e05 on the H100 (2026-12-06). Stale since d8cc12b: the backward is now a "
-                "persistent row-loop kernel (per-sample sums in registers, relaxed atomics once per sample and program) and "
-                "the same kernels run the layers' plain LayerNorms; not re-measured as shipped (no device could be started "
-                "for the rest of that session)"),
+                "forward and eight kernels backward (with the one-hot GEMM segment sums). The backward is a persistent "
+                "row-loop kernel since d8cc12b (per-sample sums in registers, one relaxed vector atomic per sample and "
+                "program; the norm's weight gradients once per program): 2.0-2.3 TB/s (0.16 ms at gem-h200's 60,876 x 1,024, "
+                "where the 16-row kernel before it took 1.0 ms at 310-360 GB/s). Shapes: gem-h200's first InterFormer and "
+                "two sampler draws' (seeds 1 and 4: 171,715 x 448, 91,523 x 1,664; the device's budget allowed three). "
+                "Per shape 1.70, 3.89, 4.36x wall; device time 4.7x median. Errors against fp32 3.2-3.7e-3 (PyTorch's "
+                "6.5-7.7e-3). Measured at 9a3a29a on the H100 (2026-12-06)"),
+    Figure(KERN, "Triton LayerNorm (the layers' plain norms, the same kernels without FiLM) vs F.layer_norm, forward + "
+                 "backward GPU busy time, median", FILM_NORM, at("summary.median_layer_norm_speedup_fwd_bwd_device"), "x",
+           note="the same three shapes; device time from the profiler. Its wall time per forward + backward call is 0.79-1.22x "
+                "PyTorch's (summary.median_layer_norm_speedup_fwd_bwd 0.83x): timed alone, the call is host-bound (wall "
+                "0.65-0.79 ms against 0.28-0.71 ms of GPU time: the Python autograd function and its launches cost more "
+                "host time than F.layer_norm's); in a training step under CUDA graphs (one GPU) the host cost is not replayed, eagerly it "
+                "overlaps other ops' kernels. Backward kernel 2.4-2.9 TB/s"),
+    Figure(KERN, "Attention at head dims not a power of two: masked columns over padded copies, forward + backward, median "
+                 "of 5 shapes (H100, bf16)", ATTN_PAD, at("summary.median_speedup_fwd_bwd"), "x",
+           note="kernels/triton_attention.py since 5d0c3fb: tiles of the next power of two with the extra columns masked "
+                "in the kernels, where the launchers padded q, k, v (and dO, O) by copies and sliced the results. Per shape "
+                "(two sampler draws at d = 96, fixed d = 40, 96 and 192 softmax) 1.82, 1.94, 1.04, 1.83, 1.51x; forward "
+                "alone 2.9x median. Errors identical for both (3.1-3.8e-3 against fp32). The result records 9a3a29a+: the "
+                "kernels of 9a3a29a, the benchmark script with the per-case write committed after"),
     Figure(KERN, "Fused FiLM LayerNorm, forward alone vs PyTorch, median", FILM_NORM, at("summary.median_speedup_fwd"), "x"),
     # trainer
     Figure(TRAINING, "Fresh draws (one-H200 family, seed in the JSON): draws that ran of those drawn", FRESH,
@@ -800,7 +817,7 @@ PENDING: tuple[Pending, ...] = (
 
 INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans", "calib_plans_graphs",
           "fresh_plans_c", "fresh_plans_c_ab", "fresh_plans_d", "fresh_plans_h100", "fresh_plans_h100b", "fresh_plans_h100c", "fresh_plans_h100d", "fresh_plans_h100e", "fresh_plans_e", "fresh_plans_h100f",
-          "fresh_plans_h100f_eager", "startup_plans")
+          "fresh_plans_h100f_eager", "fresh_plans_h100g", "startup_plans")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
