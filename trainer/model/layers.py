@@ -341,11 +341,19 @@ class FusedFp8FFN:
         return f"FusedFp8FFN({self.name}, {self.describe()}, fp8_enabled={self.fp8_enabled})"
 
 
+FUSED_NORM_MIN_ROWS = 16384
+"""Rows from which :func:`layer_norm` takes the Triton kernels. Measured on the H100 (``benchmarks/results/
+film_norm_h100.json``): they save 0.2-0.35 ms of GPU time per forward + backward at 60-170k rows (1.8x less than
+PyTorch's), but a call costs more host time than ``F.layer_norm`` (timed alone it is host-bound: 0.65-0.79 ms a call
+against PyTorch's 0.51-0.88); below a few thousand rows (the Kunlun tokens, the summary tokens) the GPU saving is a
+few microseconds and the host cost would be all that is left in an eager step."""
+
+
 def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """``norm(x)``; with ``fused``, on CUDA outside ``torch.compile`` (:func:`film_kernel_applies`), through coplan's
-    Triton LayerNorm (``coplan.kernels.film_norm.layer_norm``: one kernel each way; PyTorch's backward is two, the
-    weight and bias gradients a separate pass over the tokens)."""
-    if fused and film_kernel_applies(x):
+    """``norm(x)``; with ``fused``, on CUDA outside ``torch.compile`` (:func:`film_kernel_applies`) and for at least
+    :data:`FUSED_NORM_MIN_ROWS` rows, through coplan's Triton LayerNorm (``coplan.kernels.film_norm.layer_norm``: one
+    kernel each way; PyTorch's backward is two, the weight and bias gradients a separate pass over the tokens)."""
+    if fused and x.numel() >= FUSED_NORM_MIN_ROWS * x.shape[-1] and film_kernel_applies(x):
         from coplan.kernels.film_norm import layer_norm as triton_layer_norm  # (decorated on first use)
 
         return triton_layer_norm(x, norm.weight, norm.bias, norm.eps)
