@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fp8_triton import _sm_count, cdiv, launch_kernel
+from .fp8_triton import sm_count, cdiv, launch_kernel
 
 BLOCK_M = 16
 """Forward: rows per program."""
@@ -304,7 +304,7 @@ def _bwd_plan(M: int, D: int, device: torch.device, per_sm: int | None = None,
     ``BWD_PROGRAMS_PER_SM``, else 2), ``INTERPRET_PROGRAMS`` elsewhere."""
     block_d, r, warps = _bwd_shape(D, film)
     if device.type == "cuda":
-        want = (per_sm or BWD_PROGRAMS_PER_SM or 2) * _sm_count(device)
+        want = (per_sm or BWD_PROGRAMS_PER_SM or 2) * sm_count(device)
     else:
         want = INTERPRET_PROGRAMS
     return (block_d, r, warps, *_bwd_ranges(M, r, want))

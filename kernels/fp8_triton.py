@@ -346,7 +346,7 @@ def check_2d(x: torch.Tensor, name: str) -> None:
 _SMS: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device, read once (get_device_properties is per call)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     n = _SMS.get(index)
@@ -367,7 +367,7 @@ def _split_rows(x: torch.Tensor, R: int, C: int) -> bool:
     if interpreting() or not x.is_cuda:
         return False
     block_r = 4 if x.stride(1) == 1 else 64
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device)
     return cdiv(R, block_r) < 2 * sms and C >= 2048
 
 
