@@ -400,3 +400,49 @@ def test_recomputed_layers_run_on_the_runners_cast_weights():
         if a is not None:
             torch.testing.assert_close(b, a, rtol=0, atol=0)  # the recompute repeats the forward bit for bit
 
+
+
+def test_masters_are_cast_by_multi_tensor_copies_forward_and_backward():
+    """The fp32 masters reach the compute dtype by ``_foreach_copy_`` (a few kernels for all the weights), not
+    one ``.to`` kernel a weight, and their gradients come back in fp32 the same way; results as the per-weight
+    casts give them."""
+    from torch.func import functional_call
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self, masters):
+            super().__init__()
+            self.ptrs = {m.data_ptr() for m in masters}
+            self.seen, self.master_casts = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket.__name__)
+            self.seen.append(name)
+            if name in ("_to_copy", "copy_") and any(isinstance(a, torch.Tensor) and a.data_ptr() in self.ptrs
+                                                     for a in args):
+                self.master_casts += 1
+            return func(*args, **(kwargs or {}))
+
+    w = load_workload("gem-tiny")
+    torch.manual_seed(0)
+    arch = DenseArch(w, feature_layout(w), "reference")
+    runner = DenseGraphs(arch, torch.bfloat16, torch.device("cpu"))
+    n_params = len(runner.params)
+    assert n_params > 8
+    pooled, keys, widths, seq, offsets, dense = _inputs(w, [3, 8, 0])
+    with Ops(runner.params) as ops:
+        got = runner(pooled, keys, widths, seq, offsets, dense, 3)
+        g_got = torch.autograd.grad(got.float().sum(), runner.params, allow_unused=True)
+    assert ops.master_casts == 0  # no weight cast by a copy of its own
+    assert 2 <= ops.seen.count("_foreach_copy_") <= 4
+    params = {n: p.to(torch.bfloat16) for n, p in runner.named}
+    cast = lambda x: x.to(torch.bfloat16) if x is not None and x.is_floating_point() else x  # noqa: E731
+    want = functional_call(arch, params, (cast(pooled), keys, widths, {f: cast(v) for f, v in seq.items()}, offsets,
+                                          cast(dense)), {"batch_size": 3, "valid": None}, strict=False)
+    g_want = torch.autograd.grad(want.float().sum(), runner.params, allow_unused=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b_ in zip(g_got, g_want):
+        assert (a is None) == (b_ is None)
+        if a is not None:
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b_, rtol=0, atol=0)
