@@ -61,9 +61,15 @@ def _graphed_note(h: float, h_graphed: float, graph_fit, n_graphed: int, n_eager
                "and no eager host cost is identified (host_launch_s unset: eager plans price device time alone); "))
 
 
+def _device_term(f: float, g: float) -> str:
+    """The fitted device term in words: the gap per priced launch where one was fitted, else the factor."""
+    return (f"device gap {g * 1e6:.2f} us per priced launch (device_gap_s)" if g else
+            f"device step factor {f:.3f} (device_step_factor)")
+
+
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host: bool = False, prepared: Sequence[RunSamples] | None = None,
-              host_speed: bool = False, base: Calibration | None = None, base_name: str = "the base"
-              ) -> tuple[Calibration, FitResult, list[RunSamples]]:
+              host_speed: bool = False, base: Calibration | None = None, base_name: str = "the base",
+              device_term: str = "best") -> tuple[Calibration, FitResult, list[RunSamples]]:
     """Fit a Calibration to the runs; all must come from one device unless ``force``.
 
     ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times
@@ -72,6 +78,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     read (same order as ``run_dirs``), to save parsing their traces again. ``host_speed`` (with ``host``):
     fit the host costs to the runs' steps each scaled by its host's speed (``fit_host_launch_cost``);
     either way the fitted runs' host speed is recorded (``host_op_median_us``) when their traces have it.
+    ``device_term``: how the device work no priced op accounts for is fitted (``"best"``: a share of the device step
+    or a time per priced launch, whichever fits the steps closer; :func:`~coplan.calibration.host_fit.fit_host_launch_cost`).
     ``base``: a calibration to start from (``coplan calibrate --base``): its device terms are the fit's
     starting point and stay for the op classes the runs do not measure; when the worst run's trace attributes
     under :data:`MIN_ATTRIBUTED_SHARE` of its device time, all its device terms stay and only the step-level
@@ -79,6 +87,9 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     """
     if not run_dirs:
         raise CalibrationError("give at least one run directory")
+    if base is not None and base.device_gap_s:
+        # (a step-level term, refitted with the host costs: the base's launch costs without it are the device's)
+        base = base.model_copy(update={"device_gap_s": None})
     runs = list(prepared) if prepared is not None else [run_samples(d, rank=rank, force=force) for d in run_dirs]
     devices = sorted({r.device for r in runs})
     if len(devices) > 1 and not force:
@@ -101,8 +112,9 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     for r in runs:
         (graphed_runs if ran_graphed(r) else eager_runs).append(r)
     host_fit = fit_host_launch_cost(eager_runs or runs, res, per_sample=True, host_speed=host_speed,
-                                    fit_device_factor=True) if host else None
-    graph_fit = (fit_host_launch_cost(graphed_runs, res, per_sample=False, host_speed=host_speed, fit_device_factor=True)
+                                    fit_device_factor=True, device_term=device_term) if host else None
+    graph_fit = (fit_host_launch_cost(graphed_runs, res, per_sample=False, host_speed=host_speed, fit_device_factor=True,
+                                      device_term=device_term)
                  if host and graphed_runs and eager_runs else None)
     profiles = [r.host for r in runs if r.host is not None and r.host.op_median_us]
     if host_fit and host_fit.host_reference_us:
@@ -119,12 +131,13 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         h = base.host_launch_s
     hs = host_fit.sample_s if host_fit else 0.0
     f = host_fit.device_factor if host_fit else 1.0
+    g = host_fit.device_gap_s if host_fit else 0.0
     f_note = ""
     if graph_fit is not None and len(graphed_runs) > len(eager_runs):
-        # the device factor is the device's: fitted on the larger of the two groups of runs
-        f_note = (f"the device step factor is the graphed runs' ({graph_fit.device_factor:.3f}, {len(graphed_runs)} runs; the "
-                  f"eager runs' alone: {f:.3f}); ")
-        f = graph_fit.device_factor
+        # the device term is the device's: fitted on the larger of the two groups of runs
+        f_note = (f"the device term is the graphed runs' ({_device_term(graph_fit.device_factor, graph_fit.device_gap_s)}, "
+                  f"{len(graphed_runs)} runs; the eager runs' alone: {_device_term(f, g)}); ")
+        f, g = graph_fit.device_factor, graph_fit.device_gap_s
     h_note = (f"eager host cost kept from {base_name} ({h * 1e6:.1f} us per priced launch: no eager run is host-bound); "
               if host_fit and base is not None and h == base.host_launch_s and h > 0 and host_fit.h_s <= 0 else "")
     op_classes: dict[ComputeOpClass, OpClassCalibration] = {}
@@ -158,7 +171,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
         host_launch_s=min(1.0, h) if h > 0 else None,
         host_launch_graphed_s=min(1.0, h_graphed) if h_graphed > 0 else None,
         host_sample_s=min(1.0, hs) if hs > 0 else None,
-        device_step_factor=f if host_fit else None,
+        device_step_factor=f if host_fit and not g else None,
+        device_gap_s=g if host_fit and g else None,
         host_op_median_us=host_ref,
         lookup_id_latency_s=kept("lookup_id_latency_s", res.lookup_id_s),
         unfused_memory_efficiency=kept("unfused_memory_efficiency", unfused_memory(res)),
@@ -181,7 +195,8 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
             + f"trace time attributed: {worst:.1%} (worst run); "
             + (_graphed_note(h, h_graphed, graph_fit, len(graphed_runs), len(eager_runs), base is not None) if host_fit else "")
             + (f"host cost {host_fit.h_s * 1e6:.2f} us per priced launch and {hs * 1e6:.1f} us per local sample "
-               f"(host_sample_s), and device step factor {f:.3f} (device_step_factor: device work the ops do not price), "
+               f"(host_sample_s), and {_device_term(f, g)} (device work the ops do not price: the form, a share of the device "
+               f"step or a time per priced launch, whose fit to the steps is closer), "
                f"fitted to {len(host_fit.runs)} measured step time(s) (step = max(factor x device step, launches x "
                f"host cost + samples x per-sample host cost): host and device run concurrently; "
                + (f"{n_host} of those runs' own measured host times (summary.json host_step) fitted beside their "

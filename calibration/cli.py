@@ -36,7 +36,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.runs:
         base = load_calibration(args.base) if args.base else None
         cal, _res, runs = calibrate(args.runs, rank=args.rank, force=args.force, host=args.host_cost or args.host_speed,
-                                    host_speed=args.host_speed, base=base, base_name=str(args.base) if args.base else "the base")
+                                    host_speed=args.host_speed, base=base, base_name=str(args.base) if args.base else "the base",
+                                    device_term=args.device_term)
         report["runs"] = [{"run": r.run, "attributed_share": r.attributed_share, "unattributed_s": r.unattributed_s,
                            "samples": len(r.samples)} for r in runs]
         if not args.json:
@@ -105,13 +106,17 @@ def _print_runs(cal, runs) -> None:
               "over the priced, median over the runs)")
     if cal.device_step_factor is not None:
         print(f"device step factor: {cal.device_step_factor:.3f} (device work the ops do not price)")
+    if cal.device_gap_s is not None:
+        print(f"device gap: {cal.device_gap_s * 1e6:.2f} us per priced launch (device work the ops do not price, between "
+              "kernels: added to every class's launch cost)")
     if cal.host_launch_s is not None:
         print(f"host: {cal.host_launch_s * 1e6:.1f} us per priced launch, "
               f"{(cal.host_sample_s or 0.0) * 1e6:.1f} us per local sample (step = max(factor x device, host))")
     if cal.host_launch_graphed_s is not None:
         print(f"host under CUDA graphs: {cal.host_launch_graphed_s * 1e6:.1f} us per priced launch (one-rank plans whose "
               "dense arch the trainer replays as graphs)")
-    if cal.host_launch_s is None and cal.host_launch_graphed_s is None and cal.device_step_factor is not None:
+    if cal.host_launch_s is None and cal.host_launch_graphed_s is None and (cal.device_step_factor is not None
+                                                                           or cal.device_gap_s is not None):
         print("host: no cost identified (no fitted run was host-bound); steps priced as the device's")
 
 
@@ -141,6 +146,10 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "(device work the ops do not price), to the runs' measured step times (host_launch_s, host_sample_s, "
                         "device_step_factor); a step is then priced at max(factor x device time, launches x host cost "
                         "+ samples x per-sample cost) (see coplan.calibration.host_fit)")
+    p.add_argument("--device-term", choices=("best", "factor", "gap"), default="best",
+                   help="with the host cost: how the device work no priced op accounts for is fitted: a share of the "
+                        "device step (factor: device_step_factor), a time per priced launch between kernels (gap: "
+                        "device_gap_s), or whichever of the two fits the measured steps closer (best, the default)")
     p.add_argument("--host-speed", action="store_true",
                    help="with the host cost (implies --host-cost): scale each run's host time by how fast its host ran the "
                         "same calls in its profiled steps, so that runs measured on a slowed (shared) host do not bend the "

@@ -96,6 +96,19 @@ class HostFit:
     segment per run (``device_s``, ``launches``)."""
     host_measured: tuple = ()
     """Per run, its measured host time per step that the fit used (:func:`run_host_time`), or None."""
+    device_gap_s: float = 0.0
+    """Device seconds per priced device launch between kernels (fitted as the alternative to ``device_factor``:
+    :func:`fit_gap_terms`; 0: not fitted)."""
+    device_launches: tuple = ()
+    """Per run, the priced device launches per step (as ``device_s``), or per step and segment (as ``segments``):
+    what ``device_gap_s`` multiplies; empty: none."""
+
+    def shifted(self) -> tuple[tuple[float, ...], tuple]:
+        """(device_s, segments) with the device gap added (:func:`gap_shift`)."""
+        if not self.device_gap_s or not self.device_launches:
+            return self.device_s, self.segments
+        d, seg = gap_shift(self.device_s, self.segments or None, self.device_launches, self.device_gap_s)
+        return tuple(d), tuple(seg) if seg is not None else ()
 
     def host_s(self) -> np.ndarray:
         """Each run's host time under the fit."""
@@ -104,7 +117,8 @@ class HostFit:
         return k * (np.array(self.launches) * self.h_s + self.sample_s * b)
 
     def _steps(self) -> _StepSet:
-        segs = _segment_arrays(self.device_s, self.launches, self.segments or None)
+        device_s, segments = self.shifted()
+        segs = _segment_arrays(device_s, self.launches, segments or None)
         k = np.array(self.speed) if self.speed else np.ones(len(self.runs))
         b = np.array(self.batch) if self.batch else np.zeros(len(self.runs))
         return _StepSet(segs, k, b)
@@ -301,6 +315,76 @@ DEVICE_FACTOR_PRIOR = 1e-4
 """Weight of the pull of log(factor) towards 0 (factor 1): decides only where the runs do not (all host-bound)."""
 
 
+def gap_shift(device_s: Sequence[float], segments: Segments | None, device_launches: Sequence, g: float
+              ) -> tuple[np.ndarray, list | None]:
+    """``device_s`` and ``segments`` with ``g`` device seconds per priced device launch added: each run's
+    device time plus ``g`` times its launches (``device_launches``: per run a number, or with ``segments`` an
+    array shaped as the run's device times, per step and segment)."""
+    d = np.asarray(device_s, float) + g * np.array([float(np.median(np.atleast_2d(x).sum(axis=1))) if np.ndim(x) else
+                                                    float(x) for x in device_launches])
+    if segments is None:
+        return d, None
+    out = []
+    for seg, nd in zip(segments, device_launches):
+        if len(seg) == 2:
+            N, D = seg
+            out.append((N, np.asarray(D, float) + g * np.asarray(nd, float)))
+        else:
+            N, E, D = seg
+            out.append((N, E, np.asarray(D, float) + g * np.asarray(nd, float)))
+    return d, out
+
+
+def _fit_device_term(m: np.ndarray, d: np.ndarray, n: np.ndarray, bt: np.ndarray, k: np.ndarray, segments, step_measured,
+                     host_measured, per_sample: bool, shift, grid: np.ndarray, prior) -> tuple[float, float, float, float]:
+    """(h, s, x, loss): the host costs and one device term ``x`` fitted together (:func:`fit_step_terms`,
+    :func:`fit_gap_terms`); ``shift(x)`` gives (device_s, segments, factor) under ``x``, ``prior(x)`` its
+    penalty."""
+    told = int(np.isfinite(_StepSet(_segment_arrays(d, n, segments), k, bt, step_measured, host_measured).hm).sum())
+
+    def terms(x: float, host: bool, samples: bool) -> tuple[float, float, float]:
+        dx, sx, f = shift(x)
+        h, s = (fit_host_terms(m, dx, n, bt, form="max", per_sample=samples, speed=k, device_factor=f, segments=sx,
+                               step_measured=step_measured, host_measured=host_measured)
+                if host else (0.0, 0.0))
+        st = _StepSet(_segment_arrays(dx, n, sx), k, bt, step_measured, host_measured)
+        return h, s, float(np.sum(st.sq_err(h, s, f, "max", m)[0]) + prior(x))
+
+    def solve(host: bool, samples: bool) -> tuple[float, float, float]:
+        x_loss = lambda x: terms(x, host, samples)[2]  # noqa: E731
+        x = refine_on_grid(x_loss, grid, [x_loss(float(g)) for g in grid], 1e-5 * float(grid[-1]))[0]
+        h, s, _ = terms(x, host, samples)
+        return h, s, x
+
+    def host_bound(h: float, s: float, x: float) -> int:
+        dx, sx, f = shift(x)
+        st = _StepSet(_segment_arrays(dx, n, sx), k, bt)
+        return int(np.sum(st.median(h, s, f, "max")[0] > st.median(0.0, 0.0, f, "max")[0] * (1 + 1e-9)))
+
+    h, s, x = solve(True, per_sample)
+    if s > 0 and host_bound(h, s, x) + told < 3:
+        h, s, x = solve(True, False)
+    if h > 0 and host_bound(h, s, x) + told < 2:
+        h, s, x = solve(False, False)
+    # (the loss without the prior: what the factor's and the gap's fits are compared on)
+    return h, s, x, _loss_at(m, d, n, bt, k, segments, step_measured, host_measured, shift, h, s, x, lambda _: 0.0)
+
+
+def _loss_at(m, d, n, bt, k, segments, step_measured, host_measured, shift, h, s, x, prior) -> float:
+    dx, sx, f = shift(x)
+    st = _StepSet(_segment_arrays(dx, n, sx), k, bt, step_measured, host_measured)
+    return float(np.sum(st.sq_err(h, s, f, "max", m)[0]) + prior(x))
+
+
+def _as_arrays(measured_s, device_s, launches, batch, speed):
+    m = np.asarray(measured_s, float)
+    d = np.asarray(device_s, float)
+    n = np.asarray(launches, float)
+    bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
+    k = np.ones_like(m) if speed is None else np.asarray(speed, float)
+    return m, d, n, bt, k
+
+
 def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
                    batch: Sequence[float] | None = None, *, per_sample: bool = False,
                    speed: Sequence[float] | None = None, segments: Segments | None = None,
@@ -321,44 +405,52 @@ def fit_step_terms(measured_s: Sequence[float], device_s: Sequence[float], launc
     makes it host-bound alone, which says nothing of the host. Otherwise the term is dropped (``s``,
     then ``h``) and the rest refitted. A run whose host time was measured (``host_measured``, see
     :func:`fit_host_terms`) counts as one that tells the host terms, host-bound or not."""
-    m = np.asarray(measured_s, float)
-    d = np.asarray(device_s, float)
-    n = np.asarray(launches, float)
-    bt = np.zeros_like(m) if batch is None else np.asarray(batch, float)
-    k = np.ones_like(m) if speed is None else np.asarray(speed, float)
-    steps = _StepSet(_segment_arrays(d, n, segments), k, bt, step_measured, host_measured)
-    told = int(np.isfinite(steps.hm).sum())  # runs whose measured host time tells the host terms
-
-    def pred(h: float, s: float, f: float) -> np.ndarray:
-        return steps.median(h, s, f, "max")[0]
-
-    def terms(f: float, host: bool, samples: bool) -> tuple[float, float, float]:
-        h, s = (fit_host_terms(m, d, n, bt, form="max", per_sample=samples, speed=k, device_factor=f, segments=segments,
-                               step_measured=step_measured, host_measured=host_measured)
-                if host else (0.0, 0.0))
-        return h, s, float(np.sum(steps.sq_err(h, s, f, "max", m)[0]) + DEVICE_FACTOR_PRIOR * math.log(f) ** 2)
-
-    def solve(host: bool, samples: bool) -> tuple[float, float, float]:
-        grid = np.geomspace(*DEVICE_FACTOR_RANGE, 57)
-        f_loss = lambda f: terms(f, host, samples)[2]  # noqa: E731
-        f = refine_on_grid(f_loss, grid, [f_loss(float(g)) for g in grid], 1e-5)[0]
-        h, s, _ = terms(f, host, samples)
-        return h, s, f
-
-    def host_bound(h: float, s: float, f: float) -> int:
-        return int(np.sum(pred(h, s, f) > pred(0.0, 0.0, f) * (1 + 1e-9)))
-
-    h, s, f = solve(True, per_sample)
-    if s > 0 and host_bound(h, s, f) + told < 3:
-        h, s, f = solve(True, False)
-    if h > 0 and host_bound(h, s, f) + told < 2:
-        h, s, f = solve(False, False)
+    m, d, n, bt, k = _as_arrays(measured_s, device_s, launches, batch, speed)
+    h, s, f, _ = _fit_device_term(m, d, n, bt, k, segments, step_measured, host_measured, per_sample,
+                                  lambda x: (d, segments, x), np.geomspace(*DEVICE_FACTOR_RANGE, 57),
+                                  lambda x: DEVICE_FACTOR_PRIOR * math.log(x) ** 2)
     return h, s, f
+
+
+DEVICE_GAP_RANGE = (0.0, 50e-6)
+"""Bounds of the fitted device gap per priced launch (seconds)."""
+
+
+def fit_gap_terms(measured_s: Sequence[float], device_s: Sequence[float], launches: Sequence[float],
+                  device_launches: Sequence, batch: Sequence[float] | None = None, *, per_sample: bool = False,
+                  speed: Sequence[float] | None = None, segments: Segments | None = None,
+                  step_measured: Sequence[Sequence[float] | None] | None = None,
+                  host_measured: Sequence[float | None] | None = None) -> tuple[float, float, float, float]:
+    """(h, s, g, loss): as :func:`fit_step_terms`, with the device work no priced op accounts for taken as ``g``
+    device seconds per priced device launch (``device_launches``, per run: the pricer's device step's slope in
+    every class's launch cost) instead of a share of the device step: step = max(device + g · device
+    launches, host). Between dependent kernels the device idles a few microseconds each (a replayed CUDA
+    graph too), and the small kernels the ops do not price come with the ops' launches: the unpriced time
+    grows with the count of kernels, not with how long they run. A factor fitted on small steps (tens of
+    kernels a millisecond) and applied to a large device-bound one (a few a millisecond) overstates it: on
+    the held-out H100 draws of 2026-12-06 the worst misses were such steps priced 20-31% long.
+    ``g`` by a linear grid over :data:`DEVICE_GAP_RANGE` and a bounded search; no prior (0: none)."""
+    m, d, n, bt, k = _as_arrays(measured_s, device_s, launches, batch, speed)
+
+    def shift(g: float):
+        dx, sx = gap_shift(d, segments, device_launches, g)
+        return dx, sx, 1.0
+
+    return _fit_device_term(m, d, n, bt, k, segments, step_measured, host_measured, per_sample, shift,
+                            np.linspace(*DEVICE_GAP_RANGE, 101), lambda g: 0.0)
+
+
+def device_term_loss(measured_s, device_s, launches, batch, speed, segments, step_measured, host_measured,
+                     h: float, s: float, f: float) -> float:
+    """The fit's loss (squared log errors) at (h, s, f): to compare the factor's fit with the gap's."""
+    m, d, n, bt, k = _as_arrays(measured_s, device_s, launches, batch, speed)
+    return _loss_at(m, d, n, bt, k, segments, step_measured, host_measured, lambda x: (d, segments, x), h, s, f,
+                    lambda x: 0.0)
 
 
 def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max", *,
                          per_sample: bool = False, host_speed: bool = False,
-                         fit_device_factor: bool = False) -> HostFit | None:
+                         fit_device_factor: bool = False, device_term: str = "best") -> HostFit | None:
     """Fit ``h`` (host seconds per priced launch) to the runs' measured steps (CUDA-event p50).
 
     ``form="max"`` (the cost model's): step = max(device step under the device fit, launches · h). The
@@ -381,13 +473,22 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     priced op accounts for as a share of the priced device step (:func:`fit_step_terms`). Host-syncing
     runs are left out of it as they are of ``h``.
 
+    ``device_term`` (with ``fit_device_factor``): how the device work no priced op accounts for is fitted:
+    ``"factor"`` (a share of the device step, :func:`fit_step_terms`), ``"gap"`` (seconds per priced device
+    launch, :func:`fit_gap_terms`) or ``"best"`` (both, and the one whose fit to the measured steps is closer
+    is kept).
+
     A run whose summary records the host's own time per step (``host_step``) is fitted on it too
     (:func:`run_host_time` says which runs' host times count).
     """
+    if device_term not in DEVICE_TERMS:
+        raise CalibrationError(f"unknown device term {device_term!r} (one of {DEVICE_TERMS})")
     if form not in HOST_FORMS:
         raise CalibrationError(f"unknown host form {form!r} (one of {HOST_FORMS})")
 
     names, meas, dev, nl, bs, prof, segments, per_step, hosts, bounds = [], [], [], [], [], [], [], [], [], []
+    gaps = fit_device_factor and form == "max" and device_term != "factor"
+    nds: list[np.ndarray] = []
     # every run, a host-syncing one too: each is priced per measured step as the pricer cuts it at the
     # host's syncs (one segment without any), and its median step is compared with its measured p50
     for r in runs:
@@ -400,6 +501,11 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         N, E, D = (np.array([[x[j] for x in c] for c in cut]) for j in range(3))
         if float(np.median(D.sum(axis=1))) <= 0:
             continue
+        if gaps:
+            # the device launches: the device step's slope in every class's launch cost, per step and segment
+            up = [step_segments(r.plan, res, mo, seq_chunk=r.seq_chunk, extra_launch_s=_SLOPE_S) for mo in run_step_moments(r)]
+            Du = np.array([[x[2] for x in c] for c in up]) if all(len(c) == D.shape[1] for c in up) else D
+            nds.append(np.maximum(0.0, (Du - D) / _SLOPE_S))
         names.append(r.run)
         meas.append(float(st.p50_s))
         dev.append(float(np.median(D.sum(axis=1))))
@@ -419,16 +525,33 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
         ks = [host_speed_index(p, reference) for p in prof]
         if reference and all(x is not None for x in ks):
             speed = tuple(float(x) for x in ks)
+    g = 0.0
     if fit_device_factor and form == "max":
-        h, s, f = fit_step_terms(meas, dev, nl, bs, per_sample=per_sample, speed=speed or None, segments=segments,
-                                 step_measured=per_step, host_measured=hosts)
+        common = dict(per_sample=per_sample, speed=speed or None, segments=segments, step_measured=per_step,
+                      host_measured=hosts)
+        h, s, f = fit_step_terms(meas, dev, nl, bs, **common) if device_term != "gap" else (0.0, 0.0, 1.0)
+        if gaps:
+            hg, sg, g, loss_g = fit_gap_terms(meas, dev, nl, nds, bs, **common)
+            loss_f = (device_term_loss(meas, dev, nl, bs, speed or None, segments, per_step, hosts, h, s, f)
+                      if device_term == "best" else math.inf)
+            if loss_g < loss_f * (1 - 1e-9):
+                h, s, f = hg, sg, 1.0
+            else:
+                g = 0.0
     else:
         (h, s), f = fit_host_terms(meas, dev, nl, bs, form=form, per_sample=per_sample, speed=speed or None,
                                    segments=segments, step_measured=per_step, host_measured=hosts), 1.0
     if all(x is None for x in hosts):
         h, s = cap_by_host_bounds(h, s, nl, bs, speed or None, bounds)
     return HostFit(h, tuple(names), tuple(meas), tuple(dev), tuple(nl), form, s, tuple(bs), speed, reference, f,
-                   tuple(segments), tuple(hosts))
+                   tuple(segments), tuple(hosts), g, tuple(nds) if g else ())
+
+
+_SLOPE_S = 1e-6
+"""The launch-cost step the device launches are read off with (the pricer is linear in it)."""
+
+DEVICE_TERMS = ("best", "factor", "gap")
+"""How ``coplan calibrate`` fits the device work no priced op accounts for (:func:`fit_host_launch_cost`)."""
 
 
 def run_host_bound(r: RunSamples) -> float | None:
@@ -494,5 +617,6 @@ def run_host_time(r: RunSamples) -> float | None:
     return float(res.host_step.p50_s)
 
 
-__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "HOST_FORMS", "HOST_BOUND_BUSY", "HOST_UNBLOCKED", "cap_by_host_bounds", "run_host_bound", "run_host_time", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
+__all__ = ["DEVICE_FACTOR_PRIOR", "DEVICE_FACTOR_RANGE", "DEVICE_GAP_RANGE", "DEVICE_TERMS", "device_term_loss", "fit_gap_terms",
+           "gap_shift", "HOST_FORMS", "HOST_BOUND_BUSY", "HOST_UNBLOCKED", "cap_by_host_bounds", "run_host_bound", "run_host_time", "HOST_SYNCING_BACKENDS", "HostFit", "Segments",
            "fit_host_launch_cost", "fit_host_terms", "fit_step_terms", "refine_on_grid"]

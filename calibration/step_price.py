@@ -86,7 +86,7 @@ def device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0) 
             cls[c] = (oc or OpClassCalibration()).model_copy(update={"launch_overhead_s": min(1.0, la + extra_launch_s)})
         un = b.unfused_kernel_s
         return b.model_copy(update={"op_classes": cls, "host_launch_s": None, "host_launch_graphed_s": None, "host_sample_s": None,
-                                    "device_step_factor": None,
+                                    "device_step_factor": None, "device_gap_s": None,
                                     "loader_scale": None,
                                     "unfused_kernel_s": None if un is None else min(1.0, un + extra_launch_s)})
     for c in CLASSES:
@@ -118,11 +118,12 @@ def step_launches(plan: Plan, res: FitResult, moments: dict[str, tuple[float, fl
 
 
 def step_segments(plan: Plan, res: FitResult, moments: dict[str, tuple[float, float]] | None = None, *,
-                  seq_chunk: int | None = None) -> tuple[tuple[float, float, float], ...]:
-    """The pricer's step under the device fit alone (device-step factor 1, no host cost), cut at the
-    host's syncs with the device: per segment (host launches, of them exposed, device seconds)
-    (:attr:`coplan.costmodel.results.StepCost.segments`)."""
-    return priced_step(plan, device_calibration(plan, res), moments, seq_chunk, segments=True).segments
+                  seq_chunk: int | None = None, extra_launch_s: float = 0.0) -> tuple[tuple[float, float, float], ...]:
+    """The pricer's step under the device fit alone (device-step factor 1, no device gap, no host cost), cut
+    at the host's syncs with the device: per segment (host launches, of them exposed, device seconds)
+    (:attr:`coplan.costmodel.results.StepCost.segments`); every class's launch cost raised by
+    ``extra_launch_s`` (to read the device launches off the slope)."""
+    return priced_step(plan, device_calibration(plan, res, extra_launch_s), moments, seq_chunk, segments=True).segments
 
 
 def predict_median_step(plan: Plan, calibration: Calibration | None, steps: Sequence[dict[str, tuple[float, float]] | None], *,

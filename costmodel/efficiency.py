@@ -146,6 +146,10 @@ class Efficiencies:
     """The device step's factor for device work no priced op accounts for (a calibration's
     ``device_step_factor``; 1: none)."""
 
+    device_gap_s: float = 0.0
+    """Device seconds per priced launch between kernels (a calibration's ``device_gap_s``), already in
+    :attr:`launch_s`; 0: none."""
+
     loader_scale: float = 1.0
     """Measured over priced data-loader time (a calibration's ``loader_scale``; 1: the default coefficients)."""
 
@@ -238,6 +242,12 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
         for tier, d in calibration.collective_efficiency.items():
             for c, e in d.items():
                 collective[(tier, c)] = e
+    gap = calibration.device_gap_s if calibration is not None and calibration.device_gap_s else 0.0
+    if gap:
+        # the device's time between kernels, per priced launch: every class's launch cost carries it
+        launch = {k: v + gap for k, v in launch.items()}
+        sources["device_gap"] = (f"calibration ({calibration.device}): {gap * 1e6:.2f} us of device time per priced "
+                                 "launch between kernels")
     host = calibration.host_launch_s if calibration is not None and calibration.host_launch_s else 0.0
     if host:
         sources["host_launch"] = f"calibration ({calibration.device})"
@@ -265,7 +275,7 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
         loader_scale = calibration.loader_scale
         sources["loader"] = f"calibration ({calibration.device}): x{loader_scale:.3g} the default loader coefficients"
     return Efficiencies(compute=compute, memory=memory, launch_s=launch, collective=collective, sources=sources,
-                        host_launch_s=host, host_launch_graphed_s=graphed, host_sample_s=per_sample, device_step_factor=factor,
+                        host_launch_s=host, host_launch_graphed_s=graphed, host_sample_s=per_sample, device_step_factor=factor, device_gap_s=gap,
                         lookup_id_s=lookup_id, loader_scale=loader_scale,
                         attention_scales={k: tuple(sorted(v)) for k, v in scales.items()})
 

@@ -498,6 +498,11 @@ def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, 
     if factor != 1.0:
         notes.append(f"device step {S.makespan * 1e3:.2f} ms x {factor:.3f} (calibrated device_step_factor: device work "
                      f"the ops do not price) = {device_step * 1e3:.2f} ms")
+    if ctx.eff.device_gap_s:
+        n_dev = priced_launches(ctx, d.arr, recomputed, sp.agg.emb_kernels if sp.agg is not None else 0.0)
+        notes.append(f"device gaps: {ctx.eff.device_gap_s * 1e6:.2f} us per priced launch (calibrated device_gap_s: "
+                     f"device time between kernels) x {n_dev:,.0f} launches = {ctx.eff.device_gap_s * n_dev * 1e3:.2f} ms "
+                     f"of the {device_step * 1e3:.2f} ms device step, in the ops' launch costs")
     seg_out: tuple[tuple[float, float, float], ...] = ()
     host_s = 0.0
     if segments or _host_priced(ctx):

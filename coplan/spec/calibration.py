@@ -110,6 +110,14 @@ class Calibration(Spec):
     kernels) as a share of the priced work. The step is priced at max(factor × device step, host time).
     None: 1 (calibrations written before it existed load unchanged)."""
 
+    device_gap_s: Annotated[Float, Field(ge=0, le=1e-3)] | None = None
+    """Device seconds per priced kernel launch that no op's kernel time holds: the gaps between dependent
+    kernels (a replayed CUDA graph's included) and the small kernels the ops do not price, per launch the
+    pricer charges. Added to every op class's launch cost, so each op's device time carries its share and
+    the step grows with its launch count, not with its length (fitted with the host costs, as the
+    alternative to :attr:`device_step_factor`: ``coplan calibrate`` keeps the form that fits the measured
+    steps better). None: 0 (calibrations written before it existed load unchanged)."""
+
     host_op_median_us: dict[str, Annotated[Float, Field(gt=0)]] = Field(default_factory=dict)
     """The host speed the host costs were fitted at: per host call that every fitted run made many times
     (``coplan.calibration.host_profile.HOST_SPEED_OPS``), the geometric mean over the fitted runs of its median
