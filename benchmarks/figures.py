@@ -887,7 +887,7 @@ PENDING: tuple[Pending, ...] = (
 
 INPUTS = ("multigpu_plans", "planner_torchrec_plans", "plans", "train_plans", "fresh_plans", "calib_plans", "calib_plans_graphs",
           "fresh_plans_c", "fresh_plans_c_ab", "fresh_plans_d", "fresh_plans_h100", "fresh_plans_h100b", "fresh_plans_h100c", "fresh_plans_h100d", "fresh_plans_h100e", "fresh_plans_e", "fresh_plans_h100f",
-          "fresh_plans_h100f_eager", "fresh_plans_h100g", "startup_plans")
+          "fresh_plans_h100f_eager", "fresh_plans_h100g", "fresh_plans_h100h", "startup_plans")
 """Folders under ``benchmarks/results/`` that benchmarks read (plans made beforehand), not results."""
 
 RESULTS: tuple[Result, ...] = tuple(dict.fromkeys(f.result for f in FIGURES))
