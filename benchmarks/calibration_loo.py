@@ -111,7 +111,8 @@ def main() -> int:
                   "median_abs_error_in_sample": statistics.median(ins) if ins else None,
                   "max_abs_error_in_sample": max(ins) if ins else None},
                  rows, measured_git_commit=measured.get("git_commit"), seed=measured.get("seed"), topology=topology,
-                 fit_on_all={k: full.get(k) for k in ("device", "host_launch_s", "host_sample_s", "device_step_factor",
+                 fit_on_all={k: full.get(k) for k in ("device", "host_launch_s", "host_launch_graphed_s", "host_sample_s",
+                                                      "device_step_factor", "device_gap_s",
                                                       "fit_error", "op_classes")})
     return 0
 
