@@ -34,8 +34,8 @@ def _coplan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "coplan.cli", *args], capture_output=True, text=True)
 
 
-def calibrate(runs: list[Path], out: Path) -> dict:
-    p = _coplan("calibrate", *map(str, runs), "-o", str(out), "--force")
+def calibrate(runs: list[Path], out: Path, extra: tuple[str, ...] = ()) -> dict:
+    p = _coplan("calibrate", *map(str, runs), "-o", str(out), "--force", *extra)
     if p.returncode != 0:
         raise SystemExit(f"coplan calibrate failed ({p.returncode}):\n{p.stderr[-2000:]}")
     return json.loads(out.read_text())
@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("--plans", type=Path, default=None, help="the draws' plan set (default: the one --measured ran)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--fit-out", type=Path, default=None, help="also write the calibration fitted on every draw here")
+    ap.add_argument("--device-term", choices=("best", "factor", "gap"), default=None,
+                    help="passed to coplan calibrate (default: its own default)")
     a = ap.parse_args()
     measured = json.loads(a.measured.read_text())
     plans = a.plans or plans_of(a.measured, RESULTS / "fresh_plans")
@@ -80,12 +82,13 @@ def main() -> int:
         seeds = [s for s in steps if s in runs]
         if len(seeds) < 3:
             raise SystemExit(f"{len(seeds)} draws have both a measured step and a run directory: need 3 or more")
-        full = calibrate([runs[s] for s in seeds], tmp / "all.json")
+        extra = ("--device-term", a.device_term) if a.device_term else ()
+        full = calibrate([runs[s] for s in seeds], tmp / "all.json", extra)
         if a.fit_out:
             a.fit_out.write_text((tmp / "all.json").read_text())
         for s in seeds:
             fold = tmp / f"fold-{s}.json"
-            calibrate([runs[x] for x in seeds if x != s], fold)
+            calibrate([runs[x] for x in seeds if x != s], fold, extra)
             wl = as_ran(plans / f"draw-{s}.yaml", row_of.get(s), tmp)  # (the FiLM as the run ran it)
             ran = json.loads((plans / f"draw-{s}.plan.json").read_text())
             loo = predict(wl, fold, topology, tmp / "loo.json")

@@ -69,7 +69,7 @@ def _device_term(f: float, g: float) -> str:
 
 def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = False, host: bool = False, prepared: Sequence[RunSamples] | None = None,
               host_speed: bool = False, base: Calibration | None = None, base_name: str = "the base",
-              device_term: str = "best") -> tuple[Calibration, FitResult, list[RunSamples]]:
+              device_term: str = "factor") -> tuple[Calibration, FitResult, list[RunSamples]]:
     """Fit a Calibration to the runs; all must come from one device unless ``force``.
 
     ``host``: also fit the per-launch host cost ``h`` to the runs' measured step times
@@ -78,8 +78,12 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     read (same order as ``run_dirs``), to save parsing their traces again. ``host_speed`` (with ``host``):
     fit the host costs to the runs' steps each scaled by its host's speed (``fit_host_launch_cost``);
     either way the fitted runs' host speed is recorded (``host_op_median_us``) when their traces have it.
-    ``device_term``: how the device work no priced op accounts for is fitted (``"best"``: a share of the device step
-    or a time per priced launch, whichever fits the steps closer; :func:`~coplan.calibration.host_fit.fit_host_launch_cost`).
+    ``device_term``: how the device work no priced op accounts for is fitted: ``"factor"`` (the default: a share of the
+    device step), ``"gap"`` (a time per priced launch) or ``"best"`` (whichever fits the steps closer;
+    :func:`~coplan.calibration.host_fit.fit_host_launch_cost`). The default stays the factor: fitted on one set of
+    ten draws and checked by leaving one out, the gap (and the choice between the two) priced the left-out draws
+    worse on two of three H100 sets (2026-12-06); fitted on one set and checked on four later ones, it priced their
+    worst steps better (the shipped H100 calibration's notes).
     ``base``: a calibration to start from (``coplan calibrate --base``): its device terms are the fit's
     starting point and stay for the op classes the runs do not measure; when the worst run's trace attributes
     under :data:`MIN_ATTRIBUTED_SHARE` of its device time, all its device terms stay and only the step-level

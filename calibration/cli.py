@@ -146,10 +146,10 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "(device work the ops do not price), to the runs' measured step times (host_launch_s, host_sample_s, "
                         "device_step_factor); a step is then priced at max(factor x device time, launches x host cost "
                         "+ samples x per-sample cost) (see coplan.calibration.host_fit)")
-    p.add_argument("--device-term", choices=("best", "factor", "gap"), default="best",
+    p.add_argument("--device-term", choices=("best", "factor", "gap"), default="factor",
                    help="with the host cost: how the device work no priced op accounts for is fitted: a share of the "
                         "device step (factor: device_step_factor), a time per priced launch between kernels (gap: "
-                        "device_gap_s), or whichever of the two fits the measured steps closer (best, the default)")
+                        "device_gap_s), or whichever of the two fits the measured steps closer (best). Default: factor")
     p.add_argument("--host-speed", action="store_true",
                    help="with the host cost (implies --host-cost): scale each run's host time by how fast its host ran the "
                         "same calls in its profiled steps, so that runs measured on a slowed (shared) host do not bend the "

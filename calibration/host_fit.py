@@ -450,7 +450,7 @@ def device_term_loss(measured_s, device_s, launches, batch, speed, segments, ste
 
 def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str = "max", *,
                          per_sample: bool = False, host_speed: bool = False,
-                         fit_device_factor: bool = False, device_term: str = "best") -> HostFit | None:
+                         fit_device_factor: bool = False, device_term: str = "factor") -> HostFit | None:
     """Fit ``h`` (host seconds per priced launch) to the runs' measured steps (CUDA-event p50).
 
     ``form="max"`` (the cost model's): step = max(device step under the device fit, launches · h). The
@@ -476,7 +476,7 @@ def fit_host_launch_cost(runs: Sequence[RunSamples], res: FitResult, form: str =
     ``device_term`` (with ``fit_device_factor``): how the device work no priced op accounts for is fitted:
     ``"factor"`` (a share of the device step, :func:`fit_step_terms`), ``"gap"`` (seconds per priced device
     launch, :func:`fit_gap_terms`) or ``"best"`` (both, and the one whose fit to the measured steps is closer
-    is kept).
+    is kept). Default: the factor (``coplan.calibration.assemble.calibrate`` says why).
 
     A run whose summary records the host's own time per step (``host_step``) is fitted on it too
     (:func:`run_host_time` says which runs' host times count).

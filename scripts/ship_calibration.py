@@ -7,7 +7,7 @@ for the topology's GPU (``--device``: the name `coplan plan` looks a shipped cal
 a note saying where it came from.
 
     python scripts/ship_calibration.py --runs benchmarks/results/draw_runs_h100c.tgz --device "NVIDIA H100" \\
-        --base calibration/data/nvidia-h200.json --why "..." --out calibration/data/nvidia-h100.json
+        --base calibration/data/nvidia-h200.json --device-term gap --why "..." --out calibration/data/nvidia-h100.json
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", required=True, type=Path, action="append", help="run folder or draw_runs_*.tgz (repeatable)")
     ap.add_argument("--device", required=True, help="the GPU name a topology gives (the shipped file is looked up by it)")
     ap.add_argument("--base", type=Path, help="a calibration to start from (its terms the runs do not identify stay)")
+    ap.add_argument("--device-term", choices=("best", "factor", "gap"), default="factor",
+                    help="how the device work no op prices is fitted (coplan calibrate --device-term; default: its default)")
     ap.add_argument("--why", default="", help="a sentence on the runs: which draws, which GPU, when, at which commit")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
@@ -46,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         dirs = [d for i, src in enumerate(a.runs) for d in run_dirs(src, Path(tmp) / str(i))]
         base = load_calibration(a.base) if a.base else None
         cal, _, runs = calibrate(dirs, host=True, force=base is not None, base=base,
-                                 base_name=a.base.name if a.base else "the base")
+                                 base_name=a.base.name if a.base else "the base", device_term=a.device_term)
     recorded = sorted({r.device for r in runs})
     note = (f"shipped with coplan for {a.device}: `coplan calibrate` at its defaults"
+            + (f" but --device-term {a.device_term}" if a.device_term != "factor" else "")
             + (f" on top of {a.base.name}" if a.base else "") + f" on {len(dirs)} `coplan train` run(s) at defaults "
             + f"(recorded device: {', '.join(recorded)}). {a.why} Written by scripts/ship_calibration.py. ")
     versions = dict(cal.versions)

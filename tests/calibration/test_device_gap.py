@@ -95,9 +95,9 @@ def test_unknown_device_term_is_refused():
 
 
 def test_calibrate_writes_the_gap(tmp_path):
-    """calibrate(host=True) on device-bound synthetic runs measured at device + 5 us x their priced launches,
-    small and large: the gap is written (no factor), round-trips, and prices each step within noise; forced to a
-    factor, the same runs are priced worse."""
+    """calibrate(host=True, device_term="best") on device-bound synthetic runs measured at device + 5 us x their
+    priced launches, small and large: the gap is written (no factor), round-trips, and prices each step within noise;
+    with the default (a factor) the same runs are priced worse."""
     rng = np.random.default_rng(9)
     dirs = []
     plans = [_plan(b, L, n) for b, L, n in ((16, 128, 6), (32, 256, 2), (128, 1024, 2), (256, 1024, 1), (24, 128, 5))]
@@ -106,7 +106,7 @@ def test_calibrate_writes_the_gap(tmp_path):
         d = _synth_run(tmp_path, f"r{i}", p, rng, noise=0.01)
         _write_step(d, (d0 + 5e-6 * n) * (1 + 0.003 * rng.standard_normal()))
         dirs.append(d)
-    cal, _, runs = calibrate(dirs, host=True)
+    cal, _, runs = calibrate(dirs, host=True, device_term="best")  # (the default fits a factor)
     assert cal.device_step_factor is None
     assert cal.device_gap_s == pytest.approx(5e-6, rel=0.25)  # (the device fit of the noisy traces moves the launch costs)
     assert "device_gap_s" in cal.notes
@@ -115,10 +115,10 @@ def test_calibrate_writes_the_gap(tmp_path):
     assert load_calibration(out).device_gap_s == pytest.approx(cal.device_gap_s)
     err = [abs(predict_step_time(r.plan, cal, seq_chunk=r.seq_chunk) / r.result.step_time.p50_s - 1) for r in runs]
     assert max(err) < 0.04
-    forced, _, _ = calibrate(dirs, host=True, device_term="factor", prepared=runs)
+    forced, _, _ = calibrate(dirs, host=True, prepared=runs)
     assert forced.device_gap_s is None and forced.device_step_factor is not None
     err_f = [abs(predict_step_time(r.plan, forced, seq_chunk=r.seq_chunk) / r.result.step_time.p50_s - 1) for r in runs]
     assert max(err_f) > max(err)
     # a base's gap is not carried into the launch costs a new fit starts from
-    again, _, _ = calibrate(dirs, host=True, base=cal, force=True, prepared=runs)
+    again, _, _ = calibrate(dirs, host=True, base=cal, force=True, prepared=runs, device_term="gap")
     assert again.device_gap_s == pytest.approx(cal.device_gap_s, rel=0.1)
