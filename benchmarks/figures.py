@@ -817,8 +817,8 @@ FIGURES: tuple[Figure, ...] = (
           ("torchtitan Llama 3.1 8B, FSDP 8 H100", "torchtitan-llama31-8b-fsdp8",
            "published 5,762 tokens/s/GPU (benchmarks/published/README.md); predicted 7,383 (1.28x), 38.5% local MFU, with "
            "the shipped H100 calibration (fitted on one-GPU sampler draws). 1.13x (within 20%) until f5a23f8: the "
-           "calibration's device-step factor (1.146) lengthened this 2.5 s step by 15%; its device gap (17.3 us per "
-           "priced launch) adds 2%. What the factor stood for here (GEMM efficiency at these shapes, FSDP2's exposed "
+           "calibration's device-step factor (1.146) lengthened this 2.2 s step by 15%; its device gap (17.3 us per "
+           "priced launch) adds 0.7% (2.219 s against 2.525 s with the factor). What the factor stood for here (GEMM efficiency at these shapes, FSDP2's exposed "
            "collectives) is not measured on an 8-GPU LLM step; the runs were at 500 W, the topology's peak is the 700 W "
            "part's. A miss"),
           ("torchtitan Llama 3.1 8B, FSDP 128 H100", "torchtitan-llama31-8b-fsdp128",
