@@ -272,7 +272,8 @@ def _fresh_set(tag: str, plans: str, attachment: str, cut: str = "the draws the 
     return Result(f"fresh_draws_{tag}.json",
                   "python benchmarks/fresh_draws_h200.py --plan-only --n 10 --topology " + ("h100-1gpu" if "h100" in tag else "h200-1gpu")
                   + f" --plans benchmarks/results/{plans} (seed: the run's date and time), then on the lent GPU: "
-                  f"BUDGET=550 bash benchmarks/device/stage.sh draws COMMIT (and again with CONTINUE=<the partial result> "
+                  f"{'H100' if 'h100' in tag else 'H200'}_PLANS={plans} BUDGET=550 bash benchmarks/device/stage.sh draws COMMIT "
+                  f"(and again with CONTINUE=<the partial result> "
                   f"for {cut}); {attachment}: the ten run directories it brought back (traces gzipped)",
                   SPEC + COSTMODEL + PLANNER + TRAINER + ("coplan/sample.py",), script="fresh_draws_h200.py",
                   attachments=(attachment,))

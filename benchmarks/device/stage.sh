@@ -7,7 +7,7 @@
 #   fp8train  500+ steps bf16 vs fp8 (needs TorchRec); $GPUS picks the GPUs of the two arms (default 0,0)
 #   train     trainer benchmark cases (needs TorchRec)
 #   draws     the fresh one-GPU draws of the plan set for the GPU lent (H200: $H200_PLANS, default fresh_plans_e;
-#             H100: $H100_PLANS, default fresh_plans_h100g; both held out, planned at the commit their manifest records), within $BUDGET s (default 420), a partial result
+#             H100: $H100_PLANS, default fresh_plans_h100h; both held out, planned at the commit their manifest records), within $BUDGET s (default 420), a partial result
 #             after each draw (a draw gets $RUN_TIMEOUT s, default 200: the session's first one compiles Triton's kernels cold); $CONTINUE (an earlier result in the tree, a path from its root) keeps its measured draws;
 #             $TRAIN_ARGS: a development variant's coplan train switches (result *_variant.json) (needs TorchRec);
 #             the run directories come back as draw_runs_<gpu>[_variant].tgz (traces gzipped, no checkpoints); on CPU
@@ -104,7 +104,7 @@ draws)
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   case $gpu in
     *H200*) plans=${H200_PLANS:-fresh_plans_e}; tag=h200 ;;
-    *H100*) plans=${H100_PLANS:-fresh_plans_h100g}; tag=h100 ;;
+    *H100*) plans=${H100_PLANS:-fresh_plans_h100h}; tag=h100 ;;
     *) echo "no plan set for '$gpu'"; exit 2 ;;
   esac
   t "draws: $gpu, plans $plans"
