@@ -744,7 +744,7 @@ FIGURES: tuple[Figure, ...] = (
             "the fourth set's median (other workloads). Per class (eager profiled steps against their price): "
             "elementwise 1.35x its price (the fourth set: 1.82x), GEMMs 1.01x, attention 0.70x. What is left on the "
             "small draws (traces of ...865, ...867): the per-weight casts of the graph runner's masters (~220 kernels, "
-            "7-9% of device time; multi-tensor copies since, unmeasured), the FFN's SiLU forward and backward (PyTorch "
+            "4-8% of device time in the eager profiled steps; multi-tensor copies since, unmeasured), the FFN's SiLU forward and backward (PyTorch "
             "elementwise, ~5%), gradient adds where a tensor feeds two ops (residual, k and v of the summary attention)",
         loader="per draw 9.1, 12.9, 5.2, 8.5, 4.4, 43.0, 2.5, 25.7, 14.3, 40.1x; ...865 (13 ms steps) under 3x. Time to "
                "the first step on the lent machine 23-67 s (the session's first draws compile Triton's kernels cold)",
