@@ -80,6 +80,13 @@ def build_parser(argv: list[str] | None = None, *, every_verb: bool = True) -> a
 
 def main(argv: list[str] | None = None) -> int:
     verb = "coplan"
+    given = sys.argv[1:] if argv is None else argv
+    for i, a in enumerate(given):
+        if isinstance(a, str) and "\x00" in a:
+            # (no file name or value can hold one: the OS refuses it wherever it is used)
+            print(f"error: argument {i + 1} ({a.replace(chr(0), '<NUL>')!r}) contains a NUL byte; no file name or option "
+                  "value can hold one: remove it", file=sys.stderr)
+            return 2
     try:
         try:
             args = build_parser(argv, every_verb=False).parse_args(argv)
