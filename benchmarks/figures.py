@@ -288,14 +288,18 @@ def _fresh_cal(tag: str) -> Result:
                   script="fresh_draws_calibrated.py")
 
 
+def _loo(tag: str) -> Result:
+    """``coplan calibrate``'s leave-one-out on a held-out set's traces (``calibration_loo_<tag>.json``)."""
+    measured, runs = f"benchmarks/results/fresh_draws_{tag}.json", f"benchmarks/results/draw_runs_{tag}.tgz"
+    return Result(f"calibration_loo_{tag}.json",
+                  f"python benchmarks/calibration_loo.py --measured {measured} --runs {runs} "
+                  f"--out benchmarks/results/calibration_loo_{tag}.json",
+                  SPEC + COSTMODEL + PLANNER + CALIBRATION + (measured, runs), script="calibration_loo.py")
+
+
 FRESH_H100D = _fresh_set("h100d", "fresh_plans_h100d", "draw_runs_h100d.tgz")
 FRESH_H100D_CAL = _fresh_cal("h100d")
-LOO_H100D = Result("calibration_loo_h100d.json",
-                   "python benchmarks/calibration_loo.py --measured benchmarks/results/fresh_draws_h100d.json --runs "
-                   "benchmarks/results/draw_runs_h100d.tgz --out benchmarks/results/calibration_loo_h100d.json",
-                   SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h100d.json",
-                                                              "benchmarks/results/draw_runs_h100d.tgz"),
-                   script="calibration_loo.py")
+LOO_H100D = _loo("h100d")
 
 FRESH_H100E = _fresh_set("h100e", "fresh_plans_h100e", "draw_runs_h100e.tgz", "the draws the budget cut or that failed")
 FRESH_H100E_CAL = _fresh_cal("h100e")
@@ -303,20 +307,10 @@ FRESH_H100E_CAL = _fresh_cal("h100e")
 
 FRESH_H100F = _fresh_set("h100f", "fresh_plans_h100f", "draw_runs_h100f.tgz")
 FRESH_H100F_CAL = _fresh_cal("h100f")
-LOO_H100F = Result("calibration_loo_h100f.json",
-                   "python benchmarks/calibration_loo.py --measured benchmarks/results/fresh_draws_h100f.json --runs "
-                   "benchmarks/results/draw_runs_h100f.tgz --out benchmarks/results/calibration_loo_h100f.json",
-                   SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h100f.json",
-                                                              "benchmarks/results/draw_runs_h100f.tgz"),
-                   script="calibration_loo.py")
+LOO_H100F = _loo("h100f")
 FRESH_H100G = _fresh_set("h100g", "fresh_plans_h100g", "draw_runs_h100g.tgz")
 FRESH_H100G_CAL = _fresh_cal("h100g")
-LOO_H100G = Result("calibration_loo_h100g.json",
-                   "python benchmarks/calibration_loo.py --measured benchmarks/results/fresh_draws_h100g.json --runs "
-                   "benchmarks/results/draw_runs_h100g.tgz --out benchmarks/results/calibration_loo_h100g.json",
-                   SPEC + COSTMODEL + PLANNER + CALIBRATION + ("benchmarks/results/fresh_draws_h100g.json",
-                                                              "benchmarks/results/draw_runs_h100g.tgz"),
-                   script="calibration_loo.py")
+LOO_H100G = _loo("h100g")
 FILM_NORM = Result("film_norm_h100.json",
                    "python benchmarks/film_norm.py --seeds 1,4 --out benchmarks/results/film_norm_h100.json (on the lent GPU: "
                    "bash benchmarks/device/stage.sh film COMMIT)",
