@@ -71,12 +71,13 @@ def test_interformer_layers_are_one_graph_compiled_once():
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_kunlun_layers_are_one_graph_compiled_once():
+@pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: GDPA through the jagged kernel's custom op
+def test_kunlun_layers_are_one_graph_compiled_once(backend):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     block = KunlunBlock(num_layers=2, num_tokens=6, model_dim=D, num_heads=HEADS, head_dim=HEAD_DIM, ffn_multiplier=2)
-    layers = [KunlunLayer(f"kunlun.{i}", block, 6) for i in range(2)]
+    layers = [KunlunLayer(f"kunlun.{i}", block, 6, backend=backend) for i in range(2)]
     eager = copy.deepcopy(layers)
     for m in layers:
         compile_layer(m, backend="eager")

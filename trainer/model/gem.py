@@ -252,7 +252,7 @@ class DenseArch(nn.Module):
                 self.blocks[b.name] = InterFormerStack(b, layout, w, max_len, backend, workload.kernels.film)
             elif isinstance(b, KunlunBlock):
                 fused = workload.kernels.film == "fused" and backend == "triton"
-                self.blocks[b.name] = LayerStack([KunlunLayer(f"{b.name}.{i}", b, tokens.total, fused)
+                self.blocks[b.name] = LayerStack([KunlunLayer(f"{b.name}.{i}", b, tokens.total, fused, backend)
                                                   for i in range(b.num_layers)])
             elif isinstance(b, MoEBlock):
                 self.blocks[b.name] = LayerStack([MoELayer(f"{b.name}.{i}", b) for i in range(b.num_layers)])

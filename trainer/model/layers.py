@@ -22,7 +22,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from coplan import kernels
-from coplan.spec.workload import Attention, InterFormerBlock, KunlunBlock
+from coplan.kernels.triton_attention import interpreting as triton_interpreting
+from coplan.spec.workload import MAX_TRITON_HEAD_DIM, Attention, InterFormerBlock, KunlunBlock
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -79,6 +80,18 @@ def jagged_attention(
     return kernels.jagged_attention(
         q, k, v, q_offsets, k_offsets, causal=causal, max_len=max_len, scale=scale, backend=backend, validate=False
     )
+
+
+def kunlun_jagged_applies(attn: Attention, backend: str, head_dim: int, x: torch.Tensor) -> bool:
+    """Whether a Kunlun layer's attention runs on the jagged Triton GDPA kernel (each sample's tokens a segment
+    of one length) rather than :func:`dense_attention`: GDPA with the ``triton`` backend, on CUDA or in Triton's
+    CPU interpreter, at a head dim the kernels take. The dense form is batched matmuls around an elementwise
+    activation, on ``[B, H, N, d]`` copies of the projections and with the gradients of q, k and v gathered
+    back; on the held-out H100 draws' traces (``fresh_plans_h100g``) those copies and gathers were 1.3 of 37.6 ms
+    of device time a step on ...859. Softmax keeps PyTorch's fused SDPA."""
+    if attn.kind != "gdpa" or backend != "triton" or head_dim > MAX_TRITON_HEAD_DIM:
+        return False
+    return x.is_cuda or triton_interpreting()
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn: Attention, scale: float, out_scale: float) -> torch.Tensor:
@@ -492,11 +505,16 @@ class KunlunLayer(nn.Module):
     norm_fused: bool = False
     """The layer's LayerNorms through coplan's Triton kernels where they run (:func:`layer_norm`)."""
 
-    def __init__(self, name: str, block: KunlunBlock, num_tokens: int, norm_fused: bool = False) -> None:
-        """``norm_fused``: the LayerNorms through coplan's Triton kernels where they run (:func:`layer_norm`)."""
+    def __init__(self, name: str, block: KunlunBlock, num_tokens: int, norm_fused: bool = False,
+                 backend: str = "reference") -> None:
+        """``norm_fused``: the LayerNorms through coplan's Triton kernels where they run (:func:`layer_norm`).
+        ``backend``: the workload's attention kernels; with ``triton``, GDPA runs on the jagged Triton kernel
+        (:func:`kunlun_jagged_applies`)."""
         super().__init__()
         self.name = name
         self.norm_fused = norm_fused
+        self.backend = backend
+        self.num_tokens = num_tokens
         d, h, hd = block.model_dim, block.num_heads, block.head_dim
         self.heads, self.head_dim, self.inner = h, hd, h * hd
         self.attn = block.attention
@@ -514,6 +532,18 @@ class KunlunLayer(nn.Module):
         b, t, _ = z.shape
         with op_range(self, "norm_act"):
             x = layer_norm(self.norm1, z, self.norm_fused)
+        if kunlun_jagged_applies(self.attn, self.backend, self.head_dim, x):
+            # every sample has t tokens: a jagged batch of equal lengths, read from and written to the
+            # projections' own layout (no permuted copies forward, no gather of the q, k, v gradients backward)
+            with op_range(self, "qkv"):
+                q, k, v = self.qkv(x).view(b * t, 3, self.heads, self.head_dim).unbind(1)
+            with op_range(self, "attn"):
+                offsets = torch.arange(0, (b + 1) * t, t, device=x.device, dtype=torch.int64)
+                a = jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal, max_len=t,
+                                     scale=self.scale, out_scale=self.out_scale, backend=self.backend)
+            with op_range(self, "attn_out"):
+                z = z + self.out(a.reshape(b, t, self.inner))
+            return z + pre_norm_ffn(self, z)
         with op_range(self, "qkv"):
             q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         with op_range(self, "attn"):
@@ -524,7 +554,7 @@ class KunlunLayer(nn.Module):
 
 
 __all__ = [
-    "FFN", "FusedFp8FFN", "InterFormerLayer", "film_kernel_applies", "KunlunLayer", "layer_norm", "MLP", "attention_scales", "dense_attention", "expand_segments",
+    "FFN", "FusedFp8FFN", "InterFormerLayer", "film_kernel_applies", "KunlunLayer", "kunlun_jagged_applies", "layer_norm", "MLP", "attention_scales", "dense_attention", "expand_segments",
     "jagged_attention", "mask_rows", "op_range", "pre_norm_ffn", "resolve_backend", "enable_segment_sum_gemm", "segment_ids", "segment_sum",
     "segment_sum_gemm_enabled", "segment_sum_gemm_works", "segment_sum_grad",
 ]
