@@ -178,7 +178,7 @@ def main() -> int:
 
         def fused():
             gamma, beta = gb.chunk(2, dim=-1)
-            return film_layer_norm(h, ln.weight, ln.bias, gamma, beta, seg, ln.eps)
+            return film_layer_norm(h, ln.weight, ln.bias, gamma, beta, seg, ln.eps, validate=False)  # as the trainer calls it
 
         def fused_baseline():
             gamma, beta = gb.chunk(2, dim=-1)

@@ -413,13 +413,25 @@ class _FilmLayerNorm(torch.autograd.Function):
 
 
 def film_layer_norm(h: Tensor, weight: Tensor | None, bias: Tensor | None, gamma: Tensor, beta: Tensor, seg: Tensor,
-                    eps: float = 1e-5) -> Tensor:
+                    eps: float = 1e-5, *, validate: bool = True) -> Tensor:
     """``F.layer_norm(h, (D,), weight, bias, eps) * (1 + gamma[seg]) + beta[seg]`` for ``h [T, D]``, per-sample
     ``gamma, beta [B, D]`` (row stride free: ``chunk``'s halves are fine) and ``seg [T]``, each row's sample
     (sorted, as :func:`coplan.trainer.model.layers.segment_ids` gives), in one Triton kernel forward and one
     backward. Differentiable in ``h``, ``weight``, ``bias``, ``gamma`` and ``beta``; output in ``h``'s dtype
-    (computed in fp32, rounded once)."""
+    (computed in fp32, rounded once).
+
+    ``validate``: also check that every ``seg`` value names a row of ``gamma`` (``0 <= seg < B``; the kernels index
+    ``gamma`` and ``beta`` by it unchecked), which reads ``seg``'s extremes back to the host: one device sync. Skipped
+    while a CUDA graph is captured or under ``torch.compile``; the trainer, whose ``seg`` comes from
+    :func:`coplan.trainer.model.layers.segment_ids`, passes False."""
     _check(h, weight, bias, gamma, beta, seg)
+    if validate and seg.numel() and not torch.compiler.is_compiling() and not (
+            seg.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = (int(v) for v in torch.aminmax(seg))
+        if lo < 0 or hi >= gamma.shape[0]:
+            raise FilmInputError(f"film_layer_norm: seg values must name a sample row of gamma/beta (0 to "
+                                 f"{gamma.shape[0] - 1}); got values from {lo} to {hi}. seg is each row's sample index, "
+                                 "as segment_ids(offsets, tokens) gives")
     return _FilmLayerNorm.apply(h, weight, bias, gamma, beta, seg, eps)
 
 

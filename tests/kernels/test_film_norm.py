@@ -91,6 +91,19 @@ def test_bad_inputs_are_named():
         film_layer_norm(h[None], w, bias, gamma, beta, seg)
 
 
+def test_seg_values_outside_the_samples_are_refused_unless_told_not_to_check():
+    h, w, bias, gb, seg = _inputs([3, 4], 16, 0, torch.float32)
+    gamma, beta = gb.chunk(2, dim=-1)
+    for bad in (seg + 1, seg - 1):  # 2 (only samples 0 and 1 exist), -1
+        with pytest.raises(FilmInputError, match=r"seg values must name a sample row of gamma/beta \(0 to 1\)"):
+            film_layer_norm(h, w, bias, gamma, beta, bad)
+    good = film_layer_norm(h, w, bias, gamma, beta, seg)
+    torch.testing.assert_close(film_layer_norm(h, w, bias, gamma, beta, seg, validate=False), good)
+    # the check does not ask for sorted rows: the kernels take samples in any order
+    perm = torch.tensor([6, 0, 3, 1, 5, 2, 4], device=seg.device)
+    torch.testing.assert_close(film_layer_norm(h[perm], w, bias, gamma, beta, seg[perm]), good[perm])
+
+
 @gpu
 def test_bf16_layer_path_matches_pytorch_on_gpu():
     """At a layer's size (4k tokens, width 1024) in bf16: within bf16 rounding of the PyTorch expression."""
