@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coplan.trainer.batch import Batch, HostTensors, host_tensors, to_device
+from coplan.trainer.batch import Batch, HostTensors, PinnedStaging, host_tensors, to_device
 from coplan.trainer.data import HostBatch
 from coplan.trainer.features import FeatureLayout
 
@@ -47,11 +47,13 @@ class SparseDistPipeline:
         self.device = device
         self.enabled = enabled
         self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
+        self.staging = PinnedStaging() if self.stream is not None else None
+        """Where the data thread packs each batch (one pinned buffer, one copy), when the pipeline runs on CUDA."""
 
     def host(self, hb: HostBatch) -> HostTensors | None:
         """The batch's CPU tensors, pinned for CUDA: numpy and memcpy work that the data thread takes off
         the training thread (None when the pipeline is off: :meth:`prepare` then does it)."""
-        return host_tensors(hb, self.layout, self.device.type == "cuda") if self.enabled else None
+        return host_tensors(hb, self.layout, self.device.type == "cuda", self.staging) if self.enabled else None
 
     def thread_setup(self) -> None:
         """Run on the data thread first: pinned buffers are allocated for the current CUDA device."""
