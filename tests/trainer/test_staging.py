@@ -91,3 +91,24 @@ def test_a_slot_is_reused_after_its_copy_has_finished():
     assert s == sa and again is a and ea.waits == 1 and eb.waits == 0
     bigger, s = staging.take(a.numel() + 1_000_000)  # slot b's buffer is too small: a larger one replaces it
     assert s == sb and eb.waits == 1 and bigger.numel() >= a.numel() + 1_000_000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_packed_batches_on_the_gpu(batches):
+    w, hbs = batches
+    layout = feature_layout(w).with_seq_chunk(7)
+    dev = torch.device("cuda")
+    staging = PinnedStaging(slots=2)
+    side = torch.cuda.Stream()
+    got = []
+    for hb in hbs * 2:  # more batches than slots: each slot reused after its copy's event
+        ht = host_tensors(hb, layout, pin=True, staging=staging)
+        assert ht.staged[0].is_pinned()
+        with torch.cuda.stream(side):
+            got.append(_tensors(to_device(ht, dev)))
+    torch.cuda.synchronize()
+    for hb, g in zip(hbs * 2, got):
+        want = _tensors(to_device(host_tensors(hb, layout, pin=True), dev))
+        assert g.keys() == want.keys()
+        for k in want:
+            assert torch.equal(g[k].cpu(), want[k].cpu()), k
