@@ -244,7 +244,8 @@ def build(cfg: TrainConfig, plan: Plan, device: torch.device, ranks: Ranks, cloc
     elif device.type == "cuda" or cfg.cuda_graphs == "on":
         notes.append(f"CUDA graphs off ({why_not})")
     notes += fp8_notes(list(pm.fp8))
-    optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda")
+    optims = Optimizers(model.dense, pm.dp_tables, pm.dmp.fused_optimizer, plan, fused_dense=device.type == "cuda",
+                        graph_step=graphs is not None and graphs.use_graphs)
     if clock is not None:
         clock.mark("sharding")
     film = ("fused" if device.type == "cuda" and cfg.compile == "off"
@@ -448,7 +449,7 @@ class Loop:
         with torch.no_grad():
             n_bad = (torch.stack(torch._foreach_norm(grads)).float().square().sum().reshape(1)
                      if grads else torch.zeros(1, device=self.device))
-        self.optims.step()
+        self.optims.step(eager=self.graphs is not None and self.graphs.trace_eager)
         self.optims.zero_grad()
         if self.pm.replica_sync is not None:  # 2-D sparse parallelism: average the table replicas (every N steps)
             self.pm.replica_sync.after_step(step)
@@ -571,6 +572,7 @@ def write_summary(loop: Loop, built: Built, device_name: str, started: str, warm
              ("FSDP2: none (one rank; the CUDA graphs cast the fp32 masters)" if built.graphs is not None else
               f"FSDP2 units: {'one per layer' if pm.fsdp_per_layer else 'the dense root only'}"),
              *([built.graphs.stats.note()] if built.graphs is not None else []),
+             *([optims.graph_note()] if optims.graph_note() else []),
              f"compile {loop.cfg.compile}",
              seq_chunk_note(loop.layout),
              *([loop.fp8_guard.note()] if loop.fp8_guard.modules else [])]

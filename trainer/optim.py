@@ -42,11 +42,16 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         return None
 
 
-def _dense_optimizer(params: list[nn.Parameter], plan: Plan, fused: bool = False) -> torch.optim.Optimizer:
+def _dense_optimizer(params: list[nn.Parameter], plan: Plan, fused: bool = False,
+                     capturable: bool = False) -> torch.optim.Optimizer:
     """``fused``: PyTorch's single-kernel Adam/AdamW/Adagrad/SGD (one launch per dtype and device instead
-    of the foreach path's ~5 per 24 tensors, and its step count stays on the device: no read-back)."""
+    of the foreach path's ~5 per 24 tensors, and its step count stays on the device: no read-back).
+    ``capturable``: Adam(W) that a CUDA graph can capture (its bias corrections computed on the device;
+    :class:`GraphedStep`)."""
     o = plan.workload.optimizer
     kw = {"fused": True} if fused else {}
+    if capturable and o.dense in ("adamw", "adam"):
+        kw["capturable"] = True
     if o.dense == "adamw":
         return torch.optim.AdamW(params, lr=o.dense_lr, weight_decay=o.weight_decay, **kw)
     if o.dense == "adam":
@@ -135,35 +140,110 @@ class LocalStepper:
                         self.opt.state[p][k] = v
 
 
+class GraphedStep:
+    """The dense optimizer's step replayed as one CUDA graph: the host issues one launch instead of running the
+    optimizer's Python over every parameter (1.2-2.6 ms of host a step on the held-out H100 draws' one-GPU runs,
+    ``host_phases_s.optimizer``, where steps of 10-14 ms were host-bound).
+
+    For one-GPU runs whose dense gradients live in fixed buffers (:class:`coplan.trainer.graphs.DenseGraphs`).
+    The first step runs eagerly (it creates the optimizer's state), the second is captured and replayed, and
+    later ones replay it while every gradient, state tensor and hyperparameter is the one captured (checked
+    each step: the gradients' addresses and the groups' hyperparameters); otherwise the step runs eagerly and
+    the graph is dropped, saying why (:attr:`why_eager`). A step asked to run eagerly (the profiled steps, whose
+    traces name each kernel) updates the same state in place, which the graph keeps reading."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._key: tuple | None = None
+        self.replayed = 0
+        self.why_eager: str | None = None
+        """Why the step stopped being replayed (None: it is, or has not been captured yet)."""
+
+    def _now(self) -> tuple:
+        groups = self.opt.param_groups
+        grads = tuple(p.grad.data_ptr() if p.grad is not None else 0 for g in groups for p in g["params"])
+        hyper = tuple(tuple((k, v) for k, v in sorted(g.items()) if k != "params" and isinstance(v, (int, float, bool)))
+                      for g in groups)
+        # the state is replaced wholesale (load_state_dict) or not at all: its first parameter's tensors stand for it
+        first = self.opt.state.get(groups[0]["params"][0], {}) if groups and groups[0]["params"] else {}
+        state = (id(self.opt.state), tuple(v.data_ptr() for v in first.values() if isinstance(v, torch.Tensor)))
+        return grads, hyper, state
+
+    def step(self, eager: bool = False) -> None:
+        if eager or self.why_eager is not None or not any(self.opt.state.values()):
+            self.opt.step()
+            return
+        key = self._now()
+        if self.graph is not None:
+            if key == self._key:
+                with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self.opt).__name__}.step"):
+                    self.graph.replay()
+                self.replayed += 1
+                return
+            self.graph, self.why_eager = None, "the gradients, state or hyperparameters changed since the capture"
+            self.opt.step()
+            return
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.opt.step()  # recorded, not run: the state is untouched until the replay
+        except Exception as e:  # (capture errors vary by torch build) the step runs eagerly from now on
+            self.why_eager = f"the capture failed: {type(e).__name__}: {e}"[:300]
+            self.opt.step()
+            return
+        self.graph, self._key = graph, key
+        graph.replay()
+        self.replayed += 1
+
+
 class Optimizers:
     """Steps and zeroes every optimizer of the model together."""
 
     def __init__(self, dense: nn.Module, dp_tables: list[tuple[str, nn.Parameter]], fused: Any, plan: Plan,
-                 *, fused_dense: bool = False, local_step: bool = True, dp_group: Any = None) -> None:
+                 *, fused_dense: bool = False, local_step: bool = True, dp_group: Any = None,
+                 graph_step: bool = False) -> None:
         """``fused_dense``: the dense optimizer's fused kernel (CUDA runs; the CPU tests keep the foreach
         path that the reference run uses). Where it turns out unsupported at the first step, the
         foreach path is used instead and :attr:`fused_dense` says so. ``local_step``: step the dense
         optimizer on the DTensors' local shards (:class:`LocalStepper`; off: through DTensor). ``dp_group``:
-        the ranks the data-parallel tables' gradients are summed over before their step (default: the world)."""
+        the ranks the data-parallel tables' gradients are summed over before their step (default: the world).
+        ``graph_step``: replay the dense step as a CUDA graph (:class:`GraphedStep`; one-GPU runs whose dense
+        gradients are fixed buffers, Adam or AdamW on CUDA parameters)."""
         self._params = [p for p in dense.parameters() if p.requires_grad]
         self._plan = plan
         self.fused_dense = fused_dense
         self.fused_error: str | None = None
-        self.dense = _dense_optimizer(self._params, plan, fused=fused_dense)
         # only worth it (and only tried) where some parameter is a DTensor
         self.dtensor_params = any(isinstance(p, DTensor) for p in self._params)
+        self.graph_step = (graph_step and not self.dtensor_params and plan.workload.optimizer.dense in ("adamw", "adam")
+                           and bool(self._params) and all(p.is_cuda for p in self._params))
+        self.dense = _dense_optimizer(self._params, plan, fused=fused_dense, capturable=self.graph_step)
         self.local_step = local_step and self.dtensor_params
         self._stepper = LocalStepper(self.dense) if self.local_step else None
+        self._graphed = GraphedStep(self.dense) if self.graph_step else None
         self.dp_names = [n for n, _ in dp_tables]
         self.tables = _table_optimizer([p for _, p in dp_tables], plan)
         self.dp_group = dp_group
         self.fused = fused
 
-    def step(self) -> None:
+    def graph_note(self) -> str | None:
+        """What became of the dense step's graph (None where it was not asked for)."""
+        g = self._graphed
+        if g is None:
+            return None
+        if g.why_eager is not None:
+            return f"dense optimizer step eager after {g.replayed} graph replay(s): {g.why_eager}"
+        return f"dense optimizer step as a CUDA graph ({g.replayed} replays)"
+
+    def step(self, eager: bool = False) -> None:
+        """``eager``: run the dense step as itself even where it is replayed as a graph (profiled steps)."""
         fresh = not any(self.dense.state.values())  # (a failed first step may leave initialised state behind)
         try:
             if self._stepper is not None:
                 self._stepper.step()
+            elif self._graphed is not None:
+                self._graphed.step(eager)
             else:
                 self.dense.step()
         except (RuntimeError, NotImplementedError) as e:
@@ -172,8 +252,9 @@ class Optimizers:
             if not self.fused_dense or not fresh:
                 raise
             self.fused_dense, self.fused_error = False, f"{type(e).__name__}: {e}"[:300]
-            self.dense = _dense_optimizer(self._params, self._plan, fused=False)
+            self.dense = _dense_optimizer(self._params, self._plan, fused=False, capturable=self.graph_step)
             self._stepper = LocalStepper(self.dense) if self.local_step else None
+            self._graphed = GraphedStep(self.dense) if self.graph_step else None
             self.dense.step()
         if self.tables is not None:
             # data-parallel tables: this rank's gradients (every micro-batch's) summed over the world, once
@@ -187,4 +268,4 @@ class Optimizers:
             self.tables.zero_grad(set_to_none=True)
 
 
-__all__ = ["LocalStepper", "Optimizers", "RowWiseAdagrad", "local"]
+__all__ = ["GraphedStep", "LocalStepper", "Optimizers", "RowWiseAdagrad", "local"]

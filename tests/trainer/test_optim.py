@@ -1,5 +1,7 @@
 """The data-parallel tables' optimizer is FBGEMM's fused row-wise Adagrad, in dense form."""
 
+import copy
+
 import pytest
 import torch
 
@@ -80,3 +82,56 @@ def test_local_stepper_matches_the_dtensor_optimizer(one_rank_group, make):
             vb = vb.full_tensor() if isinstance(vb, DTensor) else vb
             assert torch.equal(torch.as_tensor(va), torch.as_tensor(vb)), k
     assert stepper._twin is not None  # the local path ran (the first step alone goes through DTensor)
+
+
+def _opt_plan(dense: str = "adamw"):
+    from coplan.planner.given import given_plan
+    from coplan.spec import load_topology, load_workload
+
+    w = load_workload("gem-tiny")
+    w = w.model_copy(update={"optimizer": w.optimizer.model_copy(update={"dense": dense})})
+    return given_plan(w, load_topology("h200-1gpu"), 1)
+
+
+def test_the_graphed_step_is_only_asked_for_cuda_parameters():
+    from coplan.trainer.optim import Optimizers
+
+    dense = torch.nn.Linear(4, 3)
+    assert not Optimizers(dense, [], None, _opt_plan(), graph_step=True).graph_step  # CPU parameters
+    assert Optimizers(dense, [], None, _opt_plan(), graph_step=True).graph_note() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dense_opt", ["adamw", "adam"])
+def test_the_graphed_dense_step_is_the_eager_step_on_the_gpu(dense_opt):
+    """Fixed gradient buffers (as the one-GPU graphs keep them), new values each step: the graphed optimizer's
+    weights follow an eager fused optimizer's; a profiled (eager) step in between keeps them together; moved
+    gradients make it step eagerly and say so."""
+    from coplan.trainer.optim import Optimizers
+
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).cuda()
+    b = copy.deepcopy(a)
+    graphed = Optimizers(a, [], None, _opt_plan(dense_opt), fused_dense=True, graph_step=True)
+    plain = Optimizers(b, [], None, _opt_plan(dense_opt), fused_dense=True)
+    assert graphed.graph_step and not plain.graph_step
+    bufs = [torch.zeros_like(p) for p in a.parameters()]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(8):
+        for buf, pa, pb in zip(bufs, a.parameters(), b.parameters()):
+            buf.copy_(torch.randn(buf.shape, device="cuda", generator=g))
+            pa.grad, pb.grad = buf, buf.clone()
+        graphed.step(eager=step == 4)
+        plain.step()
+        graphed.zero_grad()
+        plain.zero_grad()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    assert "as a CUDA graph (6 replays)" in graphed.graph_note()
+    for pa, pb in zip(a.parameters(), b.parameters()):  # gradients in new tensors: eager from here on
+        pa.grad, pb.grad = torch.ones_like(pa), torch.ones_like(pb)
+    graphed.step()
+    plain.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    assert "eager after 6 graph replay(s): the gradients" in graphed.graph_note()
