@@ -23,6 +23,7 @@ only the copies run ahead.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,10 @@ class SparseDistPipeline:
         self.device = device
         self.enabled = enabled
         self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
-        self.staging = PinnedStaging() if self.stream is not None else None
-        """Where the data thread packs each batch (one pinned buffer, one copy), when the pipeline runs on CUDA."""
+        self.staging = (PinnedStaging() if self.stream is not None and os.environ.get("COPLAN_PINNED_STAGING", "1") != "0"
+                        else None)
+        """Where the data thread packs each batch (one pinned buffer, one copy), when the pipeline runs on CUDA
+        (``COPLAN_PINNED_STAGING=0``: a pinned copy per tensor, as before it)."""
 
     def host(self, hb: HostBatch) -> HostTensors | None:
         """The batch's CPU tensors, pinned for CUDA: numpy and memcpy work that the data thread takes off
