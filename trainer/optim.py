@@ -186,7 +186,8 @@ class GraphedStep:
             return
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: the data thread keeps issuing its own CUDA calls (pinned copies, events) meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.opt.step()  # recorded, not run: the state is untouched until the replay
         except Exception as e:  # (capture errors vary by torch build) the step runs eagerly from now on
             self.why_eager = f"the capture failed: {type(e).__name__}: {e}"[:300]
