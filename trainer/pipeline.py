@@ -48,10 +48,12 @@ class SparseDistPipeline:
         self.device = device
         self.enabled = enabled
         self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
-        self.staging = (PinnedStaging() if self.stream is not None and os.environ.get("COPLAN_PINNED_STAGING", "1") != "0"
+        self.staging = (PinnedStaging() if self.stream is not None and os.environ.get("COPLAN_PINNED_STAGING", "0") == "1"
                         else None)
-        """Where the data thread packs each batch (one pinned buffer, one copy), when the pipeline runs on CUDA
-        (``COPLAN_PINNED_STAGING=0``: a pinned copy per tensor, as before it)."""
+        """Where the data thread packs each batch (one pinned buffer, one copy), when the pipeline runs on CUDA and
+        ``COPLAN_PINNED_STAGING=1``. Off by default until a GPU run has measured it (written 2026-12-06 without a
+        device: its logic is tested on CPU, its pinned path by ``tests/trainer/test_staging.py`` on a GPU); off, a
+        pinned copy per tensor, as before it."""
 
     def host(self, hb: HostBatch) -> HostTensors | None:
         """The batch's CPU tensors, pinned for CUDA: numpy and memcpy work that the data thread takes off
