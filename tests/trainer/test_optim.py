@@ -85,12 +85,14 @@ def test_local_stepper_matches_the_dtensor_optimizer(one_rank_group, make):
 
 
 def _opt_plan(dense: str = "adamw"):
-    from coplan.planner.given import given_plan
-    from coplan.spec import load_topology, load_workload
+    """What ``Optimizers`` reads of a plan (its workload's optimizer), without the planner (no OR-Tools on the
+    GPU machine)."""
+    from types import SimpleNamespace
+
+    from coplan.spec import load_workload
 
     w = load_workload("gem-tiny")
-    w = w.model_copy(update={"optimizer": w.optimizer.model_copy(update={"dense": dense})})
-    return given_plan(w, load_topology("h200-1gpu"), 1)
+    return SimpleNamespace(workload=w.model_copy(update={"optimizer": w.optimizer.model_copy(update={"dense": dense})}))
 
 
 def test_the_graphed_step_is_only_asked_for_cuda_parameters():
