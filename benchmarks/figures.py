@@ -311,6 +311,12 @@ LOO_H100F = _loo("h100f")
 FRESH_H100G = _fresh_set("h100g", "fresh_plans_h100g", "draw_runs_h100g.tgz")
 FRESH_H100G_CAL = _fresh_cal("h100g")
 LOO_H100G = _loo("h100g")
+FRESH_H200E = _fresh_set("h200e", "fresh_plans_e", "draw_runs_h200e.tgz")
+FRESH_H200E_CAL = _fresh_cal("h200e")
+KUNLUN = Result("kunlun_attention_h200.json",
+                "python benchmarks/kunlun_attention.py --out benchmarks/results/kunlun_attention_h200.json (on the lent GPU)",
+                ("trainer/model/layers.py", "kernels/api.py", "kernels/ops.py", "kernels/triton_attention.py", "coplan/sample.py"),
+                script="kunlun_attention.py")
 FILM_NORM = Result("film_norm_h100.json",
                    "python benchmarks/film_norm.py --seeds 1,4 --out benchmarks/results/film_norm_h100.json (on the lent GPU: "
                    "bash benchmarks/device/stage.sh film COMMIT)",
@@ -381,38 +387,40 @@ def _attention_figures() -> list[Figure]:
     return out
 
 
-def _fresh_set_figures(which: str, plans: str, res: Result, cal: Result, loo: Result, *, ran: str, mfu: str,
-                       loader: str, as_planned: str, worst: str, uncalibrated: str, held_out: str) -> tuple[Figure, ...]:
-    """The standard rows of a held-out set of fresh one-H100 draws: what ran, MFU, the loader, the step error as
-    planned and re-planned (calibrated and not), and ``coplan calibrate``'s leave-one-out on the set's traces.
-    ``which``: the set's ordinal ("fifth")."""
+def _fresh_set_figures(which: str, plans: str, res: Result, cal: Result, loo: Result | None, *, ran: str, mfu: str,
+                       loader: str, as_planned: str, worst: str, uncalibrated: str, held_out: str | None,
+                       gpu: str = "H100") -> tuple[Figure, ...]:
+    """The standard rows of a held-out set of fresh one-GPU draws: what ran, MFU, the loader, the step error as
+    planned and re-planned (calibrated and not), and ``coplan calibrate``'s leave-one-out on the set's traces
+    (``loo``/``held_out`` None: not run). ``which``: the set's ordinal ("fifth"); ``gpu``: the lent GPU's model."""
     rows = lambda d: [r for r in d["rows"] if r.get("loader")]  # noqa: E731
     return (
-        Figure(TRAINING, f"Fresh draws on the lent H100, {which} set ({plans}): draws that ran of those drawn", res,
+        Figure(TRAINING, f"Fresh draws on the lent {gpu}, {which} set ({plans}): draws that ran of those drawn", res,
                lambda d: d["summary"]["ran"] / d["summary"]["draws"], "%", Goal(">=", 1.0), note=ran),
-        Figure(TRAINING, f"Fresh draws on the H100, {which} set: median local MFU, `coplan train` at defaults", res,
+        Figure(TRAINING, f"Fresh draws on the {gpu}, {which} set: median local MFU, `coplan train` at defaults", res,
                at("summary.median_local_mfu"), "%", Goal(">=", 0.40), note=mfu),
-        Figure(TRAINING, f"Fresh draws on the H100, {which} set: lowest local MFU", res, at("summary.min_local_mfu"), "%",
+        Figure(TRAINING, f"Fresh draws on the {gpu}, {which} set: lowest local MFU", res, at("summary.min_local_mfu"), "%",
                Goal(">=", 0.30)),
-        Figure(TRAINING, f"Fresh draws on the H100, {which} set: loader throughput / consumption, lowest", res,
+        Figure(TRAINING, f"Fresh draws on the {gpu}, {which} set: loader throughput / consumption, lowest", res,
                lambda d: min(r["loader"]["headroom"] for r in rows(d)), "x", Goal(">=", 3.0), note=loader),
-        Figure(CAL, f"Fresh draws on the H100, {which} set: median |predicted / measured step - 1|, as planned (shipped "
-                    "H100 calibration, held out)", res, at("summary.median_abs_step_error"), "%", Goal("<=", 0.08),
+        Figure(CAL, f"Fresh draws on the {gpu}, {which} set: median |predicted / measured step - 1|, as planned (shipped "
+                    f"{gpu} calibration, held out)", res, at("summary.median_abs_step_error"), "%", Goal("<=", 0.08),
                note=as_planned),
-        Figure(CAL, f"Fresh draws on the H100, {which} set: worst |predicted / measured step - 1|, as planned", res,
+        Figure(CAL, f"Fresh draws on the {gpu}, {which} set: worst |predicted / measured step - 1|, as planned", res,
                at("summary.max_abs_step_error"), "%", Goal("<=", 0.20), note=worst),
-        Figure(CAL, f"Fresh draws on the H100, {which} set: median |predicted / measured step - 1|, re-planned at the "
-                    "current code with the shipped H100 calibration", cal, at("summary.median_abs_error_calibrated"), "%",
+        Figure(CAL, f"Fresh draws on the {gpu}, {which} set: median |predicted / measured step - 1|, re-planned at the "
+                    f"current code with the shipped {gpu} calibration", cal, at("summary.median_abs_error_calibrated"), "%",
                Goal("<=", 0.08)),
-        Figure(CAL, f"Fresh draws on the H100, {which} set: worst, re-planned with the shipped H100 calibration", cal,
+        Figure(CAL, f"Fresh draws on the {gpu}, {which} set: worst, re-planned with the shipped {gpu} calibration", cal,
                at("summary.max_abs_error_calibrated"), "%", Goal("<=", 0.20)),
-        Figure(CAL, f"Fresh draws on the H100, {which} set: median |predicted / measured step - 1|, uncalibrated", cal,
+        Figure(CAL, f"Fresh draws on the {gpu}, {which} set: median |predicted / measured step - 1|, uncalibrated", cal,
                at("summary.median_abs_error_uncalibrated"), "%", Goal("<=", 0.30), note=uncalibrated),
-        Figure(CAL, f"`coplan calibrate` on the {which} H100 set's traces, leave one out: median |predicted / measured "
+    ) + ((
+        Figure(CAL, f"`coplan calibrate` on the {which} {gpu} set's traces, leave one out: median |predicted / measured "
                     "step - 1|", loo, at("summary.median_abs_error_held_out"), "%", note=held_out),
-        Figure(CAL, f"`coplan calibrate` on the {which} H100 set's traces, leave one out: worst", loo,
+        Figure(CAL, f"`coplan calibrate` on the {which} {gpu} set's traces, leave one out: worst", loo,
                at("summary.max_abs_error_held_out"), "%"),
-    )
+    ) if loo is not None else ())
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -757,6 +765,35 @@ FIGURES: tuple[Figure, ...] = (
                  "under its device time. `coplan calibrate` at its default device term (the factor); with "
                  "`--device-term best` (each fold keeps the closer of a factor and a device gap; this stop, "
                  "calibration_loo.py --device-term, not kept as a result) median 5.7%, worst 22.7%"),
+    *_fresh_set_figures(
+        "second", "fresh_plans_e", FRESH_H200E, FRESH_H200E_CAL, None, gpu="H200",
+        ran="2026-12-06 22:16-22:21, seed 20261206110435 (taken at run time when planned, 11:04), planned at 67eab9a "
+            "with the shipped H200 calibration, run at 1ddae7e (this stop's trainer: Kunlun's GDPA on the jagged "
+            "Triton kernel, the dense optimizer step as a CUDA graph; the pinned staging off, its default): 3 of 10 "
+            "ran, the budget cut the other 7. The device came after repeated refused or failed starts this session, "
+            "with 658 s of budget left",
+        mfu="per draw 28.0, 4.8, 30.4%. ...436 is host-bound under the graphs: 5.9 ms of GPU busy in a 14.2 ms step "
+            "(59% idle; host per step 11.5 ms: forward 4.4, backward 2.5, optimizer 2.2, ahead 1.5). The other two are "
+            "device-bound (8-9% idle). Per class (eager profiled steps against their price): GEMMs 0.96x, elementwise "
+            "0.81x, attention 0.75x, embedding 0.68x",
+        loader="per draw 15.3, 2.7, 5.2x; ...436 (14 ms steps) under 3x: its pinning thread prepares a batch in 5.0 ms "
+               "(the staging buffer that packs a batch into one pinned copy, written this stop, is off by default "
+               "until measured). Time to the first step 42-63 s, 14-37 s of it autotuning (a cold machine)",
+        as_planned="as `coplan plan` priced them at 67eab9a with calibration/data/nvidia-h200.json (fitted 2026-12-04 on "
+                   "two eager-era runs at 905f3c5): per draw +31, -60, +7%. That calibration has no graphed host cost "
+                   "and no device gap (the H100's has both): forced onto these plans, nvidia-h100.json gives +16, -19, "
+                   "-2% (benchmarks/fresh_draws_calibrated.py with --force, not kept as a result); refitted on these "
+                   "three runs alone (scripts/ship_calibration.py, in sample) -21, -66, -17%: three runs do not "
+                   "identify the host terms. Not shipped: the H200's needs ten runs, as the H100's had",
+        worst="...436, host-bound: 14.2 ms measured, 5.7 priced (the H200 calibration's eager host cost is all it "
+              "has for a graphed step)",
+        uncalibrated="`--calibration none`: -35, -80, -36%, every draw too fast",
+        held_out=None),
+    Figure(KERN, "Kunlun layer forward + backward, GDPA on the jagged Triton kernel over the dense form (batched "
+                 "matmuls over permuted copies), median over 7 shapes (H200, bf16)", KUNLUN, at("summary.median_speedup"),
+           "x", note="gem-h200 and six sampler draws' Kunlun blocks at their local batch (64-240 samples, 22-67 tokens, "
+                     "head dims 64-256): 1.00, 1.03, 1.08, 1.07, 1.04, 1.02, 1.05x; outputs and input gradients within "
+                     "1% of the dense form's largest. What `KunlunLayer` runs with the triton backend since e642b9d"),
     Figure(TRAINING, "Fresh draws: time to the first step, median (`summary.json` startup)", FRESH,
            lambda d: _median([r["startup"]["to_first_step_s"] for r in d["rows"] if r.get("startup")]), "s",
            note="split in the JSON: launch and imports 11-15 s, data generation 1-27 s, a first step holding Triton "
