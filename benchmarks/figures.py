@@ -792,8 +792,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(KERN, "Kunlun layer forward + backward, GDPA on the jagged Triton kernel over the dense form (batched "
                  "matmuls over permuted copies), median over 7 shapes (H200, bf16)", KUNLUN, at("summary.median_speedup"),
            "x", note="gem-h200 and six sampler draws' Kunlun blocks at their local batch (64-240 samples, 22-67 tokens, "
-                     "head dims 64-256): 1.00, 1.03, 1.08, 1.07, 1.04, 1.02, 1.05x; outputs and input gradients within "
-                     "1% of the dense form's largest. What `KunlunLayer` runs with the triton backend since e642b9d"),
+                     "head dims 64-256): 1.00, 1.03, 1.08, 1.07, 1.04, 1.02, 1.05x; outputs within 0.5-1.1% and input gradients "
+                     "within 0.5-1.0% of the dense form's largest (bf16). What `KunlunLayer` runs with the triton backend since e642b9d"),
     Figure(TRAINING, "Fresh draws: time to the first step, median (`summary.json` startup)", FRESH,
            lambda d: _median([r["startup"]["to_first_step_s"] for r in d["rows"] if r.get("startup")]), "s",
            note="split in the JSON: launch and imports 11-15 s, data generation 1-27 s, a first step holding Triton "
