@@ -184,23 +184,28 @@ def chunk_lengths(lengths: np.ndarray, chunk: int, num_chunks: int) -> np.ndarra
     return np.clip(lengths[:, None] - starts[None, :], 0, chunk).reshape(-1)
 
 
+def _map_arrays(ht: HostTensors, fn) -> HostTensors:
+    """``ht`` with ``fn`` applied to each of its arrays, in one fixed order (keys, counts and sizes as they are)."""
+    jag = lambda p: (p[0], fn(p[1]), fn(p[2]), p[3])  # noqa: E731  (keys, values, lengths, per-key totals)
+    ht.pooled = jag(ht.pooled) if ht.pooled is not None else None
+    ht.sequences = {name: jag(parts) for name, parts in ht.sequences.items()}
+    ht.offsets = {s: fn(o) for s, o in ht.offsets.items()}
+    ht.dense = fn(ht.dense) if ht.dense is not None else None
+    ht.labels = fn(ht.labels)
+    ht.token_ids = {s: (fn(i), fn(t)) for s, (i, t) in ht.token_ids.items()}
+    return ht
+
+
 def host_tensors(hb: HostBatch, layout: FeatureLayout, pin: bool, staging: PinnedStaging | None = None) -> HostTensors:
     """``hb`` as (pinned when ``pin``) CPU tensors; numpy and the pinning copy only, so it can run on the data thread.
     With ``staging``, every tensor is a view of one of its buffers (pinned or not as the staging is; ``pin`` is then
     not read), packed by one multi-tensor copy."""
-    arrays: list[np.ndarray] = []
-
-    def _t(a: np.ndarray, pin: bool):
-        if staging is None:
-            return _tensor(a, pin)
-        arrays.append(a)
-        return len(arrays) - 1  # a placeholder: the packed views replace it below
 
     def jagged(keys: list[str], values: np.ndarray, lengths: np.ndarray):
         # The per-key totals are known here, on the host. Left out, TorchRec computes them from the
         # device lengths (a read-back that waits for all the GPU work queued before it) on every step.
         per_key = lengths.reshape(len(keys), -1).sum(axis=1).tolist() if keys else []
-        return keys, _t(values, pin), _t(lengths.astype(np.int32), pin), per_key
+        return keys, values, lengths.astype(np.int32), per_key
 
     pooled = jagged(layout.pooled_names, hb.pooled_values, hb.pooled_lengths) if layout.pooled else None
     seqs = {}
@@ -221,32 +226,25 @@ def host_tensors(hb: HostBatch, layout: FeatureLayout, pin: bool, staging: Pinne
         last = first + counts - 1
         keep_in, keep_tg = np.ones(ids.size, bool), np.ones(ids.size, bool)
         keep_in[last], keep_tg[first] = False, False
-        token_ids[s] = (_t(ids[keep_in], pin), _t(ids[keep_tg], pin))
-    ht = HostTensors(
+        token_ids[s] = (ids[keep_in], ids[keep_tg])
+    ht = HostTensors(  # arrays first, made tensors below
         pooled=pooled,
         sequences=seqs,
-        offsets={s: _t(np.concatenate([[0], np.cumsum(hb.seq_lengths[s])]).astype(np.int64), pin) for s in layout.sequences},
-        dense=_t(hb.dense, pin) if hb.dense is not None else None,
-        labels=_t(hb.labels, pin),
+        offsets={s: np.concatenate([[0], np.cumsum(hb.seq_lengths[s])]).astype(np.int64) for s in layout.sequences},
+        dense=hb.dense,
+        labels=hb.labels,
         size=hb.size,
         tokens=int(sum(int(v.sum()) for v in hb.seq_lengths.values())),
         token_ids=token_ids,
         micro_batch=hb.micro_batch,
     )
     if staging is None:
-        return ht
+        return _map_arrays(ht, lambda a: _tensor(a, pin))
+    arrays: list[np.ndarray] = []
+    _map_arrays(ht, lambda a: arrays.append(a) or a)
     views, buf, slot = _pack(arrays, staging)
-
-    def jag(parts):
-        keys, v, n, per_key = parts
-        return keys, views[v], views[n], per_key
-
-    ht.pooled = jag(ht.pooled) if ht.pooled is not None else None
-    ht.sequences = {name: jag(parts) for name, parts in ht.sequences.items()}
-    ht.offsets = {s: views[i] for s, i in ht.offsets.items()}
-    ht.dense = views[ht.dense] if ht.dense is not None else None
-    ht.labels = views[ht.labels]
-    ht.token_ids = {s: (views[i], views[t]) for s, (i, t) in ht.token_ids.items()}
+    it = iter(views)
+    ht = _map_arrays(ht, lambda a: next(it))
     ht.staged = (buf, slot, staging)
     return ht
 

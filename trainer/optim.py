@@ -219,14 +219,18 @@ class Optimizers:
         self.dtensor_params = any(isinstance(p, DTensor) for p in self._params)
         self.graph_step = (graph_step and not self.dtensor_params and plan.workload.optimizer.dense in ("adamw", "adam")
                            and bool(self._params) and all(p.is_cuda for p in self._params))
-        self.dense = _dense_optimizer(self._params, plan, fused=fused_dense, capturable=self.graph_step)
         self.local_step = local_step and self.dtensor_params
-        self._stepper = LocalStepper(self.dense) if self.local_step else None
-        self._graphed = GraphedStep(self.dense) if self.graph_step else None
+        self._make_dense(fused_dense)
         self.dp_names = [n for n, _ in dp_tables]
         self.tables = _table_optimizer([p for _, p in dp_tables], plan)
         self.dp_group = dp_group
         self.fused = fused
+
+    def _make_dense(self, fused: bool) -> None:
+        """The dense optimizer and what steps it (:class:`LocalStepper`, :class:`GraphedStep` or itself)."""
+        self.dense = _dense_optimizer(self._params, self._plan, fused=fused, capturable=self.graph_step)
+        self._stepper = LocalStepper(self.dense) if self.local_step else None
+        self._graphed = GraphedStep(self.dense) if self.graph_step else None
 
     def graph_note(self) -> str | None:
         """What became of the dense step's graph (None where it was not asked for)."""
@@ -253,9 +257,7 @@ class Optimizers:
             if not self.fused_dense or not fresh:
                 raise
             self.fused_dense, self.fused_error = False, f"{type(e).__name__}: {e}"[:300]
-            self.dense = _dense_optimizer(self._params, self._plan, fused=False, capturable=self.graph_step)
-            self._stepper = LocalStepper(self.dense) if self.local_step else None
-            self._graphed = GraphedStep(self.dense) if self.graph_step else None
+            self._make_dense(False)
             self.dense.step()
         if self.tables is not None:
             # data-parallel tables: this rank's gradients (every micro-batch's) summed over the world, once

@@ -514,7 +514,6 @@ class KunlunLayer(nn.Module):
         self.name = name
         self.norm_fused = norm_fused
         self.backend = backend
-        self.num_tokens = num_tokens
         d, h, hd = block.model_dim, block.num_heads, block.head_dim
         self.heads, self.head_dim, self.inner = h, hd, h * hd
         self.attn = block.attention
@@ -532,24 +531,23 @@ class KunlunLayer(nn.Module):
         b, t, _ = z.shape
         with op_range(self, "norm_act"):
             x = layer_norm(self.norm1, z, self.norm_fused)
-        if kunlun_jagged_applies(self.attn, self.backend, self.head_dim, x):
-            # every sample has t tokens: a jagged batch of equal lengths, read from and written to the
-            # projections' own layout (no permuted copies forward, no gather of the q, k, v gradients backward)
-            with op_range(self, "qkv"):
+        # jagged: every sample has t tokens, a jagged batch of equal lengths read from and written to the projections'
+        # own layout (no permuted copies forward, no gather of the q, k, v gradients backward)
+        jagged = kunlun_jagged_applies(self.attn, self.backend, self.head_dim, x)
+        with op_range(self, "qkv"):
+            if jagged:
                 q, k, v = self.qkv(x).view(b * t, 3, self.heads, self.head_dim).unbind(1)
-            with op_range(self, "attn"):
+            else:
+                q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        with op_range(self, "attn"):
+            if jagged:
                 offsets = torch.arange(0, (b + 1) * t, t, device=x.device, dtype=torch.int64)
                 a = jagged_attention(q, k, v, offsets, None, attn=self.attn, causal=self.attn.causal, max_len=t,
                                      scale=self.scale, out_scale=self.out_scale, backend=self.backend)
-            with op_range(self, "attn_out"):
-                z = z + self.out(a.reshape(b, t, self.inner))
-            return z + pre_norm_ffn(self, z)
-        with op_range(self, "qkv"):
-            q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        with op_range(self, "attn"):
-            a = dense_attention(q, k, v, attn=self.attn, scale=self.scale, out_scale=self.out_scale)
+            else:
+                a = dense_attention(q, k, v, attn=self.attn, scale=self.scale, out_scale=self.out_scale)
         with op_range(self, "attn_out"):
-            z = z + self.out(a.transpose(1, 2).reshape(b, t, self.inner))
+            z = z + self.out(a.reshape(b, t, self.inner) if jagged else a.transpose(1, 2).reshape(b, t, self.inner))
         return z + pre_norm_ffn(self, z)
 
 
