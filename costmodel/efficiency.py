@@ -30,12 +30,24 @@ DEFAULT_GEMM_EFFICIENCY: dict[str, float] = {
 ``measured_flops_per_s`` gives one. Small GEMMs fall to the memory roof or the launch overhead."""
 
 DEFAULT_ATTENTION_EFFICIENCY: dict[str, float] = {
-    "bf16": 0.50, "fp16": 0.50, "fp8": 0.40, "tf32": 0.40, "fp32": 0.50,
+    "bf16": 0.17, "fp16": 0.17, "fp8": 0.40, "tf32": 0.40, "fp32": 0.50,
 }
-"""Fused attention forward+backward. FlashAttention-3 (Shah et al. 2024, §4.1) reports 540-740
-TFLOP/s bf16 forward on H100 (55-75% of 989) and FlashAttention-2 (Dao 2023) 50-70% on A100 forward,
-backward lower; jagged variable-length kernels (GDPA, HSTU-style Triton) lose more to ragged tiles.
-0.5 sits at the low end of the dense kernels, pending calibration."""
+"""Attention forward+backward as a fraction of the dense peak, when no calibration gives one.
+
+bf16/fp16: what coplan's own jagged Triton kernels (the attention coplan's trainer runs) reach, measured by
+the kernel benchmark ``benchmarks/attention.py`` on one H200 (``benchmarks/results/attention_h200.json``,
+2026-12-04, commit 070319d): device-bound forward+backward under CUDA graphs, in the cost model's FLOPs
+(``coplan.costmodel.flops.attention_flops``), softmax and GDPA-SiLU at the kernels issue's two shapes (8 heads
+of 128 over ~1k-token histories: 239 and 257 TFLOP/s; 4 heads of 64 over ~250 tokens: 108 and 121); their
+geometric mean is 168 TFLOP/s, 0.17 of the H200's 989 (``tests/costmodel/test_default_efficiency.py``
+recomputes it from that file). The fraction is the default on every GPU without a calibration (a stated
+default: the plan says it is uncalibrated). Until 2026-12-07 the default was 0.5, the low end of
+FlashAttention-2/3's dense kernels (Shah et al. 2024 §4.1: 540-740 TFLOP/s bf16 forward on H100), about
+three times what the jagged kernels reach at these shapes. A calibration's attention efficiency and
+per-head-dim scales replace it.
+
+fp8, tf32, fp32: assumptions (coplan's fused kernels run bf16/fp16; the padded reference's fp32/TF32
+matmuls are priced by these)."""
 
 UNFUSED_CLASS = "unfused"
 """The key, in ``Efficiencies.memory`` and ``Efficiencies.launch_s``, of an op's separate memory-bound

@@ -158,5 +158,6 @@ def test_dense_only_workload_prices_without_tables():
     c = price(build_context(w, t, MeshPlan(dense_shard=8, dense_replicate=16, sparse_shard=128)),
               None, [LayerPlan(name=f"decoder.{i}", recompute=True) for i in range(32)])
     assert c.memory.embeddings == 0 and c.imbalance == 1.0
-    # Llama-3-8B at 4M tokens/step on 128 H200s: MFU in the range published for such runs (35-55%)
-    assert 0.35 < c.e2e_mfu < 0.6
+    # Llama-3-8B at 4M tokens/step on 128 H200s, every layer recomputed, uncalibrated: MFU in the range published
+    # for such runs (torchtitan's Llama 3.1 8B on 8-128 H100s: 33-39% with selective AC; full AC recomputes more)
+    assert 0.28 < c.e2e_mfu < 0.6
