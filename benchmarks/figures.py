@@ -580,8 +580,7 @@ FIGURES: tuple[Figure, ...] = (
                 "traces showed: the one-rank graphs' copies (f2a5535: FSDP2's one-rank bytes stood for them, 1.3-1.5x "
                 "their traced kernels; median 9.7 -> 8.2%) and the copies that pad a head dim of 96 (d1455e5: 8.2 -> "
                 "7.0%). The worst, ...120, is host-bound (10.9 ms of host a step, priced 5.4 ms with the H200 host's "
-                "cost). Uncalibrated in the JSON: median 43%, the default efficiencies being the literature's, about "
-                "2x the trainer's kernels"),
+                "cost). Uncalibrated (`--calibration none`: default efficiencies, no host time) in the JSON"),
     Figure(CAL, "`coplan calibrate` on the H100 draws' traces, leave one out: median |predicted / measured step - 1|",
            LOO_H100, at("summary.median_abs_error_held_out"), "%",
            note="each draw priced by a calibration fitted on the other nine: per draw -12, -4, +11, -12, +10, +10, +7, +40, -1, "
@@ -628,8 +627,8 @@ FIGURES: tuple[Figure, ...] = (
            FRESH_H100D_CAL, at("summary.max_abs_error_calibrated"), "%", Goal("<=", 0.20)),
     Figure(CAL, "Fresh draws on the H100, second set: median |predicted / measured step - 1|, uncalibrated",
            FRESH_H100D_CAL, at("summary.median_abs_error_uncalibrated"), "%", Goal("<=", 0.30),
-           note="`--calibration none`: the default efficiencies (the literature's, about twice what the trainer's kernels "
-                "reach on these shapes) and no host time: every draw predicted too fast"),
+           note="`--calibration none`: the default efficiencies (attention at what coplan's own kernels measured since 90436cf, the other defaults the literature's) and no host time: -78 to +7%, eight of nine draws "
+                "too fast (45.4% with the old attention default, FlashAttention's dense 0.5)"),
     Figure(CAL, "`coplan calibrate` on the second H100 set's traces, leave one out: median |predicted / measured step - 1|",
            LOO_H100D, at("summary.median_abs_error_held_out"), "%",
            note="each draw priced by a calibration fitted on the other eight: per draw -26, +1, -6, +6, +6, -8, +26, +40, +28%; "
@@ -678,8 +677,8 @@ FIGURES: tuple[Figure, ...] = (
                 "has no gap to add"),
     Figure(CAL, "Fresh draws on the H100, third set: median |predicted / measured step - 1|, uncalibrated",
            FRESH_H100E_CAL, at("summary.median_abs_error_uncalibrated"), "%", Goal("<=", 0.30),
-           note="`--calibration none` (nine draws: the uncalibrated plan of ...520 differs from the run's): every draw "
-                "predicted too fast, -17 to -52%"),
+           note="`--calibration none` (nine draws: the uncalibrated plan of ...520 differs from the run's): -47 to +10%, "
+                "eight of nine too fast (37.3% with the old attention default, FlashAttention's dense 0.5)"),
     Figure(TRAINING, "Fresh draws on the lent H100, fourth set (fresh_plans_h100f): draws that ran of those drawn",
            FRESH_H100F, lambda d: d["summary"]["ran"] / d["summary"]["draws"], "%", Goal(">=", 1.0),
            note="2026-12-06 11:12-11:27, seed 20261206110506 (taken at run time when planned, 11:05), planned at 67eab9a "
@@ -723,8 +722,9 @@ FIGURES: tuple[Figure, ...] = (
            at("summary.max_abs_error_calibrated"), "%", Goal("<=", 0.20)),
     Figure(CAL, "Fresh draws on the H100, fourth set: median |predicted / measured step - 1|, uncalibrated", FRESH_H100F_CAL,
            at("summary.median_abs_error_uncalibrated"), "%", Goal("<=", 0.30),
-           note="`--calibration none` (seven draws: three uncalibrated plans differ from the runs'): -31 to -56%, every "
-                "draw too fast; the default efficiencies price the fused FiLM as one LayerNorm too"),
+           note="`--calibration none` (seven draws: three uncalibrated plans differ from the runs'): -51 to -27%, every "
+                "draw too fast (48.6% with the old attention default); the default efficiencies price the fused FiLM as one "
+                "LayerNorm too"),
     Figure(CAL, "`coplan calibrate` on the fourth H100 set's traces, leave one out: median |predicted / measured step - 1|",
            LOO_H100F, at("summary.median_abs_error_held_out"), "%",
            note="each draw priced by a calibration fitted on the other nine (runs with the fused FiLM, priced so): per draw "
@@ -756,8 +756,8 @@ FIGURES: tuple[Figure, ...] = (
               "multiplies a device step priced at 387.6 ms where the trace's kernels took 359.4. As ...526 and ...514 of "
               "the third and fourth sets: a factor fitted on small steps with 8-12% idle, applied to a large step with "
               "none. What led to the device gap (f5a23f8; re-planned with it, the rows below: ...864 +7%, worst +13%)",
-        uncalibrated="`--calibration none` (eight draws: two uncalibrated plans differ from the runs'): -24 to -61%, "
-                     "every draw too fast",
+        uncalibrated="`--calibration none` (eight draws: two uncalibrated plans differ from the runs'): -59 to -21%, "
+                     "every draw too fast (42.4% with the old attention default)",
         held_out="each draw priced by a calibration fitted on the other nine: per draw -3, -7, -4, +16, -9, -36, +2, "
                  "+2% for the eight whose re-plan makes the run's choices (...864 and ...866 re-plan otherwise: not "
                  "counted). In sample median 2.8%, worst 8.1%. The miss is ...865, the set's one host-bound draw: "
@@ -787,7 +787,8 @@ FIGURES: tuple[Figure, ...] = (
                    "identify the host terms. Not shipped: the H200's needs ten runs, as the H100's had",
         worst="...436, host-bound: 14.2 ms measured, 5.7 priced (the H200 calibration's eager host cost is all it "
               "has for a graphed step)",
-        uncalibrated="`--calibration none`: -35, -80, -36%, every draw too fast",
+        uncalibrated="`--calibration none`: -19, -78, +6% (-35, -80, -36% with the old attention default); ...436 is "
+                     "host-bound, and uncalibrated the host costs nothing",
         held_out=None),
     Figure(KERN, "Kunlun layer forward + backward, GDPA on the jagged Triton kernel over the dense form (batched "
                  "matmuls over permuted copies), median over 7 shapes (H200, bf16)", KUNLUN, at("summary.median_speedup"),
