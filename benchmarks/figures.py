@@ -728,8 +728,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(CAL, "`coplan calibrate` on the fourth H100 set's traces, leave one out: median |predicted / measured step - 1|",
            LOO_H100F, at("summary.median_abs_error_held_out"), "%",
            note="each draw priced by a calibration fitted on the other nine (runs with the fused FiLM, priced so): per draw "
-                "+2, -11, +3, +6, +16, -18, -6% for the seven whose re-plan makes the run's choices (...509, ...512 and ...514 "
-                "re-plan otherwise: not counted). In sample median 3.2%, worst 14.2%. Its fit on all ten: device-step "
+                "+3, -7, +3, +6, +17, -17, -7% for the seven whose re-plan makes the run's choices (...509, ...512 and ...514 "
+                "re-plan otherwise: not counted). In sample median 2.9%, worst 14.5%. Its fit on all ten: device-step "
                 "factor 1.18, elementwise memory efficiency 0.61. With `--device-term gap` (a device gap per priced launch "
                 "in every fold; 2026-12-06, not kept as a result) median 13.8%, worst 33.2%, in sample 9.9%; with `best` "
                 "median 16.2%: why `coplan calibrate`'s default stays the factor"),
