@@ -222,9 +222,6 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
             compute[("gemm", dt)] = DEFAULT_GEMM_EFFICIENCY.get(dt, 0.7)
             sources[f"gemm.{dt}"] = "default (efficiency.DEFAULT_GEMM_EFFICIENCY)"
         compute[("attention", dt)] = DEFAULT_ATTENTION_EFFICIENCY.get(dt, 0.4)
-        if dt in ("bf16", "fp16"):
-            sources[f"attention.{dt}"] = ("default: coplan's jagged Triton kernels on an H200, fwd+bwd "
-                                          "(efficiency.DEFAULT_ATTENTION_EFFICIENCY, benchmarks/results/attention_h200.json)")
         compute[("embedding", dt)] = compute[("gemm", dt)]
         compute[("elementwise", dt)] = compute[("gemm", dt)]
     memory = dict(DEFAULT_MEMORY_EFFICIENCY)
