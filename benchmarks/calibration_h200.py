@@ -782,7 +782,7 @@ def analyze(root: Path, overlays: list[Path] | tuple[Path, ...] = ()) -> dict:
         "host_bound": hf.host_bound().tolist(), "local_batch": hf.batch, "runs": hf.runs, "measured_step_s": hf.measured_s, "device_step_s": hf.device_s,
         "launches_per_step_priced": hf.launches, "fit_median_abs_error": hf.median_abs_error, "fit_max_abs_error": hf.max_abs_error}
     topo = runs[fit_names[0]][1].plan.topology
-    default = resolve_efficiencies(topo)
+    default = resolve_efficiencies(topo, default_gap=False)  # per-op defaults (the gap is a step-level term)
     # the pricer prices the reference attention at the compute dtype's default: so does the default here
     dflt_compute = dict(default.compute)
     for (c, dt), v in list(default.compute.items()):

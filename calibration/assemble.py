@@ -99,7 +99,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     if len(devices) > 1 and not force:
         raise CalibrationError(f"the runs come from different devices {devices}; calibrate each device separately (or --force)")
     topo = runs[0].plan.topology
-    eff = resolve_efficiencies(topo, base, force=force) if base is not None else resolve_efficiencies(topo)
+    eff = resolve_efficiencies(topo, base, force=force) if base is not None else resolve_efficiencies(topo, default_gap=False)
     samples = [s for r in runs for s in r.samples]
     worst = min(r.attributed_share for r in runs)
     keep_base = base is not None and worst < MIN_ATTRIBUTED_SHARE

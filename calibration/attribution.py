@@ -116,6 +116,8 @@ class TraceAttribution:
     """Idle time ended by an unattributed unit, or left at the end of a step window."""
     window_s: float = 0.0
     """Summed length of the device-side profiled step windows (0 when the trace has none)."""
+    device_units: int = 0
+    """Device work units (kernels, memcpys, memsets) counted in the profiled steps (0 on CPU traces)."""
     unattributed_by_name: dict[str, float] = field(default_factory=dict)
     """Unattributed time per kernel (or CPU op) name, largest first (top 30): what to name next."""
 
@@ -452,6 +454,7 @@ def attribute(trace: dict[str, Any], path: str = "<trace>") -> TraceAttribution:
         idle_s=(sum(gap_before) + tail_idle) * 1e-6,
         unattributed_idle_s=(un_idle + tail_idle) * 1e-6,
         window_s=sum(b - a for a, b in windows) * 1e-6,
+        device_units=len(units) if on_device else 0,
         unattributed_by_name={k: v * 1e-6 for k, v in top_lost.items()},
     )
 

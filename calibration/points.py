@@ -59,7 +59,7 @@ def calibration_points(cal: Calibration, *, cal_path: str | Path | None = None, 
             skipped.append(f"{d}: {str(e).splitlines()[0]}")
             continue
         topo = rs.plan.topology
-        e0 = resolve_efficiencies(topo)
+        e0 = resolve_efficiencies(topo, default_gap=False)
         e1 = resolve_efficiencies(topo, cal, force=True)
         b = predict(rs.samples, e0.compute, e0.memory, e0.launch_s, e0.lookup_id_s, attention_scale_of(e0))
         a = predict(rs.samples, e1.compute, e1.memory, e1.launch_s, e1.lookup_id_s, attention_scale_of(e1))

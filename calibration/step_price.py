@@ -59,7 +59,7 @@ def predict_step_time(plan: Plan, calibration: Calibration | None = None,
                                              "device_step_factor": None})
     # the launches the pricer charges: its step's slope in every class's launch cost (as step_launches)
     delta = 1e-6
-    dflt = resolve_efficiencies(plan.topology).launch_s
+    dflt = resolve_efficiencies(plan.topology, default_gap=False).launch_s
     bumped_cls = {}
     for c in CLASSES:
         oc = dev_cal.op_classes.get(c, OpClassCalibration())
@@ -77,7 +77,7 @@ def device_calibration(plan: Plan, res: FitResult, extra_launch_s: float = 0.0) 
     """The device fit alone (no host cost) as a Calibration, every class's launch cost raised by ``extra_launch_s``
     (a kept base calibration, :attr:`FitResult.base`: its device terms as they are)."""
     cls: dict[ComputeOpClass, OpClassCalibration] = {}
-    eff = resolve_efficiencies(plan.topology)
+    eff = resolve_efficiencies(plan.topology, default_gap=False)
     if res.base is not None:
         b = res.base
         for c in CLASSES:

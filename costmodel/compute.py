@@ -16,7 +16,7 @@ import numpy as np
 
 from coplan.costmodel import flops as F
 from coplan.costmodel.context import Context
-from coplan.costmodel.efficiency import UNFUSED_CLASS
+from coplan.costmodel.efficiency import HOST_KERNELS_PER_PRICED_LAUNCH, UNFUSED_CLASS
 from coplan.costmodel.fp8 import fp8_allowed, fused_ffn_layers, fused_norm_act_bytes, price_fp8_quantisation
 from coplan.costmodel.jagged import SeqCost, expected_imbalance, length_pmf
 from coplan.spec.workload import Kernels, LognormalLength
@@ -34,17 +34,6 @@ def expected_max_length(dist, n: float) -> float:
     c = np.cumsum(probs)
     return float(vals[min(len(vals) - 1, int(np.searchsorted(c, q)))])
 
-
-
-HOST_KERNELS_PER_PRICED_LAUNCH = 4.1
-"""Kernels the trainer's host really issues per launch the pricer charges (``h``, the calibrated
-``host_launch_s``, is per priced launch): measured on H200 traces of the five Triton fit
-runs (``traces.host_profile``: forward + backward + post launches per profiled step over the pricer's
-priced launches; base 4.20, b32-h512 4.14, d512-L6 4.06, rc-nomoe 3.78, nomoe-b32-L2 4.30; mean 4.10),
-no reference run and no step time used. The host time of these runs grows with their real launches at
-about the same rate per launch as the padded reference's (its forward's extra 668 launches took
-47 ms of host, 71 µs each, against 70 µs per launch over base's forward), so an op priced by its
-real kernels costs ``kernels / 4.1`` priced launches on the host."""
 
 
 def host_work_s(ctx: "Context") -> float:

@@ -82,9 +82,39 @@ DEFAULT_LAUNCH_OVERHEAD_S: dict[str, float] = {
     "gemm": 3e-6, "attention": 4e-6, "elementwise": 2e-6, "embedding": 5e-6,
     UNFUSED_CLASS: 2e-6,
 }
-"""GPU time per kernel beyond its roofline (launch latency, tail, prologue): a few microseconds per
-kernel on Hopper with the CPU running ahead (assumption; NVIDIA Nsight traces of eager PyTorch show
-2-5 µs gaps). The embedding figure includes the TBE's index bucketing."""
+"""GPU time per priced launch beyond its roofline (its kernel's launch latency, tail, prologue): a few
+microseconds per kernel on Hopper with the CPU running ahead (assumption; NVIDIA Nsight traces of eager
+PyTorch show 2-5 µs per kernel). The embedding figure includes the TBE's index bucketing. The device's idle
+time between the trainer's kernels, about four per priced launch, is priced apart, uncalibrated, by
+:data:`DEFAULT_DEVICE_GAP_S`."""
+
+HOST_KERNELS_PER_PRICED_LAUNCH = 4.1
+"""Kernels the trainer's host really issues per launch the pricer charges (``h``, the calibrated
+``host_launch_s``, is per priced launch): measured on H200 traces of the five Triton fit
+runs (``traces.host_profile``: forward + backward + post launches per profiled step over the pricer's
+priced launches; base 4.20, b32-h512 4.14, d512-L6 4.06, rc-nomoe 3.78, nomoe-b32-L2 4.30; mean 4.10),
+no reference run and no step time used. The host time of these runs grows with their real launches at
+about the same rate per launch as the padded reference's (its forward's extra 668 launches took
+47 ms of host, 71 µs each, against 70 µs per launch over base's forward), so an op priced by its
+real kernels costs ``kernels / 4.1`` priced launches on the host."""
+
+
+DEVICE_IDLE_PER_KERNEL_S = 1.65e-6
+"""Device idle time per kernel (or memcpy / memset) while the host runs ahead of the device: measured by
+``benchmarks/device_gap.py`` (``benchmarks/results/device_gap.json``) over the trainer benchmark's two
+profiled gem-h200 steps on one H200 (256 samples a step, eager and ``--compile layers``, 2026-11-29, commit
+6fe23fc; the device busy 99% of the steps' windows): 2.37 and 2.12 ms idle over 1,302 and 1,174 kernels
+a step, 1.68 and 1.62 µs each. A count and a sum over two traces, no step time fitted; the idle between
+dependent kernels that the launch queue cannot hide."""
+
+DEFAULT_DEVICE_GAP_S = HOST_KERNELS_PER_PRICED_LAUNCH * DEVICE_IDLE_PER_KERNEL_S
+"""Device time between kernels per priced launch, uncalibrated: the measured idle per kernel
+(:data:`DEVICE_IDLE_PER_KERNEL_S`) times the kernels the trainer issues per launch the pricer charges
+(:data:`HOST_KERNELS_PER_PRICED_LAUNCH`), 6.8 µs. The same term, in the same unit, as a calibration's
+``device_gap_s`` (the H100's fitted 17.3 µs, where the small fresh draws' host also holds the device
+back); a calibration that fits the device's unpriced work (``device_gap_s`` or ``device_step_factor``)
+or its op classes replaces it. Before 2026-12-07 an uncalibrated plan priced no gap: only
+:data:`DEFAULT_LAUNCH_OVERHEAD_S` per priced launch, a figure per kernel (its tail and prologue)."""
 
 DEFAULT_LOOKUP_ID_LATENCY_S = 0.45e-6
 """Seconds per id of one warp's serial walk through a bag in FBGEMM's no-bag (sequence) lookup forward
@@ -159,8 +189,8 @@ class Efficiencies:
     ``device_step_factor``; 1: none)."""
 
     device_gap_s: float = 0.0
-    """Device seconds per priced launch between kernels (a calibration's ``device_gap_s``), already in
-    :attr:`launch_s`; 0: none."""
+    """Device seconds per priced launch between kernels (a calibration's ``device_gap_s``, else
+    :data:`DEFAULT_DEVICE_GAP_S` where no calibration fits the device), already in :attr:`launch_s`; 0: none."""
 
     loader_scale: float = 1.0
     """Measured over priced data-loader time (a calibration's ``loader_scale``; 1: the default coefficients)."""
@@ -200,8 +230,19 @@ def scale_at(points: tuple[tuple[int, float], ...] | list[tuple[int, float]], he
     return 1.0
 
 
-def resolve_efficiencies(topology: Topology, calibration: Calibration | None = None, *, force: bool = False) -> Efficiencies:
+def _fits_device(calibration: Calibration | None) -> bool:
+    """Whether ``calibration`` fitted the device's time (its op classes, or the unpriced work as a gap or a
+    factor): then it stands in for the default device gap, which its fit did not include."""
+    return calibration is not None and bool(calibration.op_classes or calibration.device_gap_s
+                                            or calibration.device_step_factor)
+
+
+def resolve_efficiencies(topology: Topology, calibration: Calibration | None = None, *, force: bool = False,
+                         default_gap: bool = True) -> Efficiencies:
     """Efficiencies for ``topology`` with ``calibration`` applied over the defaults.
+
+    ``default_gap``: price :data:`DEFAULT_DEVICE_GAP_S` where the calibration fits no device term (a step-level
+    term: the calibration's fits of single ops, whose traced times hold no idle, start without it).
 
     A calibration measured on a different GPU than the topology's is refused unless ``force``; one naming
     a tier the topology does not have is refused always (:meth:`Calibration.check_against`).
@@ -256,10 +297,16 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
                 collective[(tier, c)] = e
     gap = calibration.device_gap_s if calibration is not None and calibration.device_gap_s else 0.0
     if gap:
-        # the device's time between kernels, per priced launch: every class's launch cost carries it
-        launch = {k: v + gap for k, v in launch.items()}
         sources["device_gap"] = (f"calibration ({calibration.device}): {gap * 1e6:.2f} us of device time per priced "
                                  "launch between kernels")
+    elif default_gap and not _fits_device(calibration):
+        gap = DEFAULT_DEVICE_GAP_S
+        sources["device_gap"] = (f"default (efficiency.DEFAULT_DEVICE_GAP_S): {gap * 1e6:.2f} us of device time per "
+                                 f"priced launch between kernels ({HOST_KERNELS_PER_PRICED_LAUNCH:g} kernels x "
+                                 f"{DEVICE_IDLE_PER_KERNEL_S * 1e6:.2f} us measured idle each)")
+    if gap:
+        # the device's time between kernels, per priced launch: every class's launch cost carries it
+        launch = {k: v + gap for k, v in launch.items()}
     host = calibration.host_launch_s if calibration is not None and calibration.host_launch_s else 0.0
     if host:
         sources["host_launch"] = f"calibration ({calibration.device})"
@@ -293,7 +340,8 @@ def resolve_efficiencies(topology: Topology, calibration: Calibration | None = N
 
 
 __all__ = [
-    "COLLECTIVE_BASE_LATENCY_S", "DEFAULT_ATTENTION_EFFICIENCY", "DEFAULT_LOOKUP_ID_LATENCY_S", "DEFAULT_GEMM_EFFICIENCY", "DEFAULT_LAUNCH_OVERHEAD_S",
+    "COLLECTIVE_BASE_LATENCY_S", "DEFAULT_ATTENTION_EFFICIENCY", "DEFAULT_DEVICE_GAP_S", "DEVICE_IDLE_PER_KERNEL_S",
+    "HOST_KERNELS_PER_PRICED_LAUNCH", "DEFAULT_LOOKUP_ID_LATENCY_S", "DEFAULT_GEMM_EFFICIENCY", "DEFAULT_LAUNCH_OVERHEAD_S",
     "DEFAULT_MEMORY_EFFICIENCY", "Efficiencies", "IN_SWITCH_ALLREDUCE_GAIN", "P2P_PER_PEER_S", "SM_CONTENTION", "UNFUSED_CLASS",
     "resolve_efficiencies", "scale_at",
 ]

@@ -500,7 +500,8 @@ def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, 
                      f"the ops do not price) = {device_step * 1e3:.2f} ms")
     if ctx.eff.device_gap_s:
         n_dev = priced_launches(ctx, d.arr, recomputed, sp.agg.emb_kernels if sp.agg is not None else 0.0)
-        notes.append(f"device gaps: {ctx.eff.device_gap_s * 1e6:.2f} us per priced launch (calibrated device_gap_s: "
+        kind = "calibrated device_gap_s" if ctx.eff.sources.get("device_gap", "").startswith("calibration") else "uncalibrated default"
+        notes.append(f"device gaps: {ctx.eff.device_gap_s * 1e6:.2f} us per priced launch ({kind}: "
                      f"device time between kernels) x {n_dev:,.0f} launches = {ctx.eff.device_gap_s * n_dev * 1e3:.2f} ms "
                      f"of the {device_step * 1e3:.2f} ms device step, in the ops' launch costs")
     seg_out: tuple[tuple[float, float, float], ...] = ()
