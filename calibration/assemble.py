@@ -10,6 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from coplan import __version__
+from coplan.calibration import fingerprint
 from coplan.calibration.device_fit import FitResult, attention_scale_of, fit, fit_attention_scales, predict
 from coplan.calibration.host_fit import fit_host_launch_cost
 from coplan.calibration.step_price import graphed_plan
@@ -165,6 +166,11 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     n_host = sum(x is not None for x in host_fit.host_measured) if host_fit else 0  # runs fitted on their host time
     versions = dict(runs[0].result.versions) if runs[0].result else {}
     versions.setdefault("coplan", __version__)
+    trainer, trainer_source = fingerprint.of_runs([dict(r.result.versions) if r.result else {} for r in runs])
+    versions.pop(fingerprint.KEY, None)
+    if trainer:
+        versions[fingerprint.KEY] = trainer
+    versions[fingerprint.SOURCE_KEY] = trainer_source
     cal = Calibration(
         device=devices[0],
         created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from coplan.calibration import fingerprint
 from coplan.calibration.assemble import calibrate
 from coplan.calibration.collective_fit import apply_to_topology, fit_sweep, load_sweep, merge_into_calibration
 from coplan.cli_args import check_output, non_negative_int, removed_on_failure
@@ -118,6 +119,9 @@ def _print_runs(cal, runs) -> None:
     if cal.host_launch_s is None and cal.host_launch_graphed_s is None and (cal.device_step_factor is not None
                                                                            or cal.device_gap_s is not None):
         print("host: no cost identified (no fitted run was host-bound); steps priced as the device's")
+    trainer = cal.versions.get(fingerprint.KEY)
+    print(f"trainer: code fingerprint {trainer or 'unknown'} ({cal.versions.get(fingerprint.SOURCE_KEY, 'not recorded')}); "
+          "coplan plan warns when the installed trainer's differs")
 
 
 def _print_fit(fit) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from coplan.calibration.fingerprint import stale
 from coplan.spec import Calibration, Topology, load_calibration
 
 AUTO = "auto"
@@ -94,10 +95,20 @@ def describe(cal: Calibration, origin: str) -> str:
     return f"calibration: {origin} for {cal.device} ({provenance(cal)})"
 
 
+def judged(cal: Calibration) -> Calibration:
+    """The calibration, its notes marked ``[stale: ...]`` (which the plan carries) where its runs ran another
+    trainer than the one installed (:func:`coplan.calibration.fingerprint.stale`)."""
+    why = stale(cal)
+    if why is None or f"[{why}]" in (cal.notes or ""):
+        return cal
+    return cal.model_copy(update={"notes": (cal.notes + " " if cal.notes else "") + f"[{why}]"})
+
+
 def choose(arg: str | None, topology: Topology) -> tuple[Calibration | None, str]:
     """``--calibration``'s value (None or ``auto``: the shipped one for this GPU, else one borrowed from a GPU of
     its architecture (:func:`borrowed`); ``none``: none; else a file)
-    -> (calibration, what was chosen, in one line)."""
+    -> (calibration, what was chosen, in one line); a calibration whose runs ran another trainer comes marked
+    (:func:`judged`)."""
     if arg is not None and arg.lower() == NONE:
         return None, "calibration: none (--calibration none): default efficiencies, host time not priced"
     if arg is None or arg.lower() == AUTO:
@@ -105,13 +116,13 @@ def choose(arg: str | None, topology: Topology) -> tuple[Calibration | None, str
         if path is None:
             other = borrowed(topology)
             if other is not None:
-                return other
+                return judged(other[0]), other[1]
             return None, (f"calibration: none shipped for {topology.gpu.name} or its architecture: default efficiencies "
                           "and host time not priced (uncalibrated; fit one with coplan calibrate)")
         cal = load_calibration(path)
-        return cal, describe(cal, f"shipped ({path.name})")
+        return judged(cal), describe(cal, f"shipped ({path.name})")
     cal = load_calibration(arg)
-    return cal, describe(cal, arg)
+    return judged(cal), describe(cal, arg)
 
 
-__all__ = ["AUTO", "FAMILIES", "NONE", "borrowed", "choose", "describe", "family", "provenance", "shipped"]
+__all__ = ["AUTO", "FAMILIES", "NONE", "borrowed", "choose", "describe", "family", "judged", "provenance", "shipped"]
