@@ -128,3 +128,17 @@ def test_plan_and_its_file_say_so_when_the_calibration_is_stale(tmp_path, capsys
     assert main(["plan", "-t", "h200-1gpu", "-w", "gem-tiny", "-o", str(out), "--gpus", "1", "--quiet", "--json",
                  "--calibration", str(cur)]) == 0
     assert "calibration_warning" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_report_says_so_when_the_plans_calibration_was_stale(tmp_path):
+    from coplan.reports.build import build_report
+    from coplan.reports.inputs import load_inputs
+
+    base = load_calibration(shipped()["NVIDIA H200"])
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(json.loads(_with(base, "0123456789abcdef").model_dump_json())))
+    out = tmp_path / "p.json"
+    assert main(["plan", "-t", "h200-1gpu", "-w", "gem-tiny", "-o", str(out), "--gpus", "1", "--quiet",
+                 "--calibration", str(old)]) == 0
+    report = build_report(load_inputs(out), scaling=False, what_if=False)
+    assert any("calibration (NVIDIA H200) is stale" in p and "0123456789abcdef" in p for p in report.summary)
