@@ -95,20 +95,23 @@ def describe(cal: Calibration, origin: str) -> str:
     return f"calibration: {origin} for {cal.device} ({provenance(cal)})"
 
 
-def judged(cal: Calibration) -> Calibration:
-    """The calibration, its notes marked ``[stale: ...]`` (which the plan carries) where its runs ran another
-    trainer than the one installed (:func:`coplan.calibration.fingerprint.stale`)."""
+def judged(cal: Calibration, line: str) -> tuple[Calibration, str]:
+    """The calibration and its line, each saying so where its runs ran another trainer than the one installed
+    (:func:`coplan.calibration.fingerprint.stale`): the calibration's notes get a ``[stale: ...]`` mark, which
+    the plan carries, and the line a second line, a warning, which ``coplan plan`` prints."""
     why = stale(cal)
-    if why is None or f"[{why}]" in (cal.notes or ""):
-        return cal
-    return cal.model_copy(update={"notes": (cal.notes + " " if cal.notes else "") + f"[{why}]"})
+    if why is None:
+        return cal, line
+    if f"[{why}]" not in (cal.notes or ""):
+        cal = cal.model_copy(update={"notes": (cal.notes + " " if cal.notes else "") + f"[{why}]"})
+    return cal, f"{line}\nwarning: the calibration is {why}"
 
 
 def choose(arg: str | None, topology: Topology) -> tuple[Calibration | None, str]:
     """``--calibration``'s value (None or ``auto``: the shipped one for this GPU, else one borrowed from a GPU of
     its architecture (:func:`borrowed`); ``none``: none; else a file)
-    -> (calibration, what was chosen, in one line); a calibration whose runs ran another trainer comes marked
-    (:func:`judged`)."""
+    -> (calibration, what was chosen, in one line, and a warning line where its runs ran another trainer
+    (:func:`judged`))."""
     if arg is not None and arg.lower() == NONE:
         return None, "calibration: none (--calibration none): default efficiencies, host time not priced"
     if arg is None or arg.lower() == AUTO:
@@ -116,13 +119,13 @@ def choose(arg: str | None, topology: Topology) -> tuple[Calibration | None, str
         if path is None:
             other = borrowed(topology)
             if other is not None:
-                return judged(other[0]), other[1]
+                return judged(*other)
             return None, (f"calibration: none shipped for {topology.gpu.name} or its architecture: default efficiencies "
                           "and host time not priced (uncalibrated; fit one with coplan calibrate)")
         cal = load_calibration(path)
-        return judged(cal), describe(cal, f"shipped ({path.name})")
+        return judged(cal, describe(cal, f"shipped ({path.name})"))
     cal = load_calibration(arg)
-    return judged(cal), describe(cal, arg)
+    return judged(cal, describe(cal, arg))
 
 
 __all__ = ["AUTO", "FAMILIES", "NONE", "borrowed", "choose", "describe", "family", "judged", "provenance", "shipped"]

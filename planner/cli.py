@@ -24,7 +24,6 @@ from coplan.planner.precision import fused_ffn_of, precision_line
 from coplan.planner.search import PlannerConfig, make_plan
 from coplan.planner.torchrec_export import write_torchrec
 from coplan.calibration.shipped import AUTO, choose
-from coplan.calibration.fingerprint import stale
 from coplan.spec import Plan, dump_spec, load_topology, load_workload
 from coplan.spec.topology import MAX_GPUS
 from coplan.units import human_bytes, human_seconds
@@ -173,14 +172,10 @@ def run_plan(args: argparse.Namespace) -> int:
         dump_spec(plan, out)
         if torchrec is not None:
             written += [str(p) for p in write_torchrec(plan, torchrec)]
-    warning = stale(plan.calibration) if plan.calibration is not None else None
     if args.json:
-        print(json.dumps({"written": written, "calibration_used": calibration_line,
-                          **({"calibration_warning": warning} if warning else {}), **summary(plan)}, indent=1, default=str))
+        print(json.dumps({"written": written, "calibration_used": calibration_line, **summary(plan)}, indent=1, default=str))
     else:
         print(calibration_line)
-        if warning:
-            print(f"warning: the calibration is {warning}")
         print_summary(plan)
         print("wrote " + ", ".join(written))
     return 0

@@ -116,9 +116,10 @@ def test_plan_and_its_file_say_so_when_the_calibration_is_stale(tmp_path, capsys
     old, cur = tmp_path / "old.json", tmp_path / "current.json"
     for path, print_ in ((old, "0123456789abcdef"), (cur, fp.installed())):
         path.write_text(json.dumps(json.loads(_with(base, print_).model_dump_json())))
-    cal, _ = choose(str(old), h200)
-    assert "[stale:" in cal.notes
-    assert choose(str(cur), h200)[0].notes == base.notes  # the same trainer: not marked
+    cal, line = choose(str(old), h200)
+    assert "[stale:" in cal.notes and "\nwarning: the calibration is stale" in line
+    same, line = choose(str(cur), h200)
+    assert same.notes == base.notes and "warning" not in line  # the same trainer: not marked
     out = tmp_path / "p.json"
     assert main(["plan", "-t", "h200-1gpu", "-w", "gem-tiny", "-o", str(out), "--gpus", "1", "--quiet",
                  "--calibration", str(old)]) == 0
@@ -127,7 +128,7 @@ def test_plan_and_its_file_say_so_when_the_calibration_is_stale(tmp_path, capsys
     assert "[stale:" in json.loads(out.read_text())["calibration"]["notes"]
     assert main(["plan", "-t", "h200-1gpu", "-w", "gem-tiny", "-o", str(out), "--gpus", "1", "--quiet", "--json",
                  "--calibration", str(cur)]) == 0
-    assert "calibration_warning" not in json.loads(capsys.readouterr().out)
+    assert "stale" not in json.loads(capsys.readouterr().out)["calibration_used"]
 
 
 def test_the_report_says_so_when_the_plans_calibration_was_stale(tmp_path):
