@@ -20,7 +20,7 @@ from coplan.costmodel.decomposed import (FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES,
 from coplan.costmodel.memory import fsdp_copy_bytes
 from coplan.costmodel.efficiency import UNFUSED_CLASS
 from coplan.costmodel.flops import REFERENCE_MATMUL_DTYPE
-from coplan.costmodel.pricer import default_assignment, embedding_loads, assignment_of
+from coplan.costmodel.pricer import assignment_of, collections_held, default_assignment, emb_group_launches, embedding_loads
 from coplan.spec import Calibration, OpClassCalibration, Plan
 
 CLASSES: tuple[str, ...] = ("gemm", "attention", "embedding", "elementwise")
@@ -123,10 +123,15 @@ def unit_terms(plan: Plan, moments: dict[str, tuple[float, float]] | None = None
         loads = embedding_loads(ctx, a)
         r = rank % ctx.mesh.sparse_shard
         groups = _lookup_groups(ctx) if ctx.mesh.sparse_shard == 1 else ()
+        # the launches the pricer charges the rank's lookups per step (sparse_aggregates: each kernel group's per micro-batch)
+        fused = plan.kernels.embedding == "fused"
+        nk = float(collections_held(ctx, a)[r]) if fused else float(loads["shards"][r])
+        launches = dict(zip(("fwd", "bwd"), emb_group_launches(fused)))
         for phase, key in (("fwd", "fwd_s"), ("bwd", "bwd_s")):
             g = groups if phase == "fwd" else ()
             rest = max(0.0, float(loads[key][r]) - sum(x[0] for x in g))
-            out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, rest, float(len(sparse)), 1, sparse, lookup_groups=g))
+            out.append(UnitTerm("sparse", phase, "embedding", "fp32", 0.0, rest, launches[phase] * nk * mb, 1, sparse,
+                                lookup_groups=g))
     # the dense optimizer, once per step, as the pricer prices it (memory-bound elementwise, with the
     # trainer's gradient norm), and FSDP2's copies per micro-batch (the trace's "fsdp.hooks")
     opt = dense_fixed_costs(ctx).optimizer_step_s  # unit efficiencies: bytes / HBM bandwidth exactly

@@ -27,7 +27,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("coplan.trainer.cli", "run a plan on GPUs (or CPU/gloo) with torchrun; metrics, MFU, traces, checkpoints"),
     "calibrate": ("coplan.calibration.cli", "fit the cost model to the traces of runs -> calibration.json"),
     "diff": ("coplan.planner.diff", "what differs between two plans and what each difference costs (step time, memory)"),
-    "simulate": ("coplan.planner.simulate", "sweep GPU count or one knob and print predicted step time, MFU, memory"),
+    "simulate": ("coplan.planner.cli", "sweep GPU count or one knob and print predicted step time, MFU, memory"),
     "sample-workload": ("coplan.sample_cli", "draw a GEM-shaped workload of a family (one H200, a node, a cluster) from a seed"),
     "validate": ("coplan.spec_cli", "check topology, workload, plan, calibration or run files (or preset names)"),
     "schema": ("coplan.spec_cli", "print the JSON Schema of a spec"),

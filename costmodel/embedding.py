@@ -31,6 +31,7 @@ step and its optimizer steps every row: its backward moves the table's bytes sev
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,10 +122,31 @@ class TableArrays:
     state_per_elem: np.ndarray
     """Optimizer state bytes per row element (Adagrad: 4, Adam: 8)."""
     sequence: tuple[str | None, ...]
+    collection: np.ndarray
+    """The TorchRec collection each table's lookups run in (:func:`table_collections`)."""
 
     @property
     def num(self) -> int:
         return len(self.names)
+
+
+COLLECTION_KERNELS = (10.0, 25.0)
+"""Kernels the trainer's host issues per TorchRec collection (one sharded EmbeddingBagCollection or
+EmbeddingCollection, fused TBE) per micro-batch: (forward, backward). Counted on the H100 traces of the
+fresh draws fresh_plans_h100h (launches inside TorchRec's ranges, per profiled step, runs with one to
+five collections): the input distribution ahead 1, lookup and output distribution 8 (pooled) or 9-10
+(sequence), and the backward's TBE with its fused row-wise Adagrad 25, per collection and independent
+of the collection's tables (a collection with 16 sequence tables issues as many as one with one). A
+count of the library's launches, not a time: what each costs is the calibration's per launch."""
+
+
+def table_collections(tables: Sequence[EmbeddingTable]) -> np.ndarray:
+    """Per table, the TorchRec collection whose lookups hold it in the trainer (``coplan.trainer.model.sparse``):
+    0 for the pooled tables (one EmbeddingBagCollection), then one EmbeddingCollection per distinct dimension
+    of the sequence tables (an EmbeddingCollection holds one dimension), numbered in increasing dimension."""
+    seq_dims = sorted({t.dim for t in tables if t.feature_kind == "sequence"})
+    index = {d: 1 + i for i, d in enumerate(seq_dims)}
+    return np.fromiter((index[t.dim] if t.feature_kind == "sequence" else 0 for t in tables), int, len(tables))
 
 
 def table_arrays(workload: Workload) -> TableArrays:
@@ -144,7 +166,8 @@ def table_arrays(workload: Workload) -> TableArrays:
     per_elem = sparse_state_bytes_per_row(workload.optimizer.sparse, np.ones(1))[0] - fixed
     names = tuple(t.name for t in tabs)
     return TableArrays(names, {nm: i for i, nm in enumerate(names)}, rows, dim, wb, feat, lam, is_seq, alpha,
-                       np.full(n, float(fixed)), np.full(n, float(per_elem)), tuple(t.sequence for t in tabs))
+                       np.full(n, float(fixed)), np.full(n, float(per_elem)), tuple(t.sequence for t in tabs),
+                       table_collections(tabs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +364,7 @@ def greedy_table_wise(ctx, *, memory_share: float = 0.4) -> TableAssignment:
 
 
 __all__ = [
-    "greedy_table_wise",
+    "COLLECTION_KERNELS", "greedy_table_wise",
     "SHARDING_CODES", "TableArrays", "TableAssignment", "TableOptionCosts", "expected_unique", "option_costs",
-    "sparse_state_bytes_per_row", "table_arrays",
+    "sparse_state_bytes_per_row", "table_arrays", "table_collections",
 ]

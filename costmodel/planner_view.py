@@ -23,7 +23,7 @@ from coplan.costmodel.compute import imbalance
 from coplan.costmodel.context import Context, Options, build_context
 from coplan.costmodel.decomposed import dense_fixed_costs, layer_costs, table_option_costs
 from coplan.costmodel.memory import communicator_bytes, table_state_bytes
-from coplan.costmodel.pricer import loader_time, price, with_balance_group
+from coplan.costmodel.pricer import emb_group_launches, loader_time, price, with_balance_group, workload_collections
 from coplan.costmodel.results import SparseAggregates, StepCost
 from coplan.spec import BalancingPlan, Calibration, MeshPlan, Topology, Workload
 
@@ -101,8 +101,9 @@ class CostModel:
     def price(self, ctx: Context, tables=None, layers=None, balancing: BalancingPlan | None = None, kernels=None, **kw) -> StepCost:
         return price(ctx, tables, layers, balancing, kernels, **kw)
 
-    def aggregates_at(self, x: dict[str, float], *, mem_bytes: float = 0.0, recv_bytes: float = 0.0) -> SparseAggregates:
-        return SparseAggregates.at(x, mem_bytes=mem_bytes, recv_bytes=recv_bytes)
+    def aggregates_at(self, x: dict[str, float], *, mem_bytes: float = 0.0, recv_bytes: float = 0.0, kernels: float = 1.0
+                      ) -> SparseAggregates:
+        return SparseAggregates.at(x, mem_bytes=mem_bytes, recv_bytes=recv_bytes, kernels=kernels)
 
     def communicator_bytes(self, ctx: Context | None = None) -> float:
         """NCCL buffers of one communicator (``ctx``'s options, else the defaults)."""
@@ -137,14 +138,24 @@ class CostModel:
             for lc in lcs if lc.name in may
         )
 
+    def lookup_kernels(self, ctx: Context) -> float:
+        """Embedding kernel groups of a rank that holds shards, as the planner prices them
+        (:attr:`SparseAggregates.emb_kernels`): with the fused kernel, the workload's TorchRec collections
+        (exact on one sparse rank; above, a rank may look up in fewer); with per-table kernels one (their
+        launches are in each shard's time)."""
+        return workload_collections(ctx) if ctx.workload.kernels.embedding == "fused" else 1.0
+
     def lookup_launch_s(self, ctx: Context) -> tuple[float, float]:
-        """(forward, backward) launch seconds per step of one rank's lookups with the fused kernel (one
-        kernel per phase for all its shards; 0 without tables or with per-table kernels, whose launches
-        are in each shard's time)."""
+        """(forward, backward) launch seconds per step of one rank's lookups with the fused kernel (each
+        TorchRec collection's kernels, :func:`~coplan.costmodel.pricer.emb_group_launches`, for all its
+        shards; 0 without tables or with per-table kernels, whose launches are in each shard's time)."""
         launch = ctx.eff.launch_s.get("embedding", 5e-6)
         M = ctx.micro_batches
-        fused = ctx.workload.kernels.embedding == "fused"
-        return (launch * M, 2 * launch * M) if fused and ctx.tables.num else (0.0, 0.0)
+        if ctx.workload.kernels.embedding != "fused" or not ctx.tables.num:
+            return (0.0, 0.0)
+        ef, eb = emb_group_launches(True)
+        n = self.lookup_kernels(ctx)
+        return (ef * n * launch * M, eb * n * launch * M)
 
     def shard_options(self, ctx: Context, kind: str, k: int) -> ShardOptionCosts:
         cc = table_option_costs(ctx, kind, k)
@@ -172,13 +183,13 @@ class CostModel:
                 "sync": 0.0 if rep.trivial else rep.s_per_byte / every}
 
     def aggregates_of_ranks(self, fwd_s: np.ndarray, bwd_s: np.ndarray, loads: np.ndarray, memory_bytes: np.ndarray, *,
-                            recv_bytes: float, recv_factor: float, ids_send_bytes: float, dp_bytes: float, held: bool
-                            ) -> SparseAggregates:
+                            recv_bytes: float, recv_factor: float, ids_send_bytes: float, dp_bytes: float, held: bool,
+                            kernels: float = 1.0) -> SparseAggregates:
         """The aggregates of a placement given per rank: its lookups (launches included), ``loads`` (ranks ×
         (fwd, bwd, send bytes, id bytes received, sync bytes)) and shard memory, and what every rank
         receives and sends."""
         return SparseAggregates.of_ranks(fwd_s, bwd_s, loads, memory_bytes, recv_bytes=recv_bytes, recv_factor=recv_factor,
-                                         ids_send_bytes=ids_send_bytes, dp_bytes=dp_bytes, held=held)
+                                         ids_send_bytes=ids_send_bytes, dp_bytes=dp_bytes, held=held, kernels=kernels)
 
 
 COST_MODEL = CostModel()

@@ -37,7 +37,7 @@ from coplan.costmodel.compute import HOST_KERNELS_PER_PRICED_LAUNCH, OpArrays, h
 from coplan.costmodel.flops import GRAPH_HOST_KERNELS
 from coplan.costmodel.context import Context
 from coplan.costmodel.decomposed import FSDP_COPY_LAUNCHES, OPTIMIZER_LAUNCHES, dense_fixed_costs, table_option_costs
-from coplan.costmodel.embedding import DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
+from coplan.costmodel.embedding import COLLECTION_KERNELS, DP, SHARDING_CODES, TWRW, TableAssignment, greedy_table_wise
 from coplan.costmodel.fp8 import fused_ffn_layers
 from coplan.costmodel.goodput import goodput as goodput_of
 from coplan.costmodel.loader import LoaderTime, loader_step_s, reader_processes
@@ -113,16 +113,49 @@ def embedding_loads(ctx: Context, a: TableAssignment) -> dict[str, np.ndarray | 
     return out
 
 
+def emb_group_launches(fused: bool) -> tuple[float, float]:
+    """Priced launches (forward, backward) per micro-batch of one embedding kernel group: a TorchRec
+    collection with the fused TBE (its :data:`~coplan.costmodel.embedding.COLLECTION_KERNELS`, in priced
+    units: :data:`~coplan.costmodel.compute.HOST_KERNELS_PER_PRICED_LAUNCH` kernels each), or one table's
+    own kernel (one forward, two backward)."""
+    if fused:
+        return COLLECTION_KERNELS[0] / HOST_KERNELS_PER_PRICED_LAUNCH, COLLECTION_KERNELS[1] / HOST_KERNELS_PER_PRICED_LAUNCH
+    return 1.0, 2.0
+
+
+def collections_held(ctx: Context, a: TableAssignment) -> np.ndarray:
+    """Per sparse-group rank, the TorchRec collections it looks up in (each runs its own fused TBE and its
+    own input and output distribution: :func:`~coplan.costmodel.embedding.table_collections`): those of
+    the tables it holds a shard of, and of every data-parallel table."""
+    G = ctx.mesh.sparse_shard
+    coll = ctx.tables.collection
+    n = int(coll.max()) + 1 if coll.size else 0
+    held = np.zeros((G, max(n, 1)), bool)
+    if a.shard_table.size:
+        held[a.shard_rank, coll[a.shard_table]] = True
+    if a.dp_tables.size:
+        held[:, coll[a.dp_tables]] = True
+    return held.sum(axis=1).astype(float)
+
+
+def workload_collections(ctx: Context) -> float:
+    """The TorchRec collections of the workload's tables (what a rank that holds every table looks up in)."""
+    coll = ctx.tables.collection
+    return float(np.unique(coll).size) if coll.size else 0.0
+
+
 def sparse_aggregates(ctx: Context, a: TableAssignment, rho: float, kernels: Kernels) -> SparseAggregates:
     """:class:`SparseAggregates` of a placement (``rho``: the jagged imbalance the receive volume scales by)."""
     M = ctx.micro_batches
     loads = embedding_loads(ctx, a)
     emb_launch = ctx.eff.launch_s.get("embedding", 5e-6)
-    nk = np.where(loads["shards"] > 0, 1.0 if kernels.embedding == "fused" else loads["shards"], 0.0)
+    fused = kernels.embedding == "fused"
+    nk = collections_held(ctx, a) if fused else np.where(loads["shards"] > 0, loads["shards"], 0.0)
+    ef, eb = emb_group_launches(fused)
     t0cap = ctx.topology.tiers[0].bw_bytes_per_s * ctx.eff.collective.get((ctx.topology.tiers[0].name, "all_to_all"), 1.0)
     intra = loads["intra_node_bytes"] / t0cap
-    fwd_r = loads["fwd_s"] + intra + nk * emb_launch * M
-    bwd_r = loads["bwd_s"] + intra + 2 * nk * emb_launch * M
+    fwd_r = loads["fwd_s"] + intra + ef * nk * emb_launch * M
+    bwd_r = loads["bwd_s"] + intra + eb * nk * emb_launch * M
     mem_r = loads["weight_bytes"] + loads["optimizer_bytes"] + loads["io_bytes"]
     r_mem = int(np.argmax(mem_r))
     return SparseAggregates(
@@ -157,7 +190,7 @@ def priced_launches(ctx: Context, arr, recomputed: frozenset[str] = frozenset(),
     and backward launches per micro-batch (forward again for recomputed layers; for an op that ``arr``
     (:func:`op_arrays`) prices in FP8, its quantisation kernels, as
     :func:`coplan.costmodel.fp8.price_fp8_quantisation` counts them), the busiest rank's embedding
-    kernels (``emb_kernels`` per micro-batch: one forward, two backward), and the dense optimizer's
+    kernel groups (``emb_kernels`` per micro-batch, each :func:`emb_group_launches`), and the dense optimizer's
     launches. The step time is linear in the launch cost with this slope on one GPU (tested); the
     host-bound form prices the host's time per launch on :func:`host_launches`, which is this count
     except for ops whose host issues more kernels than priced (the padded reference)."""
@@ -196,7 +229,8 @@ def _step_launches(ctx: Context, arr, fwd: np.ndarray, bwd: np.ndarray, recomput
         quant = np.array([o.fwd_launches for o in ops], dtype=float) * np.asarray(arr.quant_launches)
         dense = float((np.asarray(fwd) * calls + np.asarray(bwd) + quant).sum()) if ops else 0.0
     fsdp_f, fsdp_b, opt = _fixed_launches(ctx, graphed)
-    return float((dense + 3.0 * emb_kernels + fsdp_f + fsdp_b) * ctx.micro_batches + opt)
+    ef, eb = emb_group_launches(ctx.workload.kernels.embedding == "fused")
+    return float((dense + (ef + eb) * emb_kernels + fsdp_f + fsdp_b) * ctx.micro_batches + opt)
 
 
 def host_segments(ctx: Context, arr, recomputed: frozenset[str] = frozenset(), emb_kernels: float = 0.0
@@ -263,8 +297,9 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
             exposing = True
         fwd(n)
 
+    ef, eb = emb_group_launches(ctx.workload.kernels.embedding == "fused")
     for m in range(ctx.micro_batches):
-        fwd(emb_kernels + fsdp_f)
+        fwd(ef * emb_kernels + fsdp_f)
         for i in range(nl):
             for k in by_layer.get(i, ()):
                 o = ctx.ops[int(ctx.dense_idx[k])]
@@ -274,7 +309,7 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
                 for k in by_layer.get(i, ()):
                     call(m, k, "recompute", float(arr.fwd_host_launches[k]))
             bwd(float(sum(arr.bwd_host_launches[k] for k in by_layer.get(i, ()))))
-        bwd(fsdp_b + 2.0 * emb_kernels)
+        bwd(fsdp_b + eb * emb_kernels)
     bwd(opt)
     return segs, syncs, exposed
 

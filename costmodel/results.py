@@ -213,7 +213,9 @@ class SparseAggregates:
     """Fullest rank's shard weights and optimizer state (what a replica sync all-reduces)."""
 
     emb_kernels: float
-    """Embedding kernels per micro-batch forward on the busiest rank (1 with the fused TBE)."""
+    """Embedding kernel groups per micro-batch on the busiest rank: with the fused TBE the TorchRec collections
+    it looks up in (one per collection), else its tables' own kernels (each priced per
+    :func:`coplan.costmodel.pricer.emb_group_launches`)."""
 
     mean_s: float
     """Mean rank's forward + backward lookups."""
@@ -234,25 +236,26 @@ class SparseAggregates:
     """Every rank's lookups and shard memory, when known (they become :attr:`StepCost.embedding`)."""
 
     @classmethod
-    def at(cls, x: Mapping[str, float], *, mem_bytes: float = 0.0, recv_bytes: float = 0.0) -> "SparseAggregates":
-        """The aggregates of a point ``x`` of the cut variables (:meth:`time_vars`' keys), one kernel per
-        lookup phase, ``mem_bytes`` of shard memory on the fullest rank: a placement the planner
+    def at(cls, x: Mapping[str, float], *, mem_bytes: float = 0.0, recv_bytes: float = 0.0, kernels: float = 1.0) -> "SparseAggregates":
+        """The aggregates of a point ``x`` of the cut variables (:meth:`time_vars`' keys), ``kernels`` kernel
+        groups (:attr:`emb_kernels`), ``mem_bytes`` of shard memory on the fullest rank: a placement the planner
         prices without building one (its floor and probe points)."""
         return cls(fwd_max_s=x["fwd"], bwd_max_s=x["bwd"], a2a_bytes=x["a2a"], ids_bytes=x["ids"], dp_bytes=x["dp"],
-                   sync_bytes=x["sync"], emb_kernels=1.0, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
+                   sync_bytes=x["sync"], emb_kernels=kernels, mean_s=x["fwd"] + x["bwd"], mem_weight_bytes=mem_bytes,
                    mem_optimizer_bytes=0.0, mem_io_bytes=0.0, recv_bytes=recv_bytes)
 
     @classmethod
     def of_ranks(cls, fwd_s: np.ndarray, bwd_s: np.ndarray, loads: np.ndarray, memory_bytes: np.ndarray, *, recv_bytes: float,
-                 recv_factor: float, ids_send_bytes: float, dp_bytes: float, held: bool) -> "SparseAggregates":
+                 recv_factor: float, ids_send_bytes: float, dp_bytes: float, held: bool, kernels: float = 1.0) -> "SparseAggregates":
         """The aggregates of a placement given per rank: lookup seconds (launches included), ``loads``
         (ranks × (forward, backward, bytes sent, id bytes received, sync bytes)) and shard memory (as one
         figure, in ``mem_weight_bytes``); ``recv_bytes`` every rank receives (times ``recv_factor``, the
-        jagged imbalance), ``ids_send_bytes`` every rank sends; ``held``: some rank holds a shard."""
+        jagged imbalance), ``ids_send_bytes`` every rank sends; ``held``: some rank holds a shard, then with
+        ``kernels`` kernel groups (:attr:`emb_kernels`)."""
         return cls(
             fwd_max_s=float(fwd_s.max()), bwd_max_s=float(bwd_s.max()), a2a_bytes=max(float(loads[:, 2].max()), recv_factor * recv_bytes),
             ids_bytes=max(ids_send_bytes, float(loads[:, 3].max())), dp_bytes=dp_bytes, sync_bytes=float(loads[:, 4].max()),
-            emb_kernels=1.0 if held else 0.0, mean_s=float(fwd_s.mean() + bwd_s.mean()),
+            emb_kernels=kernels if held else 0.0, mean_s=float(fwd_s.mean() + bwd_s.mean()),
             mem_weight_bytes=float(memory_bytes.max()) if memory_bytes.size else 0.0, mem_optimizer_bytes=0.0, mem_io_bytes=0.0,
             recv_bytes=recv_bytes, ranks=EmbeddingRanks(fwd_s, bwd_s, memory_bytes),
         )

@@ -236,3 +236,14 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=run_plan)
+
+
+def register_simulate(sub: argparse._SubParsersAction, help_text: str) -> None:
+    """``coplan simulate`` (:mod:`coplan.planner.simulate`), pricing with the calibration ``coplan plan`` would
+    use: the one shipped for the topology's GPU unless ``--calibration`` says otherwise."""
+    from coplan.planner import simulate
+
+    def _choose(args: argparse.Namespace, topology):
+        return choose(args.calibration, topology)
+
+    simulate.register_simulate(sub, help_text, run=lambda args: simulate.run_simulate(args, _choose))

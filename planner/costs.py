@@ -383,7 +383,7 @@ class Pricer:
         uni_state = sum(p.options[t][oi].mem_bytes for t, oi in enumerate(a.choice) if p.options[t][oi].placement == "all")
         return self.model.aggregates_of_ranks(tot[:, 0] + lf * ld.holds, tot[:, 1] + lb * ld.holds, tot, ld.mem + uni_state,
                                               recv_bytes=ld.recv, recv_factor=p.recv_factor, ids_send_bytes=ld.ids_send,
-                                              dp_bytes=ld.dp, held=bool(ld.holds.any()))
+                                              dp_bytes=ld.dp, held=bool(ld.holds.any()), kernels=self.model.lookup_kernels(self.context(p.mesh)))
 
     def layer_plans(self, p: CandidatePricing, recompute) -> tuple[LayerPlan, ...]:
         return tuple(LayerPlan(name=l.name, recompute=bool(on)) for l, on in zip(p.layers, recompute))
@@ -402,7 +402,7 @@ class Pricer:
         layers = self.layer_plans(p, recompute)
         if not ctx.tables.num:
             return self.model.price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, cuts=True, contention=contention)
-        agg = self.model.aggregates_at(x, mem_bytes=mem_bytes, recv_bytes=recv_bytes)
+        agg = self.model.aggregates_at(x, mem_bytes=mem_bytes, recv_bytes=recv_bytes, kernels=self.model.lookup_kernels(ctx))
         return self.model.price(ctx, None, layers, self.balancing, self.workload.kernels, detail=False, aggregates=agg, cuts=True,
                      contention=contention)
 

@@ -205,9 +205,18 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
     }
 
 
-def run_simulate(args: argparse.Namespace) -> int:
+def _calibration_file(args: argparse.Namespace, topology: Topology):
+    """The calibration of ``--calibration`` read as a file (``auto`` and ``none``: none), with its line. The
+    CLI's verb chooses as ``coplan plan`` does instead (``coplan.planner.cli``: the shipped one by default)."""
+    arg = args.calibration
+    if arg is None or arg.lower() in ("auto", "none"):
+        return None, "calibration: none (default efficiencies, host time not priced)"
+    return load_calibration(arg), f"calibration: {arg}"
+
+
+def run_simulate(args: argparse.Namespace, choose=_calibration_file) -> int:
+    """The sweep of ``args``; ``choose(args, topology)`` -> (calibration, the line that says which)."""
     workload = load_workload(args.workload)
-    calibration = load_calibration(args.calibration) if args.calibration else None
     gpus = _gpu_list(args.gpus)
     if args.values is not None and not args.knob:
         raise SimulateError("--values needs --knob: give the knob the values are for (see the list of knobs in --help)")
@@ -223,6 +232,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         points = [(gpus[0], v) for v in values]
     else:
         points = [(g, None) for g in gpus]
+    # the calibration `coplan plan` would use: the one shipped for the topology's GPU unless told otherwise
+    # (every point of a sweep has the same GPU)
+    calibration, line = choose(args, topology_for(args.topology, points[0][0])[0])
+    print(line, file=sys.stderr if args.json else sys.stdout)
     rows = []
     extended = set()
     progress = None
@@ -280,7 +293,7 @@ def _print_table(workload: Workload, args: argparse.Namespace, rows: list[dict])
                       "plan would take if it fitted; `coplan plan` says which resource falls short and what would fix it.")
 
 
-def register_simulate(sub: argparse._SubParsersAction, help_text: str) -> None:
+def register_simulate(sub: argparse._SubParsersAction, help_text: str, run=run_simulate) -> None:
     p = sub.add_parser("simulate", help=help_text, description=help_text + ". " + (__doc__ or "").split("\n\n")[1].replace("\n", " "),
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="knobs:\n" + "\n".join(f"  {k:<18} {v}" for k, v in KNOBS.items()))
@@ -291,9 +304,11 @@ def register_simulate(sub: argparse._SubParsersAction, help_text: str) -> None:
                         f"at most {MAX_SWEEP_POINTS} of them)")
     p.add_argument("--knob", type=knob_name, help="sweep one knob at one GPU count instead (see the list below)")
     p.add_argument("--values", help=f"comma-separated values of the knob (at most {MAX_SWEEP_POINTS})")
-    p.add_argument("--calibration", help="calibration.json to use instead of the default efficiencies")
+    p.add_argument("--calibration", "-c", default="auto",
+                   help="calibration.json from coplan calibrate; 'auto' (default): the one shipped for the topology's GPU, "
+                        "if any, as coplan plan uses; 'none': default efficiencies, host time not priced")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=run_simulate)
+    p.set_defaults(func=run)
 
 
 __all__ = ["KNOBS", "register_simulate", "scale_topology", "simulate_point", "topology_for"]

@@ -271,7 +271,7 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
     from coplan.calibration.step_price import predict_step_time
     from coplan.costmodel.compute import op_arrays
     from coplan.costmodel.context import build_context
-    from coplan.costmodel.pricer import layer_sets, price, priced_launches
+    from coplan.costmodel.pricer import assignment_of, collections_held, default_assignment, layer_sets, price, priced_launches
     from coplan.spec import Calibration, LayerPlan, OpClassCalibration
 
     from coplan.spec.run_dir import _eager
@@ -289,7 +289,8 @@ def test_priced_launches_is_the_step_slope_in_the_launch_cost():
         d0, d1 = predict_step_time(p, cal(1e-6)), predict_step_time(p, cal(2e-6))
         ctx = build_context(p.workload, p.topology, p.mesh, cal(1e-6))
         rec, fp8 = layer_sets(ctx, p.layers)
-        n = priced_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, 1.0)
+        a = assignment_of(ctx, p.tables) if p.tables else default_assignment(ctx)
+        n = priced_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, float(collections_held(ctx, a).max()))
         assert (d1 - d0) / 1e-6 == pytest.approx(n, rel=1e-6)
         # host-bound: the step is the host's time and says so; device-bound: the host cost changes nothing
         h = 10 * d0 / n
@@ -306,7 +307,7 @@ def test_cuda_graphs_cut_the_hosts_launches_not_the_devices():
     from coplan.costmodel.compute import HOST_KERNELS_PER_PRICED_LAUNCH, op_arrays
     from coplan.costmodel.context import build_context
     from coplan.costmodel.flops import GRAPH_HOST_KERNELS
-    from coplan.costmodel.pricer import host_launches, layer_sets, priced_launches
+    from coplan.costmodel.pricer import emb_group_launches, host_launches, layer_sets, priced_launches
     from coplan.spec import LayerPlan
     from coplan.spec.run_dir import _eager
 
@@ -322,7 +323,7 @@ def test_cuda_graphs_cut_the_hosts_launches_not_the_devices():
         assert priced_launches(ctx_g, arr_g, rec, 1.0) == pytest.approx(priced_launches(ctx_e, arr_e, rec, 1.0))
         opt = host_launches(ctx_g, arr_g, frozenset(), 0.0) - ctx_g.micro_batches * GRAPH_HOST_KERNELS / HOST_KERNELS_PER_PRICED_LAUNCH
         assert host_launches(ctx_g, arr_g, rec, 1.0) == pytest.approx(
-            ctx_g.micro_batches * (GRAPH_HOST_KERNELS / HOST_KERNELS_PER_PRICED_LAUNCH + 3.0) + opt)
+            ctx_g.micro_batches * (GRAPH_HOST_KERNELS / HOST_KERNELS_PER_PRICED_LAUNCH + sum(emb_group_launches(True))) + opt)
         assert host_launches(ctx_g, arr_g, rec, 1.0) < 0.2 * host_launches(ctx_e, arr_e, rec, 1.0)
     rec, fp8 = layer_sets(ctx_g, (LayerPlan(name=names[2], precision="fp8"),))
     arr = op_arrays(ctx_g, graphed.kernels, fp8)

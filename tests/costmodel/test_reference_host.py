@@ -11,7 +11,8 @@ import pytest
 from coplan.costmodel import flops as F
 from coplan.costmodel.compute import HOST_KERNELS_PER_PRICED_LAUNCH, op_arrays
 from coplan.costmodel.context import build_context
-from coplan.costmodel.pricer import layer_sets, host_launches, host_segments, price, priced_launches, synced_step
+from coplan.costmodel.pricer import (assignment_of, collections_held, layer_sets, host_launches, host_segments, price, priced_launches,
+                                     synced_step)
 from coplan.errors import CoplanError
 from coplan.spec import Calibration, LayerPlan, OpClassCalibration, Plan
 
@@ -148,7 +149,8 @@ def test_pricer_sums_segments_for_a_syncing_backend_and_keeps_the_max_form_other
         dev = price(build_context(p.workload, p.topology, p.mesh, _cal()), None, p.layers, p.balancing, p.kernels).step_time_s
         ctx = build_context(p.workload, p.topology, p.mesh, _cal(1.0))
         rec, fp8 = layer_sets(ctx, p.layers)
-        n = host_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, 1.0)
+        groups = float(collections_held(ctx, assignment_of(ctx, p.tables)).max())  # the plan's TorchRec collections
+        n = host_launches(ctx, op_arrays(ctx, p.kernels, fp8), rec, groups)
         h = dev / n  # host time = device time: the max form would overlap them completely
         sc = price(build_context(p.workload, p.topology, p.mesh, _cal(h)), None, p.layers, p.balancing, p.kernels)
         if expect_sync:

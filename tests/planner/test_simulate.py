@@ -59,3 +59,15 @@ def test_topology_family_extends_past_its_largest_member():
     assert extended and t.num_gpus >= 16384 and t.tiers[-1].name == "core"
     base = load_topology("h200-superpod-1k")
     assert scale_topology(base, 512) is base
+
+
+def test_the_shipped_calibration_prices_the_sweep_unless_told_otherwise(capsys):
+    """As `coplan plan` does: the calibration shipped for the topology's GPU by default (the line on stderr
+    with --json says which), none with --calibration none, and the two price the step differently."""
+    rc, out, err = run(capsys, "-w", "gem-h200", "-t", "h200-1gpu", "--gpus", "1", "--json")
+    assert rc == 0 and "shipped (nvidia-h200.json)" in err
+    cal = json.loads(out)["points"][0]
+    rc, out, err = run(capsys, "-w", "gem-h200", "-t", "h200-1gpu", "--gpus", "1", "--json", "--calibration", "none")
+    assert rc == 0 and "calibration: none" in err
+    none = json.loads(out)["points"][0]
+    assert cal["step_time_s"] != none["step_time_s"]
