@@ -77,6 +77,80 @@ def expected_max_moments(dist, n: float, multiple: int = 1) -> tuple[float, floa
     return float((pm * v).sum()), float((pm * v * v).sum())
 
 
+TRITON_TILE_M = (64, 128)
+"""Query-block rows coplan's Triton attention forward kernel may run (``kernels/triton_attention.py``'s candidates
+at every head dim): 128 where the longest sample's queries reach 128 (bucketed to a power of two), else 64, the
+smallest candidate (``fit_lengths`` drops longer tiles, never the shortest)."""
+
+TRITON_TILE_N = (32, 64)
+"""Key-block columns priced: 64 where the longest sample's keys reach 64, else 32 (likewise)."""
+
+
+def _pow2(n: float) -> int:
+    return 1 << max(0, int(math.ceil(n)) - 1).bit_length()
+
+
+def triton_tile_sizes(max_q: float, max_k: float) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) the tile-work price takes for queries and keys of at most ``max_q`` and ``max_k``
+    (:data:`TRITON_TILE_M`, :data:`TRITON_TILE_N`: the autotuner's common choice among the candidates it keeps)."""
+    bm = TRITON_TILE_M[1] if _pow2(max_q) >= TRITON_TILE_M[1] else TRITON_TILE_M[0]
+    bn = TRITON_TILE_N[1] if _pow2(max_k) >= TRITON_TILE_N[1] else TRITON_TILE_N[0]
+    return bm, bn
+
+
+def tile_pairs(q: np.ndarray, k: np.ndarray, causal: bool, bm: int, bn: int) -> np.ndarray:
+    """(query, key) pairs a tiled attention kernel computes for samples of ``q`` queries and ``k`` keys: whole
+    ``bm`` x ``bn`` tiles, every query block over its keys rounded up to ``bn`` (causal self-attention, ``q ==
+    k``: the keys up to the block's last row, so all blocks but the last see ``(i+1)·bm`` keys; ``bn`` divides
+    ``bm``)."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    tq = np.ceil(q / bm)
+    keys = np.ceil(k / bn) * bn
+    if not causal:
+        return tq * bm * keys
+    return bm * (bm * (tq - 1) * tq / 2 + keys)
+
+
+def triton_tile_factor(o: F.Op, w) -> float:
+    """Hardware work / the op's priced pairs for coplan's Triton attention kernels, which compute whole tiles:
+    the masked rows and columns of a sample's last query and key blocks, and of the diagonal's blocks, are
+    computed and thrown away. Averaged over the sequence's length distribution (exact pmf), per op kind:
+    self-attention over the history (``gdpa``, a transformer's ``attn``: causal or not), the summary tokens'
+    queries over it (``summary_attn``: one short query block per sample), and a Kunlun block's fixed tokens.
+    1 where the op is none of these. Why: on the lent H100's sixth and seventh sets (2026-12-07) GDPA's traced
+    efficiency at the priced pairs ran from 0.07 (histories of ~150 tokens) to 0.49 (~1,500) within one head dim;
+    at the tiles' pairs its spread across draws halved (coefficient of variation 0.53 -> 0.27 forward)."""
+    kind = o.name.rsplit(".", 1)[-1]
+    try:
+        block = w.block(o.block)
+    except KeyError:
+        return 1.0
+    att = getattr(block, "attention", None)
+    causal = bool(getattr(att, "causal", True))
+    if o.sequence is None:
+        if kind != "attn" or block.type != "kunlun":
+            return 1.0
+        t = float(F.kunlun_tokens(w, block))
+        bm, bn = triton_tile_sizes(t, t)
+        ideal = t * (t + 1) / 2 if causal else t * t
+        return float(tile_pairs(np.array([t]), np.array([t]), causal, bm, bn)[0] / ideal)
+    vals, probs = length_pmf(w.sequence(o.sequence).length)
+    L = vals.astype(np.float64)
+    if kind == "summary_attn":
+        s = float(getattr(block, "num_summary_tokens", 0) or 0)
+        if s <= 0:
+            return 1.0
+        bm, bn = triton_tile_sizes(s, float(L.max()))
+        work = tile_pairs(np.full_like(L, s), L, False, bm, bn)
+        return float((probs * work).sum() / (probs * s * L).sum())
+    if kind not in ("gdpa", "attn"):
+        return 1.0
+    bm, bn = triton_tile_sizes(float(L.max()), float(L.max()))
+    ideal = L * (L + 1) / 2 if causal else L * L
+    return float((probs * tile_pairs(L, L, causal, bm, bn)).sum() / (probs * ideal).sum())
+
+
 @dataclass(frozen=True, slots=True)
 class OpArrays:
     """Per dense op, one micro-batch on a mean rank, for one (attention backend, per-layer precision)."""
@@ -181,6 +255,8 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         m1, m2 = ctx.moments[o.sequence]
         model_op, model_m1, model_m2 = o, m1, m2  # model FLOPs: the real lengths, never the padding
         flops_eff = 1.0
+        if o.op_class == "attention" and o.sequence is None and kernels.attention == "triton":
+            flops_eff = 1.0 / triton_tile_factor(o, w)  # a Kunlun block's fixed tokens, in whole tiles
         if o.op_class == "attention" and o.sequence is not None:
             if kernels.attention == "reference":
                 if o.sequence not in pad_len:
@@ -196,6 +272,9 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
             elif kernels.attention == "triton" and ctx.workload.kernels.head_pad == "copies":
                 # a run from before the kernels masked the padding: a head dim they do not take had copies around them
                 o = F.triton_head_padding(o, w)
+                flops_eff = 1.0 / triton_tile_factor(o, w)
+            elif kernels.attention == "triton":
+                flops_eff = 1.0 / triton_tile_factor(o, w)  # whole tiles: the masked rows and columns are computed too
             elif kernels.attention == "flex":
                 # block-sparse masks compute whole 128-token tiles: L rounds up by ~64 on average
                 m2 = m2 + 128.0 * m1 + 64.0**2

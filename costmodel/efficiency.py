@@ -30,7 +30,7 @@ DEFAULT_GEMM_EFFICIENCY: dict[str, float] = {
 ``measured_flops_per_s`` gives one. Small GEMMs fall to the memory roof or the launch overhead."""
 
 DEFAULT_ATTENTION_EFFICIENCY: dict[str, float] = {
-    "bf16": 0.17, "fp16": 0.17, "fp8": 0.40, "tf32": 0.40, "fp32": 0.50,
+    "bf16": 0.225, "fp16": 0.225, "fp8": 0.40, "tf32": 0.40, "fp32": 0.50,
 }
 """Attention forward+backward as a fraction of the dense peak, when no calibration gives one.
 
@@ -39,8 +39,10 @@ the kernel benchmark ``benchmarks/attention.py`` on one H200 (``benchmarks/resul
 2026-12-04, commit 070319d): device-bound forward+backward under CUDA graphs, in the cost model's FLOPs
 (``coplan.costmodel.flops.attention_flops``), softmax and GDPA-SiLU at the kernels issue's two shapes (8 heads
 of 128 over ~1k-token histories: 239 and 257 TFLOP/s; 4 heads of 64 over ~250 tokens: 108 and 121); their
-geometric mean is 168 TFLOP/s, 0.17 of the H200's 989 (``tests/costmodel/test_default_efficiency.py``
-recomputes it from that file). The fraction is the default on every GPU without a calibration (a stated
+geometric mean is 168 TFLOP/s, 0.17 of the H200's 989. In the tiles the kernels compute
+(:func:`coplan.costmodel.compute.triton_tile_factor`, which the pricer charges the Triton kernels since
+2026-12-07: 1.14x the pairs at shape (a), 1.55x at (b)) it is 223 TFLOP/s, 0.225
+(``tests/costmodel/test_default_efficiency.py`` recomputes it from that file). The fraction is the default on every GPU without a calibration (a stated
 default: the plan says it is uncalibrated). Until 2026-12-07 the default was 0.5, the low end of
 FlashAttention-2/3's dense kernels (Shah et al. 2024 §4.1: 540-740 TFLOP/s bf16 forward on H100), about
 three times what the jagged kernels reach at these shapes. A calibration's attention efficiency and
