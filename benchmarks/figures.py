@@ -331,10 +331,11 @@ CROSS_H100 = Result("calibration_cross_set_h100.json",
 IN_SAMPLE_H100 = (
     "since 7131eb0 calibration/data/nvidia-h100.json is fitted on the twenty runs of the sixth and seventh sets (the "
     "current trainer; the replaced file's recipe), refitted on the same runs at f895b38 when the cost model began "
-    "pricing each TorchRec collection's kernels: in sample, not a held-out figure. Per draw, sixth +6, +13, +7, +5, "
-    "-10, -10, -11, +1, (-6: ...255 re-plans otherwise), -1%; seventh -1, -15, -4, -6, -14, -5, -18, +8, +1, -5%. "
+    "pricing each TorchRec collection's kernels, and at c211579 when it began pricing the attention kernels' whole "
+    "tiles: in sample, not a held-out figure. Per draw, sixth +6, +12, +8, +4, "
+    "-10, -10, -11, +1, (-6: ...255 re-plans otherwise), -1%; seventh -1, -14, -4, -7, -13, -4, -19, +8, +2, -7%. "
     "Before the collections were priced (one priced launch count for every one-GPU graphed run, 26 at 410 us), the "
-    "worst in sample were ...249 and ...248, small draws with two collections, at +23% and +18%; now +7% and +13%, "
+    "worst in sample were ...249 and ...248, small draws with two collections, at +23% and +18%; now +8% and +12%, "
     "and ...118 (five collections) +8% where it was -18%. The recipe's held-out estimate is the cross-set rows below; "
     "the next fresh set is the shipped file's held-out test")
 
@@ -352,11 +353,12 @@ def _older_trainer(median: str, worst: str) -> str:
 CROSS_NOTE = (
     "each set's ten runs fitted with the shipped file's recipe (scripts/ship_calibration.py on top of nvidia-h200.json, "
     "--device-term gap), the other set's draws re-planned with it: fitted on the sixth, the seventh at a median of "
-    "12.2% (worst 20.5%, signed median -10.2%); fitted on the seventh, the sixth at 14.4% (worst 30.8%, signed +14.4%). "
-    "The two fits land far apart (device gap 8.1 and 15.3 us per priced launch, attention efficiency 0.28 and 0.18, "
+    "11.8% (worst 20.6%, signed median -10.3%); fitted on the seventh, the sixth at 13.1% (worst 31.0%, signed +13.1%). "
+    "The two fits land far apart (device gap 8.1 and 15.3 us per priced launch, attention efficiency 0.32 and 0.22, "
     "graphed host 221 and 192 us per priced launch): ten draws do not pin the terms down, which is why the shipped "
     "file is fitted on both sets' twenty. Before the cost model priced each TorchRec collection's kernels (f895b38): "
-    "11.6% and 14.7% (worst 19.6% and 33.4%): the level shift between the sets is in the device terms, not the host's")
+    "11.6% and 14.7% (worst 19.6% and 33.4%); with them and before the attention's whole tiles (c211579): 12.2% and "
+    "14.4% (worst 20.5% and 30.8%). The level shift between the sets is in the device gap, not the host's terms")
 FRESH_H200E = _fresh_set("h200e", "fresh_plans_e", "draw_runs_h200e.tgz")
 FRESH_H200E_CAL = _fresh_cal("h200e")
 KUNLUN = Result("kunlun_attention_h200.json",
@@ -655,8 +657,8 @@ FIGURES: tuple[Figure, ...] = (
                 "cost). Uncalibrated (`--calibration none`: default efficiencies, no host time) in the JSON"),
     Figure(CAL, "`coplan calibrate` on the H100 draws' traces, leave one out: median |predicted / measured step - 1|",
            LOO_H100, at("summary.median_abs_error_held_out"), "%",
-           note="each draw priced by a calibration fitted on the other nine: per draw -12, -4, +10, -12, +10, +10, +7, +40, -2, "
-                "-5%; in sample (all ten) median 5.8%, worst 11.0% (6.8%, 14.2% before the attention scales; left out 9.3% "
+           note="each draw priced by a calibration fitted on the other nine: per draw -11, -4, +12, -12, +11, +7, +8, +40, -5, "
+                "-3%; in sample (all ten) median 6.6%, worst 11.1% (6.8%, 14.2% before the attention scales; left out 9.3% "
                 "then). The worst left out is ...120, the set's only host-bound draw: without it no run's host time "
                 "counts as measured, and the host cost fitted from step times alone predicts it at 16.8 ms for 12.0 "
                 "(31 ms before 6f0f580 capped such a fit by the host times the runs recorded). "
@@ -701,12 +703,12 @@ FIGURES: tuple[Figure, ...] = (
            FRESH_H100D_CAL, at("summary.median_abs_error_uncalibrated"), "%", Goal("<=", 0.30),
            note="`--calibration none`: the default efficiencies (attention at what coplan's own kernels measured since 90436cf, "
                 "the device gap between kernels from the trainer's traces since 1049d9f, the other defaults the literature's) "
-                "and no host time: -64 to +9%, eight of nine draws too fast (35.0% before the default gap; 45.4% with the "
+                "and no host time: -64 to +0%, eight of nine draws too fast (35.0% before the default gap; 45.4% with the "
                 "old attention default, FlashAttention's dense 0.5)"),
     Figure(CAL, "`coplan calibrate` on the second H100 set's traces, leave one out: median |predicted / measured step - 1|",
            LOO_H100D, at("summary.median_abs_error_held_out"), "%",
-           note="each draw priced by a calibration fitted on the other eight: per draw -21, +7, -30, +6, +6, -8, +26, +84, +27%; "
-                "in sample median 18.1%, worst 44.2%. 8.2% (worst 40.0%; per draw -26, +2, -6, +7, +6, -8, +26, +40, +28%) "
+           note="each draw priced by a calibration fitted on the other eight: per draw -21, +5, -30, +7, +5, -7, +23, +84, +33%; "
+                "in sample median 17.9%, worst 44.2%. 8.2% (worst 40.0%; per draw -26, +2, -6, +7, +6, -8, +26, +40, +28%) "
                 "before f895b38, which prices each TorchRec collection's kernels: this set's runs (an older trainer, "
                 "eager optimizer) spent 12.4-15.7 ms of host a step with two to four collections, not more with more, so "
                 "a host cost spread over the collections' launches under-prices ...638 (two) and over-prices ...644 (four). "
@@ -808,8 +810,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(CAL, "`coplan calibrate` on the fourth H100 set's traces, leave one out: median |predicted / measured step - 1|",
            LOO_H100F, at("summary.median_abs_error_held_out"), "%",
            note="each draw priced by a calibration fitted on the other nine (runs with the fused FiLM, priced so): per draw "
-                "+3, -7, +3, +3, +17, -19, -6% for the seven whose re-plan makes the run's choices (...509, ...512 and ...514 "
-                "re-plan otherwise: not counted). In sample median 3.1%, worst 15.0%. Its fit on all ten: device-step "
+                "-0, -8, -1, +2, +19, -18, -4% for the seven whose re-plan makes the run's choices (...509, ...512 and ...514 "
+                "re-plan otherwise: not counted). In sample median 2.8%, worst 16.2%. Its fit on all ten: device-step "
                 "factor 1.18, elementwise memory efficiency 0.61. With `--device-term gap` (a device gap per priced launch "
                 "in every fold; 2026-12-06, not kept as a result) median 13.8%, worst 33.2%, in sample 9.9%; with `best` "
                 "median 16.2%: why `coplan calibrate`'s default stays the factor"),
@@ -838,9 +840,9 @@ FIGURES: tuple[Figure, ...] = (
               "none. What led to the device gap (f5a23f8; re-planned with it until 7131eb0: ...864 +7%, worst +13%)",
         uncalibrated="`--calibration none` (eight draws: two uncalibrated plans differ from the runs'): -50 to -15%, "
                      "every draw too fast (32.7% before the default device gap, 1049d9f; 42.4% with the old attention default)",
-        held_out="each draw priced by a calibration fitted on the other nine: per draw -3, -7, -5, -4, -9, -36, +2, "
-                 "+2% for the eight whose re-plan makes the run's choices (...864 and ...866 re-plan otherwise: not "
-                 "counted). In sample median 2.8%, worst 8.2%. The miss is ...865, the set's one host-bound draw: "
+        held_out="each draw priced by a calibration fitted on the other nine: per draw -1, -5, -9, -4, -10, -35, +1, "
+                 "+4% for the eight whose re-plan makes the run's choices (...864 and ...866 re-plan otherwise: not "
+                 "counted). In sample median 3.4%, worst 8.6%. The miss is ...865, the set's one host-bound draw: "
                  "without it the other nine do not identify the graphed host cost, and its 10.8 ms of host is priced "
                  "under its device time. `coplan calibrate` at its default device term (the factor); with "
                  "`--device-term best` (each fold keeps the closer of a factor and a device gap; this stop, "
@@ -868,7 +870,7 @@ FIGURES: tuple[Figure, ...] = (
               "runs and the seventh's (twenty runs of this trainer), and a calibration records its runs' trainer, which "
               "`coplan plan` compares with the installed one",
         uncalibrated="`--calibration none` (nine draws: ...255's uncalibrated plan differs from the run's): per draw "
-                     "+1, -23, -22, +11, -11, -20, -49, -27, -33%",
+                     "-5, -20, -21, +3, -14, -18, -48, -24, -30%",
         held_out=None, in_sample=IN_SAMPLE_H100),
     *_fresh_set_figures(
         "seventh", "fresh_plans_h100i", FRESH_H100I, FRESH_H100I_CAL, None,
@@ -886,7 +888,7 @@ FIGURES: tuple[Figure, ...] = (
                    "+13, +8%",
         worst="...111 and the host-bound ...118's neighbour in size: +17% (10.0 ms measured, 11.6 priced: the host-bound "
               "price of the graphed host cost, 448 us per priced launch, fitted on the older trainer)",
-        uncalibrated="`--calibration none`: per draw -44, -22, -21, -29, -22, -17, -33, -64, -11, -20%, every draw too "
+        uncalibrated="`--calibration none`: per draw -43, -22, -26, -26, -21, -16, -31, -64, -11, -21%, every draw too "
                      "fast; the worst two host-bound (the host is free uncalibrated)",
         held_out=None, in_sample=IN_SAMPLE_H100),
     Figure(CAL, "The shipped H100 recipe fitted on one set of ten draws, tested on another (sixth and seventh sets, "
