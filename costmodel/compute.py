@@ -255,8 +255,6 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
         m1, m2 = ctx.moments[o.sequence]
         model_op, model_m1, model_m2 = o, m1, m2  # model FLOPs: the real lengths, never the padding
         flops_eff = 1.0
-        if o.op_class == "attention" and o.sequence is None and kernels.attention == "triton":
-            flops_eff = 1.0 / triton_tile_factor(o, w)  # a Kunlun block's fixed tokens, in whole tiles
         if o.op_class == "attention" and o.sequence is not None:
             if kernels.attention == "reference":
                 if o.sequence not in pad_len:
@@ -272,14 +270,15 @@ def op_arrays(ctx: Context, kernels: Kernels | None = None, fp8_layers: frozense
             elif kernels.attention == "triton" and ctx.workload.kernels.head_pad == "copies":
                 # a run from before the kernels masked the padding: a head dim they do not take had copies around them
                 o = F.triton_head_padding(o, w)
-                flops_eff = 1.0 / triton_tile_factor(o, w)
-            elif kernels.attention == "triton":
-                flops_eff = 1.0 / triton_tile_factor(o, w)  # whole tiles: the masked rows and columns are computed too
             elif kernels.attention == "flex":
                 # block-sparse masks compute whole 128-token tiles: L rounds up by ~64 on average
                 m2 = m2 + 128.0 * m1 + 64.0**2
                 m1 = m1 + 64.0
                 flops_eff = 0.8
+        if o.op_class == "attention" and kernels.attention == "triton":
+            # whole tiles: the masked rows and columns are computed too (a history's last blocks, the causal
+            # diagonal's, a Kunlun block's fixed tokens)
+            flops_eff = 1.0 / triton_tile_factor(o, w)
         dt = o.dtype
         if o.layer in fp8_layers and fp8_allowed(o, w):
             dt = "fp8"

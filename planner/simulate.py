@@ -25,7 +25,7 @@ from coplan.costmodel.flops import recomputable_layers
 from coplan.errors import CoplanError, PresetNotFoundError
 from coplan.planner.heuristic import heuristic_plan_choices
 from coplan.planner.mesh import mesh_axes
-from coplan.spec import BalancingPlan, LayerPlan, MeshPlan, Topology, Workload, list_presets, load_calibration, load_topology, load_workload
+from coplan.spec import BalancingPlan, LayerPlan, MeshPlan, Topology, Workload, list_presets, load_topology, load_workload
 from coplan.spec.topology import MAX_GPUS
 from coplan.spec.workload import MAX_LOCAL_BATCH, Kernels
 from coplan.units import human_bytes, human_seconds
@@ -205,17 +205,9 @@ def simulate_point(workload: Workload, topology: Topology, gpus: int, calibratio
     }
 
 
-def _calibration_file(args: argparse.Namespace, topology: Topology):
-    """The calibration of ``--calibration`` read as a file (``auto`` and ``none``: none), with its line. The
-    CLI's verb chooses as ``coplan plan`` does instead (``coplan.planner.cli``: the shipped one by default)."""
-    arg = args.calibration
-    if arg is None or arg.lower() in ("auto", "none"):
-        return None, "calibration: none (default efficiencies, host time not priced)"
-    return load_calibration(arg), f"calibration: {arg}"
-
-
-def run_simulate(args: argparse.Namespace, choose=_calibration_file) -> int:
-    """The sweep of ``args``; ``choose(args, topology)`` -> (calibration, the line that says which)."""
+def run_simulate(args: argparse.Namespace, choose) -> int:
+    """The sweep of ``args``; ``choose(args, topology)`` -> (calibration, the line that says which): the CLI's
+    verb (``coplan.planner.cli``) chooses as ``coplan plan`` does, the shipped calibration by default."""
     workload = load_workload(args.workload)
     gpus = _gpu_list(args.gpus)
     if args.values is not None and not args.knob:
@@ -293,7 +285,7 @@ def _print_table(workload: Workload, args: argparse.Namespace, rows: list[dict])
                       "plan would take if it fitted; `coplan plan` says which resource falls short and what would fix it.")
 
 
-def register_simulate(sub: argparse._SubParsersAction, help_text: str, run=run_simulate) -> None:
+def register_simulate(sub: argparse._SubParsersAction, help_text: str, run) -> None:
     p = sub.add_parser("simulate", help=help_text, description=help_text + ". " + (__doc__ or "").split("\n\n")[1].replace("\n", " "),
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="knobs:\n" + "\n".join(f"  {k:<18} {v}" for k, v in KNOBS.items()))
