@@ -14,6 +14,14 @@ Writes ``benchmarks/results/fresh_draws_calibrated.json``. Draws planned for ano
 
     python benchmarks/fresh_draws_calibrated.py --measured benchmarks/results/fresh_draws_h100.json \
         --plans benchmarks/results/fresh_plans_h100 --out benchmarks/results/fresh_draws_h100_calibrated.json
+
+``--runs`` (the set's run directories, ``draw_runs_<set>.tgz``) adds a diagnostic, never the headline: how fast each
+run's host was against the host the calibration was fitted on (``coplan.calibration.host_profile.host_speed_index``
+of the run's profiled steps against the calibration's ``host_op_median_us``: the median host time of calls every run
+makes whatever its shapes), and the calibrated step with the priced host time scaled by it
+(``max(step, host x speed)``). The lent machines' hosts are shared and their speed varies from run to run; a plan is
+priced for a host as fast as the fitted runs', so this separates a host-bound draw's miss into the host's speed and
+the model's.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -38,6 +47,25 @@ def plan(workload: Path, out: Path, calibration: str, topology: str = "h200-1gpu
     return json.loads(out.read_text())
 
 
+def host_speeds(runs: Path, reference: dict[str, float], tmp: Path) -> dict[str, float]:
+    """Per run directory of the ``runs`` archive (``draw-<seed>``), its host speed against ``reference``
+    (op name -> median us; 1.5: 50% slower); runs without a readable trace are left out."""
+    from coplan.calibration.host_profile import host_profile_file, host_speed_index
+    from coplan.calibration.kineto import TraceError
+
+    with tarfile.open(runs) as tf:
+        tf.extractall(tmp, filter="data")
+    out = {}
+    for trace in sorted(tmp.glob("**/traces/rank0.json*")):
+        try:
+            k = host_speed_index(host_profile_file(trace), reference)
+        except TraceError:
+            continue
+        if k is not None:
+            out[trace.parent.parent.name] = k
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--measured", type=Path, default=RESULTS / "fresh_draws_h200.json")
@@ -46,12 +74,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "fresh_draws_calibrated.json")
     ap.add_argument("--calibration", default="auto",
                     help="the calibration to test: 'auto' (default: the one shipped for the topology's GPU) or a file")
+    ap.add_argument("--runs", type=Path, default=None,
+                    help="the set's run directories (draw_runs_<set>.tgz): adds each run's host speed against the "
+                         "calibration's fitted runs and the step priced at it (a diagnostic)")
     a = ap.parse_args()
     if a.plans is None:
         a.plans = plans_of(a.measured, RESULTS / "fresh_plans")
     measured = json.loads(a.measured.read_text())
     topology = measured.get("topology", "h200-1gpu")  # (what the draws were planned for)
     rows = []
+    speeds: dict[str, float] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for r in measured["rows"]:
             if "measured_step_p50_s" not in r:
@@ -74,6 +106,16 @@ def main() -> int:
                          "calibrated_error": cal["predicted"]["step_time_s"] / m - 1,
                          "uncalibrated_error": unc["predicted"]["step_time_s"] / m - 1,
                          "calibration": (cal.get("calibration") or {}).get("notes", "")[:160]})
+            reference = (cal.get("calibration") or {}).get("host_op_median_us") or {}
+            if a.runs is not None and reference:
+                if speeds is None:
+                    speeds = host_speeds(a.runs, reference, Path(tmp) / "runs")
+                k = speeds.get(f"draw-{r['seed']}")
+                if k is not None:
+                    pred = cal["predicted"]
+                    at_speed = max(pred["step_time_s"], pred.get("host_s", 0.0) * k)
+                    rows[-1] |= {"host_speed_vs_calibration": k, "calibrated_step_at_run_host_speed_s": at_speed,
+                                 "calibrated_error_at_run_host_speed": at_speed / m - 1}
             print(f"seed {r['seed']}: measured {m * 1e3:.1f} ms, calibrated {rows[-1]['calibrated_step_s'] * 1e3:.1f} ms "
                   f"({rows[-1]['calibrated_error']:+.0%}), uncalibrated {rows[-1]['uncalibrated_step_s'] * 1e3:.1f} ms "
                   f"({rows[-1]['uncalibrated_error']:+.0%})"
@@ -83,6 +125,12 @@ def main() -> int:
     ce = [abs(x["calibrated_error"]) for x in rows if x["calibrated_plan_is_the_run"] and not x["in_calibration_fit"]]
     ie = [abs(x["calibrated_error"]) for x in rows if x["calibrated_plan_is_the_run"] and x["in_calibration_fit"]]
     ue = [abs(x["uncalibrated_error"]) for x in rows if x["uncalibrated_plan_is_the_run"]]
+    se = [abs(x["calibrated_error_at_run_host_speed"]) for x in rows if x["calibrated_plan_is_the_run"]
+          and not x["in_calibration_fit"] and "calibrated_error_at_run_host_speed" in x]
+    ks = [x["host_speed_vs_calibration"] for x in rows if "host_speed_vs_calibration" in x]
+    speed = ({"median_abs_error_calibrated_at_run_host_speed": statistics.median(se) if se else None,
+              "max_abs_error_calibrated_at_run_host_speed": max(se) if se else None,
+              "host_speed_vs_calibration_range": [min(ks), max(ks)] if ks else None} if a.runs is not None else {})
     write_result(a.out, "held-out step-time error of the shipped calibration on fresh draws (no refit)",
                  f"CPU, from {measured['device']} measurements",
                  {"draws_measured": len(rows), "draws_compared": len(ce), "draws_compared_uncalibrated": len(ue),
@@ -92,7 +140,7 @@ def main() -> int:
                   "median_abs_error_in_sample": statistics.median(ie) if ie else None,
                   "max_abs_error_in_sample": max(ie) if ie else None,
                   "median_abs_error_uncalibrated": statistics.median(ue) if ue else None,
-                  "max_abs_error_uncalibrated": max(ue) if ue else None},
+                  "max_abs_error_uncalibrated": max(ue) if ue else None, **speed},
                  rows, measured_git_commit=measured["git_commit"], seed=measured["seed"], topology=topology)
     return 0
 
