@@ -123,6 +123,11 @@ def emb_group_launches(fused: bool) -> tuple[float, float]:
     return 1.0, 2.0
 
 
+def ctx_emb_launches(ctx: Context) -> tuple[float, float]:
+    """:func:`emb_group_launches` for the workload's embedding kernels."""
+    return emb_group_launches(ctx.workload.kernels.embedding == "fused")
+
+
 def collections_held(ctx: Context, a: TableAssignment) -> np.ndarray:
     """Per sparse-group rank, the TorchRec collections it looks up in (each runs its own fused TBE and its
     own input and output distribution: :func:`~coplan.costmodel.embedding.table_collections`): those of
@@ -229,7 +234,7 @@ def _step_launches(ctx: Context, arr, fwd: np.ndarray, bwd: np.ndarray, recomput
         quant = np.array([o.fwd_launches for o in ops], dtype=float) * np.asarray(arr.quant_launches)
         dense = float((np.asarray(fwd) * calls + np.asarray(bwd) + quant).sum()) if ops else 0.0
     fsdp_f, fsdp_b, opt = _fixed_launches(ctx, graphed)
-    ef, eb = emb_group_launches(ctx.workload.kernels.embedding == "fused")
+    ef, eb = ctx_emb_launches(ctx)
     return float((dense + (ef + eb) * emb_kernels + fsdp_f + fsdp_b) * ctx.micro_batches + opt)
 
 
@@ -297,7 +302,7 @@ def _walk_segments(ctx: Context, arr, recomputed: frozenset[str], emb_kernels: f
             exposing = True
         fwd(n)
 
-    ef, eb = emb_group_launches(ctx.workload.kernels.embedding == "fused")
+    ef, eb = ctx_emb_launches(ctx)
     for m in range(ctx.micro_batches):
         fwd(ef * emb_kernels + fsdp_f)
         for i in range(nl):
