@@ -168,8 +168,10 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     versions.setdefault("coplan", __version__)
     trainer, trainer_source = fingerprint.of_runs([dict(r.result.versions) if r.result else {} for r in runs])
     versions.pop(fingerprint.KEY, None)
+    versions.pop(fingerprint.SCHEME_KEY, None)
     if trainer:
         versions[fingerprint.KEY] = trainer
+        versions[fingerprint.SCHEME_KEY] = fingerprint.SCHEME
     versions[fingerprint.SOURCE_KEY] = trainer_source
     cal = Calibration(
         device=devices[0],

@@ -19,12 +19,15 @@ def _git(repo, *args):
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
+LOOP = "from coplan.kernels import attention\nSTEP = 1\n"
+
+
 @pytest.fixture
 def repo(tmp_path):
     r = tmp_path / "repo"
     (r / "trainer" / "model").mkdir(parents=True)
     (r / "kernels").mkdir()
-    (r / "trainer" / "loop.py").write_text("STEP = 1\n")
+    (r / "trainer" / "loop.py").write_text(LOOP)
     (r / "trainer" / "model" / "layers.py").write_text("LAYERS = 2\n")
     (r / "kernels" / "attention.py").write_text("BLOCK = 64\n")
     (r / "trainer" / "README.md").write_text("not code\n")
@@ -47,7 +50,7 @@ def test_digest_is_a_function_of_paths_and_contents_not_order():
 @needs_git
 def test_at_commit_hashes_the_trainer_and_kernels_python_sources_at_that_commit(repo):
     first = _git(repo, "rev-parse", "HEAD")
-    want = fp.digest([("trainer/loop.py", b"STEP = 1\n"), ("trainer/model/layers.py", b"LAYERS = 2\n"),
+    want = fp.digest([("trainer/loop.py", LOOP.encode()), ("trainer/model/layers.py", b"LAYERS = 2\n"),
                       ("kernels/attention.py", b"BLOCK = 64\n")])
     assert fp.at_commit(first, repo) == want == fp.at_commit(first[:7], repo)
     # files outside trainer/ and kernels/, and files that are not Python, do not count
@@ -83,7 +86,7 @@ def test_of_runs_prefers_what_the_runs_recorded_then_their_commit_then_the_insta
     found, source = fp.of_runs([{"coplan_git_commit": head[:7]}, {"coplan_git_commit": head}], repo)
     assert found == fp.at_commit(head, repo) and head[:12] in source
     # two commits whose trainers differ: none
-    (repo / "trainer" / "loop.py").write_text("STEP = 2\n")
+    (repo / "trainer" / "loop.py").write_text(LOOP.replace("1", "2"))
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
     found, source = fp.of_runs([{"coplan_git_commit": head}, {"coplan_git_commit": _git(repo, "rev-parse", "HEAD")}], repo)
     assert found is None and "2 different trainers" in source
@@ -108,6 +111,7 @@ def test_every_shipped_calibration_records_its_runs_trainer():
     for path in shipped().values():
         cal = load_calibration(path)
         assert len(cal.versions.get(fp.KEY, "")) == 16 and cal.versions.get(fp.SOURCE_KEY)
+        assert cal.versions.get(fp.SCHEME_KEY) == fp.SCHEME
 
 
 def test_plan_and_its_file_say_so_when_the_calibration_is_stale(tmp_path, capsys):
@@ -143,3 +147,55 @@ def test_the_report_says_so_when_the_plans_calibration_was_stale(tmp_path):
                  "--calibration", str(old)]) == 0
     report = build_report(load_inputs(out), scaling=False, what_if=False)
     assert any("calibration (NVIDIA H200) is stale" in p and "0123456789abcdef" in p for p in report.summary)
+
+
+def _files(**named):
+    """``trainer__model__gem`` -> ``trainer/model/gem.py``; ``kernels__init`` -> ``kernels/__init__.py``."""
+    def path(name: str) -> str:
+        parts = name.split("__")
+        return "/".join(parts[:-1] + ["__init__" if parts[-1] == "init" else parts[-1]]) + ".py"
+    return [(path(name), text.encode()) for name, text in named.items()]
+
+
+def test_the_fingerprint_covers_the_trainer_and_the_kernels_it_imports():
+    files = _files(trainer__loop="from coplan.kernels import api\nimport coplan.kernels.fp8 as f8\n",
+                   trainer__model__gem="def f():\n    from coplan.kernels.film import norm  # imported late\n",
+                   kernels__init="from .common import X\n", kernels__api="from .ops import y\n",
+                   kernels__ops="", kernels__common="", kernels__fp8="", kernels__film="",
+                   kernels__unused="from .common import X\n", kernels__bench_only="import kernels.unused\n")
+    kept = {p for p, _ in fp.step_files(files)}
+    # the trainer's modules; what they import, through other kernels and the packages on the way
+    assert kept == {"trainer/loop.py", "trainer/model/gem.py", "kernels/__init__.py", "kernels/api.py", "kernels/ops.py",
+                    "kernels/common.py", "kernels/fp8.py", "kernels/film.py"}
+    # a kernel no trainer module reaches does not move the fingerprint; one that it imports does
+    base = fp.digest(fp.step_files(files))
+    assert fp.digest(fp.step_files(files + _files(kernels__new_fp8="X = 1\n"))) == base
+    edited = [(p, b"changed\n" if p == "kernels/ops.py" else c) for p, c in files]
+    assert fp.digest(fp.step_files(edited)) != base
+    # the legacy scheme: every file
+    assert fp.step_files(files, fp.LEGACY_SCHEME) == files
+    # a trainer module that does not parse counts as importing every kernel
+    broken = [(p, b"def (" if p == "trainer/loop.py" else c) for p, c in files]
+    assert {p for p, _ in fp.step_files(broken)} == {p for p, _ in files}
+
+
+@needs_git
+def test_a_kernel_the_trainer_does_not_import_leaves_the_fingerprint(repo):
+    before = fp.at_commit("HEAD", repo)
+    (repo / "kernels" / "fp8_next.py").write_text("NOT_WIRED = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a kernel not yet wired in")
+    assert fp.at_commit("HEAD", repo) == before
+    assert fp.at_commit("HEAD", repo, fp.LEGACY_SCHEME) != fp.at_commit("HEAD~1", repo, fp.LEGACY_SCHEME)
+    (repo / "trainer" / "loop.py").write_text(LOOP + "from coplan.kernels import fp8_next\n")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "wired in")
+    assert fp.at_commit("HEAD", repo) != before
+
+
+def test_a_calibration_without_a_scheme_is_judged_as_it_was_taken():
+    cal = load_calibration(shipped()["NVIDIA H200"])
+    legacy = cal.model_copy(update={"versions": {k: v for k, v in cal.versions.items() if k != fp.SCHEME_KEY}
+                                    | {fp.KEY: fp.installed(fp.LEGACY_SCHEME)}})
+    assert fp.stale(legacy) is None
+    current = cal.model_copy(update={"versions": {**cal.versions, fp.KEY: fp.installed(), fp.SCHEME_KEY: fp.SCHEME}})
+    assert fp.stale(current) is None
