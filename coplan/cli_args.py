@@ -4,8 +4,10 @@ Each ``type=`` helper parses strictly (whole numbers are ASCII digits only, neve
 floats are finite, never NaN or infinity) and raises :class:`argparse.ArgumentTypeError`, which argparse
 prints as ``argument --flag: <message>`` with exit code 2: the flag, the value and the fix on one line.
 
-Output paths are checked before any work starts (:func:`check_output`): not a folder, in a folder that
-exists and can be written, never one of the command's inputs. :func:`removed_on_failure` takes away
+Output paths are checked before any work starts (:func:`check_output`): not a folder or any other file
+that is not a regular one (a device such as ``/dev/null``, a FIFO, a socket, a link loop), in a folder
+that exists and can be written, never one of the command's inputs. An output that is a symbolic link is
+written through: the file it points to is replaced, the link kept. :func:`removed_on_failure` takes away
 what a failed command wrote, so that no half-done output is left behind.
 """
 
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from coplan.errors import CoplanError
+from coplan.spec.loader import not_a_file
 from coplan.spec.topology import MAX_GPUS
 
 MAX_SEED = 2**31 - 1
@@ -168,19 +171,24 @@ def name_part(text: str) -> str:
 def _same(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symbolic link loop (Python 3.11's resolve)
         return False
 
 
 def check_output(path: str | Path, flag: str, inputs: Iterable[str | Path | None] = ()) -> Path:
-    """``path`` as an output of ``flag``, refused before any work: a folder, a folder that does not exist or
-    cannot be written, or one of ``inputs`` (an input file, or a file already inside an input folder)."""
+    """``path`` as an output of ``flag``, refused before any work: a folder or another file that is not a
+    regular one (a device, a FIFO, a socket, a link loop: never replaced), a folder that does not exist or
+    cannot be written, or one of ``inputs`` (an input file, or a file already inside an input folder). A
+    symbolic link is written through (see :func:`coplan.spec.write_text_atomic`): its target is checked."""
     out = Path(path)
     if str(path).strip() == "":
         raise CoplanError(f"{flag}: the output path is empty; give a file name")
     if out.is_dir():
         raise CoplanError(f"{flag} {out}: is a folder; give a file name inside it")
-    folder = out.parent
+    why = not_a_file(out)
+    if why:
+        raise CoplanError(f"{flag} {out}: {why}: coplan writes only regular files and will not replace it; give a file name")
+    folder = Path(os.path.realpath(out)).parent if out.is_symlink() else out.parent
     if not folder.is_dir():
         raise CoplanError(f"{flag} {out}: folder '{folder}' does not exist; create it first or write elsewhere")
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -200,7 +208,7 @@ def check_output(path: str | Path, flag: str, inputs: Iterable[str | Path | None
 @contextmanager
 def removed_on_failure(*paths: str | Path | None) -> Iterator[None]:
     """Remove each of ``paths`` that did not exist before, if the block fails."""
-    new = [Path(p) for p in paths if p is not None and not Path(p).exists()]
+    new = [Path(p) for p in paths if p is not None and not os.path.lexists(p)]  # (a link to a missing file is kept)
     try:
         yield
     except BaseException:

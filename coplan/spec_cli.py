@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from coplan.errors import CoplanError
-from coplan.spec import SPEC_KINDS, Plan, Topology, Workload, list_presets, load_any
+from coplan.spec import (SPEC_KINDS, Plan, RunDir, RunResult, Topology, Workload, list_presets, load_any, load_plan,
+                         load_run_result)
+from coplan.spec.loader import looks_like_path
 from coplan.units import human_bytes
 
 
@@ -24,6 +27,10 @@ def _summary(spec: object) -> str:
         )
     if isinstance(spec, Plan):
         return f"plan: '{spec.workload.name}' on {spec.world_size:,} GPUs of '{spec.topology.name}'"
+    if isinstance(spec, RunResult):
+        mfu = f", measured MFU {spec.measured_mfu:.1%}" if spec.measured_mfu else ""
+        return (f"run summary '{spec.run_id}': {spec.steps:,} steps of '{spec.workload or '?'}' on {spec.world_size:,} x "
+                f"{spec.device or '?'}{mfu}")
     return f"{type(spec).__name__.lower()}"
 
 
@@ -36,14 +43,13 @@ def run_validate(args: argparse.Namespace) -> int:
             for k, v in out.items():
                 print(f"{k}: {', '.join(v)}")
         return 0
-    targets = list(args.files)
-    if not targets:
-        targets = list_presets(Topology) + list_presets(Workload)
+    presets = list_presets(Topology) + list_presets(Workload)
+    targets = [f for t in args.files for f in _run_files(t, presets)] if args.files else [(t, load_any) for t in presets]
     results = []
     failed = 0
-    for target in targets:
+    for target, load in targets:
         try:
-            spec = load_any(target)
+            spec = load(target)
             results.append({"file": target, "ok": True, "summary": _summary(spec)})
         except CoplanError as e:
             failed += 1
@@ -60,9 +66,25 @@ def run_validate(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
+def _run_files(target: str, presets: list[str]) -> list[tuple[str, Callable[[str], object]]]:
+    """What to load for a target, and how: a run directory (``runs/<id>/``) stands for its spec files, the plan
+    it ran and, once it has ended, its summary; any other target for itself, of the kind its keys say."""
+    if not Path(target).is_dir() or (not looks_like_path(target) and target in presets):
+        return [(target, load_any)]
+    run = RunDir(target)
+    files = [(str(p), load) for p, load in ((run.plan_path, load_plan), (run.summary_path, load_run_result)) if p.is_file()]
+    return files or [(target, _not_a_run)]
+
+
+def _not_a_run(target: str) -> object:
+    raise CoplanError(f"{target}: is a directory without plan.json or summary.json; give spec files, or a run directory "
+                      "written by `coplan train` (runs/<id>/)")
+
+
 def register_validate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("validate", help=help_text, description=help_text + ". With no files, validates every preset.")
-    p.add_argument("files", nargs="*", help="spec files (YAML or JSON) or preset names")
+    p.add_argument("files", nargs="*", help="spec files (YAML or JSON), preset names, or run directories (runs/<id>/: "
+                   "their plan.json and summary.json)")
     p.add_argument("--list", action="store_true", help="list the topology and workload presets")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_validate)

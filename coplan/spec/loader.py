@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import json
 import os
 import re
+import stat
 import tempfile
 import typing
 from importlib import resources
@@ -20,7 +22,7 @@ from typing import Any, TypeVar, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from coplan.errors import AmbiguousNameError, PresetNotFoundError, SpecError
+from coplan.errors import AmbiguousNameError, CoplanError, PresetNotFoundError, SpecError
 from coplan.spec.base import FROM_FILE
 from coplan.spec.calibration import Calibration
 from coplan.spec.plan import Plan
@@ -57,9 +59,12 @@ class DuplicateKeyError(yaml.YAMLError):
 
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e12`` and ``4.8e12`` as floats, as YAML 1.2 and JSON do (PyYAML's
-    YAML 1.1 resolver wants a dot and a signed exponent and would read them as strings), and refuses
-    a mapping that repeats a key (YAML 1.2 says keys are unique; PyYAML keeps the last silently)."""
+    """SafeLoader that resolves plain scalars by YAML 1.2's core schema, as JSON does, not PyYAML's YAML 1.1:
+    only ``true``/``false`` are booleans (``off``, ``on``, ``yes``, ``no`` stay strings, so ``cuda_graphs: off``
+    means ``'off'`` and a task named ``on`` is not True); ``1e12`` is a float (1.1 wants a dot and a signed
+    exponent); integers are decimal, ``0x`` or ``0o`` (``6_4`` and ``1:30`` are strings, ``010`` is 10); no
+    timestamps. It also refuses a mapping that repeats a key (YAML 1.2 says keys are unique; PyYAML keeps the
+    last silently)."""
 
     def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
         if isinstance(node, yaml.MappingNode):
@@ -91,8 +96,35 @@ _FLOAT_RE = re.compile(
         |\.(?:nan|NaN|NAN))$""",
     re.X,
 )
-for _cls in (_Yaml12Loader, _Yaml12Dumper):
-    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+
+# YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution)
+_BOOL12_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_INT12_RE = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT12_RE = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_KEEP_11 = ("tag:yaml.org,2002:null", "tag:yaml.org,2002:merge")  # the same in 1.2 (merge: PyYAML's '<<')
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag in _KEEP_11]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL12_RE, list("tTfF"))
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT12_RE, list("-+0123456789"))
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT12_RE, list("-+0123456789."))
+
+
+def _construct_int12(loader: _Yaml12Loader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)  # PyYAML's own reads 010 as octal 8, as YAML 1.1 does
+    return int(text[2:], 16 if text[1] == "x" else 8) if text[:2] in ("0x", "0o") else int(text, 10)
+
+
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int12)
+
+# The dumper keeps YAML 1.1's resolvers and adds the loader's: a string either reader would take for
+# something else ('off', '1e5', '0o17', '-.5') is written quoted, for this loader and for any other.
+for _rx in (_FLOAT_RE, _FLOAT12_RE):
+    _Yaml12Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _rx, list("-+0123456789."))
+_Yaml12Dumper.add_implicit_resolver("tag:yaml.org,2002:int", _INT12_RE, list("-+0123456789"))
 
 
 _YAML_BREAKS = ("\x85", "\u2028", "\u2029")
@@ -133,16 +165,36 @@ def _path_str(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
 
 
+class _CycleError(ValueError):
+    """A YAML alias used inside its own anchor: the document holds itself (``a: &x {b: *x}``)."""
+
+    def __init__(self, path: tuple, back_to: tuple) -> None:
+        self.path = _path_str(path)
+        where = f"'{_path_str(back_to)}'" if back_to else "the document's root"
+        self.reason = (f"refers back to {where}, which holds it (a YAML alias used inside its own anchor): specs "
+                       "cannot be cyclic; write the value out, or alias a part that does not hold the alias")
+        super().__init__(f"{self.path}: {self.reason}")
+
+
 def _settle(doc: Any) -> Any:
-    """JSON objects made dicts with duplicate keys refused by field path; and a bound on the values a
-    document expands to (YAML aliases share one object that validation would walk at every use)."""
+    """JSON objects made dicts with duplicate keys refused by field path; a document that holds itself (a YAML
+    alias inside its own anchor) refused where it does; and a bound on the values a document expands to (YAML
+    aliases share one object that validation would walk at every use)."""
     root = [doc]
-    # (container, slot, path) of each mapping or list still to visit
-    stack: list[tuple[Any, Any, tuple]] = [(root, 0, ())] if isinstance(doc, (dict, list)) else []
+    # (container, slot, path) of each mapping or list still to visit; None marks leaving the last one entered
+    stack: list[tuple[Any, Any, tuple] | None] = [(root, 0, ())] if isinstance(doc, (dict, list)) else []
+    on_path: dict[int, tuple] = {}  # id() of each container from the root down to the one visited -> its path
+    entered: list[int] = []
     count = 0
     while stack:
-        parent, slot, path = stack.pop()
+        item = stack.pop()
+        if item is None:
+            del on_path[entered.pop()]
+            continue
+        parent, slot, path = item
         node = parent[slot]
+        if id(node) in on_path:
+            raise _CycleError(path, on_path[id(node)])
         if isinstance(node, _Pairs):
             out: dict[Any, Any] = {}
             for k, v in node:
@@ -150,6 +202,9 @@ def _settle(doc: Any) -> Any:
                     raise DuplicateKeyError(k, "given twice in one object", _path_str(path + (k,)))
                 out[k] = v
             parent[slot] = node = out
+        on_path[id(node)] = path
+        entered.append(id(node))
+        stack.append(None)
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
             count += 1
@@ -170,6 +225,8 @@ def _parse_text(text: str, source: str) -> Any:
         return _settle(yaml_load(text))
     except DuplicateKeyError as e:
         raise SpecError(source, [(e.path, e.reason("JSON" if is_json else "YAML"))]) from None
+    except _CycleError as e:
+        raise SpecError(source, [(e.path, e.reason)]) from None
     except json.JSONDecodeError as e:
         raise SpecError(source, [("", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")]) from None
     except yaml.YAMLError as e:
@@ -183,20 +240,47 @@ def _parse_text(text: str, source: str) -> Any:
         raise SpecError(source, [("", f"cannot be parsed: {e}")]) from None
 
 
+def not_a_file(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read or replaced as a regular file, following symbolic links: it is a directory, a
+    device, a FIFO or a socket (reading a FIFO waits for a writer forever; replacing ``/dev/null`` as root
+    makes it a file), or a symbolic link loop; None for a regular file or nothing there. The caller adds the fix."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link loop (it resolves to itself)"
+        return None  # unreadable: the caller's own read or write says why
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if stat.S_ISREG(mode):
+        return None
+    what = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    return f"is {what}, not a regular file"
+
+
 def read_text(path: str | Path, source: str | None = None) -> str:
-    """The UTF-8 text of a file a user named, or a SpecError naming it: missing, a directory, too
-    large, binary (NUL bytes) or not UTF-8. For every reader of user files, specs or not."""
+    """The UTF-8 text of a file a user named, or a SpecError naming it: missing, empty path, a directory or
+    other non-regular file (checked before opening: a FIFO would block), too large, binary (NUL bytes) or
+    not UTF-8. For every reader of user files, specs or not."""
+    if not str(path).strip():
+        raise SpecError(repr(str(path)), [("", "the path is empty; give the path of a file")])
     p = Path(path)
     source = source or str(path)
+    why = not_a_file(p)
+    if why:
+        raise SpecError(source, [("", f"{why}; give the path of a file")])
     try:
         size = p.stat().st_size
-        if p.is_dir():
-            raise SpecError(source, [("", "is a directory; give the path of a file")])
         if size > MAX_FILE_BYTES:
             raise SpecError(source, [("", f"is {size / 2**20:,.0f} MiB, over the {MAX_FILE_BYTES >> 20} MiB coplan "
                                           "reads as one file; is this the right file?")])
         raw = p.read_bytes()
     except FileNotFoundError:
+        if p.is_symlink():
+            raise SpecError(source, [("", f"is a symbolic link to '{os.readlink(p)}', which does not exist")]) from None
         raise SpecError(source, [("", "no such file")]) from None
     except OSError as e:
         raise SpecError(source, [("", f"cannot be read: {e.strerror or e}")]) from None
@@ -275,6 +359,16 @@ def _strip_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+_UNION_MEMBER = re.compile(r"[a-z]+(?:-[a-z]+)*\[.*\]|int|float|str|bool|none|bytes", re.S)
+"""How pydantic labels the member of a union an error came from, in the error's location: its schema's name
+(``function-after[...]``, ``literal['auto']``, ``int``); never a field name, which has no brackets."""
+
+
+def _strip_union_members(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``loc`` without the union-member labels pydantic inserts (they name its internals, not the file)."""
+    return tuple(p for i, p in enumerate(loc) if not (i and isinstance(p, str) and _UNION_MEMBER.fullmatch(p)))
+
+
 def _format_loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for p in loc:
@@ -322,7 +416,12 @@ def _reason(err: dict[str, Any], root: type[BaseModel]) -> str:
         return "required field is missing"
     inp = err.get("input")
     if etype in ("float_type", "int_type") and isinstance(inp, str):
-        msg += "; a quoted value is a string: write the number without quotes"
+        if "_" in inp and _FLOAT12_RE.match(inp.replace("_", "")):
+            msg += f"; coplan reads YAML 1.2, where digits grouped with '_' are a string: write {inp.replace('_', '')}"
+        else:
+            msg += "; a quoted value is a string: write the number without quotes"
+    if etype == "bool_type" and isinstance(inp, str) and inp.lower() in ("yes", "no", "on", "off", "y", "n"):
+        msg += "; coplan reads YAML 1.2, where yes/no/on/off are strings: write true or false"
     if etype not in ("missing",) and not isinstance(inp, (dict, list)) and inp is not None:
         shown = repr(inp)
         if len(shown) > 60:
@@ -334,16 +433,43 @@ def _reason(err: dict[str, Any], root: type[BaseModel]) -> str:
 _FIELD_MSG = re.compile(r"^@([^@]+)@ (.*)$", re.S)
 
 
+def _union_reason(errs: list[dict[str, Any]]) -> str:
+    """One reason for a value no member of a union took (``PosInt | Literal['auto']``): each member's complaint,
+    the literals it could have been last, and the value once."""
+    literals = [str(e.get("ctx", {}).get("expected")) for e in errs if e.get("type") == "literal_error"]
+    others = list(dict.fromkeys(str(e.get("msg", "invalid")).removeprefix("Value error, ")
+                                for e in errs if e.get("type") != "literal_error"))
+    msg = "; or ".join(others + ([f"give {' or '.join(literals)}"] if literals else []))
+    inp = errs[0].get("input")
+    if isinstance(inp, (dict, list)) or inp is None:
+        return msg
+    shown = repr(inp)
+    return f"{msg} (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+
+
 def validation_issues(exc: ValidationError, root: type[BaseModel]) -> list[tuple[str, str]]:
     errors = exc.errors()
-    issues: list[tuple[str, str]] = []
     locs = [tuple(e.get("loc", ())) for e in errors]
+    # A value no member of a union took: one error per member, each under the member's label; one issue here.
+    unions: dict[tuple, list[dict[str, Any]]] = {}
+    for err, loc in zip(errors, locs):
+        bare = _strip_union_members(loc)
+        if bare != loc:
+            unions.setdefault(bare, []).append(err)
+    issues: list[tuple[str, str]] = []
     for err, loc in zip(errors, locs):
         # A "too short" on a list whose items themselves failed is noise: the item errors say why.
         if err.get("type") == "too_short" and any(len(o) > len(loc) and o[: len(loc)] == loc for o in locs):
             continue
-        reason = _reason(err, root)
-        path = _format_loc(_strip_tags(loc))
+        bare = _strip_union_members(loc)
+        members = unions.get(bare) if bare != loc else None
+        if members is not None and len(members) > 1:
+            if err is not members[0]:
+                continue
+            reason = _union_reason(members)
+        else:
+            reason = _reason(err, root)
+        path = _format_loc(_strip_tags(bare))
         m = _FIELD_MSG.match(reason)
         if m:  # a model validator named the field it is about
             sub, reason = m.group(1), m.group(2)
@@ -384,8 +510,11 @@ def resolve(kind: type[BaseModel], name_or_path: str | Path) -> Path:
     p = Path(arg)
     presets = list_presets(kind)
     what = kind.__name__.lower()
+    if not arg.strip():  # Path('') is the current folder
+        hint = f"a {what} preset name or " if presets else ""
+        raise PresetNotFoundError(f"the {what} path is empty; give {hint}the path of a {what} file")
     if looks_like_path(arg):
-        if p.exists():
+        if p.exists() or p.is_symlink():  # a broken link or a loop: read_text says which
             return p
         stem = p.stem if p.suffix.lower() in SPEC_SUFFIXES else p.name
         hint = f" ('{stem}' is a {what} preset: give the bare name '{stem}' to use it.)" if stem in presets else ""
@@ -397,7 +526,7 @@ def resolve(kind: type[BaseModel], name_or_path: str | Path) -> Path:
                 f"file, or the preset's path {preset_path(kind, arg)} (or rename the file)"
             )
         return preset_path(kind, arg)
-    if p.exists():
+    if p.exists() or p.is_symlink():
         return p
     near = difflib.get_close_matches(arg, presets, n=1, cutoff=0.5)
     hint = f" Did you mean '{near[0]}'?" if near else ""
@@ -416,11 +545,37 @@ def _source(kind: type[BaseModel], name_or_path: str | Path, path: Path) -> str:
     return arg
 
 
+_KIND_WORDS: dict[type[BaseModel], tuple[str, str]] = {
+    # kind -> (what it is called, what to give instead)
+    Topology: ("topology", "a topology file or preset (topologies/)"),
+    Workload: ("workload", "a workload file or preset (workloads/)"),
+    Plan: ("plan", "a plan.json written by `coplan plan`"),
+    Calibration: ("calibration", "a calibration.json written by `coplan calibrate`"),
+    RunResult: ("run summary", "a run's summary.json written by `coplan train`"),
+}
+
+
+def wrong_kind(wanted: type[BaseModel], found: type[BaseModel]) -> str:
+    """The reason given for a file of kind ``found`` where a ``wanted`` was asked for."""
+    a, b = _KIND_WORDS[found][0], _KIND_WORDS[wanted][0]
+    fix = ("did you swap the topology and the workload (-t and -w)?" if {wanted, found} == {Topology, Workload}
+           else f"give {_KIND_WORDS[wanted][1]}")
+    return f"looks like a{'n' if a[0] in 'aeiou' else ''} {a}, given as the {b}; {fix}"
+
+
 def load_spec(kind: type[M], name_or_path: str | Path) -> M:
-    """Load a ``kind`` spec from a preset name or a YAML/JSON path (see :func:`resolve`)."""
+    """Load a ``kind`` spec from a preset name or a YAML/JSON path (see :func:`resolve`). A file that fails
+    as ``kind`` but looks like another spec (a workload given as the topology) says so, not its keys one by one."""
     path = resolve(kind, name_or_path)
     source = _source(kind, name_or_path, path)
-    return parse_spec(kind, _parse_text(read_text(path, source), str(path)), source)
+    data = _parse_text(read_text(path, source), str(path))
+    try:
+        return parse_spec(kind, data, source)
+    except SpecError:
+        found = sniff_kind(data)
+        if found is not None and found is not kind:
+            raise SpecError(source, [("", wrong_kind(kind, found))]) from None
+        raise
 
 
 def load_topology(name_or_path: str | Path) -> Topology:
@@ -449,17 +604,31 @@ os.umask(_UMASK)
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` whole or not at all: into a temporary file of the same folder, then
-    renamed over ``path`` (a failed write leaves neither a half-written file nor the temporary one)."""
+    renamed over ``path`` (a failed write leaves neither a half-written file nor the temporary one).
+
+    A symbolic link is written through: the file it points to is replaced and the link kept, as a plain
+    write would. A path that is not a regular file (a folder, a device such as ``/dev/null``, a FIFO, a
+    socket, a link loop) is refused with a CoplanError, never replaced; a failed write raises the OSError
+    with ``path`` as given, not the temporary file, as its file name."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    why = not_a_file(path)
+    if why:
+        raise CoplanError(f"{path}: {why}: coplan writes only regular files and will not replace it; give a file name")
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_UMASK)  # as a plain write would
-        os.replace(tmp, path)
-    except BaseException:
+        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_UMASK)  # as a plain write would
+        os.replace(tmp, target)
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     return path
 
@@ -481,20 +650,21 @@ SPEC_KINDS: dict[str, type[BaseModel]] = {
 
 
 def sniff_kind(data: Any) -> type[BaseModel] | None:
-    """Guess which spec a parsed document is, from its keys."""
+    """Guess which spec a parsed document is, from its keys: each kind's own required key first (a run
+    summary also holds ``world_size`` and ``device``, a plan ``topology`` and ``workload``)."""
     if not isinstance(data, dict):
         return None
     keys = set(data)
+    if "run_id" in keys:
+        return RunResult
     if {"mesh", "world_size"} & keys:
         return Plan
     if {"gpu", "tiers"} & keys:
         return Topology
     if {"blocks", "batch"} & keys:
         return Workload
-    if {"op_classes", "collective_efficiency", "device"} & keys and "run_id" not in keys:
+    if {"op_classes", "collective_efficiency", "device"} & keys:
         return Calibration
-    if "run_id" in keys:
-        return RunResult
     return None
 
 
@@ -507,7 +677,9 @@ def load_any(path: str | Path) -> BaseModel:
             if arg in list_presets(kind):
                 return load_spec(kind, arg)
     p = Path(arg)
-    if not p.exists():
+    if not arg.strip():
+        raise PresetNotFoundError("the path is empty; give the path of a spec file, or a preset name")
+    if not p.exists() and not p.is_symlink():  # a broken link or a loop: read_text says which
         raise PresetNotFoundError(f"{arg}: no such file, and not a topology or workload preset")
     data = _parse_text(read_text(p, arg), arg)
     kind = sniff_kind(data)
