@@ -65,6 +65,12 @@ class InfeasibleError(CoplanError):
         super().__init__(message)
 
 
+class PriceRangeError(CoplanError):
+    """A priced time or memory is not a finite number, or beyond what the planner's integer (CP-SAT) model holds:
+    the inputs' figures, each within its plausible range, are absurd together. The message names the mesh
+    candidate, the price and the limit."""
+
+
 class NotLandedError(CoplanError):
     """A CLI verb whose part of coplan is not built yet. Says so instead of pretending."""
 

@@ -42,7 +42,7 @@ from coplan.planner.assemble import assemble, heuristic_plan
 from coplan.planner.bounds import candidate_bound, memory_floor
 from coplan.planner.costs import Pricer
 from coplan.planner.explain import explain_infeasible
-from coplan.planner.mesh import PINNABLE, MeshCandidate, check_world_size, enumerate_candidates
+from coplan.planner.mesh import MAX_AUTO_MICRO_BATCHES, PINNABLE, MeshCandidate, check_world_size, enumerate_candidates
 from coplan.planner.precision import choose_layer_precision, precision_line
 from coplan.planner.pricing import Assignment, CandidatePricing, evaluate
 from coplan.planner.solver import SolveResult, SolverSettings, solve_candidate
@@ -150,13 +150,24 @@ def check_pins(workload: Workload, cfg: PlannerConfig) -> None:
                               "(or column_wise/N for N column shards)")
 
 
-def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int) -> str:
+def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int, workload: Workload | None = None) -> str:
     opts = {k: sorted({c.axis(k) for c in every}) for k in cfg.pins}
     bad = [k for k, v in cfg.pins.items() if v not in opts[k]]
     if bad:
         k = bad[0]
-        return (f"--pin {k}={cfg.pins[k]}: no mesh of {world:,} ranks has {k} = {cfg.pins[k]}; possible values: "
-                f"{', '.join(str(x) for x in opts[k][:24])}")
+        msg = (f"--pin {k}={cfg.pins[k]}: no mesh of {world:,} ranks has {k} = {cfg.pins[k]}; possible values: "
+               f"{', '.join(str(x) for x in opts[k][:24])}")
+        fixed = workload.batch.fixed_micro_batches if workload is not None else None
+        if k == "micro_batches" and fixed is not None:
+            local = local_batch_of(workload, world)
+            if local % cfg.pins[k] == 0 and cfg.pins[k] <= MAX_AUTO_MICRO_BATCHES:
+                msg += (f"; the workload fixes batch.micro_batches: {fixed}; set it to 'auto' (or {cfg.pins[k]}) to let "
+                        "--pin choose")
+            else:
+                msg += (f"; the workload fixes batch.micro_batches: {fixed}, and {cfg.pins[k]} micro-batches do not split "
+                        f"the local batch of {local:,} (with batch.micro_batches: 'auto', --pin micro_batches takes a divisor "
+                        f"of it up to {MAX_AUTO_MICRO_BATCHES})")
+        return msg
     return (f"--pin {' '.join(f'{k}={v}' for k, v in cfg.pins.items())}: no mesh of {world:,} ranks has all of these at once "
             "(dp_shard x dp_replicate and sparse_shard x sparse_replicate must each equal the world; ep must divide dp_shard "
             "and every MoE block's expert count)")
@@ -312,21 +323,22 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     every = list(enumerate_candidates(topology, workload, world))
     cands = [c for c in every if all(c.axis(k) == v for k, v in cfg.pins.items())]
     if not cands:
-        raise CoplanError(_pin_miss(cfg, every, world))
+        raise CoplanError(_pin_miss(cfg, every, world, workload))
     records, pricings = bound_candidates(pricer, cands, cfg, on_work)
     if progress:
         progress(f"bounded {len(records)} mesh candidates in {time.perf_counter() - t0:.1f} s")
     if not any(r.feasible for r in records):
         for r in sorted(records, key=lambda r: (r.memory_floor_bytes, r.mesh.key))[:1]:
             _refine(pricer, pricings, r)
-        raise explain_infeasible(workload, topology, world, pricer, records, pricings, cfg=cfg)
+        raise explain_infeasible(workload, topology, world, pricer, records, pricings, cfg=cfg, deadline=t0 + cfg.time_limit_s)
     queue = _Queue.of(records)
     best = _branch_and_bound(pricer, records, pricings, queue, cfg, workers, t0, progress, on_work)
     if best is not None:
         _refine_unsolved(pricer, pricings, records, queue, best[0], cfg)
     heur = _baseline(workload, topology, world, calibration, cfg) if cfg.baseline else None
     if best is None and heur is None:
-        raise explain_infeasible(workload, topology, world, pricer, records, pricings, solved=True, cfg=cfg)
+        raise explain_infeasible(workload, topology, world, pricer, records, pricings, solved=True, cfg=cfg,
+                                 deadline=t0 + cfg.time_limit_s)
     wall = time.perf_counter() - t0
     if best is None or (heur is not None and heur.predicted.step_time_s < best[0]):
         step = heur.predicted.step_time_s

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
+from coplan.errors import PriceRangeError
 from coplan.planner.pricing import (
     LOADS,
     VARS,
@@ -231,7 +232,65 @@ class _IntCuts:
         return _t(raw * p.scale.get(v, 0.0))
 
 
+MAX_MODEL_INT = 1 << 60
+"""Largest magnitude any bound or summed coefficient of a CP-SAT model may reach (CP-SAT's domains hold
+int64, and a constraint sums a few such terms). In time units it is ~7e9 s (over 200 years) of step on
+one rank, in memory units ~1.2e21 bytes: no realistic input comes near (one that does holds a unit slip
+or an absurd size the spec's bounds did not catch alone)."""
+
+
+def _finite_prices(p: CandidatePricing) -> None:
+    """Refuse a candidate whose priced times or bytes are not finite numbers (a typed error naming which), before
+    they are rounded into the model's integers."""
+    def groups():
+        yield "the per-rank memory and buffers", (p.base_bytes, p.capacity_bytes, p.dp_comm_bytes, *p.launch_s,
+                                                  p.recv_factor, p.recv_mem_factor, *p.scale.values())
+        for k, c in enumerate(p.cuts):
+            yield f"step cut {k} ({c.source})", (c.const_s, c.slack_s, *c.coef.values(), *c.rc_s.values(), *c.on_s.values())
+        for l in p.layers:
+            yield f"layer '{l.name}'", (l.recompute_s, l.saved_bytes, l.peak_bytes)
+        for name, opts in zip(p.table_names, p.options):
+            for o in opts:
+                yield f"table '{name}' ({o.sharding_type})", (*o.load(), o.mem_bytes, o.recv_bytes, o.ids_send_bytes, o.allreduce_bytes)
+
+    for what, xs in groups():
+        if not all(map(math.isfinite, xs)):
+            x = next(x for x in xs if not math.isfinite(x))
+            raise PriceRangeError(
+                f"mesh {p.mesh.key}: the price of {what} is {x} (not a finite number): the topology's and workload's "
+                "figures together overflow the cost model; look for a unit slip (FLOP/s, bytes, bytes/s) or an absurd size")
+
+
+def _check_range(p: CandidatePricing, ic: _IntCuts, H: dict[str, int]) -> None:
+    """Refuse (a typed error naming what and by how much) a candidate whose CP-SAT model would hold integers beyond
+    :data:`MAX_MODEL_INT`: the step variable's upper bound, and the memory terms of one rank."""
+    hi = _step_hi(ic, H)
+    if hi > MAX_MODEL_INT:
+        raise PriceRangeError(
+            f"mesh {p.mesh.key}: a rank's priced step can reach {hi * TIME_UNIT_S / ic.Q:.3g} s (its slowest cut with every "
+            f"table on one rank), beyond the {MAX_MODEL_INT * TIME_UNIT_S / ic.Q:.3g} s the planner's integer model holds; "
+            "the topology's and workload's figures are implausible together: look for a unit slip (FLOP/s, bytes, "
+            "bytes/s) or an absurd size (rows, pooling factor, batch, sequence length)")
+    mem = 4 * (abs(_m_down(p.capacity_bytes) - _m_up(p.base_bytes)) + _m_up(p.capacity_bytes)
+               + sum(_m_down(l.saved_bytes) + _m_up(l.peak_bytes) for l in p.layers)) + _m_up(p.dp_comm_bytes) + \
+        sum(max(_m_up(o.mem_bytes) * max(1, o.num_shards) + _m_up(p.recv_mem_factor * o.recv_bytes) for o in opts)
+            for opts in p.options)
+    if mem > MAX_MODEL_INT:
+        raise PriceRangeError(
+            f"mesh {p.mesh.key}: the memory the candidate prices reaches {mem * MEM_UNIT:.3g} bytes, beyond the "
+            f"{MAX_MODEL_INT * MEM_UNIT:.3g} bytes the planner's integer model holds; look for a unit slip (hbm_bytes in "
+            "bytes) or an absurd size (rows, dims, batch)")
+
+
+def _step_hi(ic: _IntCuts, H: dict[str, int]) -> int:
+    """An upper bound of the step variable (model units): the largest cut at every aggregate's horizon, with every
+    layer recomputed."""
+    return max(ic.const) + sum(max(d.get(v, 0) for d in ic.n) * H[v] for v in ic.used) + \
+        max((sum(r) for r in ic.rc), default=0) + max((sum(d.values()) for d in ic.on), default=0) + 1
+
+
 def _int_cuts(p: CandidatePricing) -> _IntCuts:
+    _finite_prices(p)
     counts = []
     for c in p.cuts:
         counts.append({v: (c.coef.get(v, 0.0) / p.scale[v]) if p.scale.get(v, 0.0) > 0 else 0.0 for v in VARS})
@@ -968,6 +1027,7 @@ def solve_flat(p: CandidatePricing, settings: SolverSettings, *, hint: Assignmen
     t0 = time.perf_counter()
     s, g = p.group_size, p.node_size
     ic = _int_cuts(p)
+    _check_range(p, ic, _horizon(p, ic))
     m = cp_model.CpModel()
     y = [[m.NewBoolVar(f"y{t}_{i}") for i in range(len(opts))] for t, opts in enumerate(p.options)]
     for yt in y:
@@ -1170,6 +1230,7 @@ def solve_decomposed(p: CandidatePricing, settings: SolverSettings, *, free_tabl
     """
     t0 = time.perf_counter()
     ic = _int_cuts(p)
+    _check_range(p, ic, _horizon(p, ic))
     hint = hint if hint is not None else heuristic_any(p)
     hint_ev = evaluate(p, hint) if hint is not None else None
     free, fixed = _free_and_fixed(p, free_tables)

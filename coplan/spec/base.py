@@ -7,7 +7,7 @@ import numbers
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Strict
 
 SCHEMA_VERSION = 1
 """Bumped whenever a spec changes incompatibly; files carry it as ``schema_version``."""
@@ -63,6 +63,48 @@ Int = Annotated[int, BeforeValidator(_whole), Strict()]
 within int64."""
 
 Bool = Annotated[bool, Strict()]
+
+class Plausible:
+    """An after-validator refusing a number outside the range any real hardware or model has, naming the unit
+    and, when the value looks like a unit slip (``hbm_bytes: 141`` for 141 GB), the value meant.
+
+    ``lo``/``hi`` are set orders of magnitude beyond real figures both ways, so that no realistic input is
+    refused; they keep absurd ones (a bandwidth of 1e-6 B/s, 1e30 bytes of HBM) from reaching the cost model
+    and the planner, whose integers they would overflow. ``slips``: ``(multiplier, unit)`` pairs tried in order
+    on a value below ``lo``; the first whose product lands in ``typical`` is suggested."""
+
+    def __init__(self, lo: float, hi: float, unit: str, unit_words: str, what: str, *,
+                 slips: tuple[tuple[float, str], ...] = (), typical: tuple[float, float] | None = None, why: str = "") -> None:
+        self.lo, self.hi, self.unit, self.unit_words, self.what, self.why = lo, hi, unit, unit_words, what, why
+        self.slips, self.typical = slips, typical or (lo, hi)
+
+    @staticmethod
+    def _fmt(x: float) -> str:
+        return f"{x:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+    def _slip(self, v: float) -> str:
+        for mult, name in self.slips:
+            if self.typical[0] <= v * mult <= self.typical[1]:
+                return f"; write {v:g}e{round(math.log10(mult))} for {v:g} {name}"
+        return ""
+
+    def __call__(self, v: float) -> float:
+        unit = f" {self.unit}" if self.unit else ""
+        why = f"; {self.why}" if self.why else ""
+        if v < self.lo:
+            slip = self._slip(v)
+            if slip:
+                raise ValueError(f"{v:g}{unit} is implausibly small for {self.unit_words} (below any real {self.what}, "
+                                 f"expect >= {self._fmt(self.lo)}){slip}{why}")
+            raise ValueError(f"{v:g}{unit} is below any real {self.what} (expect >= {self._fmt(self.lo)}; values are {self.unit_words}){why}")
+        if v > self.hi:
+            raise ValueError(f"{v:g}{unit} is above any real {self.what} (expect <= {self._fmt(self.hi)}; values are {self.unit_words}){why}")
+        return v
+
+
+def plausible(lo: float, hi: float, unit: str, unit_words: str, what: str, **kw) -> AfterValidator:
+    """``Annotated[Float, Field(gt=0), plausible(...)]``: see :class:`Plausible`."""
+    return AfterValidator(Plausible(lo, hi, unit, unit_words, what, **kw))
 """true or false only (never 1, 0 or "yes" as a string)."""
 
 

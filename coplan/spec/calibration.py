@@ -8,12 +8,15 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_serializer
 
 from coplan.errors import MismatchError
-from coplan.spec.base import drop_added_defaults, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
+from coplan.spec.base import drop_added_defaults, plausible, Float, Int, check_schema_version, SCHEMA_VERSION, Collective, Dtype, Spec
 from coplan.spec.topology import Topology
 
 _ATTENTION_SCALE_KEY = re.compile(r"[a-z_][a-z0-9_]*:(fwd|bwd):[1-9][0-9]*")
 
-Fraction = Annotated[Float, Field(gt=0, le=1)]
+Fraction = Annotated[Float, Field(gt=0, le=1), plausible(
+    1e-6, 1.0, "", "a fraction of the datasheet peak (1e-6 to 1)", "efficiency")]
+"""An efficiency: at least 1e-6, the floor ``coplan calibrate``'s fits keep to (an op at a millionth of its
+roofline; CPU traces priced against a GPU's peak come near it). Below it the priced times overflow the planner."""
 ComputeOpClass = Literal["gemm", "attention", "embedding", "elementwise"]
 
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_serializer, model_validator
 
-from coplan.spec.base import drop_added_defaults, Bool, Float, Int, check_schema_version, COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
+from coplan.spec.base import drop_added_defaults, plausible, Bool, Float, Int, check_schema_version, COLLECTIVES, SCHEMA_VERSION, Collective, Dtype, Spec, field_error
 
 MAX_GPUS = 1 << 20
 """Most GPUs a topology may hold (1,048,576; the largest clusters built hold ~10^5). The planner
@@ -21,6 +21,25 @@ no useful work in useful time, so the load refuses instead."""
 PositiveFloat = Annotated[Float, Field(gt=0)]
 Fraction = Annotated[Float, Field(gt=0, le=1)]
 
+# Plausibility bounds: orders of magnitude beyond any real hardware both ways (H200: 989e12 bf16 FLOP/s,
+# 141e9 B of HBM at 4.8e12 B/s; links 1e9-1e12 B/s), so that no realistic figure is refused while unit slips
+# (989 for 989 TFLOP/s, 141 for 141 GB) and absurd values, which would overflow the planner's integers, are.
+FlopsPerS = Annotated[Float, Field(gt=0), plausible(
+    1e9, 1e19, "FLOP/s", "FLOP per second", "accelerator's peak",
+    slips=((1e12, "TFLOP/s"), (1e15, "PFLOP/s"), (1e9, "GFLOP/s")), typical=(1e11, 1e17))]
+HbmBytes = Annotated[Float, Field(gt=0), plausible(
+    1e8, 1e14, "B", "bytes", "accelerator's memory", slips=((1e9, "GB"), (1e12, "TB"), (1e6, "MB")), typical=(1e9, 1e13))]
+HbmBw = Annotated[Float, Field(gt=0), plausible(
+    1e9, 1e15, "B/s", "bytes per second", "accelerator memory's bandwidth",
+    slips=((1e12, "TB/s"), (1e9, "GB/s")), typical=(1e10, 1e14))]
+LinkBw = Annotated[Float, Field(gt=0), plausible(
+    1e6, 1e20, "B/s", "bytes per second", "link", slips=((1e9, "GB/s"), (1e6, "MB/s"), (1e12, "TB/s")), typical=(1e8, 1e13))]
+StorageBw = Annotated[Float, Field(gt=0), plausible(
+    1e6, 1e18, "B/s", "bytes per second", "storage bandwidth", slips=((1e9, "GB/s"), (1e6, "MB/s")), typical=(1e8, 1e15))]
+MtbfHours = Annotated[Float, Field(gt=0), plausible(0.1, 1e12, "h", "hours", "mean time between failures")]
+CollectiveEfficiency = Annotated[Float, Field(gt=0, le=1), plausible(
+    1e-3, 1.0, "", "a fraction of the bus bandwidth (0.001-1)", "collective efficiency")]
+
 
 class GpuSpec(Spec):
     """One accelerator."""
@@ -28,19 +47,19 @@ class GpuSpec(Spec):
     name: str = Field(min_length=1)
     """Marketing name, e.g. 'NVIDIA H200 SXM'; calibrations are matched against it."""
 
-    peak_flops_per_s: dict[Dtype, PositiveFloat]
+    peak_flops_per_s: dict[Dtype, FlopsPerS]
     """Datasheet dense (no sparsity) peak FLOP/s per dtype. MFU is quoted against ``bf16``."""
 
-    measured_flops_per_s: dict[Dtype, PositiveFloat] = Field(default_factory=dict)
+    measured_flops_per_s: dict[Dtype, FlopsPerS] = Field(default_factory=dict)
     """Large-GEMM FLOP/s measured on this GPU per dtype, when known; informs default efficiencies."""
 
-    hbm_bytes: PositiveFloat
+    hbm_bytes: HbmBytes
     """HBM capacity in bytes (datasheet)."""
 
-    hbm_bw_bytes_per_s: PositiveFloat
+    hbm_bw_bytes_per_s: HbmBw
     """HBM bandwidth in bytes/s (datasheet)."""
 
-    measured_hbm_bw_bytes_per_s: PositiveFloat | None = None
+    measured_hbm_bw_bytes_per_s: HbmBw | None = None
     """Device-to-device copy bandwidth measured (read + write bytes over time), when known."""
 
     hbm_reserve_fraction: Annotated[Float, Field(ge=0, lt=0.5)] = 0.08
@@ -77,20 +96,20 @@ class Tier(Spec):
     size: Int = Field(gt=0, le=MAX_GPUS)
     """How many units of the tier below this one groups (GPUs for the first tier)."""
 
-    bw_bytes_per_s: PositiveFloat
+    bw_bytes_per_s: LinkBw
     """Bandwidth one GPU can drive across this tier, per direction, in bytes/s (before sharing)."""
 
     latency_s: Annotated[Float, Field(ge=0, le=1)]
     """One-way latency of a message crossing this tier, in seconds (the alpha term; networks run at µs, so
     over 1 s is a unit slip, e.g. microseconds written as seconds)."""
 
-    oversubscription: Annotated[Float, Field(ge=1)] = 1.0
+    oversubscription: Annotated[Float, Field(ge=1), plausible(1, 1e3, "", "a ratio (7 means 1:7)", "switch's oversubscription")] = 1.0
     """Ratio of downlink to uplink capacity of this tier's switches (1 = non-blocking; 7 = 1:7)."""
 
     gpus_per_nic: Int = Field(default=1, gt=0)
     """GPUs sharing one NIC or uplink port to this tier; their traffic splits its bandwidth."""
 
-    collective_efficiency: dict[Collective, Fraction] = Field(default_factory=dict)
+    collective_efficiency: dict[Collective, CollectiveEfficiency] = Field(default_factory=dict)
     """Fraction of the alpha-beta bus bandwidth a collective reaches on this tier (missing = 1.0 × the
     cost model's default)."""
 
@@ -100,7 +119,7 @@ class Tier(Spec):
     sm_free_comm: Bool = False
     """Communication on this tier runs on copy engines or the NIC without taking SMs from compute."""
 
-    mtbf_hours: PositiveFloat | None = None
+    mtbf_hours: MtbfHours | None = None
     """Mean time between failures of one switch of this tier, in hours, when it is worth modelling."""
 
     def efficiency(self, collective: Collective) -> float:
@@ -110,16 +129,16 @@ class Tier(Spec):
 class Reliability(Spec):
     """Failure and checkpoint figures for the goodput model."""
 
-    gpu_mtbf_hours: PositiveFloat
+    gpu_mtbf_hours: MtbfHours
     """Mean time between failures of one GPU (with its host share), in hours."""
 
-    restart_s: Annotated[Float, Field(ge=0)] = 600.0
+    restart_s: Annotated[Float, Field(ge=0, le=1e7)] = 600.0
     """Time to detect a failure, restart the job and reload the checkpoint, in seconds."""
 
-    checkpoint_bw_bytes_per_s_per_node: PositiveFloat
+    checkpoint_bw_bytes_per_s_per_node: StorageBw
     """Bandwidth one node writes checkpoints to storage at, in bytes/s."""
 
-    checkpoint_aggregate_bw_bytes_per_s: PositiveFloat | None = None
+    checkpoint_aggregate_bw_bytes_per_s: StorageBw | None = None
     """Ceiling of the storage system as a whole, in bytes/s; writes from all nodes share it."""
 
 

@@ -16,14 +16,51 @@ from functools import cached_property
 from typing import Annotated, Literal, Union
 
 import numpy as np
-from pydantic import AfterValidator, Field, field_validator, model_serializer, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from coplan.errors import BatchError
-from coplan.spec.base import drop_added_defaults, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Spec, field_error
+from coplan.spec.base import drop_added_defaults, plausible, FROM_FILE, Bool, Float, Int, check_schema_version, SCHEMA_VERSION, Spec, field_error
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")]
 PosInt = Annotated[Int, Field(gt=0)]
 PosFloat = Annotated[Float, Field(gt=0)]
+
+# Plausibility bounds: orders of magnitude beyond any real model (the deepest run ~100-200 layers, the widest
+# ~30,000; the largest tables hold ~1e10 rows, pooling factors run 1 to a few thousand), so that no realistic
+# workload is refused while absurd values, which would overflow the cost model's and the planner's figures or
+# keep the planner busy for minutes, are.
+MAX_LAYERS = 512
+"""Most stacked layers one block may have. The cost model and the planner price every layer (its recompute
+choice included): a 500-layer block already takes ~25 s to plan on 8 GPUs, 10,000 layers many minutes."""
+MAX_WIDTH = 1 << 20
+"""Widest model, head, hidden or expert dimension (1,048,576)."""
+MAX_HEADS = 1 << 14
+"""Most attention heads of one layer (16,384)."""
+MAX_TOKENS = 1 << 20
+"""Most tokens per sample any block creates or routes (1,048,576)."""
+MAX_SEQ_LEN = 1 << 24
+"""Longest sequence (16,777,216 tokens)."""
+MAX_ROWS = 10**12
+"""Most rows one embedding table may have (the largest real ones hold ~1e10)."""
+MAX_POOLING = 1e5
+"""Largest mean pooling factor (ids per sample and feature)."""
+
+
+def _count(hi: int, words: str, what: str, why: str = ""):
+    return Annotated[Int, Field(gt=0), plausible(1, hi, "", words, what, why=why)]
+
+
+Layers = _count(MAX_LAYERS, "layers", "block depth", "the deepest real models run ~100-200 layers, and coplan prices every "
+                "layer, so a far deeper block takes minutes to plan (MAX_LAYERS)")
+Width = _count(MAX_WIDTH, "a width in elements", "model width")
+Heads = _count(MAX_HEADS, "attention heads", "attention layer")
+Tokens = _count(MAX_TOKENS, "tokens per sample", "token count")
+SeqLen = _count(MAX_SEQ_LEN, "tokens", "sequence length")
+Rows = _count(MAX_ROWS, "rows", "embedding table", "the largest real ones hold ~1e10 rows (MAX_ROWS)")
+Pooling = Annotated[Float, Field(gt=0), plausible(1e-6, MAX_POOLING, "", "ids looked up per sample and feature",
+                                                   "pooling factor", why="real ones run 1 to a few thousand")]
+FfnMultiplier = Annotated[Float, Field(gt=0), plausible(0.01, 1000, "", "a multiple of model_dim",
+                                                         "FFN width multiplier", why="real ones are 2-8")]
 
 MAX_TABLES = 100_000
 """Most embedding tables one workload may have (explicit and generated together). Large production
@@ -59,7 +96,7 @@ class FixedLength(Spec):
     kind: Literal["fixed"] = "fixed"
     """Discriminator."""
 
-    length: PosInt
+    length: SeqLen
     """The length of every sequence, in tokens."""
 
     @property
@@ -85,7 +122,7 @@ class LognormalLength(Spec):
     min_len: Annotated[Int, Field(ge=0)] = 1
     """Floor, in tokens; 0 allows empty histories."""
 
-    max_len: PosInt
+    max_len: SeqLen
     """Cap, in tokens (the kernels' max-length bound)."""
 
     @model_validator(mode="after")
@@ -115,7 +152,7 @@ class UniformLength(Spec):
     min_len: Annotated[Int, Field(ge=0)] = 1
     """Smallest length, in tokens."""
 
-    max_len: PosInt
+    max_len: SeqLen
     """Largest length, in tokens."""
 
     @model_validator(mode="after")
@@ -131,7 +168,7 @@ class EmpiricalLength(Spec):
     kind: Literal["empirical"] = "empirical"
     """Discriminator."""
 
-    lengths: tuple[Annotated[Int, Field(ge=0)], ...] = Field(min_length=1)
+    lengths: tuple[Annotated[Int, Field(ge=0, le=MAX_SEQ_LEN)], ...] = Field(min_length=1)
     """Observed lengths, in tokens."""
 
     @property
@@ -170,7 +207,7 @@ class EmbeddingTable(Spec):
     name: Name
     """Unique table name."""
 
-    num_rows: PosInt
+    num_rows: Rows
     """Rows (hash size)."""
 
     dim: EmbeddingDim
@@ -180,10 +217,10 @@ class EmbeddingTable(Spec):
     """'pooled': a bag of ids per sample summed into one vector (EmbeddingBag); 'sequence': one id per
     event of a jagged history, kept as a token sequence (TorchRec EmbeddingCollection)."""
 
-    pooling_factor: PosFloat = 1.0
+    pooling_factor: Pooling = 1.0
     """Mean ids looked up per sample and feature (pooled tables); 1 for sequence tables."""
 
-    num_features: PosInt = 1
+    num_features: Annotated[Int, Field(gt=0, le=10_000)] = 1
     """Features sharing this table; each adds ``pooling_factor`` lookups per sample."""
 
     sequence: Name | None = None
@@ -235,10 +272,10 @@ class TableSetGenerator(Spec):
     name_prefix: Name = "t"
     """Tables are named ``{prefix}{index:04d}``."""
 
-    min_rows: PosInt = 1000
+    min_rows: Rows = 1000
     """Lower bound of the log-uniform row count."""
 
-    max_rows: PosInt = 100_000_000
+    max_rows: Rows = 100_000_000
     """Upper bound of the log-uniform row count."""
 
     dims: tuple[EmbeddingDim, ...] = (64, 128, 256)
@@ -247,13 +284,13 @@ class TableSetGenerator(Spec):
     dim_weights: tuple[Annotated[Float, Field(ge=0)], ...] = (0.3, 0.5, 0.2)
     """Probabilities of ``dims`` (normalised)."""
 
-    pooling_mean: PosFloat = 8.0
+    pooling_mean: Pooling = 8.0
     """Arithmetic mean of the uncapped pooling-factor log-normal."""
 
     pooling_sigma: Annotated[Float, Field(ge=0, le=4)] = 1.0
     """Shape of the pooling-factor log-normal."""
 
-    pooling_max: PosFloat = 200.0
+    pooling_max: Pooling = 200.0
     """Cap on a table's pooling factor."""
 
     zipf_alpha_min: Annotated[Float, Field(ge=0, le=3)] = 0.8
@@ -359,13 +396,13 @@ class DenseMLPBlock(Spec):
     name: Name = "dense_mlp"
     """Block name used in op names (``dense_mlp.0.gemm``)."""
 
-    num_dense_features: PosInt
+    num_dense_features: Tokens
     """Float features per sample."""
 
-    hidden_dims: tuple[PosInt, ...] = Field(min_length=1)
+    hidden_dims: tuple[Width, ...] = Field(min_length=1)
     """Widths of the MLP's hidden layers."""
 
-    out_tokens: PosInt = 1
+    out_tokens: Tokens = 1
     """Tokens of the model dim this block feeds into interaction."""
 
 
@@ -382,25 +419,25 @@ class InterFormerBlock(Spec):
     sequence: Name
     """The sequence (history) this block runs over."""
 
-    num_layers: PosInt
+    num_layers: Layers
     """Stacked layers."""
 
-    model_dim: PosInt
+    model_dim: Width
     """Token width."""
 
-    num_heads: PosInt
+    num_heads: Heads
     """Attention heads."""
 
-    head_dim: PosInt
+    head_dim: Width
     """Width of one head."""
 
     attention: Attention = Attention()
     """Self-attention over the history."""
 
-    ffn_multiplier: PosFloat = 4.0
+    ffn_multiplier: FfnMultiplier = 4.0
     """FFN hidden width over model_dim."""
 
-    num_summary_tokens: Annotated[Int, Field(ge=1)] = 4
+    num_summary_tokens: Tokens = 4
     """Summary tokens per sample that attend into the history (cross attention) each layer; at least one, since
     they are the only way the history reaches the rest of the model."""
 
@@ -414,25 +451,25 @@ class KunlunBlock(Spec):
     name: Name = "kunlun"
     """Block name used in op names."""
 
-    num_layers: PosInt
+    num_layers: Layers
     """Stacked layers."""
 
-    num_tokens: PosInt
+    num_tokens: Tokens
     """Non-sequence tokens per sample that pooled embeddings are projected into."""
 
-    model_dim: PosInt
+    model_dim: Width
     """Token width."""
 
-    num_heads: PosInt
+    num_heads: Heads
     """Attention heads."""
 
-    head_dim: PosInt
+    head_dim: Width
     """Width of one head."""
 
     attention: Attention = Attention(causal=False, scale="inv_sqrt_head_dim")
     """Attention among the tokens (full, not causal)."""
 
-    ffn_multiplier: PosFloat = 4.0
+    ffn_multiplier: FfnMultiplier = 4.0
     """FFN hidden width over model_dim."""
 
 
@@ -445,25 +482,25 @@ class MoEBlock(Spec):
     name: Name = "moe"
     """Block name used in op names."""
 
-    num_layers: PosInt = 1
+    num_layers: Layers = 1
     """Stacked MoE layers."""
 
-    model_dim: PosInt
+    model_dim: Width
     """Token width."""
 
-    tokens_per_sample: PosInt
+    tokens_per_sample: Tokens
     """Tokens per sample routed through the experts."""
 
-    num_experts: PosInt
+    num_experts: Annotated[Int, Field(gt=0, le=1 << 16)]
     """Routed experts."""
 
     top_k: PosInt = 2
     """Experts per token."""
 
-    expert_hidden_dim: PosInt
+    expert_hidden_dim: Width
     """Hidden width of one expert FFN."""
 
-    num_shared_experts: Annotated[Int, Field(ge=0)] = 0
+    num_shared_experts: Annotated[Int, Field(ge=0, le=1 << 16)] = 0
     """Experts every token goes through (DeepSeek-style shared experts)."""
 
     capacity_factor: Annotated[Float, Field(ge=1, le=16)] = 1.25
@@ -488,28 +525,28 @@ class TransformerBlock(Spec):
     sequence: Name
     """The sequence the layers run over."""
 
-    num_layers: PosInt
+    num_layers: Layers
     """Stacked layers."""
 
-    model_dim: PosInt
+    model_dim: Width
     """Hidden width."""
 
-    num_heads: PosInt
+    num_heads: Heads
     """Query heads."""
 
-    num_kv_heads: PosInt
+    num_kv_heads: Heads
     """Key/value heads (grouped-query attention when fewer than num_heads)."""
 
-    head_dim: PosInt
+    head_dim: Width
     """Width of one head."""
 
-    ffn_hidden_dim: PosInt
+    ffn_hidden_dim: Width
     """FFN hidden width."""
 
     ffn_kind: Literal["swiglu", "gelu"] = "swiglu"
     """Gated SwiGLU (three matrices) or plain GELU MLP (two)."""
 
-    vocab_size: Annotated[Int, Field(ge=0)] = 0
+    vocab_size: Annotated[Int, Field(ge=0, le=1 << 30)] = 0
     """Vocabulary: adds a dense token embedding and the output projection (0 = none)."""
 
     attention: Attention = Attention(kind="softmax", causal=True, scale="inv_sqrt_head_dim")
@@ -531,13 +568,13 @@ class TaskHeads(Spec):
     name: Name = "heads"
     """Block name used in op names."""
 
-    tasks: tuple[Name, ...] = ("ctr", "cvr")
+    tasks: tuple[Name, ...] = Field(default=("ctr", "cvr"), max_length=1000)
     """One binary task per entry."""
 
-    input_dim: PosInt
+    input_dim: Width
     """Width of the vector each tower reads (pooled final tokens)."""
 
-    hidden_dims: tuple[PosInt, ...] = (512, 256)
+    hidden_dims: tuple[Width, ...] = (512, 256)
     """Tower hidden widths."""
 
 
@@ -550,13 +587,13 @@ class DotInteractionBlock(Spec):
     name: Name = "interaction"
     """Block name used in op names."""
 
-    num_tokens: PosInt
+    num_tokens: Tokens
     """Vectors that interact per sample (pooled features + the dense MLP output)."""
 
-    dim: PosInt
+    dim: Width
     """Width of each vector (the common embedding dimension)."""
 
-    top_hidden_dims: tuple[PosInt, ...] = (1024, 512, 256)
+    top_hidden_dims: tuple[Width, ...] = (1024, 512, 256)
     """Top MLP widths over the flattened upper triangle of the dot products."""
 
 
@@ -843,6 +880,147 @@ class Workload(Spec):
                 raise field_error(f"blocks[{i}].sequence", f"'{seq}' is not one of the sequences {sorted(known)}")
         return self
 
+    @model_validator(mode="after")
+    def _trainable(self, info: ValidationInfo) -> "Workload":
+        """A file is held to what ``coplan train`` builds (``coplan.trainer.features.check_buildable``, whose
+        checks these mirror, message for message): every plan ``coplan plan`` emits must run. Workloads built
+        in Python (cost-model studies, tests) are not."""
+        if info.context and info.context.get(FROM_FILE):
+            self._check_trainable()
+        return self
+
+    def _check_trainable(self) -> None:
+        blocks = self.blocks
+        heads = [(i, b) for i, b in enumerate(blocks) if isinstance(b, TaskHeads)]
+        tasks = [t for _, b in heads for t in b.tasks]
+        dup = sorted({t for t in tasks if tasks.count(t) > 1})
+        if dup:
+            i = next(i for i, b in heads if any(t in dup for t in b.tasks))
+            raise field_error(f"blocks[{i}].tasks", f"task names {dup} appear in more than one heads block (or twice in one); "
+                              "each task is one label column, so give every task of every heads block its own name")
+        if not tasks and not any(isinstance(b, TransformerBlock) and b.vocab_size for b in blocks):
+            where = f"blocks[{heads[0][0]}].tasks" if heads else "blocks"
+            raise field_error(where, "nothing to train against (no heads block with tasks and no transformer block with "
+                              "vocab_size > 0); add a heads block (type: heads, tasks: [ctr], input_dim: ...) with at least "
+                              "one task, or give a transformer block a vocab_size")
+        tables = self.all_tables
+        seq_tables = {t.sequence for t in tables if t.feature_kind == "sequence"}
+        for i, b in enumerate(blocks):
+            if isinstance(b, InterFormerBlock) and b.sequence not in seq_tables:
+                raise field_error(f"blocks[{i}].sequence", f"sequence '{b.sequence}' has no sequence table to embed its events "
+                                  f"(interformer block '{b.name}' runs over it); add a table with feature_kind: sequence, "
+                                  f"sequence: {b.sequence}")
+        width = self.token_width
+        kunlun = [(i, b) for i, b in enumerate(blocks) if isinstance(b, KunlunBlock)]
+        for i, b in kunlun[1:]:
+            if b.num_tokens != kunlun[0][1].num_tokens:
+                raise field_error(f"blocks[{i}].num_tokens", f"kunlun blocks disagree on num_tokens ({b.num_tokens} vs "
+                                  f"{kunlun[0][1].num_tokens} in block '{kunlun[0][1].name}'); give them one count")
+        for i, b in enumerate(blocks):
+            if isinstance(b, (KunlunBlock, MoEBlock, DotInteractionBlock)):
+                field_ = "dim" if isinstance(b, DotInteractionBlock) else "model_dim"
+                have = getattr(b, field_)
+                if have != width:
+                    raise field_error(f"blocks[{i}].{field_}", f"block '{b.name}' has {field_} {have} but the non-sequence "
+                                      f"tokens are {width} wide; kunlun, moe and dot_interaction blocks must share one width "
+                                      f"(set {field_}: {width})")
+        interaction = [i for i, b in enumerate(blocks) if isinstance(b, (KunlunBlock, MoEBlock))]
+        late = [i for i, b in enumerate(blocks) if isinstance(b, InterFormerBlock) and interaction and i > min(interaction)]
+        if late:
+            raise field_error(f"blocks[{late[0]}]", "interformer blocks must come before kunlun and moe blocks (their summaries "
+                              "are non-sequence tokens the interaction blocks read); move it up")
+        total = self._non_sequence_tokens(width)
+        for i, b in enumerate(blocks):
+            if isinstance(b, MoEBlock) and b.tokens_per_sample > total:
+                raise field_error(f"blocks[{i}].tokens_per_sample", f"block '{b.name}' routes {b.tokens_per_sample} tokens per "
+                                  f"sample but a sample has {total} non-sequence tokens (set tokens_per_sample to at most {total})")
+        self._check_readouts(width)
+        self._check_transformer_inputs()
+
+    @property
+    def token_width(self) -> int:
+        """Width of the non-sequence tokens (the same rule as ``coplan.costmodel.flops.token_width``)."""
+        for b in self.blocks:
+            if isinstance(b, KunlunBlock):
+                return b.model_dim
+            if isinstance(b, DotInteractionBlock):
+                return b.dim
+        for b in self.blocks:
+            if isinstance(b, InterFormerBlock):
+                return b.model_dim
+        for b in self.blocks:
+            if isinstance(b, DenseMLPBlock):
+                return b.hidden_dims[-1]
+        return 1
+
+    def _non_sequence_tokens(self, width: int) -> int:
+        """Non-sequence tokens per sample (``coplan.trainer.features.TokenLayout.total``)."""
+        blocks = self.blocks
+        dense = sum(b.out_tokens for b in blocks if isinstance(b, DenseMLPBlock))
+        summaries = sum(b.num_summary_tokens for b in blocks if isinstance(b, InterFormerBlock))
+        pooled_dim = sum(t.dim * t.num_features for t in self.all_tables if t.feature_kind == "pooled")
+        kunlun = next((b for b in blocks if isinstance(b, KunlunBlock)), None)
+        if kunlun is not None:
+            pooled = kunlun.num_tokens
+        elif any(isinstance(b, DotInteractionBlock) for b in blocks) or not pooled_dim:
+            pooled = 0
+        else:
+            pooled = -(-pooled_dim // width)
+        return pooled + dense + summaries
+
+    def _check_readouts(self, width: int) -> None:
+        blocks = self.blocks
+        for i, b in enumerate(blocks):
+            if isinstance(b, TransformerBlock) and not b.vocab_size:
+                nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+                chained = any(isinstance(c, TransformerBlock) and c.sequence == b.sequence for c in blocks[i + 1:])
+                if not isinstance(nxt, TaskHeads) and not chained:
+                    raise field_error(f"blocks[{i}].vocab_size", f"nothing reads the output of transformer block '{b.name}' "
+                                      "(vocab_size 0 and no heads block right after it); give it a vocab_size (next-token "
+                                      "loss) or put a heads block after it")
+            if not isinstance(b, TaskHeads):
+                continue
+            prev = next((c for c in reversed(blocks[:i]) if not isinstance(c, TaskHeads)), None)
+            if prev is None:
+                raise field_error(f"blocks[{i}]", f"heads block '{b.name}' has no block before it to read; put it after the "
+                                  "blocks whose output it classifies")
+            if isinstance(prev, DotInteractionBlock):
+                n = prev.num_tokens
+                need, what = ([n * (n - 1) // 2 + prev.dim, *prev.top_hidden_dims])[-1], f"the output of dot_interaction block '{prev.name}'"
+            elif isinstance(prev, TransformerBlock):
+                need, what = prev.model_dim, f"the last token of transformer block '{prev.name}'"
+            else:
+                need, what = width, "the mean of the non-sequence tokens"
+            if b.input_dim != need:
+                raise field_error(f"blocks[{i}].input_dim", f"heads block '{b.name}' has input_dim {b.input_dim} but its towers "
+                                  f"read {what}, which is {need} wide; set input_dim: {need}")
+
+    def _check_transformer_inputs(self) -> None:
+        tables = self.all_tables
+        seen: set[str] = set()
+        for i, b in enumerate(self.blocks):
+            if not isinstance(b, TransformerBlock):
+                continue
+            mine = [t for t in tables if t.feature_kind == "sequence" and t.sequence == b.sequence]
+            width = sum(t.dim for t in mine)
+            if mine and width != b.model_dim:
+                raise field_error(f"blocks[{i}].model_dim", f"the sequence tables of '{b.sequence}' "
+                                  f"({', '.join(t.name for t in mine)}) are {width} wide together but transformer block "
+                                  f"'{b.name}' has model_dim {b.model_dim}; the cost model prices no input projection for a "
+                                  f"transformer: give the tables dims that sum to {b.model_dim}")
+            if not b.vocab_size and not mine and b.sequence not in seen:
+                raise field_error(f"blocks[{i}].vocab_size", f"transformer block '{b.name}' has no input: vocab_size is 0 and "
+                                  f"sequence '{b.sequence}' has no sequence table; set vocab_size (token ids) or add a table "
+                                  f"with feature_kind: sequence, sequence: {b.sequence}")
+            seen.add(b.sequence)
+        pooled = sum(t.num_features for t in tables if t.feature_kind == "pooled")
+        dense = sum(c.out_tokens for c in self.blocks if isinstance(c, DenseMLPBlock))
+        for i, b in enumerate(self.blocks):
+            if isinstance(b, DotInteractionBlock) and b.num_tokens != pooled + dense:
+                raise field_error(f"blocks[{i}].num_tokens", f"dot_interaction block '{b.name}' has num_tokens {b.num_tokens} "
+                                  f"but it interacts {pooled + dense} vectors ({pooled} pooled features and the dense MLP's "
+                                  f"tokens); set num_tokens: {pooled + dense}")
+
     @cached_property
     def all_tables(self) -> tuple[EmbeddingTable, ...]:
         """Explicit tables followed by the generated ones."""
@@ -880,7 +1058,7 @@ class Workload(Spec):
 
 
 __all__ = [
-    "MAX_LOCAL_BATCH", "MAX_TABLES", "MAX_TRITON_HEAD_DIM", "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
+    "MAX_LAYERS", "MAX_LOCAL_BATCH", "MAX_POOLING", "MAX_ROWS", "MAX_SEQ_LEN", "MAX_TABLES", "MAX_TRITON_HEAD_DIM", "MAX_WIDTH", "Attention", "Batch", "Block", "DenseMLPBlock", "DotInteractionBlock", "EmbeddingTable", "EmpiricalLength", "FixedLength",
     "InterFormerBlock", "Kernels", "KunlunBlock", "LengthDistribution", "LognormalLength", "MoEBlock",
     "Optimizer", "Precision", "SequenceFeature", "TableSetGenerator", "TaskHeads", "TransformerBlock",
     "UniformLength", "Workload", "batch_split_error", "divisors", "nearest_multiples", "sample_lengths",

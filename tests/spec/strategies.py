@@ -8,7 +8,13 @@ from coplan.spec.topology import MAX_GPUS
 
 COLLS = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
 names = st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True)
-pos_float = st.floats(min_value=1e-3, max_value=1e16, allow_nan=False, allow_infinity=False)
+# within the plausibility bounds of coplan.spec.topology (a value outside them is refused, by design)
+flops = st.floats(min_value=1e9, max_value=1e19)
+hbm = st.floats(min_value=1e8, max_value=1e14)
+hbm_bw = st.floats(min_value=1e9, max_value=1e15)
+link_bw = st.floats(min_value=1e6, max_value=1e20)
+storage_bw = st.floats(min_value=1e6, max_value=1e18)
+hours = st.floats(min_value=0.1, max_value=1e12)
 frac = st.floats(min_value=0.01, max_value=1.0, allow_nan=False)
 
 
@@ -29,7 +35,7 @@ def topology_docs(draw) -> dict:
         tier = {
             "name": name,
             "size": size,
-            "bw_bytes_per_s": draw(pos_float),
+            "bw_bytes_per_s": draw(link_bw),
             "latency_s": draw(st.floats(min_value=0, max_value=1e-3)),
             "oversubscription": draw(st.floats(min_value=1, max_value=16)),
             "gpus_per_nic": draw(st.sampled_from(divisors)),
@@ -38,29 +44,29 @@ def topology_docs(draw) -> dict:
             "sm_free_comm": draw(st.booleans()),
         }
         if draw(st.booleans()):
-            tier["mtbf_hours"] = draw(pos_float)
+            tier["mtbf_hours"] = draw(hours)
         tiers.append(tier)
         below = group
     first = sizes[0]
     gpn = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16, 72, 144) if first % d == 0 or d % first == 0]))
-    peaks = {"bf16": draw(pos_float)}
-    peaks.update(draw(st.dictionaries(st.sampled_from(["fp32", "tf32", "fp16", "fp8"]), pos_float, max_size=4)))
+    peaks = {"bf16": draw(flops)}
+    peaks.update(draw(st.dictionaries(st.sampled_from(["fp32", "tf32", "fp16", "fp8"]), flops, max_size=4)))
     return {
         "name": draw(names),
         "description": draw(st.text(max_size=20)).strip(),
         "gpu": {
             "name": draw(names),
             "peak_flops_per_s": peaks,
-            "hbm_bytes": draw(pos_float),
-            "hbm_bw_bytes_per_s": draw(pos_float),
+            "hbm_bytes": draw(hbm),
+            "hbm_bw_bytes_per_s": draw(hbm_bw),
             "num_sms": draw(st.integers(1, 256)),
         },
         "gpus_per_node": gpn,
         "tiers": tiers,
         "reliability": {
-            "gpu_mtbf_hours": draw(pos_float),
+            "gpu_mtbf_hours": draw(hours),
             "restart_s": draw(st.floats(min_value=0, max_value=1e5)),
-            "checkpoint_bw_bytes_per_s_per_node": draw(pos_float),
+            "checkpoint_bw_bytes_per_s_per_node": draw(storage_bw),
         },
     }
 
@@ -103,15 +109,20 @@ def workload_docs(draw) -> dict:
             t["feature_kind"] = "sequence"
             t["sequence"] = draw(st.sampled_from(seq_names))
         tables.append(t)
-    blocks: list[dict] = [
-        {"type": "dense_mlp", "num_dense_features": draw(st.integers(1, 64)), "hidden_dims": [draw(st.integers(1, 512))]}
-    ]
     d = draw(st.sampled_from([8, 16, 64]))
+    # trainable (what a file must be, as ``coplan train`` builds it): the dense MLP's last width is the token
+    # width the heads and MoE read, and the history an interformer runs over has a sequence table
+    blocks: list[dict] = [
+        {"type": "dense_mlp", "num_dense_features": draw(st.integers(1, 64)), "hidden_dims": [draw(st.integers(1, 512)), d]}
+    ]
     if seq_names:
+        seq = draw(st.sampled_from(seq_names))
+        if not any(t.get("sequence") == seq for t in tables):
+            tables.append({"name": f"tab{len(tables)}", "num_rows": 100, "dim": 8, "feature_kind": "sequence", "sequence": seq})
         blocks.append(
             {
                 "type": "interformer",
-                "sequence": draw(st.sampled_from(seq_names)),
+                "sequence": seq,
                 "num_layers": draw(st.integers(1, 4)),
                 "model_dim": d,
                 "num_heads": 2,
@@ -126,7 +137,7 @@ def workload_docs(draw) -> dict:
     if draw(st.booleans()):
         e = draw(st.integers(1, 16))
         blocks.append(
-            {"type": "moe", "model_dim": d, "tokens_per_sample": 4, "num_experts": e, "top_k": draw(st.integers(1, e)), "expert_hidden_dim": 32}
+            {"type": "moe", "model_dim": d, "tokens_per_sample": 1, "num_experts": e, "top_k": draw(st.integers(1, e)), "expert_hidden_dim": 32}
         )
     blocks.append({"type": "heads", "input_dim": d, "hidden_dims": [16]})
     batch = {"global_batch_size": draw(st.integers(1, 10**6))} if draw(st.booleans()) else {"local_batch_size": draw(st.integers(1, 4096))}

@@ -146,7 +146,7 @@ def test_plan_refuses_edited_topology_and_bad_mesh():
     plan = parse_spec(Plan, base, "plan.json")
     assert plan.num_nodes == 1
     edited = json.loads(json.dumps(base))
-    edited["topology"]["tiers"][0]["bw_bytes_per_s"] = 1.0
+    edited["topology"]["tiers"][0]["bw_bytes_per_s"] = 1e9
     with pytest.raises(SpecError) as e:
         parse_spec(Plan, edited, "plan.json")
     assert e.value.issues[0][0] == "topology_sha256"
