@@ -63,6 +63,8 @@ Int = Annotated[int, BeforeValidator(_whole), Strict()]
 within int64."""
 
 Bool = Annotated[bool, Strict()]
+"""true or false only (never 1, 0 or "yes" as a string)."""
+
 
 class Plausible:
     """An after-validator refusing a number outside the range any real hardware or model has, naming the unit
@@ -105,7 +107,6 @@ class Plausible:
 def plausible(lo: float, hi: float, unit: str, unit_words: str, what: str, **kw) -> AfterValidator:
     """``Annotated[Float, Field(gt=0), plausible(...)]``: see :class:`Plausible`."""
     return AfterValidator(Plausible(lo, hi, unit, unit_words, what, **kw))
-"""true or false only (never 1, 0 or "yes" as a string)."""
 
 
 FROM_FILE = "coplan_from_file"
