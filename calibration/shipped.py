@@ -95,6 +95,17 @@ def describe(cal: Calibration, origin: str) -> str:
     return f"calibration: {origin} for {cal.device} ({provenance(cal)})"
 
 
+STALE_MARK = "[stale:"
+"""How a calibration's notes open the mark :func:`judged` writes (``[stale: ...]``), read back by :func:`stale_mark`."""
+
+
+def stale_mark(notes: str | None) -> str | None:
+    """The ``stale: ...`` reason :func:`judged` wrote into a calibration's notes (brackets off), or None."""
+    if not notes or STALE_MARK not in notes:
+        return None
+    return notes[notes.index(STALE_MARK) + 1:].split("]", 1)[0]
+
+
 def judged(cal: Calibration, line: str) -> tuple[Calibration, str]:
     """The calibration and its line, each saying so where its runs ran another trainer than the one installed
     (:func:`coplan.calibration.fingerprint.stale`): the calibration's notes get a ``[stale: ...]`` mark, which
@@ -102,7 +113,7 @@ def judged(cal: Calibration, line: str) -> tuple[Calibration, str]:
     why = stale(cal)
     if why is None:
         return cal, line
-    if f"[{why}]" not in (cal.notes or ""):
+    if stale_mark(cal.notes) != why:
         cal = cal.model_copy(update={"notes": (cal.notes + " " if cal.notes else "") + f"[{why}]"})
     return cal, f"{line}\nwarning: the calibration is {why}"
 

@@ -396,18 +396,9 @@ def ffn_width(block: InterFormerBlock | KunlunBlock) -> int:
 
 
 def token_width(w: Workload) -> int:
-    for b in w.blocks:
-        if isinstance(b, KunlunBlock):
-            return b.model_dim
-        if isinstance(b, DotInteractionBlock):
-            return b.dim
-    for b in w.blocks:
-        if isinstance(b, InterFormerBlock):
-            return b.model_dim
-    for b in w.blocks:
-        if isinstance(b, DenseMLPBlock):
-            return b.hidden_dims[-1]
-    return 1
+    """Width of the non-sequence tokens: the spec's rule (:attr:`Workload.token_width`), which the workload's own
+    checks use too."""
+    return w.token_width
 
 
 def _pooled_tables(w: Workload) -> list[EmbeddingTable]:

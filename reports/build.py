@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from coplan import __version__
+from coplan.calibration.shipped import stale_mark
 from coplan.errors import CoplanError
 from coplan.reports import alternatives, assumptions, balance, calibration, ledger, ranks, runs, sharding, summary, timeline, waterfall
 from coplan.reports import scaling as scaling_mod
@@ -186,11 +187,9 @@ def build_report(inputs: ReportInputs, *, sweep: list[dict] | None = None, simul
                      f"{fmt_pct(fe.median_abs_rel_error, 1)}, worst {fmt_pct(fe.max_abs_rel_error, 1)} over {fe.num_samples} samples.")
     if led.checks:
         inputs.warnings.extend(f"ledger check: {c}" for c in led.checks)
-    notes = plan.calibration.notes if plan.calibration is not None else ""
-    if "[stale:" in notes:  # (coplan plan marks a calibration whose runs ran another trainer than the installed one)
-        mark = notes[notes.index("[stale:") + 1:]
-        inputs.warnings.append(f"the plan's calibration ({plan.calibration.device}) is {mark.split(']', 1)[0]} "
-                               "(judged when the plan was made)")
+    mark = stale_mark(plan.calibration.notes) if plan.calibration is not None else None
+    if mark:  # (coplan plan marks a calibration whose runs ran another trainer than the installed one)
+        inputs.warnings.append(f"the plan's calibration ({plan.calibration.device}) is {mark} (judged when the plan was made)")
     paras += [f"Note: {w}" for w in inputs.warnings]
     if pred.notes:
         paras.append("Cost-model notes: " + "; ".join(pred.notes) + ".")

@@ -939,7 +939,9 @@ class Workload(Spec):
 
     @property
     def token_width(self) -> int:
-        """Width of the non-sequence tokens (the same rule as ``coplan.costmodel.flops.token_width``)."""
+        """Width of the non-sequence tokens: the first Kunlun block's model width or dot-interaction dim, else the first
+        InterFormer block's model width, else the last hidden width of the first dense MLP, else 1 (the cost model's
+        ``flops.token_width`` and the trainer read it here)."""
         for b in self.blocks:
             if isinstance(b, KunlunBlock):
                 return b.model_dim
