@@ -16,6 +16,7 @@
 #   ab        dense arch only (no TorchRec): --compile off vs layers under CUDA graphs ($AB_PLANS), then the graphs' GPU test
 #   film      the fused FiLM LayerNorm's GPU tests and benchmarks/film_norm.py (no TorchRec needed), then the attention
 #             kernels' GPU tests at head dims that are not a power of two and benchmarks/attention_head_pad.py
+#   fp8fused  the fused FP8 producers' GPU tests and benchmarks/fp8_fused_h200.py (no TorchRec needed; result fp8_fused_<gpu>.json)
 #   startup   time to the first step of gem-h200, first and repeated run (H200 only: its plan is for h200-1gpu)
 # The device copy's git HEAD is stale, so the commit is passed in and recorded by the scripts.
 # The trainer benchmarks run plans made by the planner, which needs OR-Tools (not on the device): make
@@ -125,6 +126,13 @@ film)
   t bench; timeout 200 python3 benchmarks/film_norm.py --out $OUT/film_norm.json > $OUT/film_norm.log 2>&1; tail -n 10 $OUT/film_norm.log
   t attn_tests; COPLAN_KERNEL_TESTS_PRECOMPILE=0 timeout 150 python3 -m pytest -q -rfxXs --tb=short -p no:cacheprovider tests/kernels/test_triton_attention.py -k "power or strided or low_precision" > $OUT/pytest_attn.txt 2>&1; tail -n 6 $OUT/pytest_attn.txt
   t attn_pad; timeout 200 python3 benchmarks/attention_head_pad.py --out $OUT/attention_head_pad.json > $OUT/attention_head_pad.log 2>&1; tail -n 10 $OUT/attention_head_pad.log
+  ;;
+fp8fused)
+  # issue 26, no TorchRec needed: the fused FP8 producers' GPU tests, then benchmarks/fp8_fused_h200.py at the GPU's topology
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+  case $gpu in *H100*) topo=h100-1gpu; tag=h100 ;; *) topo=h200-1gpu; tag=h200 ;; esac
+  t tests; COPLAN_KERNEL_TESTS_PRECOMPILE=0 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -rfxXs --tb=short -p no:cacheprovider tests/kernels/test_fp8_fused.py > $OUT/pytest_fp8_fused.txt 2>&1; tail -n 8 $OUT/pytest_fp8_fused.txt
+  t bench; timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/fp8_fused_h200.py --topology $topo --commit $commit --out $OUT/fp8_fused_$tag.json > $OUT/fp8_fused.log 2>&1; tail -n 16 $OUT/fp8_fused.log
   ;;
 startup)
   t startup; timeout 560 python3 benchmarks/startup_h200.py --runs-root /tmp/startup --out $OUT/startup_h200.json > $OUT/startup.log 2>&1
