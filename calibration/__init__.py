@@ -7,7 +7,8 @@ in the order data flows through them:
 - :mod:`.kineto` reads a trace file; :mod:`.attribution` attributes its work to the cost model's op
   names and classes; :mod:`.host_profile` reads the host side of its profiled steps.
 - :mod:`.terms` gives the cost model's unit-efficiency roofline terms of a plan's ops; :mod:`.runs`
-  pairs them with a run directory's measured ops (:class:`coplan.spec.RunDir`) as samples.
+  pairs them with a run directory's measured ops (:class:`coplan.spec.RunDir`) as samples, once
+  :mod:`.run_inputs` has checked the run's files (a corrupt one refused, a missing optional one noted).
 - :mod:`.device_fit` fits each op class's efficiencies to the samples; :mod:`.step_price` prices a
   run's step under a calibration; :mod:`.host_fit` fits the host costs to the measured steps.
 - :mod:`.assemble` turns the fits into a Calibration; :mod:`.collective_fit` fits a tier's

@@ -92,6 +92,13 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
     """
     if not run_dirs:
         raise CalibrationError("give at least one run directory")
+    given: dict[Path, str] = {}
+    for d in run_dirs:
+        key = Path(d).resolve()
+        if key in given:
+            raise CalibrationError(f"{d}: the run is given twice (also as {given[key]}): it would count twice in the fit; "
+                                   "give each run once")
+        given[key] = str(d)
     if base is not None and base.device_gap_s:
         # (a step-level term, refitted with the host costs: the base's launch costs without it are the device's)
         base = base.model_copy(update={"device_gap_s": None})
@@ -225,6 +232,7 @@ def calibrate(run_dirs: Sequence[str | Path], *, rank: int = 0, force: bool = Fa
                f"process's measured seconds per step over the priced: {', '.join(f'{x:.2f}' for x in loader[1])}); "
                if loader else "data loader left at the default coefficients (no run recorded its loader); ")
             + "collective efficiencies left at the topology's values (no multi-GPU communication measured)"
+            + "".join(f"; run {r.run}: {n}" for r in runs for n in r.notes)
         ),
     )
     return cal, res, runs

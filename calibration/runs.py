@@ -15,7 +15,8 @@ import numpy as np
 
 from coplan.calibration.attribution import TraceAttribution, attribute
 from coplan.calibration.host_profile import HostProfile, host_profile
-from coplan.calibration.kineto import TraceError, load_trace
+from coplan.calibration.kineto import TraceError, check_events, load_trace
+from coplan.calibration.run_inputs import checked_metrics, checked_profiled_steps, checked_result, lengths_note
 from coplan.calibration.terms import PADDED_SUFFIX, unit_terms
 from coplan.costmodel.flops import dense_graphs_apply, film_fused
 from coplan.errors import CoplanError
@@ -102,6 +103,10 @@ class RunSamples:
     host: HostProfile | None = None
     """The host side of the profiled steps (:func:`coplan.calibration.host_profile.host_profile`); None when the
     trace has no profiled trainer step."""
+    notes: tuple[str, ...] = ()
+    """What the run lacks that the fit does without (:mod:`coplan.calibration.run_inputs`: an unfinished run's
+    summary, an older trainer's step list or length statistics), each saying what the fit then does; empty for
+    a complete run. ``coplan calibrate`` prints them and writes them into the calibration's notes."""
 
 
 def run_seq_chunk(run_dir: str | Path) -> int:
@@ -182,31 +187,36 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
     """
     rd = RunDir(run_dir)
     d = rd.path
-    if not d.is_dir():
-        raise CalibrationError(f"{d}: not a run directory (expected runs/<id>/ with plan.json, metrics.jsonl, traces/)")
-    if not rd.plan_path.is_file():
-        raise CalibrationError(f"{d}: has no plan.json; was it written by `coplan train`?")
-    plan = rd.ran_plan()
-    result = rd.result()
+    _check_run_dir(rd)
+    plan = rd.plan()
+    result, notes = checked_result(rd, plan)
+    plan = rd.ran_plan(plan)
     trace_path = rd.rank_trace(rank)
     if trace_path is None:
         raise CalibrationError(f"{d}: no trace for rank {rank} under traces/ (run with profiling on)")
+    metrics, note = checked_metrics(rd)
+    notes += [note] if note else []
+    profiled, note = checked_profiled_steps(rd, metrics)
+    notes += [note] if note else []
+    note = lengths_note(plan, metrics)
+    notes += [note] if note else []
     trace = load_trace(trace_path)
+    check_events(trace, trace_path)
     att: TraceAttribution = attribute(trace, str(trace_path))
     try:
         hp: HostProfile | None = host_profile(trace, str(trace_path))
     except TraceError:
         hp = None
+        notes.append(f"{trace_path.relative_to(d)} has no 'ProfilerStep#N' ranges: its host side is not profiled (no "
+                     "host speed measured; with --host-speed no run's host time is scaled)")
     del trace
     device = (result.device if result and result.device else plan.topology.gpu.name)
-    metrics = rd.metrics()
     if longest:
         metrics = [({**m, "seq_max": longest[m["step"]]} if m.get("step") in longest and "seq_max" not in m else m)
                    for m in metrics]
     opts = result.options if result else None
     seq_chunk = opts.seq_chunk if opts is not None else 0
     plan = as_ran(plan, opts)
-    profiled = rd.profiled_steps()
     moments = measured_moments(metrics, profiled)
     warm = result.warmup_steps if result else 0
     timed = [int(m["step"]) for m in metrics if "step" in m and m["step"] >= warm and m["step"] not in set(profiled or ())]
@@ -242,7 +252,25 @@ def run_samples(run_dir: str | Path, *, rank: int = 0, force: bool = False,
     return RunSamples(d.name, device, plan, result, tuple(out), att.attributed_share, att.unattributed_s, att.total_s, moments,
                       idle_s=att.idle_s / steps, window_s=att.window_s / steps, step_moments=step_moments, unpriced_s=unpriced, step_moments_each=each,
                       step_times_each=times,
-                      seq_chunk=seq_chunk, host=hp)
+                      seq_chunk=seq_chunk, host=hp, notes=tuple(notes))
+
+
+def _check_run_dir(rd: RunDir) -> None:
+    """Refuse what is not a run directory: nothing there, a file, an empty folder, a folder without a plan."""
+    d = rd.path
+    fix = "give run directories written by `coplan train` (runs/<id>/ with plan.json, metrics.jsonl, summary.json, traces/)"
+    if not d.exists():
+        raise CalibrationError(f"{d}: not a run directory (no such directory); {fix}")
+    if not d.is_dir():
+        raise CalibrationError(f"{d}: not a run directory (a file, not a folder); {fix}")
+    try:
+        empty = not any(d.iterdir())
+    except OSError as e:
+        raise CalibrationError(f"{d}: cannot be listed: {e.strerror or e}") from None
+    if empty:
+        raise CalibrationError(f"{d}: not a run directory (an empty folder: no plan.json); {fix}")
+    if not rd.plan_path.is_file():
+        raise CalibrationError(f"{d}: has no plan.json, so it is no run directory `coplan train` wrote; {fix}")
 
 
 def _head_dim(plan: Plan, op_name: str) -> int:

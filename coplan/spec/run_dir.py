@@ -102,11 +102,12 @@ class RunDir:
     def plan(self) -> Plan:
         return load_plan(self.plan_path)
 
-    def ran_plan(self) -> Plan:
+    def ran_plan(self, plan: Plan | None = None) -> Plan:
         """The plan as the run ran it: a run whose summary says its dense arch did not run as CUDA graphs
         (``--cuda-graphs off``, a capture that failed, a trainer before them) is the plan with
-        ``kernels.cuda_graphs: off``, so that pricing it again prices what ran."""
-        plan = self.plan()
+        ``kernels.cuda_graphs: off``, so that pricing it again prices what ran. ``plan``: :meth:`plan`, when
+        the caller has loaded it already."""
+        plan = self.plan() if plan is None else plan
         if not self.summary_path.is_file():  # unfinished: as planned
             return plan
         opts = self.options()
@@ -127,12 +128,20 @@ class RunDir:
         if not p.is_file():
             return []
         rows = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise RunDirError(f"{p}: not UTF-8 text (byte {e.start:,}); the run's metrics are corrupt") from None
+        for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise RunDirError(f"{p}:{i}: a line is not JSON ({e.msg}); the run's metrics are corrupt") from None
+                if not isinstance(row, dict):
+                    raise RunDirError(f"{p}:{i}: a line is not a JSON object of one step's metrics; the run's metrics "
+                                      "are corrupt")
+                rows.append(row)
         return rows
 
     def profiled_steps(self) -> list[int] | None:
