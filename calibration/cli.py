@@ -10,7 +10,7 @@ from pathlib import Path
 from coplan.calibration import fingerprint
 from coplan.calibration.assemble import calibrate
 from coplan.calibration.collective_fit import apply_to_topology, fit_sweep, load_sweep, merge_into_calibration
-from coplan.cli_args import check_output, non_negative_int, removed_on_failure
+from coplan.cli_args import check_output, non_negative_int, nonempty, nonempty_path, nonempty_str, removed_on_failure
 from coplan.errors import CoplanError
 from coplan.spec import dump_spec, load_calibration, load_topology
 
@@ -142,8 +142,9 @@ def _print_fit(fit) -> None:
 
 def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("calibrate", help=help_text, description=help_text + ".")
-    p.add_argument("runs", nargs="*", help="run directories written by `coplan train` (runs/<id>/)")
-    p.add_argument("-o", "--output", default="calibration.json", help="where to write the Calibration (default: calibration.json)")
+    p.add_argument("runs", nargs="*", type=nonempty_path, help="run directories written by `coplan train` (runs/<id>/)")
+    p.add_argument("-o", "--output", default="calibration.json", type=nonempty("path", "calibration.json"),
+                   help="where to write the Calibration (default: calibration.json)")
     p.add_argument("--rank", type=non_negative_int, default=0, help="whose trace to fit (default: 0)")
     p.add_argument("--force", action="store_true", help="fit runs from different devices together")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -163,16 +164,16 @@ def register_calibrate(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "fitted host costs")
     g = p.add_argument_group("collectives", "fit a tier's latency and per-collective efficiency to a sweep "
                              "(benchmarks/collectives_h200.py)")
-    g.add_argument("--collectives", metavar="SWEEP.json", help="collective sweep JSON to fit")
-    g.add_argument("--topology", default="h200-hgx-2gpu",
+    g.add_argument("--collectives", type=nonempty_path, metavar="SWEEP.json", help="collective sweep JSON to fit")
+    g.add_argument("--topology", default="h200-hgx-2gpu", type=nonempty("path", "h200-hgx-2gpu"),
                    help="topology the sweep ran on (preset or path; default: h200-hgx-2gpu)")
-    g.add_argument("--tier", default=None, help="tier to calibrate (default: the one the sweep's group crosses)")
-    g.add_argument("--dtypes", default=None, help="comma list of dtypes to fit (default: all in the sweep)")
-    g.add_argument("--base", default=None, help="calibration to start from: with runs, its device terms are the fit's starting "
+    g.add_argument("--tier", default=None, type=nonempty_str, help="tier to calibrate (default: the one the sweep's group crosses)")
+    g.add_argument("--dtypes", default=None, type=nonempty_str, help="comma list of dtypes to fit (default: all in the sweep)")
+    g.add_argument("--base", default=None, type=nonempty_path, help="calibration to start from: with runs, its device terms are the fit's starting "
                    "point and stay for op classes the runs do not measure (all of them when the runs' traces attribute under "
                    "half their device time, e.g. traces of replayed CUDA graphs: then only the step-level terms are fitted); "
                    "without runs, the calibration the collective fit merges into")
-    g.add_argument("--apply-to", default=None, metavar="TOPOLOGY",
+    g.add_argument("--apply-to", default=None, type=nonempty_path, metavar="TOPOLOGY",
                    help="also write this topology (e.g. h200-superpod-4k) with the fitted tier's latency and efficiencies")
-    g.add_argument("--topology-out", default=None, help="where --apply-to writes (default: <name>-calibrated.yaml)")
+    g.add_argument("--topology-out", default=None, type=nonempty_path, help="where --apply-to writes (default: <name>-calibrated.yaml)")
     p.set_defaults(func=run_calibrate)

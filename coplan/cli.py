@@ -15,7 +15,6 @@ import argparse
 import importlib
 import json
 import os
-import re
 import sys
 
 from coplan import __version__
@@ -79,28 +78,6 @@ def build_parser(argv: list[str] | None = None, *, every_verb: bool = True) -> a
     return parser
 
 
-_PATHLIKE = re.compile(r"\b(?:files?|paths?|folders?|director(?:y|ies)|presets?|json|ya?ml)\b", re.I)
-"""An argument whose help says it names a file, folder or preset: its empty value is called a path."""
-
-
-def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A usage error (exit 2) naming the argument when a plain-string argument of the verb is empty or blank:
-    no path, name or list is empty, and an empty path would otherwise be read as the current folder, far
-    from the flag that gave it ("'.': is a directory")."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    verb = sub.choices[args.verb]
-    for action in verb._actions:
-        if action.type is not None or action.nargs == 0 or action.choices:
-            continue
-        value = getattr(args, action.dest, None)
-        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
-            name = "/".join(action.option_strings) or action.dest
-            what = "path" if _PATHLIKE.search(action.help or "") else "value"
-            default = (f", or leave the option out for its default ({action.default})"
-                       if action.option_strings and action.default and not action.required else "")
-            verb.error(f"argument {name}: the {what} is empty; give one{default}")
-
-
 def main(argv: list[str] | None = None) -> int:
     verb = "coplan"
     given = sys.argv[1:] if argv is None else argv
@@ -114,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             parser = build_parser(argv, every_verb=False)
             args = parser.parse_args(argv)
-            refuse_empty_values(parser, args)
         except SystemExit as e:  # a usage error (argparse printed it) is an exit code like any other; --help still exits
             if e.code == 2:
                 return 2

@@ -2,7 +2,9 @@
 
 Each ``type=`` helper parses strictly (whole numbers are ASCII digits only, never ``1e3`` or ``4.0``;
 floats are finite, never NaN or infinity) and raises :class:`argparse.ArgumentTypeError`, which argparse
-prints as ``argument --flag: <message>`` with exit code 2: the flag, the value and the fix on one line.
+prints as ``argument --flag: <message>`` with exit code 2: the flag, the value and the fix on one line. Every
+plain string argument of every verb takes :func:`nonempty` (or a stricter helper), so that an empty or blank path
+or value is refused the same way, naming its flag.
 
 Output paths are checked before any work starts (:func:`check_output`): not a folder or any other file
 that is not a regular one (a device such as ``/dev/null``, a FIFO, a socket, a link loop), in a folder
@@ -28,6 +30,10 @@ from coplan.spec.topology import MAX_GPUS
 MAX_SEED = 2**31 - 1
 """Largest seed (CP-SAT's seed is a 32-bit signed integer; the trainer's seeds stay in the same range)."""
 
+MAX_DRAW_SEED = 2**63 - 1
+"""Largest seed of ``coplan sample-workload`` (a numpy seed, not CP-SAT's): wider than :data:`MAX_SEED`, since its
+default seed ``now`` is the UTC date and time as YYYYMMDDHHMMSS (about 2 x 10^13), and a printed seed must draw again."""
+
 MAX_SECONDS = 1e6
 """Longest time limit a flag takes (about 11.6 days): far past any useful plan, well inside what the solver takes."""
 
@@ -47,16 +53,27 @@ def _fmt(x: float) -> str:
     return f"{x:,}" if isinstance(x, int) else f"{x:g}"
 
 
-def parse_int(text: str, lo: int | None = None, hi: int | None = None) -> int:
-    """``text`` as a whole number in [lo, hi]; ArgumentTypeError naming the value and the range otherwise."""
+def _int_range_text(lo: int | None, hi: int | None) -> str:
+    return ("" if lo is None and hi is None else f" from {_fmt(lo)} to {_fmt(hi)}" if lo is not None and hi is not None
+            else f" of at least {_fmt(lo)}" if lo is not None else f" of at most {_fmt(hi)}")
+
+
+def _int_or_why(text: str, lo: int | None, hi: int | None) -> int | str:
+    """``text`` as a whole number in [lo, hi], or why it is not one ('is not a whole number', 'is out of range')."""
     s = str(text).strip()
-    rng = ("" if lo is None and hi is None else f" from {_fmt(lo)} to {_fmt(hi)}" if lo is not None and hi is not None
-           else f" of at least {_fmt(lo)}" if lo is not None else f" of at most {_fmt(hi)}")
     if not _WHOLE.fullmatch(s) or len(s) > 40:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give a whole number{rng}")
+        return "is not a whole number"
     v = int(s)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise argparse.ArgumentTypeError(f"{text!r} is out of range; give a whole number{rng}")
+        return "is out of range"
+    return v
+
+
+def parse_int(text: str, lo: int | None = None, hi: int | None = None) -> int:
+    """``text`` as a whole number in [lo, hi]; ArgumentTypeError naming the value and the range otherwise."""
+    v = _int_or_why(text, lo, hi)
+    if isinstance(v, str):
+        raise argparse.ArgumentTypeError(f"{text!r} {v}; give a whole number{_int_range_text(lo, hi)}")
     return v
 
 
@@ -116,12 +133,19 @@ checkpoint_every = int_range(-1, MAX_STEPS, name="checkpoint_every")
 
 
 def int_list(lo: int, hi: int, max_items: int = MAX_SWEEP_POINTS) -> Callable[[str], list[int]]:
-    """A ``type=`` for a comma-separated list of whole numbers in [lo, hi], at most ``max_items`` of them."""
+    """A ``type=`` for a comma-separated list of whole numbers in [lo, hi], at most ``max_items`` of them. A bad item
+    is named once, with its place in the list when there are several (``'0' (item 2 of 2) is out of range``)."""
     def parse(text: str) -> list[int]:
-        try:
-            return [parse_int(x, lo, hi) for x in split_list(text, max_items)]
-        except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers from {lo:,} to {hi:,} ({e})") from None
+        items = split_list(text, max_items)
+        out = []
+        for i, x in enumerate(items, 1):
+            v = _int_or_why(x, lo, hi)
+            if isinstance(v, str):
+                where = f" (item {i} of {len(items)})" if len(items) > 1 else ""
+                raise argparse.ArgumentTypeError(f"{x!r}{where} {v}; give comma-separated integers{_int_range_text(lo, hi)}, "
+                                                 "e.g. 8,16,32")
+            out.append(v)
+        return out
     parse.__name__ = "int_list"
     return parse
 
@@ -137,23 +161,56 @@ def split_list(text: str, max_items: int = MAX_SWEEP_POINTS) -> list[str]:
 
 
 def seed_or_now(text: str) -> int | str:
-    """A seed, or ``now`` (resolved by the command)."""
-    return "now" if str(text).strip() == "now" else parse_int(text, 0, 2**63 - 1)
+    """``coplan sample-workload``'s seed: a whole number from 0 to :data:`MAX_DRAW_SEED`, or ``now`` (resolved by the
+    command)."""
+    if str(text).strip() == "now":
+        return "now"
+    v = _int_or_why(text, 0, MAX_DRAW_SEED)
+    if isinstance(v, str):
+        raise argparse.ArgumentTypeError(f"{text!r} {v}; give a whole number{_int_range_text(0, MAX_DRAW_SEED)}, or 'now'")
+    return v
+
+
+def _refuse_blank(text: str, what: str = "value", default: str | None = None) -> None:
+    if not str(text).strip():
+        tail = f", or leave the option out for its default ({default})" if default else ""
+        raise argparse.ArgumentTypeError(f"the {what} is empty; give one{tail}")
+
+
+def nonempty(what: str = "value", default: str | None = None) -> Callable[[str], str]:
+    """A ``type=`` for a plain string argument: an empty or blank one is refused as an empty ``what`` ('path' for a
+    file, folder or preset, 'value' otherwise), saying that the option left out gives its ``default`` when it has one.
+    An empty path would otherwise be read as the current folder, far from the flag that gave it ("'.': is a
+    directory"). The value is kept as given (a path may start or end with a space)."""
+    def parse(text: str) -> str:
+        _refuse_blank(text, what, default)
+        return text
+    parse.__name__ = f"nonempty_{what}"
+    return parse
+
+
+nonempty_path = nonempty("path")
+"""A ``type=`` for a file, folder or preset name without a default."""
+nonempty_str = nonempty("value")
+"""A ``type=`` for any other plain string without a default."""
 
 
 def trace_window(text: str) -> str:
     """The trainer's ``--trace``: ``A:B`` (profile steps A..B-1, A < B), ``auto`` or ``none``."""
+    _refuse_blank(text)
     s = str(text).strip()
     if s in ("auto", "none"):
         return s
     a, sep, b = s.partition(":")
     if sep and _WHOLE.fullmatch(a) and _WHOLE.fullmatch(b) and 0 <= int(a) < int(b) <= 10**9:
         return f"{int(a)}:{int(b)}"
-    raise argparse.ArgumentTypeError(f"expected 'A:B' (profile steps A..B-1, 0 <= A < B), 'auto' or 'none'; got {text!r}")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a profile window; give 'A:B' (profile steps A..B-1, 0 <= A < B), "
+                                     "'auto' or 'none'")
 
 
 def host_port(text: str) -> str:
     """``HOST:PORT`` with a port from 1 to 65535."""
+    _refuse_blank(text)
     host, sep, port = str(text).rpartition(":")
     if not sep or not host or not _WHOLE.fullmatch(port) or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT with a port from 1 to 65535, e.g. node0:29500")
@@ -162,8 +219,9 @@ def host_port(text: str) -> str:
 
 def name_part(text: str) -> str:
     """A name used as one folder of a path (a run id): no separators, not '.' or '..'."""
+    _refuse_blank(text)
     s = str(text)
-    if not s.strip() or s in (".", "..") or any(c in s for c in "/\\\0") or len(s) > 200:
+    if s in (".", "..") or any(c in s for c in "/\\\0") or len(s) > 200:
         raise argparse.ArgumentTypeError(f"{text!r}: give a plain name of at most 200 characters, without '/' (it names a folder)")
     return s
 
@@ -221,8 +279,9 @@ def removed_on_failure(*paths: str | Path | None) -> Iterator[None]:
         raise
 
 
-__all__ = ["MAX_SAMPLES", "MAX_SECONDS", "MAX_SEED", "MAX_STEPS", "MAX_SWEEP_POINTS", "check_output", "checkpoint_every",
-           "finite_float", "float_range", "fraction", "sample_count", "steps_count",
-           "gpu_count", "host_port", "int_list", "int_range", "name_part", "non_negative_int", "parse_float", "parse_int",
+__all__ = ["MAX_DRAW_SEED", "MAX_SAMPLES", "MAX_SECONDS", "MAX_SEED", "MAX_STEPS", "MAX_SWEEP_POINTS", "check_output",
+           "checkpoint_every", "finite_float", "float_range", "fraction", "sample_count", "steps_count",
+           "gpu_count", "host_port", "int_list", "int_range", "name_part", "non_negative_int", "nonempty", "nonempty_path",
+           "nonempty_str", "parse_float", "parse_int",
            "positive_float", "positive_int", "removed_on_failure", "seconds", "seed", "seed_or_now", "split_list",
            "trace_window"]

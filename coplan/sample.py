@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from coplan.cli_args import MAX_DRAW_SEED
 from coplan.errors import CoplanError
 from coplan.spec.loader import load_topology
 from coplan.spec.workload import Workload
@@ -143,13 +144,21 @@ def _fit_tables(w: dict, f: Family, world: int, hbm_bytes: float) -> dict:
     return gen
 
 
-def sample_workload(family: str, seed: int) -> Workload:
-    """A GEM-shaped workload of ``family`` drawn from ``seed``; see :data:`FAMILIES` for the ranges."""
+def _check(family: str, seed: int) -> Family:
+    """The family, once ``family`` and ``seed`` are checked: a seed is a whole number from 0 to
+    :data:`~coplan.cli_args.MAX_DRAW_SEED` (``coplan sample-workload --seed``)."""
     if family not in FAMILIES:
         raise CoplanError(f"--family {family!r}: no such family; choose one of {', '.join(FAMILIES)}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
-        raise CoplanError(f"--seed {seed!r}: give a whole number in [0, 2**63)")
-    f = FAMILIES[family]
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise CoplanError(f"--seed {seed!r}: not a whole number; give a whole number from 0 to {MAX_DRAW_SEED:,}")
+    if not 0 <= int(seed) <= MAX_DRAW_SEED:
+        raise CoplanError(f"--seed {int(seed)} is out of range; give a whole number from 0 to {MAX_DRAW_SEED:,}")
+    return FAMILIES[family]
+
+
+def sample_workload(family: str, seed: int) -> Workload:
+    """A GEM-shaped workload of ``family`` drawn from ``seed``; see :data:`FAMILIES` for the ranges."""
+    f = _check(family, seed)
     topology = load_topology(f.topology)
     rng = np.random.default_rng([int(seed), 23])
     world = int(rng.choice(f.world_sizes))
@@ -200,7 +209,7 @@ def sample_workload(family: str, seed: int) -> Workload:
 
 def family_world(family: str, seed: int) -> int:
     """The GPU count ``sample_workload(family, seed)`` was drawn for."""
-    f = FAMILIES[family]
+    f = _check(family, seed)
     rng = np.random.default_rng([int(seed), 23])
     return int(rng.choice(f.world_sizes))
 

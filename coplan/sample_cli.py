@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 import yaml
 
-from coplan.cli_args import check_output, seed_or_now
+from coplan.cli_args import MAX_DRAW_SEED, check_output, nonempty_path, seed_or_now
 from coplan.errors import CoplanError
 from coplan.sample import FAMILIES, family_world, sample_workload
 from coplan.spec import write_text_atomic
@@ -53,8 +53,10 @@ def run_sample(args: argparse.Namespace) -> int:
 def register_sample_workload(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("sample-workload", help=help_text, description=help_text + ".")
     p.add_argument("--family", choices=list(FAMILIES), help="which family of workloads to draw from")
-    p.add_argument("--seed", type=seed_or_now, default="now", help="whole number, or 'now' (default): the UTC date and time, printed")
-    p.add_argument("-o", "--output", help="write the workload YAML here (default: standard output)")
+    p.add_argument("--seed", type=seed_or_now, default="now",
+                   help=f"whole number from 0 to {MAX_DRAW_SEED:,}, or 'now' (default): the UTC date and time as "
+                        "YYYYMMDDHHMMSS, printed")
+    p.add_argument("-o", "--output", type=nonempty_path, help="write the workload YAML here (default: standard output)")
     p.add_argument("--list", action="store_true", help="list the families and their ranges")
     p.add_argument("--json", action="store_true", help="with --list: machine-readable")
     p.set_defaults(func=run_sample)

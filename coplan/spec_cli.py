@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from coplan.cli_args import nonempty_path
 from coplan.errors import CoplanError
 from coplan.spec import (SPEC_KINDS, Plan, RunDir, RunResult, Topology, Workload, list_presets, load_any, load_plan,
                          load_run_result)
@@ -83,7 +84,7 @@ def _not_a_run(target: str) -> object:
 
 def register_validate(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("validate", help=help_text, description=help_text + ". With no files, validates every preset.")
-    p.add_argument("files", nargs="*", help="spec files (YAML or JSON), preset names, or run directories (runs/<id>/: "
+    p.add_argument("files", nargs="*", type=nonempty_path, help="spec files (YAML or JSON), preset names, or run directories (runs/<id>/: "
                    "their plan.json and summary.json)")
     p.add_argument("--list", action="store_true", help="list the topology and workload presets")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -109,5 +110,5 @@ def run_schema(args: argparse.Namespace) -> int:
 def register_schema(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("schema", help=help_text, description=help_text + ".")
     p.add_argument("kind", nargs="?", default="all", choices=[*SPEC_KINDS, "all"], help="which spec (default: all)")
-    p.add_argument("-o", "--output", help="write one <kind>.schema.json per spec into this folder")
+    p.add_argument("-o", "--output", type=nonempty_path, help="write one <kind>.schema.json per spec into this folder")
     p.set_defaults(func=run_schema)

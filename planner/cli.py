@@ -17,7 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from coplan.cli_args import MAX_SEED, check_output, fraction, gpu_count, int_range, removed_on_failure, seconds, seed
+from coplan.cli_args import (MAX_SEED, check_output, fraction, gpu_count, int_range, nonempty, nonempty_path, nonempty_str,
+                              parse_int, removed_on_failure, seconds, seed)
 from coplan.costmodel import resolve_efficiencies
 from coplan.errors import CoplanError, SpecError
 from coplan.planner.precision import fused_ffn_of, precision_line
@@ -118,11 +119,12 @@ def parse_pins(items: list[str] | None, flag: str, cast) -> dict:
         if not sep or not name or not value:
             raise CoplanError(f"{flag} {item!r}: expected NAME=VALUE, e.g. {'sparse_replicate=2' if cast is int else 'user_id=row_wise'}")
         if name in out:
-            raise CoplanError(f"{flag} {name} is given twice")
+            raise CoplanError(f"{flag} {name} is given twice; give it once")
         try:
-            out[name] = cast(value)
-        except ValueError:
-            raise CoplanError(f"{flag} {item!r}: '{value}' is not a whole number") from None
+            out[name] = parse_int(value) if cast is int else cast(value)  # strict: never 1e3, 4.0 or 1_000
+        except argparse.ArgumentTypeError:
+            raise CoplanError(f"{flag} {name}={value}: the size is not a whole number; give a whole number of at least 1, "
+                              f"e.g. {name}=2") from None
     return out
 
 
@@ -209,13 +211,15 @@ def _make_plan(args: argparse.Namespace, progress: PlanProgress | None) -> tuple
 
 def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("plan", help=help_text, description=help_text + f". With no arguments: {DEFAULT_WORKLOAD} on {DEFAULT_TOPOLOGY}.")
-    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology preset or file (default {DEFAULT_TOPOLOGY})")
-    p.add_argument("--workload", "-w", default=DEFAULT_WORKLOAD, help=f"workload preset or file (default {DEFAULT_WORKLOAD})")
-    p.add_argument("--calibration", "-c", default=AUTO,
+    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, type=nonempty("path", DEFAULT_TOPOLOGY),
+                   help=f"topology preset or file (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--workload", "-w", default=DEFAULT_WORKLOAD, type=nonempty("path", DEFAULT_WORKLOAD),
+                   help=f"workload preset or file (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--calibration", "-c", default=AUTO, type=nonempty("path", AUTO),
                    help="calibration.json from coplan calibrate; 'auto' (default): the one shipped for the topology's GPU, "
                         "if any (coplan/calibration/data/); 'none': default efficiencies, host time not priced")
     p.add_argument("--force", action="store_true", help="use a calibration fitted on another GPU than the topology's")
-    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    p.add_argument("-o", "--output", default="plan.json", type=nonempty("path", "plan.json"), help="where to write the plan (default plan.json)")
     p.add_argument("--gpus", type=gpu_count, help=f"plan for the first N GPUs of the topology (default: all; at most {MAX_GPUS:,})")
     p.add_argument("--max-solves", type=int_range(1, 100_000), default=12, help="mesh candidates solved with CP-SAT at most (default 12)")
     p.add_argument("--time-limit", type=seconds, default=300.0, help="wall-clock guard: no new batch of solves after this many seconds (default 300)")
@@ -225,13 +229,13 @@ def register_plan(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--workers", type=int_range(0, 1024), default=0, help="parallel solves (default 0: the machine's cores)")
     p.add_argument("--seed", type=seed, default=0, help=f"CP-SAT seed, 0 to {MAX_SEED:,} (plans are deterministic for a seed)")
     p.add_argument("--policy", choices=["none", "greedy", "karmarkar_karp"], help="jagged balancing policy (default: least expected imbalance)")
-    p.add_argument("--pin", action="append", metavar="AXIS=N",
+    p.add_argument("--pin", action="append", type=nonempty_str, metavar="AXIS=N",
                    help="fix a mesh axis (dp_shard, dp_replicate, ep, sparse_shard, sparse_replicate) or micro_batches and plan "
                         "the rest; repeatable")
-    p.add_argument("--pin-table", action="append", metavar="NAME=SHARDING",
+    p.add_argument("--pin-table", action="append", type=nonempty_str, metavar="NAME=SHARDING",
                    help="fix one table's sharding (table_wise, row_wise, column_wise[/N], table_row_wise, data_parallel) and "
                         "plan the rest; repeatable")
-    p.add_argument("--export-torchrec", nargs="?", const=True, default=None, metavar="PATH",
+    p.add_argument("--export-torchrec", nargs="?", const=True, default=None, type=nonempty_path, metavar="PATH",
                    help="also write TorchRec's ShardingPlan (torch.save) and a JSON rendering (default <output>.torchrec.pt)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -17,6 +17,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
+from coplan.cli_args import nonempty_path
 from coplan.costmodel import build_context, price
 from coplan.errors import MismatchError
 from coplan.spec import Plan, load_plan
@@ -147,8 +148,8 @@ def run_diff(args: argparse.Namespace) -> int:
 
 def register_diff(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("diff", help=help_text, description=help_text + ". " + (__doc__ or "").split("\n\n")[1])
-    p.add_argument("a", help="plan.json (the reference)")
-    p.add_argument("b", help="plan.json to compare with it")
+    p.add_argument("a", type=nonempty_path, help="plan.json (the reference)")
+    p.add_argument("b", type=nonempty_path, help="plan.json to compare with it")
     p.add_argument("--json", action="store_true", help="print the differences as JSON")
     p.set_defaults(func=run_diff)
 

@@ -19,9 +19,9 @@ from typing import Iterator
 
 from coplan.costmodel import place_group
 from coplan.costmodel.context import local_batch_of
-from coplan.errors import CoplanError
+from coplan.errors import BatchError, CoplanError
 from coplan.spec import MeshAxis, MeshPlan, Topology, Workload
-from coplan.spec.workload import MoEBlock
+from coplan.spec.workload import MoEBlock, batch_split_error
 
 
 def divisors(n: int) -> list[int]:
@@ -110,9 +110,18 @@ def mesh_axes(topology: Topology, mesh: MeshPlan) -> tuple[MeshAxis, ...]:
     return tuple(ax)
 
 
+def takes_world_size(topology: Topology, n: int) -> bool:
+    """Whether ``topology`` plans on ``n`` GPUs (``--gpus n``): at least one, at most its GPUs, and within one node or
+    whole nodes. The one rule :func:`check_world_size` refuses by, and that GPU counts suggested as a fix keep to."""
+    node = topology.gpus_per_node
+    return 1 <= n <= topology.num_gpus and (n <= node or n % node == 0)
+
+
 def check_world_size(topology: Topology, world_size: int | None) -> int:
     """The world size to plan for: all GPUs by default, or the first ``world_size`` of them."""
     n = topology.num_gpus if world_size is None else int(world_size)
+    if takes_world_size(topology, n):
+        return n
     if n < 1:
         raise CoplanError(f"--gpus must be positive (got {n})")
     if n > topology.num_gpus:
@@ -121,12 +130,23 @@ def check_world_size(topology: Topology, world_size: int | None) -> int:
             "plan on a larger topology or ask for fewer GPUs"
         )
     node = topology.gpus_per_node
-    if n > node and n % node:
-        raise CoplanError(
-            f"--gpus {n:,} is not a whole number of {node}-GPU nodes of '{topology.name}'; "
-            f"use a multiple of {node} (e.g. {n // node * node:,} or {(n // node + 1) * node:,})"
-        )
-    return n
+    raise CoplanError(
+        f"--gpus {n:,} is not a whole number of {node}-GPU nodes of '{topology.name}'; "
+        f"use a multiple of {node} (e.g. {n // node * node:,} or {(n // node + 1) * node:,})"
+    )
+
+
+def batch_split_refusal(workload: Workload, topology: Topology, world: int) -> BatchError:
+    """The refusal of a global batch that does not split over ``world`` GPUs of ``topology``
+    (:func:`coplan.spec.workload.batch_split_error`), its ``--gpus`` suggestions kept to the counts the topology
+    takes (:func:`takes_world_size`): a count that ``--gpus`` would refuse next is no fix."""
+    gb = int(workload.batch.global_batch_size or 0)
+    err = batch_split_error(gb, world, workload.name)
+    head, sep, _ = str(err).rpartition(" (--gpus ")
+    gpus = [d for d in divisors(gb) if d <= world and takes_world_size(topology, d)][-3:]
+    if not sep or not gpus:
+        return err
+    return BatchError(f"{head}{sep}{', '.join(f'{g:,}' for g in gpus)})")
 
 
 def expert_counts(workload: Workload) -> list[int]:

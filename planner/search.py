@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import math
 import multiprocessing as mp
@@ -42,12 +43,14 @@ from coplan.planner.assemble import assemble, heuristic_plan
 from coplan.planner.bounds import candidate_bound, memory_floor
 from coplan.planner.costs import Pricer
 from coplan.planner.explain import explain_infeasible
-from coplan.planner.mesh import MAX_AUTO_MICRO_BATCHES, PINNABLE, MeshCandidate, check_world_size, enumerate_candidates
+from coplan.planner.mesh import (MAX_AUTO_MICRO_BATCHES, PINNABLE, MeshCandidate, batch_split_refusal, check_world_size,
+                                  enumerate_candidates)
+from coplan.planner.pins import table_pin_miss, table_pin_problem
 from coplan.planner.precision import choose_layer_precision, precision_line
 from coplan.planner.pricing import Assignment, CandidatePricing, evaluate
 from coplan.planner.solver import SolveResult, SolverSettings, solve_candidate
 from coplan.spec import Calibration, LayerPlan, Plan, SolverReport, TableShard, Topology, Workload
-from coplan.spec.plan import SHARDING_TYPES, Alternative
+from coplan.spec.plan import Alternative
 
 
 def available_cores() -> int:
@@ -142,12 +145,13 @@ def check_pins(workload: Workload, cfg: PlannerConfig) -> None:
     names = {t.name: t for t in workload.all_tables}
     for k, v in cfg.table_pins.items():
         if k not in names:
-            near = sorted(names)[:5]
-            raise CoplanError(f"--pin-table {k}={v}: '{k}' is not a table of workload '{workload.name}' (tables: {near}...)")
-        kind, _, n = v.partition("/")
-        if kind not in SHARDING_TYPES or (n and (kind != "column_wise" or not n.isdigit() or int(n) < 1)):
-            raise CoplanError(f"--pin-table {k}={v}: the sharding must be one of {', '.join(SHARDING_TYPES)} "
-                              "(or column_wise/N for N column shards)")
+            near = difflib.get_close_matches(k, list(names), n=1)
+            hint = (f"did you mean '{near[0]}'?" if near else
+                    f"give one of its {len(names):,} tables ({', '.join(sorted(names)[:5])}{', ...' if len(names) > 5 else ''})")
+            raise CoplanError(f"--pin-table {k}={v}: '{k}' is not a table of workload '{workload.name}'; {hint}")
+        why = table_pin_problem(k, int(names[k].dim), v, cfg.min_cw_dim)
+        if why:
+            raise CoplanError(f"--pin-table {k}={v}: {why}")
 
 
 def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int, workload: Workload | None = None) -> str:
@@ -155,8 +159,8 @@ def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int, worklo
     bad = [k for k, v in cfg.pins.items() if v not in opts[k]]
     if bad:
         k = bad[0]
-        msg = (f"--pin {k}={cfg.pins[k]}: no mesh of {world:,} ranks has {k} = {cfg.pins[k]}; possible values: "
-               f"{', '.join(str(x) for x in opts[k][:24])}")
+        msg = (f"--pin {k}={cfg.pins[k]}: no mesh of {world:,} rank{'s' if world != 1 else ''} has it; give one of the "
+               f"possible values of {k}: {', '.join(str(x) for x in opts[k][:24])}")
         fixed = workload.batch.fixed_micro_batches if workload is not None else None
         if k == "micro_batches" and fixed is not None:
             local = local_batch_of(workload, world)
@@ -164,9 +168,9 @@ def _pin_miss(cfg: PlannerConfig, every: list[MeshCandidate], world: int, worklo
                 msg += (f"; the workload fixes batch.micro_batches: {fixed}; set it to 'auto' (or {cfg.pins[k]}) to let "
                         "--pin choose")
             else:
-                msg += (f"; the workload fixes batch.micro_batches: {fixed}, and {cfg.pins[k]} micro-batches do not split "
-                        f"the local batch of {local:,} (with batch.micro_batches: 'auto', --pin micro_batches takes a divisor "
-                        f"of it up to {MAX_AUTO_MICRO_BATCHES})")
+                msg += (f"; the workload fixes batch.micro_batches: {fixed}, and this count does not split the local batch "
+                        f"of {local:,} (with batch.micro_batches: 'auto', --pin micro_batches takes a divisor of it up to "
+                        f"{MAX_AUTO_MICRO_BATCHES})")
         return msg
     return (f"--pin {' '.join(f'{k}={v}' for k, v in cfg.pins.items())}: no mesh of {world:,} ranks has all of these at once "
             "(dp_shard x dp_replicate and sparse_shard x sparse_replicate must each equal the world; ep must divide dp_shard "
@@ -316,7 +320,9 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     t0 = time.perf_counter()
     world = check_world_size(topology, cfg.world_size)
     check_pins(workload, cfg)
-    local_batch_of(workload, world)  # a batch that does not split is refused before anything else
+    if not workload.batch.splits(world):  # a batch that does not split is refused before anything else
+        raise batch_split_refusal(workload, topology, world)
+    local_batch_of(workload, world)  # (and one over the local batch's limit)
     workers = min(cfg.num_workers or available_cores(), max(1, cfg.batch_size))
     pricer = Pricer(workload, topology, world, calibration, min_cw_dim=cfg.min_cw_dim, policy=cfg.policy,
                     table_pins=dict(cfg.table_pins))
@@ -354,24 +360,26 @@ def bound_candidates(pricer: Pricer, cands: list[MeshCandidate],
     option is left out; when that leaves none, the pin is refused)."""
     records: list[CandidateRecord] = []
     pricings: dict[MeshCandidate, CandidatePricing] = {}
-    unpinnable: dict[str, list[int]] = {}
+    unpinnable: set[str] | None = None  # pinned tables no candidate so far had an option for
     for k, c in enumerate(cands):
         if on_work and k % 16 == 0:
             on_work(f"bounding {len(cands)} mesh candidates", k, len(cands))
         p = pricer.candidate(c, with_cut=False)
         empty = [p.table_names[t] for t, o in enumerate(p.options) if not o]
         if empty:
-            for n in empty:
-                unpinnable.setdefault(n, []).append(c.sparse_shard)
+            unpinnable = set(empty) if unpinnable is None else unpinnable & set(empty)
             continue
         mem_floor = memory_floor(pricer, p)
         feasible = mem_floor <= p.capacity_bytes
         records.append(CandidateRecord(c, pricer.quick_bound(p), mem_floor, feasible))
         pricings[c] = p
     if not records:
-        n, sizes = next(iter(unpinnable.items()))
-        raise CoplanError(f"--pin-table {n}={cfg.table_pins[n]}: no mesh candidate can shard '{n}' that way "
-                          f"(sparse groups tried: {sorted(set(sizes))[:8]}); pin another sharding or drop the pin")
+        n = next((t for t in cfg.table_pins if t in (unpinnable or ())), None)
+        if n is not None:
+            raise CoplanError(table_pin_miss(pricer, cands, n, cfg.table_pins[n]))
+        pins = " ".join(f"{t}={v}" for t, v in cfg.table_pins.items())
+        raise CoplanError(f"--pin-table {pins}: each pin holds on some mesh candidate, but no candidate takes them all at "
+                          "once (their sparse groups differ); drop one of the pins")
     return records, pricings
 
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from coplan.cli_args import MAX_SWEEP_POINTS, int_list, parse_float, parse_int, split_list
+from coplan.cli_args import MAX_SWEEP_POINTS, int_list, nonempty, nonempty_path, nonempty_str, parse_float, parse_int, split_list
 from coplan.costmodel import build_context, price
 from coplan.costmodel.embedding import greedy_table_wise
 from coplan.costmodel.flops import recomputable_layers
@@ -289,14 +289,14 @@ def register_simulate(sub: argparse._SubParsersAction, help_text: str, run) -> N
     p = sub.add_parser("simulate", help=help_text, description=help_text + ". " + (__doc__ or "").split("\n\n")[1].replace("\n", " "),
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="knobs:\n" + "\n".join(f"  {k:<18} {v}" for k, v in KNOBS.items()))
-    p.add_argument("--workload", "-w", required=True, help="workload preset name or path")
-    p.add_argument("--topology", "-t", required=True, help="topology preset, path, or family prefix (e.g. h200-superpod)")
+    p.add_argument("--workload", "-w", required=True, type=nonempty_path, help="workload preset name or path")
+    p.add_argument("--topology", "-t", required=True, type=nonempty_path, help="topology preset, path, or family prefix (e.g. h200-superpod)")
     p.add_argument("--gpus", type=int_list(1, MAX_GPUS),
                    help=f"comma-separated GPU counts (default 8,16,...,16384; each at most {MAX_GPUS:,}, "
                         f"at most {MAX_SWEEP_POINTS} of them)")
     p.add_argument("--knob", type=knob_name, help="sweep one knob at one GPU count instead (see the list below)")
-    p.add_argument("--values", help=f"comma-separated values of the knob (at most {MAX_SWEEP_POINTS})")
-    p.add_argument("--calibration", "-c", default="auto",
+    p.add_argument("--values", type=nonempty_str, help=f"comma-separated values of the knob (at most {MAX_SWEEP_POINTS})")
+    p.add_argument("--calibration", "-c", default="auto", type=nonempty("path", "auto"),
                    help="calibration.json from coplan calibrate; 'auto' (default): the one shipped for the topology's GPU, "
                         "if any, as coplan plan uses; 'none': default efficiencies, host time not priced")
     p.add_argument("--json", action="store_true", help="machine-readable output")

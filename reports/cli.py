@@ -11,7 +11,7 @@ import json
 
 from coplan.calibration.attribution import trace_class_times
 from coplan.calibration.points import calibration_points
-from coplan.cli_args import check_output
+from coplan.cli_args import check_output, nonempty, nonempty_path
 from coplan.errors import CoplanError
 from coplan.planner.simulate import simulate_point
 
@@ -49,14 +49,15 @@ def register_report(sub: argparse._SubParsersAction, help_text: str) -> None:
         "report", help=help_text, description=help_text + ". The page embeds plotly.js once and needs no network.",
         epilog="example: coplan report plan.json --run runs/gem-tiny-1r-20260101T000000 --calibration calibration.json -o report.html",
     )
-    p.add_argument("plan", help="plan.json written by `coplan plan`")
-    p.add_argument("--run", metavar="RUN_DIR", help="a run directory (runs/<id>/) to compare with the prediction")
-    p.add_argument("--calibration", metavar="FILE", help="calibration.json to show predicted vs measured per op")
-    p.add_argument("--simulate", metavar="FILE", help="`coplan simulate --json` output to draw the scaling curve from "
+    p.add_argument("plan", type=nonempty_path, help="plan.json written by `coplan plan`")
+    p.add_argument("--run", type=nonempty_path, metavar="RUN_DIR", help="a run directory (runs/<id>/) to compare with the prediction")
+    p.add_argument("--calibration", type=nonempty_path, metavar="FILE", help="calibration.json to show predicted vs measured per op")
+    p.add_argument("--simulate", type=nonempty_path, metavar="FILE", help="`coplan simulate --json` output to draw the scaling curve from "
                    "(default: sweep the plan's workload on its topology now)")
     p.add_argument("--no-scaling", action="store_true", help="leave out the scaling curve (it prices one plan per GPU count)")
     p.add_argument("--no-what-if", action="store_true", help="do not re-price the plan to quote what fixing the biggest loss would give")
-    p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: report.html)")
+    p.add_argument("-o", "--output", default="report.html", type=nonempty("path", "report.html"),
+                   help="HTML file to write (default: report.html)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_report)
 

@@ -105,3 +105,51 @@ def test_a_verb_imports_only_its_own_part():
     code = ("import sys, coplan.cli as c; c.build_parser(['plan'], every_verb=False); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _refusal(argv: list[str], capsys) -> str:
+    """The one error line of a refused command (exit 2, no traceback)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "internal error" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, value", [
+    (["simulate", "-w", "gem-tiny", "-t", "h200-1gpu", "--gpus", "0"], "'0'"),
+    (["simulate", "-w", "gem-tiny", "-t", "h200-1gpu", "--gpus", "8,1e-06"], "1e-06"),
+    (["plan", "-t", "h200-1gpu", "-w", "gem-tiny", "--pin", "dp_shard=1e-06"], "1e-06"),
+    (["plan", "-t", "h200-1gpu", "-w", "gem-tiny", "--pin", "dp_shard=3"], "3"),
+    (["train", "p.json", "--trace", "5:1"], "5:1"),
+])
+def test_a_refusal_states_the_value_once(argv, value, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _refusal([*argv, "-o", str(tmp_path / "p.json"), "--quiet"] if argv[0] == "plan" else argv, capsys)
+    assert line.count(value) == 1, line
+    assert "give" in line  # and the fix
+
+
+def test_a_list_flag_names_the_bad_item_and_the_range_once(capsys):
+    line = _refusal(["simulate", "-w", "gem-tiny", "-t", "h200-1gpu", "--gpus", "8,x"], capsys)
+    assert "argument --gpus: 'x' (item 2 of 2) is not a whole number; give comma-separated integers from 1 to 1,048,576" in line
+    assert line.count("1,048,576") == 1
+
+
+def test_the_batch_split_suggests_only_gpu_counts_the_topology_takes(tmp_path, capsys):
+    """100 samples over 24 GPUs of 8-GPU nodes: 10 and 20 GPUs divide the batch but are not whole nodes, which
+    --gpus refuses next; the counts suggested are ones it takes."""
+    from coplan.planner.mesh import check_world_size
+    from coplan.spec import dump_spec, load_topology, load_workload
+
+    w = load_workload("gem-tiny")
+    w = type(w).model_validate(w.model_copy(update={"batch": w.batch.model_copy(update={"global_batch_size": 100})}).model_dump())
+    path = dump_spec(w, tmp_path / "w100.yaml")
+    line = _refusal(["plan", "-t", "h200-superpod-1k", "-w", str(path), "--gpus", "24", "-o", str(tmp_path / "p.json"),
+                     "--quiet"], capsys)
+    assert "does not split evenly over 24 GPUs" in line and line.endswith("or plan on a GPU count that divides 100 (--gpus 2, 4, 5)")
+    topology = load_topology("h200-superpod-1k")
+    for n in (2, 4, 5):
+        assert check_world_size(topology, n) == n

@@ -104,12 +104,45 @@ def test_a_failed_write_names_the_path_given(tmp_path, capsys, monkeypatch):
     (["validate", "gem-tiny", ""], "files", "path"),
     (["plan", "-o", ""], "-o/--output", "path"),
     (["calibrate", "--collectives", "s.json", "--tier", ""], "--tier", "value"),
+    (["calibrate", "--base", " "], "--base", "path"),            # a calibration file: its help says neither
+    (["calibrate", "--apply-to", ""], "--apply-to", "path"),     # a topology preset or file
+    (["simulate", "-w", ""], "--workload/-w", "path"),          # named before the missing --topology
+    (["simulate", "-w", "gem-tiny", "-t", "h200-1gpu", "--knob", "fp8", "--values", ""], "--values", "value"),
+    (["train", "p.json", "--trace", ""], "--trace", "value"),
+    (["train", "p.json", "--master", " "], "--master", "value"),
+    (["plan", "--pin-table", ""], "--pin-table", "value"),
+    (["train", "p.json", ""], "plan", "path"),                   # one of a list (nargs='+')
 ])
 def test_an_empty_argument_is_named_by_its_flag(argv, flag, what, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, text = _run(argv, capsys)
     assert code == 2 and f"argument {flag}: the {what} is empty" in text, text
     assert "'.'" not in text and "is a directory" not in text
+
+
+@pytest.mark.parametrize("argv, default", [(["plan", "-t", ""], "h200-superpod-4k"), (["plan", "-o", " "], "plan.json"),
+                                           (["report", "p.json", "-o", ""], "report.html"),
+                                           (["simulate", "-c", "", "-w", "gem-tiny", "-t", "h200-1gpu"], "auto")])
+def test_an_empty_option_with_a_default_says_that_leaving_it_out_gives_it(argv, default, capsys):
+    code, text = _run(argv, capsys)
+    assert code == 2 and f"is empty; give one, or leave the option out for its default ({default})" in text, text
+
+
+def test_every_plain_string_argument_is_checked_where_argparse_reads_it():
+    """Each argument that takes a string of its own (no choices) has a ``type=`` from coplan (``nonempty*`` or a
+    stricter parser), so an empty value is refused by argparse naming its flag, with no check after parsing."""
+    import argparse
+
+    from coplan.cli import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    unchecked = [f"{verb} {'/'.join(a.option_strings) or a.dest}" for verb, p in verbs.items() for a in p._actions
+                 if a.nargs != 0 and not a.choices and not isinstance(a, argparse._HelpAction)
+                 and not getattr(a.type, "__module__", "").startswith("coplan.")]
+    assert unchecked == []
+    import coplan.cli
+    assert not hasattr(coplan.cli, "refuse_empty_values")
 
 
 def test_inputs_that_would_hang_or_loop_are_refused(tmp_path, capsys):

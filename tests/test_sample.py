@@ -76,6 +76,32 @@ def test_bad_family_and_seed():
     for bad in (-1, 2**63, 1.5, True):
         with pytest.raises(CoplanError, match="--seed"):
             sample_workload("h200-1gpu", bad)
+    # the range in full, as the CLI gives it, and family_world checks as sample_workload does
+    with pytest.raises(CoplanError, match=r"--seed 9223372036854775808 is out of range; give a whole number from 0 to "
+                                          r"9,223,372,036,854,775,807"):
+        sample_workload("h200-1gpu", 2**63)
+    for bad in (-1, 2**63):
+        with pytest.raises(CoplanError, match=rf"--seed {bad} is out of range; give a whole number from 0 to "):
+            family_world("h200-1gpu", bad)
+    with pytest.raises(CoplanError, match="no such family"):
+        family_world("h100-1gpu", 1)
+
+
+@pytest.mark.parametrize("seed, why", [("-1", "is out of range"), (str(2**63), "is out of range"),
+                                       ("1e3", "is not a whole number"), ("", "is not a whole number")])
+def test_cli_seed_out_of_range_names_the_flag_the_value_and_the_range(seed, why, capsys):
+    """sample-workload's seeds run to 2^63 - 1 (MAX_DRAW_SEED), not to CP-SAT's 2^31 - 1: its default, 'now', is
+    the UTC date and time as YYYYMMDDHHMMSS (about 2 x 10^13), and a seed it printed must draw again."""
+    assert main(["sample-workload", "--family", "h200-1gpu", f"--seed={seed}"]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --seed: {seed!r} {why}; give a whole number from 0 to 9,223,372,036,854,775,807, or 'now'" in err, err
+
+
+def test_the_seed_range_is_in_the_help_and_a_printed_now_seed_draws_again(capsys):
+    with pytest.raises(SystemExit):
+        main(["sample-workload", "--help"])
+    assert "whole number from 0 to 9,223,372,036,854,775,807" in " ".join(capsys.readouterr().out.split())
+    assert family_world("h200-1gpu", 20261207142638) >= 1  # a 'now' seed, past 2^31 - 1
 
 
 def test_cli_writes_a_valid_workload(tmp_path, capsys):

@@ -135,7 +135,8 @@ def test_sweep_launch_checks(plan4, tmp_path):
     assert "different world sizes" in _refused_without_torch(["train", str(a), str(b), "--device", "cpu"])
     c = dump_spec(plan4, tmp_path / "c.json")
     assert "--resume continues one run" in _refused_without_torch(["train", str(a), str(c), "--resume", "x", "--device", "cpu"])
-    assert "--trace 5:3" in _refused_without_torch(["train", str(a), "--trace", "5:3", "--device", "cpu"])
+    err = _refused_without_torch(["train", str(a), "--trace", "5:3", "--device", "cpu"])
+    assert "argument --trace: '5:3' is not a profile window" in err and err.count("5:3") == 1
 
 
 def test_sweep_is_one_torchrun_through_the_quiet_launcher(plan4, tmp_path, capsys):
