@@ -78,6 +78,34 @@ def build_parser(argv: list[str] | None = None, *, every_verb: bool = True) -> a
     return parser
 
 
+TRAIN_STRINGS = {"plan": ("plan", "path", None), "runs_root": ("--runs-root", "path", "runs/"),
+                 "resume": ("--resume", "path", None), "data": ("--data", "path", None), "trace": ("--trace", "value", None)}
+"""``coplan train``'s plain string arguments, checked for blanks after parsing rather than by a ``type=`` where
+``trainer/cli.py`` registers them: any edit of ``trainer/`` changes the trainer's fingerprint and so stales the
+shipped calibrations (:mod:`coplan.calibration.fingerprint`), for no change to what a step runs."""
+
+
+def _blank_train_argument(args: argparse.Namespace) -> str | None:
+    """The usage error of a blank ``coplan train`` string argument (as the ``nonempty`` types of the other verbs
+    word it) or of a ``--trace`` that is no profile window, or None."""
+    if args.verb != "train":
+        return None
+    for dest, (flag, what, default) in TRAIN_STRINGS.items():
+        value = getattr(args, dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and not v.strip():
+                tail = f", or leave the option out for its default ({default})" if default else ""
+                return f"argument {flag}: the {what} is empty; give one{tail}"
+    if args.trace is not None:  # (the trainer checks it again with the other options, wording the value twice)
+        from coplan.cli_args import trace_window
+
+        try:
+            trace_window(args.trace)
+        except argparse.ArgumentTypeError as e:
+            return f"argument --trace: {e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     verb = "coplan"
     given = sys.argv[1:] if argv is None else argv
@@ -96,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             raise
         verb = f"coplan {args.verb}"
+        refused = _blank_train_argument(args)
+        if refused:
+            print(f"{verb}: error: {refused}", file=sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except CoplanError as e:
         print(f"error: {e}", file=sys.stderr)

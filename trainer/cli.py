@@ -30,7 +30,6 @@ from coplan.cli_args import (
     host_port,
     name_part,
     non_negative_int,
-    nonempty_path,
     positive_int,
     sample_count,
     seed,
@@ -265,21 +264,21 @@ def torchrun_main(argv: list[str]) -> int:
 
 def register_train(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("train", help=help_text, description=help_text + ".")
-    p.add_argument("plan", nargs="+", type=nonempty_path, help="plan.json (from coplan plan, or python -m coplan.planner.given); several "
+    p.add_argument("plan", nargs="+", help="plan.json (from coplan plan, or python -m coplan.planner.given); several "
                    "plans of one world size run in turn in the same workers, each in <run id>-<plan file stem>")
     p.add_argument("--steps", type=steps_count, default=None, help=f"total steps (default {DEFAULT_STEPS})")
     p.add_argument("--nproc", type=gpu_count, default=None, help="processes to launch (must equal the plan's world size)")
     p.add_argument("--warmup", type=non_negative_int, default=None, help="steps left out of the statistics (fewer than --steps)")
-    p.add_argument("--runs-root", default=None, type=nonempty_path, help="folder of run directories (default runs/)")
+    p.add_argument("--runs-root", default=None, help="folder of run directories (default runs/)")
     p.add_argument("--run-id", type=name_part, default=None, help="run directory name")
-    p.add_argument("--resume", default=None, type=nonempty_path,
+    p.add_argument("--resume", default=None,
                    help="continue this run directory from its latest complete checkpoint ('auto': <runs-root>/<run-id> if it has one)")
-    p.add_argument("--data", default=None, type=nonempty_path, help="Parquet dataset folder (generated when missing)")
+    p.add_argument("--data", default=None, help="Parquet dataset folder (generated when missing)")
     p.add_argument("--data-samples", type=sample_count, default=None, help="samples to generate when the dataset is missing")
     p.add_argument("--seed", type=seed, default=None, help=f"seed of the weights and of generated data (0 to {MAX_SEED:,})")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--attention", choices=["triton", "reference", "flex"], default=None, help="override the attention backend")
-    p.add_argument("--trace", default=None, type=trace_window, help="'A:B' steps to profile, 'none', or 'auto' (checked with the other options)")
+    p.add_argument("--trace", default=None, help="'A:B' steps to profile, 'none', or 'auto' (checked with the other options)")
     p.add_argument("--checkpoint-every", type=checkpoint_every, default=None,
                    help="checkpoint every N steps (0: at the end only; -1: never)")
     p.add_argument("--keep-last-n", type=non_negative_int, default=None, help="complete checkpoints to keep (default 2; 0: all)")
