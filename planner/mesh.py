@@ -141,12 +141,7 @@ def batch_split_refusal(workload: Workload, topology: Topology, world: int) -> B
     (:func:`coplan.spec.workload.batch_split_error`), its ``--gpus`` suggestions kept to the counts the topology
     takes (:func:`takes_world_size`): a count that ``--gpus`` would refuse next is no fix."""
     gb = int(workload.batch.global_batch_size or 0)
-    err = batch_split_error(gb, world, workload.name)
-    head, sep, _ = str(err).rpartition(" (--gpus ")
-    gpus = [d for d in divisors(gb) if d <= world and takes_world_size(topology, d)][-3:]
-    if not sep or not gpus:
-        return err
-    return BatchError(f"{head}{sep}{', '.join(f'{g:,}' for g in gpus)})")
+    return batch_split_error(gb, world, workload.name, takes_gpus=lambda n: takes_world_size(topology, n))
 
 
 def expert_counts(workload: Workload) -> list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from functools import cached_property
-from typing import Annotated, Literal, Union
+from typing import Annotated, Callable, Literal, Union
 
 import numpy as np
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_serializer, model_validator
@@ -686,11 +686,13 @@ def nearest_multiples(n: int, k: int, count: int = 2) -> list[int]:
     return sorted(set(below + above), key=lambda m: (abs(m - n), m))
 
 
-def batch_split_error(global_batch: int, world_size: int, workload: str | None = None):
+def batch_split_error(global_batch: int, world_size: int, workload: str | None = None,
+                      takes_gpus: Callable[[int], bool] | None = None):
     """The error for a global batch that does not split over ``world_size`` GPUs: the nearest global
-    batches that do, and the GPU counts that split this batch."""
+    batches that do, and the GPU counts that split this batch (those ``takes_gpus`` accepts, where given: the
+    counts the topology takes, so that no suggestion is refused next)."""
     near = nearest_multiples(global_batch, max(1, world_size))
-    gpus = [d for d in divisors(global_batch) if d <= max(world_size, 1)][-3:]
+    gpus = [d for d in divisors(global_batch) if d <= max(world_size, 1) and (takes_gpus is None or takes_gpus(d))][-3:]
     who = f"workload '{workload}': " if workload else ""
     if world_size > global_batch:
         why = f"is smaller than the {world_size:,} GPUs (every GPU needs at least one sample)"
@@ -699,8 +701,8 @@ def batch_split_error(global_batch: int, world_size: int, workload: str | None =
     return BatchError(
         f"{who}batch.global_batch_size {global_batch:,} {why}; coplan keeps the global batch exactly rather than "
         f"round it. Use a global batch that divides: {', '.join(f'{m:,}' for m in near)} "
-        f"(local batch {', '.join(f'{m // max(1, world_size):,}' for m in near)}), or plan on a GPU count that divides "
-        f"{global_batch:,} (--gpus {', '.join(f'{g:,}' for g in gpus)})"
+        f"(local batch {', '.join(f'{m // max(1, world_size):,}' for m in near)})"
+        + (f", or plan on a GPU count that divides {global_batch:,} (--gpus {', '.join(f'{g:,}' for g in gpus)})" if gpus else "")
     )
 
 
