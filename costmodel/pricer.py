@@ -549,7 +549,8 @@ def _step_time(ctx: Context, S: Schedule, before: list[float], sync_task: dict, 
     if segments or _host_priced(ctx):
         segs, syncs, exposed = _walk_segments(ctx, d.arr, recomputed, sp.agg.emb_kernels if sp.agg is not None else 0.0)
         if syncs:
-            dev_at = [factor * _device_position(ctx, S, before, sync_task, d.moe_parts, d.f_op, m, k, ph) for m, k, ph in syncs]
+            offsets = _layer_offsets(ctx, d.moe_parts, d.f_op)
+            dev_at = [factor * _device_position(ctx, S, before, sync_task, d.moe_parts, offsets, m, k, ph) for m, k, ph in syncs]
             dev_seg = np.diff(np.concatenate(([0.0], dev_at, [step])))
         else:
             dev_seg = np.array([step])
@@ -705,7 +706,8 @@ def _path_cut(S: Schedule, factor: float) -> StepCut:
 def _through_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:
     """For each kind of decision-dependent task (each aggregate, each recomputed layer), the longest
     chain through one of its tasks, as a cut: where the critical path does not cross a task (a replica
-    sync of no bytes, say), the chain through it says what the step would pay once it grows."""
+    sync of no bytes, say), the chain through it says what the step would pay once it grows. A chain
+    that several kinds share gives one cut (in the order of the first task of each chain)."""
     tail, nxt = S.tail_paths()
     best: dict[tuple, tuple[float, int]] = {}
     for i, t in enumerate(S.tasks):
@@ -715,7 +717,16 @@ def _through_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:
         length = S.start[i] + t.duration + tail[i]
         if key not in best or length > best[key][0]:
             best[key] = (length, i)
-    return tuple(_chain_cut(S, S.path_through(i, nxt), factor, "chain") for _, i in sorted(best.values(), key=lambda x: x[1]))
+    # one cut per chain: a deep block's recompute tasks (a kind per layer) mostly lie on a few chains, and a
+    # cut per kind would walk the whole schedule once per layer (quadratic in depth) to repeat the same cut
+    chain_of = S.chain_ids(nxt)
+    done: set[int] = set()
+    out = []
+    for _, i in sorted(best.values(), key=lambda x: x[1]):
+        if chain_of[i] not in done:
+            done.add(chain_of[i])
+            out.append(_chain_cut(S, S.path_through(i, nxt), factor, "chain"))
+    return tuple(out)
 
 
 def _stream_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:
@@ -740,23 +751,38 @@ def _host_cut(ctx: Context, arr, recomputed: frozenset[str], host_s: float) -> S
     return StepCut(const, {}, h, "host")
 
 
-def _device_position(ctx: Context, S: Schedule, before: list[float], sync_task: dict, moe_parts: dict, f_op: np.ndarray,
-                     m: int, k: int, phase: str) -> float:
+def _device_position(ctx: Context, S: Schedule, before: list[float], sync_task: dict, moe_parts: dict,
+                     offsets: tuple[list[float], list[float]], m: int, k: int, phase: str) -> float:
     """When the compute stream finishes the work queued before dense op ``k``'s ``phase`` call in
     micro-batch ``m``: its layer task's start plus the layer's ops before it (in the task's part: a MoE
-    layer's forward runs the ops after the experts as one "post" task), scaled as the schedule
-    stretched that task."""
+    layer's forward runs the ops after the experts as one "post" task; ``offsets``: :func:`_layer_offsets`),
+    scaled as the schedule stretched that task."""
     i = int(ctx.op_layer[k])
     t = sync_task[(m, i, phase)]
-    part = _moe_part(ctx, k) if (i in moe_parts and phase == "fwd") else None
-    off = 0.0
-    for j in range(len(ctx.dense_idx)):
-        if j == k:
-            break
-        if int(ctx.op_layer[j]) == i and (part is None or _moe_part(ctx, j) == part):
-            off += float(f_op[j])
+    off = offsets[1][k] if (i in moe_parts and phase == "fwd") else offsets[0][k]
     stretch = S.tasks[t].duration / before[t] if before[t] > 0 else 1.0
     return S.start[t] + off * stretch
+
+
+def _layer_offsets(ctx: Context, moe_parts: dict, f_op: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per dense op ``k``, the forward time of the ops before it in its layer, and (in a MoE layer) of those
+    before it in its part of the layer (:func:`moe_part`), each summed in op order: one pass over the ops,
+    where a sum per sync would walk them all for each sync (quadratic in depth)."""
+    n = len(ctx.dense_idx)
+    in_layer = [0.0] * n
+    in_part = [0.0] * n
+    acc_layer: dict[int, float] = {}
+    acc_part: dict[tuple[int, str], float] = {}
+    for j in range(n):
+        i = int(ctx.op_layer[j])
+        x = float(f_op[j])
+        in_layer[j] = acc_layer.get(i, 0.0)
+        acc_layer[i] = in_layer[j] + x
+        if i in moe_parts:
+            key = (i, _moe_part(ctx, j))
+            in_part[j] = acc_part.get(key, 0.0)
+            acc_part[key] = in_part[j] + x
+    return in_layer, in_part
 
 
 def _moe_part(ctx: Context, k: int) -> str:

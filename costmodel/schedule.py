@@ -126,6 +126,17 @@ class Schedule:
             j = tail_next[j]
         return path
 
+    def chain_ids(self, tail_next: list[int]) -> list[int]:
+        """Per task, an id of its :meth:`path_through` chain: tasks of equal id have the same chain. The chain
+        through ``j = tail_next[i]`` is the one through ``i`` where ``pred[j] == i`` (the chain that set ``j``'s
+        start comes through ``i``, and ``j``'s tail is the rest of ``i``'s); each id is the first task of such a
+        run of links. (Conversely, two tasks of one chain are joined by such links, so one chain has one id.)"""
+        ids = list(range(len(self.tasks)))
+        for j, p in enumerate(self.pred):
+            if p >= 0 and tail_next[p] == j:
+                ids[j] = ids[p]
+        return ids
+
     def critical_path(self) -> list[int]:
         """The tasks of a longest chain ending at the makespan, last first: each task's start is the end
         of the next one in the list (a path of the DAG of dependencies and stream order)."""

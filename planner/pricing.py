@@ -32,6 +32,7 @@ group (row-wise; data-parallel holds a full copy on every rank).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import compress
 from typing import Literal
 
 import numpy as np
@@ -395,11 +396,20 @@ class Evaluation:
     """Memory of the dense part (base with recompute applied, receive buffers included)."""
 
 
+def _layer_columns(p: CandidatePricing) -> tuple[list[float], list[float], list[float]]:
+    """The layers' (saved bytes, peak bytes, recompute seconds), each a list in layer order (built on first
+    use: the sums over a recompute set below then run without a Python loop per layer)."""
+    hit = p.cache.get("layer_columns")
+    if hit is None or hit[0] is not p.layers:
+        hit = (p.layers, [l.saved_bytes for l in p.layers], [l.peak_bytes for l in p.layers], [l.recompute_s for l in p.layers])
+        p.cache["layer_columns"] = hit
+    return hit[1], hit[2], hit[3]
+
+
 def recompute_memory(p: CandidatePricing, recompute) -> tuple[float, float]:
     """(bytes freed by the recompute set, its peak)."""
-    saved = sum(l.saved_bytes for l, on in zip(p.layers, recompute) if on)
-    peak = max((l.peak_bytes for l, on in zip(p.layers, recompute) if on), default=0.0)
-    return saved, peak
+    saved_b, peak_b, _ = _layer_columns(p)
+    return sum(compress(saved_b, recompute)), max(compress(peak_b, recompute), default=0.0)
 
 
 def evaluate(p: CandidatePricing, a: Assignment, ld: Loads | None = None) -> Evaluation:
@@ -409,7 +419,7 @@ def evaluate(p: CandidatePricing, a: Assignment, ld: Loads | None = None) -> Eva
     saved, peak = recompute_memory(p, a.recompute)
     dense = p.base_bytes - saved + peak + p.recv_mem_factor * ld.recv + (p.dp_comm_bytes if ld.dp > 0 else 0.0)
     rank_bytes = dense + ld.uniform_mem + ld.mem
-    rc_t = sum(l.recompute_s for l, on in zip(p.layers, a.recompute) if on)
+    rc_t = sum(compress(_layer_columns(p)[2], a.recompute))
     step = step_model(p).step(np.array([x[v] for v in VARS]), a.recompute) if p.cuts else 0.0
     return Evaluation(step, float(rank_bytes.max()) if rank_bytes.size else dense + ld.uniform_mem,
                       x, rc_t, tuple(float(v) for v in rank_bytes), dense)

@@ -945,7 +945,8 @@ def _recompute_model(m, p: CandidatePricing, ic: _IntCuts, points=None):
         rc = [m.NewBoolVar(f"rcp{j}") for j in range(len(points))]
         m.AddExactlyOne(rc)
         freed = cp_model.LinearExpr.WeightedSum(rc, [_m_down(pt.freed_bytes) for pt in points])
-        terms = [[(sum(c for c, on in zip(ic.rc[k], pt.layers) if on), v) for pt, v in zip(points, rc)] for k in range(len(p.cuts))]
+        sums = _point_rc_sums(ic, points)
+        terms = [[(sums[j][k], v) for j, v in enumerate(rc)] for k in range(len(p.cuts))]
         return rc, freed, [[(c, v) for c, v in tk if c] for tk in terms]
     rc = [m.NewBoolVar(f"rc{l}") for l in range(len(p.layers))]
     peak_hi = max((_m_up(l.peak_bytes) for l in p.layers), default=0)
@@ -956,6 +957,21 @@ def _recompute_model(m, p: CandidatePricing, ic: _IntCuts, points=None):
     freed = (cp_model.LinearExpr.WeightedSum(rc, [_m_down(l.saved_bytes) for l in p.layers]) if rc else 0) - peak
     terms = [[(c, v) for c, v in zip(ic.rc[k], rc) if c] for k in range(len(p.cuts))]
     return rc, freed, terms
+
+
+def _point_rc_sums(ic: _IntCuts, points) -> list[list[int]]:
+    """Per frontier point and cut, the cut's recompute units of the point's layers (``sums[j][k]``): one integer
+    product of the (points × layers) and (layers × cuts) matrices, exact (each row of ``ic.rc`` sums to far below
+    int64's range, see :data:`MAX_MODEL_INT`), where a sum per point and cut would loop over every layer in Python
+    (points × cuts × layers: cubic in depth for a deep block of identical layers)."""
+    if not ic.rc or not points:
+        return [[0] * len(ic.rc) for _ in points]
+    n = len(ic.rc[0])
+    if any(len(r) != n for r in ic.rc) or any(len(pt.layers) != n for pt in points) or max(sum(map(abs, r)) for r in ic.rc) >= 1 << 62:
+        return [[sum(c for c, on in zip(r, pt.layers) if on) for r in ic.rc] for pt in points]
+    on = np.array([pt.layers for pt in points], dtype=np.int64).reshape(len(points), n)
+    units = np.array(ic.rc, dtype=np.int64).reshape(len(ic.rc), n)
+    return (on @ units.T).tolist()
 
 
 def _any_dp(m, p: CandidatePricing, y, tables):
