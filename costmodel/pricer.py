@@ -747,7 +747,7 @@ def _host_cut(ctx: Context, arr, recomputed: frozenset[str], host_s: float) -> S
     if not _graphed(ctx, arr):  # (under CUDA graphs recompute costs the host nothing)
         np.add.at(per, ctx.op_layer, np.asarray(arr.fwd_host_launches, dtype=float))
     h = {n: float(ctx.eff.host_launch_s * M * per[i]) for i, n in enumerate(ctx.layer_names)}
-    const = host_s - sum(h[n] for n in recomputed if n in h)
+    const = host_s - sum(v for n, v in h.items() if n in recomputed)  # in layer order (a set's order varies by process)
     return StepCut(const, {}, h, "host")
 
 

@@ -173,3 +173,21 @@ def test_frontier_point_sums_match_the_per_layer_sums():
     assert got == want and all(type(x) is int for row in got for x in row)
     huge = _IntCuts(1, (0,), ({},), (((1 << 62),) * n,), ())  # beyond int64 when summed: the per-layer sums
     assert _point_rc_sums(huge, points) == [[sum(c for c, on in zip(huge.rc[0], pt.layers) if on)] for pt in points]
+
+
+def test_host_cut_does_not_depend_on_the_recompute_sets_order():
+    """The host cut's constant subtracts the recomputed layers' launches in layer order: summed in a set's order
+    (a string hash's, which changes from process to process) its last bits, and the plan's model objective, varied
+    between runs of one plan."""
+    from coplan.spec import Calibration
+
+    w = _deep(DEEP)
+    ctx = build_context(w, load_topology("h200-1gpu"), MeshPlan(dense_shard=1, sparse_shard=1),
+                        Calibration(device="NVIDIA H200", host_launch_s=2.0730013887368376e-4))
+    arr = P.op_arrays(ctx, ctx.workload.kernels)
+    names = list(recomputable_layers(w))
+    rng = np.random.default_rng(0)
+    orders = [tuple(names)] + [tuple(rng.permutation(names)) for _ in range(20)]
+    cuts = [P._host_cut(ctx, arr, order, 10.0) for order in orders]
+    assert cuts[0].const_s < 10.0
+    assert all(c == cuts[0] for c in cuts)
