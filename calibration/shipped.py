@@ -12,6 +12,7 @@ from pathlib import Path
 
 from coplan.calibration.fingerprint import stale
 from coplan.spec import Calibration, Topology, load_calibration
+from coplan.spec.calibration import stale_mark
 
 AUTO = "auto"
 NONE = "none"
@@ -93,17 +94,6 @@ def provenance(cal: Calibration) -> str:
 
 def describe(cal: Calibration, origin: str) -> str:
     return f"calibration: {origin} for {cal.device} ({provenance(cal)})"
-
-
-STALE_MARK = "[stale:"
-"""How a calibration's notes open the mark :func:`judged` writes (``[stale: ...]``), read back by :func:`stale_mark`."""
-
-
-def stale_mark(notes: str | None) -> str | None:
-    """The ``stale: ...`` reason :func:`judged` wrote into a calibration's notes (brackets off), or None."""
-    if not notes or STALE_MARK not in notes:
-        return None
-    return notes[notes.index(STALE_MARK) + 1:].split("]", 1)[0]
 
 
 def judged(cal: Calibration, line: str) -> tuple[Calibration, str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from coplan import __version__
-from coplan.calibration.shipped import stale_mark
+from coplan.spec.calibration import stale_mark
 from coplan.errors import CoplanError
 from coplan.reports import alternatives, assumptions, balance, calibration, ledger, ranks, runs, sharding, summary, timeline, waterfall
 from coplan.reports import scaling as scaling_mod
