@@ -21,11 +21,13 @@ ComputeOpClass = Literal["gemm", "attention", "embedding", "elementwise"]
 
 
 STALE_MARK = "[stale:"
-"""How a calibration's notes open the mark :func:`coplan.calibration.shipped.judged` writes (``[stale: ...]``), read back by :func:`stale_mark`."""
+"""How a calibration's notes open the mark :func:`coplan.calibration.shipped.judged` writes (``[stale: ...]``),
+read back by :func:`stale_mark`."""
 
 
 def stale_mark(notes: str | None) -> str | None:
-    """The ``stale: ...`` reason :func:`coplan.calibration.shipped.judged` wrote into a calibration's notes (brackets off), or None."""
+    """The ``stale: ...`` reason :func:`coplan.calibration.shipped.judged` wrote into a calibration's notes (brackets
+    off), or None."""
     if not notes or STALE_MARK not in notes:
         return None
     return notes[notes.index(STALE_MARK) + 1:].split("]", 1)[0]
