@@ -108,6 +108,8 @@ def print_summary(plan: Plan, out=None) -> None:
               + (f"; pinned: {', '.join(r.pins)}" if r.pins else ""))
         w(f"solver: {r.status}, objective {r.objective_us / 1e3:,.3f} ms, bound {r.best_bound_us / 1e3:,.3f} ms, gap {r.gap:.2%}; "
           f"{r.candidates_solved} of {r.candidates_total:,} mesh candidates solved in {r.wall_s:.1f} s on {r.num_workers} workers (seed {r.seed})")
+        for note in r.notes:
+            w(f"solver note: {note}")
 
 
 def parse_pins(items: list[str] | None, flag: str, cast) -> dict:

@@ -68,10 +68,13 @@ class PlannerConfig:
     """GPUs to plan for (the first ones of the topology); None: all of them."""
 
     time_limit_s: float = 300.0
-    """Wall-clock guard of the search (no new batch starts after it). The search is budgeted in
-    deterministic terms (``max_solves``, ``batch_size``, ``solve_dtime``) so that a plan does not depend
-    on the machine's speed or load; this guard only matters on a machine far slower than planned for,
-    and then the plan says how many candidates it solved."""
+    """Wall-clock budget of the whole search: every phase (bounding the mesh candidates, pricing them at
+    their floor point, the batches of solves, the end refinement) checks it between candidates, and once
+    it has passed no new candidate's work starts (it may be overshot by about one candidate's work). At
+    least one candidate is solved, so that a plan exists; the plan then says where the search stopped
+    (its solver notes). The search is budgeted in deterministic terms (``max_solves``, ``batch_size``,
+    ``solve_dtime``) so that a plan does not depend on the machine's speed or load; this guard only
+    matters on a machine far slower than planned for, or for a limit set short on purpose."""
 
     solve_dtime: float = 0.5
     """Deterministic-time limit of one CP-SAT solve (OR-Tools deterministic seconds)."""
@@ -248,6 +251,27 @@ def solve_priced(pricer: Pricer, p: CandidatePricing, settings: SolverSettings, 
 
 _STATE: dict = {}
 
+_now = time.perf_counter
+"""The search's clock (a test may replace it)."""
+
+
+@dataclass(slots=True)
+class _Deadline:
+    """The search's wall-clock budget (``time_limit_s`` after it started), and whether some phase stopped at it."""
+
+    at: float
+    hit: bool = False
+    reordered: bool = False
+
+    def passed(self) -> bool:
+        if _now() > self.at:
+            self.hit = True
+            return True
+        return False
+
+    def left(self) -> float:
+        return self.at - _now()
+
 OnWork = Callable[[str, int, int], None]
 """Told of each step of the search's work: (what, steps done, steps in all)."""
 """The search's pricer, set before the worker pool forks (workers inherit it; each job carries its candidate)."""
@@ -291,6 +315,10 @@ class SearchResult:
     """The simulate heuristic's plan, priced."""
     chosen: str = "cpsat"
     """'cpsat' or 'heuristic'."""
+    candidates_total: int = 0
+    """Mesh candidates enumerated (pins applied); more than ``len(records)`` when bounding stopped at the time limit."""
+    stopped: str | None = None
+    """Where the search stopped at the time limit (None: it did not)."""
 
 
 def _refine(pricer: Pricer, pricings: dict, r: CandidateRecord) -> None:
@@ -317,7 +345,8 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     ``progress(message)`` gets a line per batch of solves; ``on_work(what, done, total)`` is told of each
     step of the work in between (a candidate priced at its floor point, a solve finished)."""
     cfg = config or PlannerConfig()
-    t0 = time.perf_counter()
+    t0 = _now()
+    deadline = _Deadline(t0 + cfg.time_limit_s)
     world = check_world_size(topology, cfg.world_size)
     check_pins(workload, cfg)
     if not workload.batch.splits(world):  # a batch that does not split is refused before anything else
@@ -330,38 +359,58 @@ def search(workload: Workload, topology: Topology, calibration: Calibration | No
     cands = [c for c in every if all(c.axis(k) == v for k, v in cfg.pins.items())]
     if not cands:
         raise CoplanError(_pin_miss(cfg, every, world, workload))
-    records, pricings = bound_candidates(pricer, cands, cfg, on_work)
+    records, pricings = bound_candidates(pricer, cands, cfg, on_work, deadline=deadline)
     if progress:
-        progress(f"bounded {len(records)} mesh candidates in {time.perf_counter() - t0:.1f} s")
+        progress(f"bounded {len(records)} mesh candidates in {_now() - t0:.1f} s")
     if not any(r.feasible for r in records):
         for r in sorted(records, key=lambda r: (r.memory_floor_bytes, r.mesh.key))[:1]:
             _refine(pricer, pricings, r)
         raise explain_infeasible(workload, topology, world, pricer, records, pricings, cfg=cfg, deadline=t0 + cfg.time_limit_s)
     queue = _Queue.of(records)
-    best = _branch_and_bound(pricer, records, pricings, queue, cfg, workers, t0, progress, on_work)
+    best = _branch_and_bound(pricer, records, pricings, queue, cfg, workers, t0, progress, on_work, deadline=deadline)
     if best is not None:
-        _refine_unsolved(pricer, pricings, records, queue, best[0], cfg)
+        _refine_unsolved(pricer, pricings, records, queue, best[0], cfg, deadline=deadline)
     heur = _baseline(workload, topology, world, calibration, cfg) if cfg.baseline else None
     if best is None and heur is None:
         raise explain_infeasible(workload, topology, world, pricer, records, pricings, solved=True, cfg=cfg,
                                  deadline=t0 + cfg.time_limit_s)
-    wall = time.perf_counter() - t0
+    wall = _now() - t0
+    stopped = _stopped_note(cfg, records, len(cands)) if deadline.hit else None
     if best is None or (heur is not None and heur.predicted.step_time_s < best[0]):
         step = heur.predicted.step_time_s
         bound = _least_bound(records, step)
-        return SearchResult(None, None, None, records, bound, wall, workers, pricer, heur, "heuristic")
+        return SearchResult(None, None, None, records, bound, wall, workers, pricer, heur, "heuristic", len(cands), stopped)
     step, rec, res = best
-    return SearchResult(pricings[rec.mesh], res.assignment, res, records, _least_bound(records, step), wall, workers, pricer, heur)
+    return SearchResult(pricings[rec.mesh], res.assignment, res, records, _least_bound(records, step), wall, workers, pricer, heur,
+                        candidates_total=len(cands), stopped=stopped)
 
 
-def bound_candidates(pricer: Pricer, cands: list[MeshCandidate],
-                     cfg: PlannerConfig, on_work: OnWork | None = None) -> tuple[list[CandidateRecord], dict[MeshCandidate, CandidatePricing]]:
+def _stopped_note(cfg: PlannerConfig, records: list[CandidateRecord], total: int) -> str:
+    solved = sum(1 for r in records if r.status != "PRUNED")
+    bounded = f"; bounded {len(records)} of them" if len(records) < total else ""
+    return (f"stopped at the time limit ({cfg.time_limit_s:g} s) after {solved} of {total:,} mesh candidates solved{bounded}: "
+            "the plan is the best found by then (a longer --time-limit may find a faster one)")
+
+
+def bound_candidates(pricer: Pricer, cands: list[MeshCandidate], cfg: PlannerConfig, on_work: OnWork | None = None, *,
+                     deadline: _Deadline | None = None) -> tuple[list[CandidateRecord], dict[MeshCandidate, CandidatePricing]]:
     """Every candidate with its quick bound and memory floor (a candidate where a pinned table has no
-    option is left out; when that leaves none, the pin is refused)."""
+    option is left out; when that leaves none, the pin is refused). Past ``deadline``, no further
+    candidate is bounded once one that may fit has been."""
     records: list[CandidateRecord] = []
     pricings: dict[MeshCandidate, CandidatePricing] = {}
     unpinnable: set[str] | None = None  # pinned tables no candidate so far had an option for
-    for k, c in enumerate(cands):
+    todo = list(cands)
+    k = -1
+    while todo:
+        k += 1
+        if deadline is not None and deadline.passed():
+            if any(r.feasible for r in records):
+                break
+            if k > 0 and not deadline.reordered:  # past it with none that may fit yet: the memory-friendliest next
+                todo.sort(key=lambda c: (-c.dense_shard, -c.sparse_shard, -c.micro_batches, -c.expert_parallel, c.key))
+                deadline.reordered = True
+        c = todo.pop(0)
         if on_work and k % 16 == 0:
             on_work(f"bounding {len(cands)} mesh candidates", k, len(cands))
         p = pricer.candidate(c, with_cut=False)
@@ -403,7 +452,8 @@ Best = tuple[float, CandidateRecord, PricedSolve]
 
 
 def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: dict, queue: _Queue, cfg: PlannerConfig,
-                      workers: int, t0: float, progress, on_work: OnWork | None = None) -> Best | None:
+                      workers: int, t0: float, progress, on_work: OnWork | None = None, *,
+                      deadline: _Deadline | None = None) -> Best | None:
     """Branch and bound over candidates, lazily bounded: every candidate starts with its quick bound;
     the one of least bound is priced at its floor point (a tighter bound, and its first cuts) and put
     back; once the least-bound candidate is already refined, a batch of such candidates is solved."""
@@ -418,21 +468,24 @@ def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: 
         while queue.heap and solved < cfg.max_solves:
             if best is not None and queue.heap[0][0] >= best[0] * (1 - cfg.gap_tolerance):
                 break
-            if best is not None and time.perf_counter() - t0 > cfg.time_limit_s:
+            if best is not None and deadline is not None and deadline.passed():
                 break
-            batch = _next_batch(pricer, pricings, records, queue, best, cfg, solved, on_work)
+            batch = _next_batch(pricer, pricings, records, queue, best, cfg, solved, on_work, deadline=deadline)
             if not batch:
+                if best is not None and deadline is not None and deadline.hit:
+                    break
                 continue
             # Once a plan is known, a candidate only matters if it can beat it by more than the gap
             # tolerance: the solver is told so (an objective cutoff on its model, which under-estimates
             # the priced step), cheaper to refute than to solve. Fixed before the batch runs: deterministic.
             cutoff = best[0] * (1 - cfg.gap_tolerance) if best is not None and cfg.gap_tolerance > 0 else None
             jobs = [(pricings[r.mesh], settings, cutoff, cfg.cut_rounds, cfg.model_tolerance) for r in batch]
-            results = _solve_batch(pool, jobs, solved, on_work)
-            best = _record_solves(batch, results, pricings, best)
+            results = _solve_batch(pool, jobs, solved, on_work, deadline=deadline, best=best)
+            batch = [r for r, res in zip(batch, results) if res is not None]
+            best = _record_solves(batch, [res for res in results if res is not None], pricings, best)
             solved += len(batch)
             if progress:
-                el = time.perf_counter() - t0
+                el = _now() - t0
                 progress(f"[{el:5.1f} s] solved {solved} candidates; best {best[0] * 1e3:.1f} ms (priced)" if best
                          else f"[{el:5.1f} s] solved {solved} candidates; none feasible yet")
     finally:
@@ -442,26 +495,53 @@ def _branch_and_bound(pricer: Pricer, records: list[CandidateRecord], pricings: 
     return best
 
 
-def _solve_batch(pool: ProcessPoolExecutor | None, jobs: list, solved: int, on_work: OnWork | None) -> list[PricedSolve]:
-    """The solves of a batch, in the batch's order (in parallel when there is a pool)."""
+def _solve_batch(pool: ProcessPoolExecutor | None, jobs: list, solved: int, on_work: OnWork | None, *,
+                 deadline: _Deadline | None = None, best: Best | None = None) -> list[PricedSolve | None]:
+    """The solves of a batch, in the batch's order (in parallel when there is a pool). Once ``deadline``
+    has passed and some solve (or ``best``) gave a plan, the solves not yet started are not run (None)."""
     if on_work:
         on_work(f"CP-SAT: solving {len(jobs)} candidates", 0, len(jobs))
-    each = pool.map(_solve_job, jobs) if pool is not None and len(jobs) > 1 else map(_solve_job, jobs)
-    results = []
-    for res in each:
+    results: list[PricedSolve | None] = []
+    have_plan = best is not None
+
+    def stop() -> bool:
+        return have_plan and deadline is not None and deadline.passed()
+
+    if pool is not None and len(jobs) > 1:
+        futures = [pool.submit(_solve_job, j) for j in jobs]
+        for f in futures:
+            if stop():
+                for g in futures:
+                    g.cancel()  # those not yet running; running ones finish and are kept
+            res = None if f.cancelled() else f.result()
+            results.append(res)
+            have_plan = have_plan or (res is not None and res.assignment is not None)
+            if on_work and res is not None:
+                on_work(f"CP-SAT: {solved + len(results)} candidates solved", len(results), len(jobs))
+        return results
+    for j in jobs:
+        if stop():
+            results.append(None)
+            continue
+        res = _solve_job(j)
         results.append(res)
+        have_plan = have_plan or res.assignment is not None
         if on_work:
             on_work(f"CP-SAT: {solved + len(results)} candidates solved", len(results), len(jobs))
     return results
 
 
 def _next_batch(pricer: Pricer, pricings: dict, records: list[CandidateRecord], queue: _Queue, best: Best | None,
-                cfg: PlannerConfig, solved: int, on_work: OnWork | None = None) -> list[CandidateRecord]:
+                cfg: PlannerConfig, solved: int, on_work: OnWork | None = None, *,
+                deadline: _Deadline | None = None) -> list[CandidateRecord]:
     """The next candidates to solve: off the queue, least bound first, each refined (priced at its
-    floor point and put back) the first time it comes up; none whose bound cannot beat ``best``."""
+    floor point and put back) the first time it comes up; none whose bound cannot beat ``best``. Past
+    ``deadline``, none once a plan is known, else just the first candidate ready to solve."""
     heap, refined = queue.heap, queue.refined
     batch: list[CandidateRecord] = []
     while heap and len(batch) < cfg.batch_size and solved + len(batch) < cfg.max_solves:
+        if deadline is not None and (best is not None or batch) and deadline.passed():
+            break
         lb, _, i = heap[0]
         if best is not None and lb >= best[0] * (1 - cfg.gap_tolerance):
             break
@@ -492,12 +572,15 @@ def _record_solves(batch: list[CandidateRecord], results: list[PricedSolve], pri
 
 
 def _refine_unsolved(pricer: Pricer, pricings: dict, records: list[CandidateRecord], queue: _Queue, best_step: float,
-                     cfg: PlannerConfig) -> None:
+                     cfg: PlannerConfig, *, deadline: _Deadline | None = None) -> None:
     """The budget of solves is spent: price the floor points of the candidates whose quick bound could
-    still beat the plan (far cheaper than solving them), so that the reported bound is theirs."""
+    still beat the plan (far cheaper than solving them), so that the reported bound is theirs. For at
+    most ``refine_time_s`` wall seconds, and none past ``deadline``."""
     heap, refined = queue.heap, queue.refined
-    t_ref = time.perf_counter()
-    while heap and heap[0][0] < best_step * (1 - cfg.gap_tolerance) and time.perf_counter() - t_ref < cfg.refine_time_s:
+    t_ref = _now()
+    while heap and heap[0][0] < best_step * (1 - cfg.gap_tolerance) and _now() - t_ref < cfg.refine_time_s:
+        if deadline is not None and deadline.passed():
+            break
         lb, _, i = heapq.heappop(heap)
         if i in refined:
             continue
@@ -611,8 +694,10 @@ def _mesh_key(plan: Plan) -> str:
 
 def build_plan(workload: Workload, topology: Topology, calibration: Calibration | None, result: SearchResult, cfg: PlannerConfig) -> Plan:
     pr = result.pricer
-    counts = dict(candidates_total=len(result.records), candidates_solved=sum(1 for r in result.records if r.status != "PRUNED"),
-                  wall_s=result.wall_s, num_workers=result.num_workers, seed=cfg.seed, pins=cfg.pin_labels)
+    counts = dict(candidates_total=len(result.records) if result.stopped is None else max(len(result.records), result.candidates_total),
+                  candidates_solved=sum(1 for r in result.records if r.status != "PRUNED"),
+                  wall_s=result.wall_s, num_workers=result.num_workers, seed=cfg.seed, pins=cfg.pin_labels,
+                  notes=(result.stopped,) if result.stopped else ())
     if result.chosen == "heuristic":
         h = result.heuristic
         step = h.predicted.step_time_s

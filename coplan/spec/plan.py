@@ -423,6 +423,16 @@ class SolverReport(Spec):
     candidates_solved: Annotated[Int, Field(ge=0)] = 0
     """Candidates left after pruning and solved."""
 
+    notes: tuple[str, ...] = ()
+    """What the search left undone (e.g. it stopped at ``--time-limit``); left out of the file when empty."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_notes(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and not out.get("notes"):
+            out.pop("notes", None)
+        return out
+
     @model_validator(mode="after")
     def _coherent(self) -> "SolverReport":
         if self.gap > 1:
