@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from coplan.costmodel import build_context, dense_fixed_costs, price, table_option_costs
 from coplan.costmodel.comm import collective_model, place_group
+from coplan.costmodel.pricer import default_assignment
 from coplan.spec import MeshPlan, load_topology, load_workload
 from coplan.spec.topology import Topology
 
@@ -86,17 +87,31 @@ def test_more_table_shards_never_more_memory_per_shard(gem, k1, k2, kind):
     assert (b.optimizer_bytes <= a.optimizer_bytes * (1 + 1e-12)).all()
 
 
-@settings(max_examples=10)
-@given(m1=st.floats(64, 2048), m2=st.floats(64, 2048))
-def test_longer_histories_never_cost_less(gem, m1, m2):
+def _with_history_mean(gem, mean):
     w, t = gem
+    seq = w.sequences[0]
+    ln = seq.length.model_copy(update={"mean": mean})
+    ww = w.model_copy(update={"sequences": (seq.model_copy(update={"length": ln}),)})
+    return build_context(ww, t, MeshPlan(dense_shard=8, dense_replicate=1, sparse_shard=8))
+
+
+@settings(max_examples=10)
+@given(m1=st.floats(16, 2048), m2=st.floats(16, 2048))
+def test_longer_histories_never_cost_less(gem, m1, m2):
+    """On one table placement (the planner's is fixed while a plan is priced), a longer mean history
+    never makes the step's compute cheaper. The placement is held: the default greedy table-wise
+    placement is re-chosen per workload and, like any longest-first greedy, is not monotone in the
+    loads it balances (gem-h200 at mean 64 against 65: its slowest lookup rank is 1.3% faster at 65)."""
     lo, hi = sorted((m1, m2))
-
-    def step(mean):
-        seq = w.sequences[0]
-        ln = seq.length.model_copy(update={"mean": mean})
-        ww = w.model_copy(update={"sequences": (seq.model_copy(update={"length": ln}),)})
-        ctx = build_context(ww, t, MeshPlan(dense_shard=8, dense_replicate=1, sparse_shard=8))
-        return price(ctx, detail=False).perf.compute_s
-
+    placement = default_assignment(_with_history_mean(gem, lo))
+    step = lambda mean: price(_with_history_mean(gem, mean), placement, detail=False).perf.compute_s
     assert step(hi) >= step(lo) * (1 - 1e-9)
+
+
+def test_longer_histories_never_cost_less_in_unit_steps(gem):
+    """The same on the integer means where the greedy placement's anomalies showed (23, 26, 36, 49,
+    59, 65, 69, 81, 119, 150), each against the one before it."""
+    for m in (23, 26, 36, 49, 59, 65, 69, 81, 119, 150):
+        placement = default_assignment(_with_history_mean(gem, m - 1.0))
+        a, b = (price(_with_history_mean(gem, x), placement, detail=False).perf.compute_s for x in (m - 1.0, float(m)))
+        assert b >= a * (1 - 1e-9), m
