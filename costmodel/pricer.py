@@ -708,6 +708,23 @@ def _through_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:
     chain through one of its tasks, as a cut: where the critical path does not cross a task (a replica
     sync of no bytes, say), the chain through it says what the step would pay once it grows. A chain
     that several kinds share gives one cut (in the order of the first task of each chain)."""
+    nxt, firsts = _longest_per_kind(S)
+    # one cut per chain: a deep block's recompute tasks (a kind per layer) mostly lie on a few chains, and a
+    # cut per kind would walk the whole schedule once per layer (quadratic in depth) to repeat the same cut
+    chain_of = S.chain_ids(nxt)
+    done: set[int] = set()
+    out = []
+    for i in firsts:
+        if chain_of[i] not in done:
+            done.add(chain_of[i])
+            out.append(_chain_cut(S, S.path_through(i, nxt), factor, "chain"))
+    return tuple(out)
+
+
+def _longest_per_kind(S: Schedule) -> tuple[list[int], list[int]]:
+    """The schedule's successor on each task's longest tail (:meth:`Schedule.tail_paths`), and for each kind of
+    decision-dependent task (the aggregates and recomputed layers its form names) the task of that kind on the
+    longest chain, the first such task where chains tie; these in task order."""
     tail, nxt = S.tail_paths()
     best: dict[tuple, tuple[float, int]] = {}
     for i, t in enumerate(S.tasks):
@@ -717,16 +734,7 @@ def _through_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:
         length = S.start[i] + t.duration + tail[i]
         if key not in best or length > best[key][0]:
             best[key] = (length, i)
-    # one cut per chain: a deep block's recompute tasks (a kind per layer) mostly lie on a few chains, and a
-    # cut per kind would walk the whole schedule once per layer (quadratic in depth) to repeat the same cut
-    chain_of = S.chain_ids(nxt)
-    done: set[int] = set()
-    out = []
-    for _, i in sorted(best.values(), key=lambda x: x[1]):
-        if chain_of[i] not in done:
-            done.add(chain_of[i])
-            out.append(_chain_cut(S, S.path_through(i, nxt), factor, "chain"))
-    return tuple(out)
+    return nxt, sorted(i for _, i in best.values())
 
 
 def _stream_cuts(S: Schedule, factor: float) -> tuple[StepCut, ...]:

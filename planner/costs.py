@@ -33,6 +33,14 @@ POLICY_ORDER = ("greedy", "karmarkar_karp", "none")
 """Balancing policies in order of preference when their expected imbalance ties."""
 
 
+def column_wise_fits(dim, k: int, min_cw_dim: int):
+    """Whether ``k`` column-wise shards fit a table of ``dim`` columns (elementwise over an array of dims): the
+    columns split into ``k`` equal shards, each at least ``min_cw_dim`` wide. The planner offers ``k`` = 2, 4, 8, ...
+    while some table fits (:meth:`Pricer.sparse`); ``--pin-table`` refusals list the same counts
+    (:mod:`coplan.planner.pins`)."""
+    return (dim % k == 0) & (dim / k >= min_cw_dim)
+
+
 @dataclass(frozen=True, slots=True)
 class DenseInfo:
     """The dense part of one (dense shard, expert-parallel, micro-batches) triple."""
@@ -226,7 +234,7 @@ class Pricer:
         add("table_wise", 1, everything)
         k = 2
         while k <= S:
-            ok = (ta.dim % k == 0) & (ta.dim / k >= self.min_cw_dim)
+            ok = column_wise_fits(ta.dim, k, self.min_cw_dim)
             if not ok.any():
                 break
             add("column_wise", k, ok)

@@ -11,7 +11,7 @@ table instead (asked of the pricer itself, so the list is never a guess).
 
 from __future__ import annotations
 
-from coplan.planner.costs import Pricer
+from coplan.planner.costs import Pricer, column_wise_fits
 from coplan.planner.mesh import MeshCandidate
 from coplan.spec.plan import SHARDING_TYPES
 from coplan.units import human_bytes
@@ -20,7 +20,7 @@ from coplan.units import human_bytes
 def _shard_counts(dim: int, min_cw_dim: int) -> list[int]:
     """The column-wise shard counts a table of ``dim`` columns takes (any sparse group large enough)."""
     out, k = [], 2
-    while dim % k == 0 and dim // k >= min_cw_dim:
+    while column_wise_fits(dim, k, min_cw_dim):
         out.append(k)
         k *= 2
     return out

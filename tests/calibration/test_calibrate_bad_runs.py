@@ -255,26 +255,20 @@ def _gzip(run: Path) -> Path:
     return gz
 
 
-def test_a_truncated_trace_is_refused(run, tmp_path, capsys):
-    p = _trace(run)
-    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
-    _refused(capsys, run, "rank0.json: not a readable JSON trace", "truncated or corrupt", tmp_path=tmp_path)
+_DAMAGE = {"truncated": lambda data: data[: len(data) // 2], "empty": lambda data: b"",
+           "not gzip": lambda data: b"this is not gzip data at all"}
 
 
-def test_an_empty_trace_is_refused(run, tmp_path, capsys):
-    _trace(run).write_bytes(b"")
-    _refused(capsys, run, "rank0.json: empty (0 bytes)", tmp_path=tmp_path)
-
-
-def test_a_truncated_gzipped_trace_is_refused(run, tmp_path, capsys):
-    gz = _gzip(run)
-    gz.write_bytes(gz.read_bytes()[: gz.stat().st_size // 2])
-    _refused(capsys, run, "rank0.json.gz: not a readable gzip file", "truncated or corrupt", tmp_path=tmp_path)
-
-
-def test_a_gzipped_trace_that_is_not_gzip_is_refused(run, tmp_path, capsys):
-    _gzip(run).write_bytes(b"this is not gzip data at all")
-    _refused(capsys, run, "rank0.json.gz: not a readable gzip file", tmp_path=tmp_path)
+@pytest.mark.parametrize("gzipped, damage, says", [
+    (False, "truncated", ("rank0.json: not a readable JSON trace", "truncated or corrupt")),
+    (False, "empty", ("rank0.json: empty (0 bytes)",)),
+    (True, "truncated", ("rank0.json.gz: not a readable gzip file", "truncated or corrupt")),
+    (True, "not gzip", ("rank0.json.gz: not a readable gzip file",)),
+])
+def test_a_damaged_trace_is_refused(run, tmp_path, capsys, gzipped, damage, says):
+    p = _gzip(run) if gzipped else _trace(run)
+    p.write_bytes(_DAMAGE[damage](p.read_bytes()))
+    _refused(capsys, run, *says, tmp_path=tmp_path)
 
 
 def test_a_valid_gzipped_trace_fits_as_the_plain_one(run, valid_run):

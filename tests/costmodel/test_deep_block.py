@@ -87,16 +87,8 @@ def test_pricing_work_is_linear_in_depth(monkeypatch, gpus):
 
 def _naive_through_cuts(S: Schedule, factor: float):
     """The through cuts as they were: a chain walked per kind of task, duplicates kept."""
-    tail, nxt = S.tail_paths()
-    best: dict[tuple, tuple[float, int]] = {}
-    for i, t in enumerate(S.tasks):
-        if t.form is None:
-            continue
-        key = tuple(sorted(v for v, _ in t.form[1]))
-        length = S.start[i] + t.duration + tail[i]
-        if key not in best or length > best[key][0]:
-            best[key] = (length, i)
-    return [P._chain_cut(S, S.path_through(i, nxt), factor, "chain") for _, i in sorted(best.values(), key=lambda x: x[1])]
+    nxt, firsts = P._longest_per_kind(S)
+    return [P._chain_cut(S, S.path_through(i, nxt), factor, "chain") for i in firsts]
 
 
 @pytest.mark.parametrize("gpus,every", [(1, 3), (8, 3), (8, 1), (64, 2)])
