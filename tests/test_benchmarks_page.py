@@ -79,13 +79,30 @@ def test_every_row_says_where_when_and_which_commit():
         assert (ROOT / result_file).is_file(), result_file
 
 
-def test_a_result_without_a_commit_is_stale():
-    def commit(r: dict) -> str | None:
+def test_a_result_without_a_commit_is_stale(tmp_path):
+    """Every figure of a result that records no commit is stale, said so in its commit cell: the committed results
+    (any of them may lack one) and a copy of one that does record its commit, with the commit taken out."""
+    def commit(results: Path, r: dict) -> str | None:
         result = r["figure"].result
-        return make_page.recorded_commit(json.loads((RESULTS / result.file).read_text()), result.commit_key)
+        return make_page.recorded_commit(json.loads((results / result.file).read_text()), result.commit_key)
 
-    no_commit = [r for r in make_page.rows(ROOT, RESULTS) if commit(r) is None]
-    assert no_commit and all(r["stale"] and r["cells"][5].startswith("commit unknown — **stale**") for r in no_commit)
+    def unknown(r: dict) -> bool:
+        return r["stale"] and r["cells"][5].startswith("commit unknown — **stale**")
+
+    assert all(unknown(r) for r in make_page.rows(ROOT, RESULTS) if commit(RESULTS, r) is None)
+    stripped = next(r for r in figures.RESULTS if make_page.recorded_commit(
+        json.loads((RESULTS / r.file).read_text()), r.commit_key) is not None)
+    for r in figures.RESULTS:
+        dst = tmp_path / r.file
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        d = json.loads((RESULTS / r.file).read_text())
+        if r is stripped:
+            d.pop(r.commit_key, None)
+            if isinstance(d.get("host"), dict):
+                d["host"].pop(r.commit_key, None)
+        dst.write_text(json.dumps(d))
+    rows = [r for r in make_page.rows(ROOT, tmp_path) if r["figure"].result is stripped]
+    assert rows and all(commit(tmp_path, r) is None and unknown(r) for r in rows)
 
 
 def _git(repo: Path, *args: str) -> str:
